@@ -1,0 +1,112 @@
+"""First look at the backward on a GPU: gate + cold-L2 timing of the default config and of one-knob variants
+around it, on the 15 seed shapes x both norms (bf16). Prints a table; writes JSON lines to $OUT/explore.jsonl.
+
+    python docs/experiments/explore_kernel1.py [--shapes 8192x1024,...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.tuner import measure
+from normtune.tuner.device import detect
+
+SEED = [(32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
+        (16384, 1024), (8192, 2048), (4096, 4096), (2048, 8192), (1024, 16384),
+        (8192, 1024), (4096, 2048), (2048, 4096), (1024, 8192), (512, 16384)]
+
+
+def variants(p: Problem):
+    base = default_config(p)
+    k1, k2 = base.kernel_1, base.kernel_2
+    out = {"default": base}
+
+    def add(name, **kw):
+        k1kw = {k: v for k, v in kw.items() if k in Kernel1Config.__dataclass_fields__}
+        k2kw = {k[3:]: v for k, v in kw.items() if k.startswith("k2_")}
+        cfg = BackwardConfig(dataclasses.replace(k1, **k1kw), dataclasses.replace(k2, **k2kw))
+        if cfg.is_valid(p):
+            out[name] = cfg
+
+    for s in (2, 3):
+        add(f"stages{s}", num_stages=s)
+    add("evict_first", eviction_policy="evict_first")
+    add("stages2+ef", num_stages=2, eviction_policy="evict_first")
+    for pps in (1, 3, 4, 8):
+        add(f"pps{pps}", programs_per_sm=pps)
+    add("rows*2", block_row=k1.block_row * 2)
+    if k1.block_row > 1:
+        add("rows/2", block_row=k1.block_row // 2)
+    add("warps*2", num_warps=min(32, k1.num_warps * 2))
+    if k1.num_warps > 1:
+        add("warps/2", num_warps=k1.num_warps // 2)
+    if not k1.two_pass and p.N >= 4096:
+        add("2pass2048", two_pass=True, block_col=2048, block_row=1, num_warps=8)
+        add("2pass4096", two_pass=True, block_col=4096, block_row=1, num_warps=16)
+    if k1.two_pass:
+        add("1pass", two_pass=False, block_col=p.N, block_row=1, num_warps=16)
+        add("1pass_w32", two_pass=False, block_col=p.N, block_row=1, num_warps=32)
+        add("2pass8192", block_col=8192, num_warps=16)
+        add("2pass2048", block_col=2048, num_warps=8)
+    add("k2_64x64", k2_block_m=64, k2_block_n=64)
+    add("k2_16x256", k2_block_m=16, k2_block_n=256, k2_num_warps=8)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SEED
+    info = detect()
+    dev = torch.device("cuda")
+    print(json.dumps(info.to_dict()), flush=True)
+    bw = measure.copy_bandwidth(dev)
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    flusher = measure.L2Flusher(dev, info.l2_bytes)
+    out = open(os.path.join(os.environ.get("OUT", "."), "explore.jsonl"), "w")
+    rows = []
+    t_start = time.time()
+    for norm in ("layer_norm", "rms_norm"):
+        for M, N in shapes:
+            p = Problem(norm, M, N, "bf16")
+            case = measure.make_case(p, dev)
+            ref = case.reference()
+            vs = variants(p) if not args.quick else {"default": default_config(p)}
+            best = None
+            for name, cfg in vs.items():
+                r = measure.measure_config(case, cfg, flusher=flusher, bandwidth_gbps=bw, reference_grads=ref,
+                                           min_reps=15, max_reps=60, budget_s=0.3)
+                rec = {"norm": norm, "M": M, "N": N, "variant": name, "config": cfg.to_dict(), **r.to_dict()}
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                if r.status == "ok" and (best is None or r.median_us < best[1].median_us):
+                    best = (name, r)
+                if name == "default":
+                    default = r
+                if r.status != "ok":
+                    print(f"  {norm} {M}x{N} {name}: {r.status} {str(r.error)[:300]}", flush=True)
+            floor = measure.floor_us(p, bw)
+            line = (f"{norm:10s} {M:6d}x{N:<6d} floor {floor:6.1f}  default {default.median_us or float('nan'):7.1f} "
+                    f"(k1 {default.kernel_1_us or float('nan'):6.1f} k2 {default.kernel_2_us or float('nan'):5.1f}) "
+                    f"best {best[0] if best else '-':12s} {best[1].median_us if best else float('nan'):7.1f} "
+                    f"(k1 {best[1].kernel_1_us if best else float('nan'):6.1f} k2 {best[1].kernel_2_us if best else float('nan'):5.1f})"
+                    f"  [{time.time() - t_start:5.0f}s]")
+            print(line, flush=True)
+            rows.append(line)
+            del case, ref
+            torch.cuda.empty_cache()
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

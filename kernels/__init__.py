@@ -1,0 +1,22 @@
+"""normtune runtime: Triton LayerNorm/RMSNorm forward and tunable two-kernel backward.
+
+    from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig
+"""
+
+from .config import (
+    BackwardConfig,
+    ConfigError,
+    Kernel1Config,
+    Kernel2Config,
+    Problem,
+    ProblemFamily,
+    default_config,
+)
+from .functional import layer_norm, rms_norm
+from .modules import LayerNorm, RMSNorm
+from .select import select_config
+
+__all__ = [
+    "BackwardConfig", "ConfigError", "Kernel1Config", "Kernel2Config", "LayerNorm", "Problem", "ProblemFamily",
+    "RMSNorm", "default_config", "layer_norm", "rms_norm", "select_config",
+]

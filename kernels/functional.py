@@ -1,0 +1,106 @@
+"""Functional API: `layer_norm` and `rms_norm` over the last dimension, differentiable, any leading dims.
+
+Input rules (each violation raises TypeError/ValueError naming the argument and the fix):
+- x: float32, bfloat16 or float16, at least 1-D, last dimension 1..MAX_N.
+- weight/bias: shape (N,), dtype x's or float32, on x's device.
+- Rows may be strided (a slice of a wider tensor) and are read in place. A last dimension that is not
+  contiguous (stride != 1) is copied once, as is a tensor whose leading dims cannot be flattened into rows
+  without a copy (the same rule as `Tensor.reshape`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .config import MAX_N, BackwardConfig, ConfigError, Problem
+from .ops import norm_forward
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SAVE_MODES = ("input", "output")
+
+
+def _check_tensor(name: str, t: Any, x: Tensor | None = None) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x is None:
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}: use float32, bfloat16 or float16 (e.g. {name}.float())")
+        return
+    N = x.shape[-1]
+    if tuple(t.shape) != (N,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({N},) to match x.shape[-1]")
+    if t.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"{name} has dtype {t.dtype}: use x's dtype ({x.dtype}) or torch.float32")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}: move them to one device")
+
+
+def _config_text(config: BackwardConfig | dict | str | None) -> str:
+    if config is None:
+        return ""
+    if isinstance(config, BackwardConfig):
+        return config.to_json()
+    if isinstance(config, dict):
+        return BackwardConfig.from_dict(config).to_json()
+    if isinstance(config, str):
+        return BackwardConfig.from_json(config).to_json()
+    raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
+
+
+def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
+    _check_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x is a scalar: normalization needs at least one dimension")
+    N = x.shape[-1]
+    if N < 1:
+        raise ValueError(f"x has an empty last dimension (shape {tuple(x.shape)}): nothing to normalize")
+    if N > MAX_N:
+        raise ValueError(f"x.shape[-1]={N} exceeds the supported maximum {MAX_N}: normalize fewer columns")
+    if weight is not None:
+        _check_tensor("weight", weight, x)
+    if bias is not None:
+        _check_tensor("bias", bias, x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
+    if save not in _SAVE_MODES:
+        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
+    if zero_centered and weight is None:
+        raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
+    config_text = _config_text(config)
+    if config_text and not torch.compiler.is_compiling():
+        M = x.numel() // N
+        problem = Problem("rms_norm" if is_rms else "layer_norm", M, N, x.dtype,
+                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
+                          zero_centered, save)
+        try:
+            BackwardConfig.from_json(config_text).validate(problem)
+        except ConfigError as err:
+            raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2d = x.reshape(-1, N)
+    y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
+    return y.view(x.shape)
+
+
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+               zero_centered: bool = False, save: str = "input",
+               config: BackwardConfig | dict | str | None = None) -> Tensor:
+    """LayerNorm over the last dimension: y = (x − μ)·r·w + b, r = (var(x) + eps)^-½.
+
+    zero_centered: the weight is stored as w' with w = 1 + w' (Gemma-style).
+    save: "input" saves x (with fp32 μ and r) for the backward; "output" saves y and recovers x̂ = (y − b)/w,
+    which saves an activation when the next layer keeps y anyway.
+    config: a `BackwardConfig` (or its dict/JSON) forcing the backward launch; None picks one for the GPU.
+    """
+    return _norm(x, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save, config=config)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, zero_centered: bool = False,
+             save: str = "input", config: BackwardConfig | dict | str | None = None) -> Tensor:
+    """RMSNorm over the last dimension: y = x·r·w, r = (mean(x²) + eps)^-½. Arguments as `layer_norm`."""
+    return _norm(x, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save, config=config)

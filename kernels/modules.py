@@ -1,0 +1,91 @@
+"""`nn.Module` drop-ins for `torch.nn.LayerNorm` and `torch.nn.RMSNorm` (same constructor arguments and
+parameter names, so state dicts load either way), plus normtune's `zero_centered`, `save` and `config`."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .functional import layer_norm, rms_norm
+
+
+def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+        raise ValueError(f"normalized_shape must be a positive int or a non-empty tuple of them, got {normalized_shape!r}")
+    return shape
+
+
+class _Norm(nn.Module):
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config):
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.zero_centered = zero_centered
+        self.save = save
+        self.config = config
+        if zero_centered and not elementwise_affine:
+            raise ValueError("zero_centered=True needs elementwise_affine=True (w = 1 + weight)")
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.bias = None
+        if self.bias is None:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            # zero-centered weights store w' = w - 1: identity is 0
+            (nn.init.zeros_ if self.zero_centered else nn.init.ones_)(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _rows(self, x: Tensor) -> Tensor:
+        k = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - k:]) != self.normalized_shape:
+            raise ValueError(f"input shape {tuple(x.shape)} does not end with normalized_shape {self.normalized_shape}")
+        return x if k == 1 else x.reshape(*x.shape[: x.dim() - k], math.prod(self.normalized_shape))
+
+    @staticmethod
+    def _flat(p: Tensor | None) -> Tensor | None:
+        return p.reshape(-1) if p is not None else None
+
+    def extra_repr(self) -> str:
+        extra = f", zero_centered={self.zero_centered}" if self.zero_centered else ""
+        extra += f", save={self.save!r}" if self.save != "input" else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{extra}"
+
+
+class LayerNorm(_Norm):
+    """Drop-in for `torch.nn.LayerNorm` backed by normtune's kernels."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, zero_centered: bool = False, save: str = "input", config=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = layer_norm(self._rows(x), self._flat(self.weight), self._flat(self.bias), self.eps,
+                       zero_centered=self.zero_centered, save=self.save, config=self.config)
+        return y.view(x.shape)
+
+
+class RMSNorm(_Norm):
+    """Drop-in for `torch.nn.RMSNorm`; eps=None means torch.finfo(x.dtype).eps, as in torch."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
+                 dtype=None, *, zero_centered: bool = False, save: str = "input", config=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, False, device, dtype, zero_centered, save, config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        y = rms_norm(self._rows(x), self._flat(self.weight), eps, zero_centered=self.zero_centered, save=self.save,
+                     config=self.config)
+        return y.view(x.shape)

@@ -1,0 +1,101 @@
+"""torch.library custom ops and their autograd: `normtune::norm_forward` and `normtune::norm_backward`.
+
+Registered ops (with fake implementations) let `torch.compile(fullgraph=True)` trace through normtune without
+looking inside the Triton launches. Inputs here are already checked 2-D views (rows may be strided, the last
+dimension is contiguous); `functional.py` does the checking and reshaping. Launch logic lives in `forward.py`
+and `backward.py`; this module only dispatches between the Triton kernels and the pure-PyTorch path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backward as _backward
+from . import forward as _forward
+from . import reference
+from .config import Problem
+from .device import device_name, use_triton
+from .select import resolve_config
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+def backward_problem(grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, is_rms: bool,
+                     zero_centered: bool, save_output: bool) -> Problem:
+    M, N = grad.shape
+    return Problem(
+        norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=grad.dtype,
+        weight_dtype=weight.dtype if weight is not None else None,
+        has_weight=weight is not None, has_bias=bias is not None, zero_centered=zero_centered,
+        save="output" if save_output else "input",
+    )
+
+
+@torch.library.custom_op("normtune::norm_forward", mutates_args=())
+def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool,
+                 zero_centered: bool, save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
+    backward (JSON text, "" for automatic selection)."""
+    store_mean = not is_rms and not save_output
+    impl = _forward.forward if use_triton(x) else reference.forward
+    return impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
+
+
+@norm_forward.register_fake
+def _(x, weight, bias, eps, is_rms, zero_centered, save_output, config):
+    M = x.shape[0]
+    store_mean = not is_rms and not save_output
+    return (x.new_empty(x.shape), x.new_empty((M,), dtype=torch.float32),
+            x.new_empty((M if store_mean else 0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("normtune::norm_backward", mutates_args=())
+def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], rstd: Tensor,
+                  mean: Tensor, is_rms: bool, zero_centered: bool, save_output: bool,
+                  config: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
+    if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
+        grad = grad.contiguous()
+    problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+                               save_output=save_output)
+    if use_triton(grad):
+        cfg = resolve_config(problem, config, device_name(grad.device))
+        dx, dw, db = _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean).run()
+    else:
+        if config:
+            resolve_config(problem, config, None)  # an explicit config is checked on every path
+        dx, dw, db = reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms,
+                                        zero_centered=zero_centered, from_output=save_output)
+    return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+
+
+@norm_backward.register_fake
+def _(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
+    dx = grad.new_empty(grad.shape)
+    dw = weight.new_empty(weight.shape) if weight is not None else grad.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else grad.new_empty((0,))
+    return dx, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps, is_rms, zero_centered, save_output, config = inputs
+    y, rstd, mean = output
+    ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
+    ctx.flags = (is_rms, zero_centered, save_output, config)
+    ctx.mark_non_differentiable(rstd, mean)
+
+
+def _autograd_backward(ctx, grad_y, _grad_rstd, _grad_mean):
+    saved, weight, bias, rstd, mean = ctx.saved_tensors
+    is_rms, zero_centered, save_output, config = ctx.flags
+    dx, dw, db = norm_backward(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config)
+    return (dx, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None, None)
+
+
+norm_forward.register_autograd(_autograd_backward, setup_context=_setup_context)

@@ -1,0 +1,1 @@
+"""normtune tuning service: measurement, search, storage, tables and reports."""

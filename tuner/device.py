@@ -1,0 +1,143 @@
+"""The device being measured: its name, key (h100, h200, …), properties and software versions (provenance)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+import torch
+
+INTERPRET_KEY = "interpret"
+
+# Known GPU families, most specific first: (regex over the device name, key).
+_GPU_KEYS = (
+    (r"\bH200\b", "h200"),
+    (r"\bH100\b", "h100"),
+    (r"\bH800\b", "h800"),
+    (r"\bH20\b", "h20"),
+    (r"\bGH200\b", "gh200"),
+    (r"\bB200\b", "b200"),
+    (r"\bGB200\b", "gb200"),
+    (r"\bA100\b", "a100"),
+    (r"\bA10G\b", "a10g"),
+    (r"\bL40S\b", "l40s"),
+    (r"\bL4\b", "l4"),
+    (r"RTX 4090", "rtx4090"),
+)
+
+
+def gpu_key(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' → 'h100'. Unknown names become a slug of the name."""
+    for pattern, key in _GPU_KEYS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return key
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+    return slug or "unknown"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    key: str
+    compute_capability: str | None
+    sm_count: int
+    l2_bytes: int
+    memory_bytes: int
+    driver: str | None
+    cuda: str | None
+    torch: str
+    triton: str
+    normtune: str
+    git_revision: str | None
+    host: str
+    python: str
+    interpret: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def git_revision() -> str | None:
+    """The checkout's revision (with '-dirty' when it has uncommitted changes), or None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def detect(device: int | str | torch.device | None = None, *, interpret: bool = False) -> DeviceInfo:
+    """Describe the device that will be measured. `interpret=True` describes the CPU interpreter stand-in."""
+    import triton
+
+    from normtune.kernels.device import INTERPRET_SM_COUNT
+
+    common = dict(torch=torch.__version__, triton=triton.__version__, normtune=_package_version("normtune") or "0+unknown",
+                  git_revision=git_revision(), host=socket.gethostname(), python=platform.python_version())
+    if interpret:
+        return DeviceInfo(name="cpu (triton interpreter)", key=INTERPRET_KEY, compute_capability=None,
+                          sm_count=INTERPRET_SM_COUNT, l2_bytes=4 * 2**20, memory_bytes=0, driver=None, cuda=None,
+                          interpret=True, **common)
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA GPU is visible: run on a GPU host, or pass --interpret to run the pipeline on "
+                           "CPU through the Triton interpreter")
+    dev = torch.device("cuda", device if isinstance(device, int) else torch.cuda.current_device()) \
+        if not isinstance(device, (str, torch.device)) else torch.device(device)
+    props = torch.cuda.get_device_properties(dev)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    return DeviceInfo(name=props.name, key=gpu_key(props.name), compute_capability=f"{props.major}.{props.minor}",
+                      sm_count=props.multi_processor_count, l2_bytes=l2, memory_bytes=int(props.total_memory),
+                      driver=_driver_version(), cuda=torch.version.cuda, interpret=False, **common)
+
+
+def check_gpu_key(requested: str, info: DeviceInfo) -> str:
+    """`--gpu` must name the detected device ('auto' takes it). Returns the key to label results with."""
+    requested = requested.strip().lower()
+    if requested == "auto":
+        return info.key
+    if info.interpret:
+        return requested  # interpreter runs are labelled as such by DeviceInfo.interpret, whatever --gpu says
+    if requested != info.key:
+        raise ValueError(f"--gpu {requested} does not match the detected device: requested {requested!r}, "
+                         f"detected {info.key!r} ({info.name}). Pass --gpu {info.key} or --gpu auto")
+    return requested
+
+
+def peer_versions() -> dict[str, str | None]:
+    return {name: _package_version(dist) for name, dist in
+            (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"), ("optuna", "optuna"),
+             ("sqlalchemy", "sqlalchemy"))}
+
+
+def command_line() -> str:
+    return " ".join(sys.argv)
