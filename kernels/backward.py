@@ -74,6 +74,24 @@ def _grad_input(g, xhat, w, r, N, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS: tl.constexpr,
+               FROM_OUTPUT: tl.constexpr, BLOCK_ROW: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr):
+    """Raw (unconverted) grad and saved tiles of row tile `tile`, with r and μ; rows past M load nothing."""
+    rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+    row_mask = rows < M
+    if INT64:
+        rows = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    mu = r
+    if not IS_RMS and not FROM_OUTPUT:
+        mu = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return g, s, r, mu
+
+
+@triton.jit
 def _kernel_1_single_pass(
     G, stride_g,  # grad_output rows; stride: elements between consecutive rows
     S, stride_s,  # saved activation rows: x (save="input") or y (save="output")
@@ -84,14 +102,18 @@ def _kernel_1_single_pass(
     M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr,
-    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
-    INT64: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # Triton software pipelining of the tile loop (async copies through shared memory)
+    PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
+    RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
+    EVICTION: tl.constexpr, INT64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COL)
     col_mask = cols < N
-    w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    if not RELOAD_WEIGHT:
+        w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
     b = tl.zeros((BLOCK_COL,), tl.float32)
     if FROM_OUTPUT and HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -99,22 +121,27 @@ def _kernel_1_single_pass(
     acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     num_tiles = tl.cdiv(M, BLOCK_ROW)
+    if PREFETCH:
+        g_next, s_next, r_next, mu_next = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, pid, M, cols, col_mask,
+                                                     IS_RMS, FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
     for tile in tl.range(pid, num_tiles, num_programs, num_stages=NUM_STAGES):
+        if PREFETCH:
+            g, s, r, mu = g_next, s_next, r_next, mu_next
+            g_next, s_next, r_next, mu_next = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile + num_programs,
+                                                         M, cols, col_mask, IS_RMS, FROM_OUTPUT, BLOCK_ROW,
+                                                         EVICTION, INT64)
+        else:
+            g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
+                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
+        if RELOAD_WEIGHT:
+            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+        g = g.to(tl.float32)
+        xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+        dx = _grad_input(g, xhat, w, r, N, IS_RMS)
         rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
-        row_mask = rows < M
+        mask = (rows < M)[:, None] & col_mask[None, :]
         if INT64:
             rows = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
-        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy=EVICTION).to(tl.float32)
-        s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy=EVICTION).to(tl.float32)
-        r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        mu = r
-        if not IS_RMS and not FROM_OUTPUT:
-            mu = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-        xhat = _normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
-        dx = _grad_input(g, xhat, w, r, N, IS_RMS)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
             acc_dw += g * xhat
@@ -128,22 +155,40 @@ def _kernel_1_single_pass(
 
 
 @triton.jit
+def _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                NEED_BIAS: tl.constexpr, EVICTION: tl.constexpr):
+    """Raw grad and saved chunk at columns c0.., with w (and b when recovering x̂ from y); past N loads nothing."""
+    cols = c0 + chunk
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = w
+    if NEED_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return g, s, w, b
+
+
+@triton.jit
 def _kernel_1_two_pass(
     G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr,
-    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, EVICTION: tl.constexpr,
-    INT64: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
 ):
-    """Arguments as `_kernel_1_single_pass`. Rows wider than BLOCK_COL: pass 1 reduces c1 (and c2) over column
-    chunks, pass 2 re-reads the chunks (a program's tile is block_row rows, so the re-read is served by L2 when
-    the programs' tiles fit there; pass 1 loads with evict_last to keep them), writes dx, and adds the tile's
-    g·x̂ and g to the program's partial row (read-modify-write: the partial row is this program's alone)."""
+    """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk). Rows wider than
+    BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (a program's tile is
+    block_row rows, so the re-read is served by L2 when the programs' tiles fit there; pass 1 loads with
+    evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's partial row
+    (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before computing j."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     chunk = tl.arange(0, BLOCK_COL)
     num_tiles = tl.cdiv(M, BLOCK_ROW)
     partial_row = pid * N
+    NEED_BIAS: tl.constexpr = FROM_OUTPUT and HAS_BIAS
     for tile in range(pid, num_tiles, num_programs):
         rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
         row_mask = rows < M
@@ -158,49 +203,60 @@ def _kernel_1_two_pass(
         # Pass 1: row terms. Accumulate whole chunks, reduce across columns once.
         acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         acc_c2 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        if PREFETCH:
+            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
+                                                         ZERO_CENTERED, NEED_BIAS, "evict_last")
         for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
-            cols = c0 + chunk
-            col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-            b = w
-            if FROM_OUTPUT and HAS_BIAS:
-                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            xhat = _normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
-            wg = w[None, :] * g
+            if PREFETCH:
+                g, s, w, b = g_next, s_next, w_next, b_next
+                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
+                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                             "evict_last")
+            else:
+                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
+                                         NEED_BIAS, "evict_last")
+            xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            wg = w[None, :] * g.to(tl.float32)
             acc_c1 += xhat * wg
             if not IS_RMS:
                 acc_c2 += wg
         c1 = tl.sum(acc_c1, axis=1) / N
         c2 = tl.sum(acc_c2, axis=1) / N
-        # Pass 2: grad_input and the partials.
-        # A program's first tile starts its partial row from zero: read the previous partial only after it.
+        # Pass 2: grad_input and the partials. A program's first tile starts its partial row from zero, so the
+        # previous partial is read only after it (prev_cols = 0 masks the whole read).
         prev_cols = tl.where(tile == pid, 0, N)
+        if PREFETCH:
+            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
+                                                         ZERO_CENTERED, NEED_BIAS, EVICTION)
         for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
             cols = c0 + chunk
             col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-            s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-            b = w
-            if FROM_OUTPUT and HAS_BIAS:
-                b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-            xhat = _normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            # Issue the partial-row reads first so their latency overlaps the math below.
+            if HAS_WEIGHT:
+                prev_dw = tl.load(PARTIAL_DW + partial_row + cols, mask=cols < prev_cols, other=0.0)
+            if HAS_BIAS:
+                prev_db = tl.load(PARTIAL_DB + partial_row + cols, mask=cols < prev_cols, other=0.0)
+            if PREFETCH:
+                g, s, w, b = g_next, s_next, w_next, b_next
+                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
+                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                             EVICTION)
+            else:
+                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
+                                         NEED_BIAS, EVICTION)
+            g = g.to(tl.float32)
+            xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
             wg = w[None, :] * g
             if IS_RMS:
                 dx = (wg - xhat * c1[:, None]) * r[:, None]
             else:
                 dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
+            mask = row_mask[:, None] & col_mask[None, :]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_WEIGHT:
-                prev = tl.load(PARTIAL_DW + partial_row + cols, mask=cols < prev_cols, other=0.0)
-                tl.store(PARTIAL_DW + partial_row + cols, prev + tl.sum(g * xhat, axis=0), mask=col_mask)
+                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g * xhat, axis=0), mask=col_mask)
             if HAS_BIAS:
-                prev = tl.load(PARTIAL_DB + partial_row + cols, mask=cols < prev_cols, other=0.0)
-                tl.store(PARTIAL_DB + partial_row + cols, prev + tl.sum(g, axis=0), mask=col_mask)
+                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
         # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.
         tl.debug_barrier()
 
@@ -211,12 +267,13 @@ def _kernel_2(
     DW, DB,  # [N] outputs, in the weight's dtype
     P, N,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc_dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_db = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for m0 in range(0, P, BLOCK_M):
+    for m0 in tl.range(0, P, BLOCK_M, num_stages=NUM_STAGES):
         rows = m0 + tl.arange(0, BLOCK_M)
         mask = (rows < P)[:, None] & col_mask[None, :]
         offsets = rows[:, None] * N + cols[None, :]
@@ -277,8 +334,8 @@ class BackwardLaunch:
             p.M, p.N,
             IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
             ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output",
-            BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
-            EVICTION=k1.eviction_policy, INT64=self._int64,
+            BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch,
+            RELOAD_WEIGHT=k1.block_row == 1, EVICTION=k1.eviction_policy, INT64=self._int64,
             num_warps=k1.num_warps,
         )
 
@@ -297,7 +354,7 @@ class BackwardLaunch:
             self.dw if self.dw is not None else dummy, self.db if self.db is not None else dummy,
             self.programs, p.N,
             HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m, BLOCK_N=k2.block_n,
-            num_warps=k2.num_warps,
+            NUM_STAGES=k2.num_stages, num_warps=k2.num_warps,
         )
 
     def run(self):

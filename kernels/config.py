@@ -198,17 +198,24 @@ class ProblemFamily:
                        self.zero_centered, self.save)
 
 
-def _live_values(problem: Problem, two_pass: bool) -> int:
-    """fp32 values kept live per tile element by kernel_1: grad, saved activation, their product terms and the
-    dw/db accumulators (or, two-pass, the row-term accumulators of pass 1)."""
-    live = 3  # grad, saved activation (x or y), one temporary
-    if problem.has_weight:
-        live += 1  # dw accumulator / the x̂·wg row-term accumulator
-    if problem.has_bias or (two_pass and problem.norm == "layer_norm"):
-        live += 1  # db accumulator / the Σwg row-term accumulator
-    if problem.save == "output" and problem.has_bias:
-        live += 1  # bias row, needed to recover x̂ = (y - b) / w
-    return live
+def estimate_registers(problem: Problem, block_row: int, block_col: int, num_warps: int, two_pass: bool,
+                       prefetch: bool) -> int:
+    """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
+
+    Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
+    two-pass, the row-term accumulators of pass 1); the raw next tile when prefetching. Per column: w (held in
+    registers unless a single-row tile reloads it per tile) and b when recovering x̂ from y.
+    """
+    per_thread = math.ceil(block_row * block_col / (32 * num_warps))
+    live = 3.0
+    if two_pass:
+        live += 1 + (problem.norm == "layer_norm")
+    else:
+        live += problem.has_weight + bool(problem.has_bias)
+    if prefetch:
+        live += 2 * problem.itemsize / 4
+    per_column = (problem.save == "output" and bool(problem.has_bias)) + (block_row > 1 and not two_pass)
+    return math.ceil(per_thread * live + per_thread / block_row * per_column)
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,7 @@ class Kernel1Config:
     and grid-strides over row tiles; two-pass walks each row tile in column chunks of block_col twice: pass 1
     reduces the row terms, pass 2 re-reads (from L2 when the tile fits) and writes grad_input and partials.
     num_stages > 1 software-pipelines the tile loop (loads issued num_stages - 1 iterations ahead).
+    prefetch loads the next tile (two-pass: chunk) into registers before computing the current one.
     programs_per_sm x SMs persistent programs, never more than the row tiles. eviction_policy is the cache
     hint of the streaming loads ("" = none).
     """
@@ -230,6 +238,7 @@ class Kernel1Config:
     programs_per_sm: int = 2
     two_pass: bool = False
     eviction_policy: str = ""
+    prefetch: bool = False
 
     def tile(self) -> int:
         return self.block_row * self.block_col
@@ -243,6 +252,8 @@ class Kernel1Config:
         if not isinstance(self.two_pass, bool):
             raise ConfigError(f"kernel_1.two_pass={self.two_pass!r} must be true or false")
         _check_choice("kernel_1.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"kernel_1.prefetch={self.prefetch!r} must be true or false")
         if not self.two_pass and self.block_col < problem.N:
             raise ConfigError(
                 f"kernel_1.block_col={self.block_col} < N={problem.N} in single pass: use block_col >= "
@@ -259,14 +270,14 @@ class Kernel1Config:
                 f"kernel_1.num_warps={self.num_warps} leaves threads idle on a {self.block_row}x{self.block_col} "
                 f"tile: use num_warps <= {max(1, self.tile() // 32)}"
             )
-        per_thread = math.ceil(self.tile() / threads)
-        regs = per_thread * _live_values(problem, self.two_pass)
+        regs = estimate_registers(problem, self.block_row, self.block_col, self.num_warps, self.two_pass,
+                                  self.prefetch)
         if regs > REGISTER_BUDGET:
             fit = max(w for w in NUM_WARPS if w <= 32)
             raise ConfigError(
                 f"kernel_1 register budget: a {self.block_row}x{self.block_col} tile on {self.num_warps} warps "
                 f"keeps ~{regs} fp32 values per thread (budget {REGISTER_BUDGET}): use more warps (up to {fit}), "
-                "a smaller block_row, or two_pass with a narrower block_col"
+                "a smaller block_row, prefetch=false, or two_pass with a narrower block_col"
             )
         if self.num_stages > 1:
             staged = (self.num_stages - 1) * self.tile() * 2 * problem.itemsize
@@ -279,16 +290,19 @@ class Kernel1Config:
 
 @dataclass(frozen=True)
 class Kernel2Config:
-    """Launch knobs of kernel_2: a block_m x block_n tile sweeps the (programs x N) fp32 partials."""
+    """Launch knobs of kernel_2: a block_m x block_n tile sweeps the (programs x N) fp32 partials, cdiv(N,
+    block_n) programs; num_stages > 1 pipelines the sweep's loads."""
 
-    block_m: int = 32
-    block_n: int = 128
+    block_m: int = 64
+    block_n: int = 64
     num_warps: int = 4
+    num_stages: int = 1
 
     def validate(self, problem: Problem | None = None) -> None:
         _check_int("kernel_2.block_m", self.block_m, 1, 1024, power_of_two=True)
         _check_int("kernel_2.block_n", self.block_n, 1, 4096, power_of_two=True)
         _check_choice("kernel_2.num_warps", self.num_warps, NUM_WARPS)
+        _check_int("kernel_2.num_stages", self.num_stages, 1, 4)
         tile = self.block_m * self.block_n
         threads = 32 * self.num_warps
         if self.num_warps > 1 and threads > tile:
@@ -301,6 +315,9 @@ class Kernel2Config:
                 f"kernel_2 tile {self.block_m}x{self.block_n} on {self.num_warps} warps needs too many registers: "
                 "use a smaller tile or more warps"
             )
+        if (self.num_stages - 1) * tile * 4 * 2 > SHARED_MEMORY_BUDGET:
+            raise ConfigError(f"kernel_2.num_stages={self.num_stages} stages too many {self.block_m}x{self.block_n} "
+                              "tiles in shared memory: use fewer stages or a smaller tile")
 
 
 @dataclass(frozen=True)
@@ -350,8 +367,9 @@ class BackwardConfig:
         k1, k2 = self.kernel_1, self.kernel_2
         mode = "2pass" if k1.two_pass else "1pass"
         ev = f" {k1.eviction_policy}" if k1.eviction_policy else ""
+        pf = " prefetch" if k1.prefetch else ""
         return (f"k1[{mode} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
-                f"pps{k1.programs_per_sm}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps}]")
+                f"pps{k1.programs_per_sm}{pf}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}]")
 
 
 def default_config(problem: Problem) -> BackwardConfig:
@@ -377,10 +395,11 @@ def default_config(problem: Problem) -> BackwardConfig:
     while num_warps > 1 and 32 * num_warps > tile:
         num_warps //= 2
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
-                       programs_per_sm=2, two_pass=two_pass)
-    # Narrow rows: shrink kernel_2's column tile so it still launches several programs.
-    block_n = max(1, min(128, next_power_of_two(problem.N)))
-    block_m = 32
+                       programs_per_sm=1, two_pass=two_pass)
+    # kernel_2 is latency-bound (H100, first run: a 32x128 tile took 7-42 µs because N=1024 gave 8 programs that
+    # each looped over the partials): aim for >= 64 programs of narrow columns and tall tiles.
+    block_n = min(128, max(min(16, n_pow2), n_pow2 // 64))
+    block_m = max(16, min(256, 4096 // block_n))
     k2_warps = max(1, min(4, (block_m * block_n) // 32))
     cfg = BackwardConfig(k1, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps))
     return cfg.validate(problem)
