@@ -22,7 +22,23 @@ import triton
 import triton.language as tl
 
 from .config import BackwardConfig, Problem
-from .device import sm_count
+from .device import compute_capability, interpret_mode, sm_count
+
+try:  # Programmatic Dependent Launch (Hopper+): kernel_2 launches while kernel_1 drains, then waits on its writes.
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    PDL_SUPPORTED = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except Exception:  # noqa: BLE001 - an older Triton, or no NVIDIA backend: PDL is simply off
+    PDL_SUPPORTED = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 # Smallest |w| used to recover x̂ = (y − b)/w. Where w is exactly 0 the forward wrote y = b, so x̂ = 0/±W_TINY = 0;
 # no finite answer exists there (x̂ was not saved), and 0 keeps NaN out of dx and dw.
@@ -107,7 +123,10 @@ def _kernel_1_single_pass(
     PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
     RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
     EVICTION: tl.constexpr, INT64: tl.constexpr,
+    PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
 ):
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_COL)
@@ -176,13 +195,15 @@ def _kernel_1_two_pass(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    RELOAD_WEIGHT: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr,
 ):
     """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk). Rows wider than
     BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (a program's tile is
     block_row rows, so the re-read is served by L2 when the programs' tiles fit there; pass 1 loads with
     evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's partial row
     (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before computing j."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     chunk = tl.arange(0, BLOCK_COL)
@@ -267,8 +288,10 @@ def _kernel_2(
     DW, DB,  # [N] outputs, in the weight's dtype
     P, N,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()  # launched early (programmatic dependent launch): wait until kernel_1's partials are visible
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc_dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -320,6 +343,10 @@ class BackwardLaunch:
         rows_span = max(M * max(grad.stride(0), saved.stride(0), self.dx.stride(0)), M * N)
         self._int64 = rows_span >= 2**31
         self._kernel_1 = _kernel_1_two_pass if config.kernel_1.two_pass else _kernel_1_single_pass
+        cc = compute_capability(device)
+        self.pdl = bool(config.kernel_2.pdl and PDL_SUPPORTED and not interpret_mode() and cc is not None
+                        and cc >= (9, 0))
+        self._pdl_kwargs = {"launch_pdl": True} if self.pdl else {}
 
     def kernel_1(self) -> None:
         if self.programs == 0:
@@ -335,7 +362,7 @@ class BackwardLaunch:
             IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
             ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output",
             BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch,
-            RELOAD_WEIGHT=k1.block_row == 1, EVICTION=k1.eviction_policy, INT64=self._int64,
+            RELOAD_WEIGHT=k1.block_row == 1, EVICTION=k1.eviction_policy, INT64=self._int64, PDL=self.pdl,
             num_warps=k1.num_warps,
         )
 
@@ -354,7 +381,7 @@ class BackwardLaunch:
             self.dw if self.dw is not None else dummy, self.db if self.db is not None else dummy,
             self.programs, p.N,
             HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m, BLOCK_N=k2.block_n,
-            NUM_STAGES=k2.num_stages, num_warps=k2.num_warps,
+            NUM_STAGES=k2.num_stages, PDL=self.pdl, num_warps=k2.num_warps, **self._pdl_kwargs,
         )
 
     def run(self):

@@ -116,13 +116,17 @@ def forward_launch_params(N: int) -> tuple[int, int, bool, int]:
 
 
 def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
-            is_rms: bool, zero_centered: bool, store_mean: bool):
+            is_rms: bool, zero_centered: bool, store_mean: bool, y: torch.Tensor | None = None,
+            rstd: torch.Tensor | None = None, mean: torch.Tensor | None = None):
     """Run the forward on a 2-D view (rows may be strided, last dim contiguous). Returns (y, rstd, mean);
-    `mean` is an empty tensor unless `store_mean`."""
+    `mean` is an empty tensor unless `store_mean`. y/rstd/mean may be passed in (e.g. poisoned, by tests)."""
     M, N = x2d.shape
-    y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)
-    mean = torch.empty((M if store_mean else 0,), dtype=torch.float32, device=x2d.device)
+    if y is None:
+        y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+    if rstd is None:
+        rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)
+    if mean is None:
+        mean = torch.empty((M if store_mean else 0,), dtype=torch.float32, device=x2d.device)
     if M == 0:
         return y, rstd, mean
     block_row, block_col, single, num_warps = forward_launch_params(N)
