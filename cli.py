@@ -1,1 +1,217 @@
-print("cli placeholder")
+"""`normtune`: the command line of the tuning service.
+
+    normtune bench    --gpu h100 --shapes seed --peers all --out docs/bench
+    normtune sweep    --gpu h100 --shapes seed --trials 60 --time-budget 1800
+    normtune emit     --gpu h100 --db results.db --out configs/h100.json
+    normtune validate --gpu h100 --shapes heldout
+    normtune report   --gpu h100 --db results.db --out docs/report-h100
+
+Commands are thin: they parse options and call library functions in `normtune.tuner`. Known errors print one
+line and exit with status 1. GPU work needs a CUDA device; `--interpret` runs the same pipeline on CPU through
+the Triton interpreter (tests, demos; its timings are host wall-clock and are labelled as such).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
+                  pretty_exceptions_enable=False, add_completion=False)
+
+# ------------------------------------------------------------------------------------------ shared options
+
+Gpu = Annotated[str, typer.Option("--gpu", help="GPU key the results are for (h100, h200, …) or 'auto'. Must "
+                                                "match the detected device.")]
+Norms = Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32.")]
+Shapes = Annotated[Optional[str], typer.Option(
+    "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... "
+                     "[default: seed on a GPU, tiny with --interpret]")]
+Interpret = Annotated[bool, typer.Option("--interpret", help="Run on CPU through the Triton interpreter "
+                                                             "(no GPU; timings are not GPU timings).")]
+Storage = Annotated[str, typer.Option("--db", "--storage", help="SQLAlchemy URL of the results database.")]
+Device = Annotated[int, typer.Option("--device", help="CUDA device index.")]
+
+DEFAULT_DB = "sqlite:///results.db"
+
+
+class CLIError(Exception):
+    """An error worth one line, not a traceback."""
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [CLIError, ValueError, FileNotFoundError, PermissionError]
+    try:
+        from normtune.tuner.store import StoreError
+
+        errors.append(StoreError)
+    except Exception:  # noqa: BLE001 - the store's optional dependencies may be missing
+        pass
+    try:
+        from normtune.tuner.device import NoGPUError
+
+        errors.append(NoGPUError)
+    except Exception:  # noqa: BLE001
+        pass
+    return tuple(errors)
+
+
+def _run(fn, *args, **kwargs):
+    """Call a library function; known errors become 'error: …' and exit code 1."""
+    try:
+        return fn(*args, **kwargs)
+    except _known_errors() as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+def _use_interpreter(interpret: bool) -> None:
+    """--interpret must take effect before Triton decorates the kernels (at import)."""
+    if not interpret:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    mod = sys.modules.get("normtune.kernels.backward")
+    if mod is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(mod._kernel_2, InterpretedFunction):
+            raise CLIError("--interpret was given after the kernels were compiled for a GPU in this process: "
+                           "set TRITON_INTERPRET=1 before starting Python")
+
+
+def _split(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in allowed]
+    if bad or not items:
+        raise CLIError(f"{option} {text!r}: use a comma list of {', '.join(allowed)}")
+    return items
+
+
+def _device_info(gpu: str, interpret: bool, device: int = 0):
+    from normtune.tuner.device import check_gpu_key, detect
+
+    info = detect(device, interpret=interpret)
+    check_gpu_key(gpu, info)
+    return info
+
+
+def _shapes(spec: str | None, interpret: bool):
+    from normtune.tuner.shapes import parse_shapes
+
+    return parse_shapes(spec or ("tiny" if interpret else "seed"))
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", help="Print normtune's version and exit.")] = False,
+):
+    """Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels."""
+    if version:
+        from importlib.metadata import version as _v
+
+        typer.echo(f"normtune {_v('normtune')}")
+        raise typer.Exit()
+
+
+# ------------------------------------------------------------------------------------------------- bench
+
+
+@app.command()
+def bench(
+    gpu: Gpu = "auto",
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    shapes: Shapes = None,
+    peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, quack")] = "all",
+    config: Annotated[str, typer.Option(help="normtune's config: default | table | JSON text or file")] = "table",
+    weight_dtype: Annotated[Optional[str], typer.Option(help="Weight dtype (default: the activation dtype)")] = None,
+    cold: Annotated[bool, typer.Option("--cold/--warm", help="Flush L2 before every repetition")] = True,
+    out: Annotated[Path, typer.Option(help="Folder for bench.csv/.json/.md and PNG plots")] = Path("bench-out"),
+    db: Annotated[Optional[str], typer.Option("--db", help="Also store the results in this database")] = None,
+    budget: Annotated[float, typer.Option(help="Seconds of timing per implementation and shape")] = 0.5,
+    interpret: Interpret = False,
+    device: Device = 0,
+):
+    """Time normtune's backward and its peers side by side (cold L2) and write a report."""
+    _run(_use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS, canonical_dtype
+    from normtune.tuner import bench as B
+    from normtune.tuner import bench_output
+    from normtune.tuner.peers import parse_peers
+
+    console = Console(stderr=True)
+    norms = _run(_split, norm, NORMS, "--norm")
+    dt = _run(canonical_dtype, dtype)
+    wdt = _run(canonical_dtype, weight_dtype) if weight_dtype else None
+    shape_list = _run(_shapes, shapes, interpret)
+    peer_names = _run(parse_peers, peers)
+    info = _run(_device_info, gpu, interpret, device)
+    if interpret:
+        console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; times are host "
+                      "wall-clock, not GPU timings[/]")
+    opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config,
+                          weight_dtype=wdt, cold=cold, budget_s=budget,
+                          min_reps=2 if interpret else 20, max_reps=3 if interpret else 200,
+                          profile_reps=0 if interpret else 5)
+    total = len(norms) * len(shape_list) * (1 + len(peer_names))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def on_row(msg, row):
+            t = row.get("median_us") if row else None
+            status = f"{t:.1f} µs" if (row and row["status"] == "ok" and t) else (row["status"] if row else "")
+            progress.update(task, advance=1, description=f"{msg}: {status}")
+
+        report = _run(B.run_bench, opts, info, progress=on_row)
+    paths = bench_output.write_all(report, out)
+    if db:
+        from normtune.tuner.bench import store_report
+        from normtune.tuner.store import Store
+
+        _run(store_report, _run(Store, db), report, info)
+    _print_summary(console, report)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def _print_summary(console, report) -> None:
+    from rich.table import Table
+
+    from normtune.tuner.bench import geomean, summary
+
+    table = Table(title=f"normtune vs best peer — {report.provenance['device']['name']}"
+                  + (" (interpreter: not GPU times)" if report.provenance["interpret"] else ""))
+    for col in ("norm", "M×N", "floor µs", "normtune µs", "k1", "k2", "best peer", "µs", "speedup", "% floor"):
+        table.add_column(col, justify="right" if col not in ("norm", "best peer") else "left")
+
+    def f(x, d=1):
+        return "–" if x is None else f"{x:.{d}f}"
+
+    rows = summary(report.rows)
+    for s in rows:
+        table.add_row(s["norm"], f"{s['M']}×{s['N']}", f(s["floor_us"]),
+                      f(s["normtune_us"]) if s["status"] == "ok" else s["status"], f(s["kernel_1_us"]),
+                      f(s["kernel_2_us"]), s["best_peer"] or "–", f(s["best_peer_us"]),
+                      (f(s["speedup"], 2) + "×") if s["speedup"] else "–",
+                      f(100 * s["floor_fraction"], 0) if s["floor_fraction"] else "–")
+    console.print(table)
+    g = geomean([s["speedup"] for s in rows if s["speedup"]])
+    if g:
+        console.print(f"geometric-mean speedup over the best peer: {g:.3f}×")
+
+
+def main() -> None:  # pragma: no cover - console-script entry point alternative
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

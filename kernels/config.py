@@ -388,32 +388,35 @@ class BackwardConfig:
 
 def default_config(problem: Problem) -> BackwardConfig:
     """Analytic launch rules, used when no tuned table covers the problem. Every rule is about keeping a
-    streaming kernel's loads in flight without spilling registers:
+    streaming kernel's loads in flight without spilling registers (figures: H200, bf16, docs/perf-notes.md):
 
-    - Single pass while a whole row fits the register tile: next_pow2(N) <= 8192 elements for 2-byte dtypes,
-      4096 for fp32 (each fp32 element is a register wherever it comes from; 8192 columns on 16 warps is 16
-      elements per thread per live tensor). Wider rows run two-pass on 4096-column chunks (fp32: 2048).
+    - Single pass while a whole row fits the register tile: next_pow2(N) <= 16384. At 2048x16384 a one-row
+      single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
+      reads each element once. Wider rows run two-pass on 4096-column chunks, 8 warps.
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
-    - num_warps gives each thread ~16 elements of the tile (4..16 warps).
-    - programs_per_sm=2: two programs per SM let one reduce while the other loads (Fast-LLM's measured knee
-      on H100: one starves latency hiding, more only grows the partial buffer kernel_2 must read).
-    - kernel_2: 32-row x 128-column tiles on 4 warps; its work is programs x N x 4 bytes, tiny next to kernel_1.
+    - num_warps gives each thread ~32 elements of the tile (tile / 1024, 4..16 warps); with prefetch, halving
+      the warps of a 16-warp 8x1024 tile was 0-30% faster.
+    - prefetch (load tile i+1 before computing tile i) whenever its registers fit the hardware budget: the
+      largest single win measured, kernel_1 0.78x median over the 30 seed cases.
+    - evict_first on the streaming loads (0-3% better), programs_per_sm=1: a second program per SM doubled
+      kernel_2's partials for no kernel_1 gain once prefetch keeps loads in flight.
+    - kernel_2: >= 64 programs of narrow columns and tall tiles (it is latency-bound: a 32x128 tile took
+      7-42 µs because N=1024 gave 8 programs that each looped over the partials), launched with PDL.
     """
     n_pow2 = next_power_of_two(problem.N)
-    single_limit = 8192 if problem.itemsize == 2 else 4096
-    two_pass = n_pow2 > single_limit
-    block_col = (4096 if problem.itemsize == 2 else 2048) if two_pass else n_pow2
-    block_row = max(1, min(16, 8192 // block_col))
+    two_pass = n_pow2 > 16384
+    block_col = 4096 if two_pass else n_pow2
+    block_row = 1 if two_pass else max(1, min(16, 8192 // block_col))
     tile = block_row * block_col
-    num_warps = max(1, min(16, tile // 512))
+    num_warps = 8 if two_pass else max(4, min(16, tile // 1024))
     while num_warps > 1 and 32 * num_warps > tile:
         num_warps //= 2
+    hardware = min(REGISTER_BUDGET, REGISTER_FILE // (32 * num_warps))
+    prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True) <= hardware
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
-                       programs_per_sm=1, two_pass=two_pass)
-    # kernel_2 is latency-bound (H100, first run: a 32x128 tile took 7-42 µs because N=1024 gave 8 programs that
-    # each looped over the partials): aim for >= 64 programs of narrow columns and tall tiles.
+                       programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch)
     block_n = min(128, max(min(16, n_pow2), n_pow2 // 64))
     block_m = max(16, min(256, 4096 // block_n))
     k2_warps = max(1, min(4, (block_m * block_n) // 32))
-    cfg = BackwardConfig(k1, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps))
+    cfg = BackwardConfig(k1, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps, pdl=True))
     return cfg.validate(problem)

@@ -16,6 +16,10 @@ import torch
 
 INTERPRET_KEY = "interpret"
 
+
+class NoGPUError(RuntimeError):
+    """No CUDA device where one is needed."""
+
 # Known GPU families, most specific first: (regex over the device name, key).
 _GPU_KEYS = (
     (r"\bH200\b", "h200"),
@@ -109,8 +113,8 @@ def detect(device: int | str | torch.device | None = None, *, interpret: bool = 
                           sm_count=INTERPRET_SM_COUNT, l2_bytes=4 * 2**20, memory_bytes=0, driver=None, cuda=None,
                           interpret=True, **common)
     if not torch.cuda.is_available():
-        raise RuntimeError("no CUDA GPU is visible: run on a GPU host, or pass --interpret to run the pipeline on "
-                           "CPU through the Triton interpreter")
+        raise NoGPUError("a CUDA GPU is needed and none is visible: run on a GPU host, or pass --interpret to "
+                         "run the same pipeline on CPU through the Triton interpreter")
     dev = torch.device("cuda", device if isinstance(device, int) else torch.cuda.current_device()) \
         if not isinstance(device, (str, torch.device)) else torch.device(device)
     props = torch.cuda.get_device_properties(dev)

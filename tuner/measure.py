@@ -378,3 +378,62 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
     if result.floor_us == result.floor_us and total.median > 0:  # not NaN
         result.floor_fraction = result.floor_us / total.median
     return result
+
+
+# ------------------------------------------------------------------------------- peers: time and breakdown
+
+
+def _device_events(prof) -> dict[str, float]:
+    """Total device time (µs) per kernel name recorded by a torch.profiler session."""
+    from torch.autograd import DeviceType
+
+    totals: dict[str, float] = {}
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = getattr(evt, "device_time_total", None)
+        if t is None:
+            t = getattr(evt, "cuda_time_total", 0.0)
+        totals[evt.name] = totals.get(evt.name, 0.0) + float(t)
+    return totals
+
+
+def profile_kernels(fn: Callable[[], object], *, flusher: L2Flusher | None, device: torch.device,
+                    reps: int = 5) -> dict[str, float]:
+    """Per-kernel device time (µs per call) of `fn`, under the same cold-L2 protocol. The flush and spin
+    kernels are profiled alone too and subtracted by name, so a peer's own fills are kept."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def prologue():
+        if flusher is not None:
+            flusher()
+        _spin()
+
+    for _ in range(2):
+        prologue()
+        fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            prologue()
+            fn()
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as base:
+        for _ in range(reps):
+            prologue()
+        torch.cuda.synchronize(device)
+    totals, overhead = _device_events(prof), _device_events(base)
+    out = {}
+    for name, t in totals.items():
+        per_call = (t - overhead.get(name, 0.0)) / reps
+        if per_call > 0.05:
+            out[name] = per_call
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def time_callable(fn: Callable[[], object], *, flusher: L2Flusher | None, device: torch.device, warmup: int = 3,
+                  min_reps: int = 20, max_reps: int = 200, budget_s: float = 1.0) -> Stats:
+    """Cold-L2 device time of a whole callable (e.g. a peer's backward), same protocol as our kernels."""
+    (total,) = time_kernels([fn], flusher=flusher, split=False, warmup=warmup, min_reps=min_reps,
+                            max_reps=max_reps, budget_s=budget_s, device=device)
+    return total

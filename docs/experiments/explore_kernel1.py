@@ -36,36 +36,31 @@ def variants(p: Problem):
         if cfg.is_valid(p):
             out[name] = cfg
 
-    # round 2 (after prefetch and the kernel_2 fix): prefetch, pipelining, grid, tile, and wide-row strategies
-    add("prefetch", prefetch=True)
-    add("prefetch+pps2", prefetch=True, programs_per_sm=2)
+    # round 3 (default = prefetch, evict_first, pps1, PDL): one knob at a time around it
+    add("no_pdl", k2_pdl=False)
+    add("no_prefetch", prefetch=False)
+    add("no_prefetch+stages3", prefetch=False, num_stages=3)
+    add("no_ef", eviction_policy="")
     add("pps2", programs_per_sm=2)
-    add("stages3", num_stages=3)
-    add("stages3+pps2", num_stages=3, programs_per_sm=2)
-    add("prefetch+ef", prefetch=True, eviction_policy="evict_first")
-    add("prefetch+warps/2", prefetch=True, num_warps=max(1, k1.num_warps // 2))
-    add("prefetch+warps*2", prefetch=True, num_warps=min(32, k1.num_warps * 2))
-    add("prefetch+rows/2", prefetch=True, block_row=max(1, k1.block_row // 2))
-    add("prefetch+rows/2+warps/2", prefetch=True, block_row=max(1, k1.block_row // 2),
-        num_warps=max(1, k1.num_warps // 2))
-    add("prefetch+rows*2", prefetch=True, block_row=k1.block_row * 2)
-    add("rows/2+pps2", block_row=max(1, k1.block_row // 2), programs_per_sm=2)
-    add("k2_128x16", k2_block_m=128, k2_block_n=16)
-    add("k2_256x8", k2_block_m=256, k2_block_n=8)
-    add("k2_64x32_s2", k2_block_m=64, k2_block_n=32, k2_num_stages=2)
-    add("k2_128x32_w8", k2_block_m=128, k2_block_n=32, k2_num_warps=8)
+    add("warps*2", num_warps=min(32, k1.num_warps * 2))
+    add("warps/2", num_warps=max(1, k1.num_warps // 2))
+    add("rows*2", block_row=k1.block_row * 2, num_warps=min(16, k1.num_warps * 2))
+    add("rows/2", block_row=max(1, k1.block_row // 2))
+    add("rows/2+warps/2", block_row=max(1, k1.block_row // 2), num_warps=max(1, k1.num_warps // 2))
+    for bm, bn, w in ((128, 16, 4), (256, 8, 4), (64, 32, 4), (32, 64, 4), (128, 32, 8), (64, 16, 2)):
+        add(f"k2_{bm}x{bn}_w{w}", k2_block_m=bm, k2_block_n=bn, k2_num_warps=w)
+    add("k2_s2", k2_num_stages=2)
     if p.N >= 8192:
-        for w in (16, 32):
-            for st in (1, 2, 3):
-                add(f"1pass_w{w}_s{st}", two_pass=False, block_col=p.N, block_row=1, num_warps=w, num_stages=st,
-                    prefetch=False)
-        add("1pass_w16_pf", two_pass=False, block_col=p.N, block_row=1, num_warps=16, prefetch=True)
-        add("2pass4096_pf", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True)
-        add("2pass4096_pf_pps2", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True,
+        add("1pass_w16", two_pass=False, block_col=p.N, block_row=1, num_warps=16, prefetch=False)
+        add("1pass_w16_s3", two_pass=False, block_col=p.N, block_row=1, num_warps=16, num_stages=3,
+            prefetch=False)
+        add("1pass_w32_s3", two_pass=False, block_col=p.N, block_row=1, num_warps=32, num_stages=3,
+            prefetch=False)
+        add("2pass4096_w8", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True)
+        add("2pass4096_w8_pps2", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True,
             programs_per_sm=2)
-        add("2pass8192_s2", two_pass=True, block_col=8192, block_row=1, num_warps=16, num_stages=2)
-        add("2pass2048_s3", two_pass=True, block_col=2048, block_row=1, num_warps=4, num_stages=3)
-        add("2pass2048_pf_pps2", two_pass=True, block_col=2048, block_row=1, num_warps=4, prefetch=True,
+        add("2pass8192_w16", two_pass=True, block_col=8192, block_row=1, num_warps=16, prefetch=True)
+        add("2pass2048_w4_pps2", two_pass=True, block_col=2048, block_row=1, num_warps=4, prefetch=True,
             programs_per_sm=2)
     return out
 

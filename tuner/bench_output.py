@@ -1,0 +1,161 @@
+"""Writers for `normtune bench`: CSV, JSON (with provenance), Markdown and PNG plots in one folder."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from .bench import OURS, BenchReport, geomean, summary, to_json
+
+CSV_COLUMNS = ("norm", "M", "N", "dtype", "weight_dtype", "impl", "status", "median_us", "p10_us", "p90_us",
+               "reps", "kernel_1_us", "kernel_2_us", "floor_us", "floor_fraction", "rel_err_dx", "config_source",
+               "config", "kernels", "note", "error")
+
+
+def _fmt(x, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def write_csv(report: BenchReport, path: Path) -> None:
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for row in report.rows:
+            out = dict(row)
+            out["config"] = json.dumps(row.get("config"), sort_keys=True) if row.get("config") else ""
+            out["kernels"] = json.dumps(row.get("kernels") or {}, sort_keys=True)
+            w.writerow(out)
+
+
+def markdown(report: BenchReport) -> str:
+    p = report.provenance
+    dev = p["device"]
+    impls = [OURS] + [i for i in dict.fromkeys(r["impl"] for r in report.rows) if i != OURS]
+    timing_kind = "Triton interpreter on CPU (host wall-clock, not GPU timings)" if p["interpret"] else \
+        f"cold L2 (flush {p['flush_bytes'] / 2**20:.0f} MiB before every repetition), device time"
+    lines = [
+        f"# normtune bench — {dev['name']}",
+        "",
+        f"- GPU: {dev['name']} (key `{dev['key']}`, compute capability {dev['compute_capability']}, "
+        f"{dev['sm_count']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB), driver {dev['driver']}, CUDA {dev['cuda']}",
+        f"- torch {dev['torch']}, triton {dev['triton']}, normtune {dev['normtune']} ({dev['git_revision']}); "
+        f"peers: {', '.join(f'{k} {v}' for k, v in p['peers'].items() if v)}",
+        f"- timing: {timing_kind}; median of ≥{p['timing']['min_reps']} repetitions; backward only "
+        f"(forward once, untimed); dtype {p['dtype']}, weights {p['weight_dtype']}; normtune config: {p['config']}",
+        f"- memory floor: 3·M·N·itemsize bytes at the measured copy bandwidth "
+        f"({_fmt(p['copy_bandwidth_gbps'], 0)} GB/s, read + write)",
+        "",
+    ]
+    notes = sorted({f"{r['impl']}: {r['note']}" for r in report.rows if r.get("note")})
+    for norm in dict.fromkeys(r["norm"] for r in report.rows):
+        rows = [r for r in report.rows if r["norm"] == norm]
+        lines += [f"## {norm} (µs, lower is better)", ""]
+        head = ["M×N", "floor", "normtune", "k1", "k2"] + [i for i in impls if i != OURS] + \
+            ["best peer", "speedup", "% floor"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for s in (x for x in summary(report.rows) if x["norm"] == norm):
+            by_impl = {r["impl"]: r for r in rows if (r["M"], r["N"]) == (s["M"], s["N"])}
+            cells = [f"{s['M']}×{s['N']}", _fmt(s["floor_us"]),
+                     _fmt(s["normtune_us"]) if s["status"] == "ok" else s["status"],
+                     _fmt(s["kernel_1_us"]), _fmt(s["kernel_2_us"])]
+            for impl in impls[1:]:
+                r = by_impl.get(impl)
+                cells.append(_fmt(r["median_us"]) if r and r["status"] == "ok" else (r["status"] if r else "–"))
+            cells += [s["best_peer"] or "–", (_fmt(s["speedup"], 2) + "×") if s["speedup"] else "–",
+                      _fmt(100 * s["floor_fraction"], 0) if s["floor_fraction"] else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+        g = geomean([s["speedup"] for s in summary(report.rows) if s["norm"] == norm and s["speedup"]])
+        lines += ["", f"Geometric-mean speedup over the best peer: {_fmt(g, 3)}×" if g else "", ""]
+    allg = geomean([s["speedup"] for s in summary(report.rows) if s["speedup"]])
+    wins = sum(1 for s in summary(report.rows) if s["speedup"] and s["speedup"] > 1)
+    total = sum(1 for s in summary(report.rows) if s["speedup"])
+    if total:
+        lines += [f"**All cases: normtune beats the best peer on {wins}/{total}; geometric-mean speedup "
+                  f"{_fmt(allg, 3)}×.**", ""]
+    failures = [r for r in report.rows if r["status"] not in ("ok",)]
+    if notes or failures:
+        lines += ["## Notes", ""]
+        lines += [f"- {n}" for n in notes]
+        seen = set()
+        for r in failures:
+            key = (r["impl"], r["status"], r.get("error"))
+            if key not in seen:
+                seen.add(key)
+                lines.append(f"- {r['impl']} {r['status']}: {str(r.get('error'))[:300]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    """Per norm: normtune vs peers (grouped bars, floor marked) and normtune's kernel_1/kernel_2 stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    impls = [OURS] + [i for i in dict.fromkeys(r["impl"] for r in report.rows) if i != OURS]
+    gpu = report.provenance["device"]["name"]
+    for norm in dict.fromkeys(r["norm"] for r in report.rows):
+        rows = [r for r in report.rows if r["norm"] == norm]
+        shapes = list(dict.fromkeys((r["M"], r["N"]) for r in rows))
+        labels = [f"{m}×{n}" for m, n in shapes]
+        fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(shapes) + 3), 4.8))
+        width = 0.8 / max(1, len(impls))
+        for i, impl in enumerate(impls):
+            vals = []
+            for shape in shapes:
+                r = next((x for x in rows if (x["M"], x["N"]) == shape and x["impl"] == impl), None)
+                vals.append(r["median_us"] if r and r["status"] == "ok" and r["median_us"] else 0.0)
+            ax.bar([j + (i - (len(impls) - 1) / 2) * width for j in range(len(shapes))], vals, width, label=impl)
+        floors = [next((x["floor_us"] for x in rows if (x["M"], x["N"]) == s and x["floor_us"]), None)
+                  for s in shapes]
+        if any(floors):
+            ax.scatter(range(len(shapes)), [f or 0 for f in floors], marker="_", s=400, color="black",
+                       zorder=5, label="memory floor")
+        ax.set_xticks(range(len(shapes)), labels, rotation=45, ha="right")
+        ax.set_ylabel("backward µs (cold L2)")
+        ax.set_title(f"{norm} backward, {report.provenance['dtype']} — {gpu}")
+        ax.legend(fontsize=8, ncols=2)
+        fig.tight_layout()
+        path = out_dir / f"bench_{norm}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+        fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(shapes) + 3), 4.5))
+        ours = [next((x for x in rows if (x["M"], x["N"]) == s and x["impl"] == OURS), None) for s in shapes]
+        k1 = [r["kernel_1_us"] or 0 if r else 0 for r in ours]
+        k2 = [r["kernel_2_us"] or 0 if r else 0 for r in ours]
+        ax.bar(labels, k1, label="kernel_1")
+        ax.bar(labels, k2, bottom=k1, label="kernel_2 (incl. launch gap)")
+        bp = summary(report.rows)
+        best = [next((s["best_peer_us"] for s in bp if s["norm"] == norm and (s["M"], s["N"]) == sh), None)
+                for sh in shapes]
+        if any(best):
+            ax.scatter(labels, [b or 0 for b in best], marker="D", color="red", zorder=5, label="best peer")
+        ax.set_ylabel("µs")
+        ax.set_title(f"normtune {norm}: kernel_1 + kernel_2 — {gpu}")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"kernels_{norm}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_all(report: BenchReport, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "bench.csv", out / "bench.json", out / "bench.md"]
+    write_csv(report, paths[0])
+    paths[1].write_text(to_json(report))
+    paths[2].write_text(markdown(report))
+    paths += plot(report, out)
+    return paths

@@ -1,0 +1,194 @@
+"""Peers that `normtune bench` compares against, registered by name with lazy imports: a missing optional
+library (Liger, quack) is a message in the report, never an ImportError at start-up.
+
+A peer turns (problem, inputs) into a zero-argument callable that runs *only the backward* on the same inputs
+(the forward has run once, untimed), returning (dx, dw, db) so that its values can be checked too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from normtune.kernels.config import Problem
+
+Backward = Callable[[], tuple]
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer's library is not importable, or it does not support this problem."""
+
+
+@dataclass
+class PreparedPeer:
+    run: Backward
+    note: str = ""
+
+
+def _leaves(x, weight, bias, weight_dtype=None):
+    """Fresh autograd leaves (optionally with a different weight dtype) so peers never share graphs."""
+    xs = x.detach().clone().requires_grad_(True)
+    ws = weight.detach().to(weight_dtype or weight.dtype).clone().requires_grad_(True) if weight is not None else None
+    bs = bias.detach().to(weight_dtype or bias.dtype).clone().requires_grad_(True) if bias is not None else None
+    return xs, ws, bs
+
+
+def _autograd_backward(y: torch.Tensor, grad: torch.Tensor, leaves) -> Backward:
+    inputs = [t for t in leaves if t is not None]
+
+    def run():
+        grads = torch.autograd.grad(y, inputs, grad, retain_graph=True)
+        it = iter(grads)
+        return tuple(next(it) if t is not None else None for t in leaves)
+
+    return run
+
+
+def _eps(problem: Problem) -> float:
+    return 1e-5
+
+
+class Peer:
+    """A backward implementation to compare with. Subclasses set `name` and implement `prepare`."""
+
+    name = "peer"
+    description = ""
+
+    def supports(self, problem: Problem) -> str | None:
+        """None when the peer can run `problem`, else why not."""
+        if problem.save != "input" or problem.zero_centered:
+            return "only the plain norm saving its input"
+        return None
+
+    def prepare(self, problem: Problem, x, weight, bias, grad) -> PreparedPeer:
+        raise NotImplementedError
+
+
+class TorchEager(Peer):
+    name = "torch"
+    description = "torch eager (F.layer_norm / F.rms_norm autograd)"
+
+    def prepare(self, problem, x, weight, bias, grad):
+        xs, ws, bs = _leaves(x, weight, bias)
+        N = problem.N
+        if problem.norm == "layer_norm":
+            y = F.layer_norm(xs, (N,), ws, bs, _eps(problem))
+        else:
+            y = F.rms_norm(xs, (N,), ws, _eps(problem))
+        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)))
+
+
+class TorchCompile(Peer):
+    name = "compile"
+    description = "torch.compile of the eager norm (one compile per shape, static shapes)"
+
+    def __init__(self):
+        import torch._dynamo
+
+        # One compile per shape: never let a recompile limit silently fall back to eager.
+        cfg = torch._dynamo.config
+        for knob in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(cfg, knob):
+                setattr(cfg, knob, max(getattr(cfg, knob), 4096))
+
+    def prepare(self, problem, x, weight, bias, grad):
+        N = problem.N
+        if problem.norm == "layer_norm":
+            def fn(a, w, b):
+                return F.layer_norm(a, (N,), w, b, _eps(problem))
+        else:
+            def fn(a, w, b):
+                return F.rms_norm(a, (N,), w, _eps(problem))
+        compiled = torch.compile(fn, dynamic=False)
+        xs, ws, bs = _leaves(x, weight, bias)
+        y = compiled(xs, ws, bs)
+        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)))
+
+
+class Liger(Peer):
+    name = "liger"
+    description = "Liger-Kernel (LigerLayerNormFunction / LigerRMSNormFunction)"
+
+    def supports(self, problem):
+        reason = super().supports(problem)
+        if reason:
+            return reason
+        if not problem.has_weight or (problem.norm == "layer_norm" and not problem.has_bias):
+            return "Liger needs a weight (and a bias for LayerNorm)"
+        return None
+
+    def prepare(self, problem, x, weight, bias, grad):
+        try:
+            if problem.norm == "layer_norm":
+                from liger_kernel.ops.layer_norm import LigerLayerNormFunction as Fn
+            else:
+                from liger_kernel.ops.rms_norm import LigerRMSNormFunction as Fn
+        except ImportError as err:
+            raise PeerUnavailable(f"liger-kernel is not installed ({err}): pip install liger-kernel") from None
+        xs, ws, bs = _leaves(x, weight, bias)
+        if problem.norm == "layer_norm":
+            y = Fn.apply(xs, ws, bs, _eps(problem))
+        else:
+            # in_place=False: Liger would otherwise write dx into the reused grad_output buffer.
+            y = Fn.apply(xs, ws, _eps(problem), 0.0, "llama", False)
+        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note="in_place=False" if
+                            problem.norm == "rms_norm" else "")
+
+
+class Quack(Peer):
+    name = "quack"
+    description = "quack (CuTe DSL), fp32 weights"
+
+    def supports(self, problem):
+        reason = super().supports(problem)
+        if reason:
+            return reason
+        if not problem.has_weight:
+            return "quack's backward needs a weight"
+        return None
+
+    def prepare(self, problem, x, weight, bias, grad):
+        try:
+            from quack import rmsnorm as qr
+        except Exception as err:  # noqa: BLE001 - quack's import can fail in its DSL runtime too
+            raise PeerUnavailable(f"quack is not importable ({type(err).__name__}: {err})") from None
+        note = "quack needs fp32 weights: weights (and bias) upcast to fp32" if weight.dtype != torch.float32 else ""
+        if problem.norm == "rms_norm":
+            xs, ws, bs = _leaves(x, weight, bias, torch.float32)
+            y = qr.rmsnorm(xs, ws, eps=_eps(problem))
+            return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note=note)
+        # quack 0.6.x has LayerNorm forward/backward functions but no autograd wrapper: call them directly.
+        w32 = weight.detach().float()
+        b32 = bias.detach().float() if bias is not None else None
+        _, rstd, mean = qr.layernorm_fwd(x, w32, b32, eps=_eps(problem), return_rstd=True, return_mean=True)
+
+        def run():
+            dx, dw, db = qr.layernorm_bwd(x, w32, grad, rstd, mean, has_bias=b32 is not None)
+            return dx, dw, db
+
+        return PreparedPeer(run, note=(note + "; " if note else "") + "LayerNorm via quack.rmsnorm.layernorm_bwd")
+
+
+PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchEager, TorchCompile, Liger, Quack)}
+
+
+def parse_peers(spec: str) -> list[str]:
+    """'all' | 'none' | comma list of names → names, rejecting unknown ones with the allowed list."""
+    spec = spec.strip().lower()
+    if spec in ("", "none"):
+        return []
+    if spec == "all":
+        return list(PEERS)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)} (allowed: all, none, {', '.join(PEERS)})")
+    return names
+
+
+def make_peer(name: str) -> Peer:
+    return PEERS[name]()

@@ -1,0 +1,76 @@
+"""Shape presets and the `--shapes` parser: `seed`, `llm`, a file, or an explicit `4096x8192,...` list."""
+
+from __future__ import annotations
+
+import os
+
+from normtune.kernels.config import MAX_N
+
+# The 15 shapes of MISSION.md: three problem sizes (M·N = 2^25, 2^24, 2^23 elements) x five hidden sizes.
+SEED = (
+    (32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
+    (16384, 1024), (8192, 2048), (4096, 4096), (2048, 8192), (1024, 16384),
+    (8192, 1024), (4096, 2048), (2048, 4096), (1024, 8192), (512, 16384),
+)
+
+# Real model hidden sizes (Qwen2.5-1.5B 1536, Phi-2 2560, Qwen2-7B 3584, Llama-2-13B 5120, Llama-3-70B 8192,
+# DeepSeek-V3 7168, Llama-3-405B 16384, …) at realistic token counts per micro-batch (one 4096-token sequence,
+# and 4 of them).
+LLM_HIDDEN = (1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 12288, 16384)
+LLM_TOKENS = (4096, 16384)
+LLM = tuple((m, n) for n in LLM_HIDDEN for m in LLM_TOKENS)
+
+# Shapes never used to fit a table: odd M, N not powers of two, very short and very tall problems.
+HELDOUT = (
+    (4093, 1536), (12289, 2560), (1000, 3584), (3001, 5120), (777, 7168), (6000, 12288),
+    (65536, 768), (131072, 1024), (96, 4096), (128, 16384), (20000, 3000), (257, 14336),
+)
+
+# Tiny shapes for the interpreter (CPU): same code path, seconds instead of minutes.
+TINY = ((64, 256), (37, 200), (96, 512), (8, 1000))
+
+PRESETS = {"seed": SEED, "llm": LLM, "heldout": HELDOUT, "tiny": TINY}
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'4096x8192' → (4096, 8192)."""
+    parts = text.strip().lower().replace("×", "x").split("x")
+    if len(parts) != 2:
+        raise ValueError(f"bad shape {text!r}: write MxN, e.g. 4096x8192")
+    try:
+        M, N = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ValueError(f"bad shape {text!r}: M and N must be integers, e.g. 4096x8192") from None
+    if M < 0 or N < 1:
+        raise ValueError(f"bad shape {text!r}: need M >= 0 and N >= 1")
+    if N > MAX_N:
+        raise ValueError(f"bad shape {text!r}: N exceeds the supported maximum {MAX_N}")
+    return M, N
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    """A preset name (seed, llm, heldout, tiny), a file with one MxN per line (# comments), or 'MxN,MxN'."""
+    spec = spec.strip()
+    if spec in PRESETS:
+        return list(PRESETS[spec])
+    if os.path.isfile(spec):
+        shapes = []
+        with open(spec) as fh:
+            for lineno, line in enumerate(fh, 1):
+                line = line.split("#", 1)[0].strip()
+                if not line:
+                    continue
+                for item in line.replace(",", " ").split():
+                    try:
+                        shapes.append(parse_shape(item))
+                    except ValueError as err:
+                        raise ValueError(f"{spec}:{lineno}: {err}") from None
+        if not shapes:
+            raise ValueError(f"shape file {spec} lists no shapes (one MxN per line)")
+        return shapes
+    if not spec:
+        raise ValueError(f"--shapes is empty: use a preset ({', '.join(PRESETS)}), a file, or MxN,MxN")
+    if "x" not in spec.lower():
+        raise ValueError(f"--shapes {spec!r} is neither a preset ({', '.join(PRESETS)}), an existing file, "
+                         "nor a list like 4096x8192,2048x4096")
+    return [parse_shape(s) for s in spec.split(",") if s.strip()]
