@@ -122,6 +122,7 @@ def _kernel_1_single_pass(
     NUM_STAGES: tl.constexpr,  # Triton software pipelining of the tile loop (async copies through shared memory)
     PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
     RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
+    RELOAD: tl.constexpr,  # re-read the tile after the row reduction instead of keeping it live across it
     EVICTION: tl.constexpr, INT64: tl.constexpr,
     PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
 ):
@@ -156,7 +157,26 @@ def _kernel_1_single_pass(
             w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         g = g.to(tl.float32)
         xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
-        dx = _grad_input(g, xhat, w, r, N, IS_RMS)
+        if RELOAD:
+            # Row terms from this read; dx and the accumulators from a second read of the same tile (L1/L2 hits),
+            # so no row data stays in registers across the reductions: wide rows then fit beside the
+            # accumulators and a prefetched tile.
+            wg = w[None, :] * g
+            c1 = tl.sum(xhat * wg, axis=1) / N
+            c2 = tl.sum(wg, axis=1) / N
+            g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
+                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
+            if RELOAD_WEIGHT:
+                w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+            g = g.to(tl.float32)
+            xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            wg = w[None, :] * g
+            if IS_RMS:
+                dx = (wg - xhat * c1[:, None]) * r[:, None]
+            else:
+                dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
+        else:
+            dx = _grad_input(g, xhat, w, r, N, IS_RMS)
         rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
         mask = (rows < M)[:, None] & col_mask[None, :]
         if INT64:
@@ -195,9 +215,11 @@ def _kernel_1_two_pass(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    RELOAD_WEIGHT: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr, PDL: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, RELOAD: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk). Rows wider than
+    """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT and RELOAD are implied: w is loaded per chunk and
+    pass 2 re-reads). Rows wider than
     BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (a program's tile is
     block_row rows, so the re-read is served by L2 when the programs' tiles fit there; pass 1 loads with
     evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's partial row
@@ -311,9 +333,10 @@ def _kernel_2(
 
 
 def num_programs(M: int, config: BackwardConfig, sms: int) -> int:
-    """Persistent grid of kernel_1: programs_per_sm x SMs, never more than the row tiles (and at least 1)."""
+    """Persistent grid of kernel_1: round(programs_per_sm x SMs), never more than the row tiles, at least 1.
+    A fraction (e.g. 0.5) leaves SMs idle but halves the partials kernel_2 must read."""
     tiles = triton.cdiv(M, config.kernel_1.block_row)
-    return max(1, min(config.kernel_1.programs_per_sm * sms, tiles))
+    return max(1, min(round(config.kernel_1.programs_per_sm * sms), tiles))
 
 
 class BackwardLaunch:
@@ -362,7 +385,7 @@ class BackwardLaunch:
             IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
             ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output",
             BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch,
-            RELOAD_WEIGHT=k1.block_row == 1, EVICTION=k1.eviction_policy, INT64=self._int64, PDL=self.pdl,
+            RELOAD_WEIGHT=k1.block_row == 1, RELOAD=k1.reload, EVICTION=k1.eviction_policy, INT64=self._int64, PDL=self.pdl,
             num_warps=k1.num_warps,
         )
 

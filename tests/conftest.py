@@ -92,6 +92,10 @@ def assert_close(out: torch.Tensor | None, ref: torch.Tensor | None, tol: float,
     bad = (~torch.isfinite(out)).sum().item()
     assert bad == 0, f"{what}: {bad} of {out.numel()} elements are not finite (left unwritten?)"
     err = relative_error(out, ref)
+    if os.environ.get("CALIB"):
+        with open(os.environ["CALIB"], "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST','').split(' ')[0]}\t{what}\t{out.dtype}\t{err:.3g}\t{tol}\n")
+        return
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
@@ -108,7 +112,8 @@ def _relative_error_fixture():
 def reference_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    grad: torch.Tensor | None = None, *, is_rms: bool, zero_centered: bool = False) -> dict:
     """The norm over the last dimension and its gradients, by torch autograd on float64 copies of the inputs
-    (independent of `normtune.kernels.reference`). Returns y, rstd, mean (float64, over the leading dims) and,
+    (independent of `normtune.kernels.reference`). Returns y, rstd, mean, x̂ (float64; rstd and mean over the
+    leading dims) and,
     given `grad`, dx, dw, db (None where there is no weight/bias)."""
     N = x.shape[-1]
     x64 = x.detach().double().requires_grad_(grad is not None)
@@ -124,7 +129,8 @@ def reference_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         mean = torch.zeros_like(x0[..., 0]) if is_rms else x0.mean(-1)
         centered = x0 if is_rms else x0 - mean[..., None]
         rstd = torch.rsqrt((centered * centered).mean(-1) + eps)
-    out = {"y": y.detach(), "rstd": rstd, "mean": mean}
+        xhat = centered * rstd[..., None]
+    out = {"y": y.detach(), "rstd": rstd, "mean": mean, "xhat": xhat}
     if grad is not None:
         y.backward(grad.detach().double())
         out["dx"] = x64.grad
@@ -136,3 +142,24 @@ def reference_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
 @pytest.fixture(name="reference_norm")
 def _reference_norm_fixture():
     return reference_norm
+
+
+def make_norm_inputs(shape, dtype: torch.dtype, device, *, has_weight: bool = True, has_bias: bool = False,
+                     zero_centered: bool = False, param_dtype: torch.dtype | None = None) -> dict:
+    """Fresh random inputs, never zeros: x = randn + 0.5 (an offset mean, so LayerNorm's centering matters),
+    weight 1 + 0.1·randn (zero-centered: 0.1·randn), bias 0.1·randn, grad randn. Drawn in fp32 on the CPU from
+    the per-test seed, then cast, so that CPU and GPU runs see the same values."""
+    shape = tuple(shape) if not isinstance(shape, int) else (shape,)
+    N = shape[-1]
+    pdt = param_dtype or dtype
+    x = torch.randn(shape) + 0.5
+    grad = torch.randn(shape)
+    weight = (0.1 * torch.randn(N) if zero_centered else 1.0 + 0.1 * torch.randn(N)) if has_weight else None
+    bias = 0.1 * torch.randn(N) if has_bias else None
+    cast = lambda t, dt: t.to(device=device, dtype=dt) if t is not None else None  # noqa: E731
+    return {"x": cast(x, dtype), "grad": cast(grad, dtype), "weight": cast(weight, pdt), "bias": cast(bias, pdt)}
+
+
+@pytest.fixture(name="make_norm_inputs")
+def _make_norm_inputs_fixture():
+    return make_norm_inputs

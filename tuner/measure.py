@@ -219,13 +219,32 @@ class Timing:
     kernel_2: Stats
 
 
-def _spin() -> None:
-    torch.cuda._sleep(SPIN_CYCLES)
+def _spin(cycles: int = SPIN_CYCLES) -> None:
+    torch.cuda._sleep(cycles)
+
+
+# Hopper SM clock under load is ~1.98 GHz: cycles per µs of spin.
+CYCLES_PER_US = 2000
+
+
+def host_launch_us(fn: Callable[[], object], device: torch.device, reps: int = 5) -> float:
+    """Median host time (µs) to *issue* fn, measured behind a long spin so that the GPU is busy meanwhile.
+    Sizes the spin before timed repetitions: if a peer needs 400 µs of host work to queue its kernels, a
+    shorter spin would leave the GPU idle inside the timed region and bill the peer for its Python overhead."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        _spin(20 * SPIN_CYCLES)
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize(device)
+    return percentile(times, 50)
 
 
 def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, split: bool = True,
                  warmup: int = 3, min_reps: int = 20, max_reps: int = 200, budget_s: float = 1.0,
-                 device: torch.device | None = None) -> list[Stats]:
+                 device: torch.device | None = None, spin_cycles: int = SPIN_CYCLES) -> list[Stats]:
     """Time a sequence of launches (e.g. [kernel_1, kernel_2]) per repetition.
 
     split=True records an event between consecutive steps and returns one `Stats` per step and, last, their
@@ -259,7 +278,7 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
             for evs in events:
                 if flusher is not None:
                     flusher()
-                _spin()
+                _spin(spin_cycles)
                 evs[0].record()
                 for i, step in enumerate(steps):
                     step()
@@ -433,7 +452,12 @@ def profile_kernels(fn: Callable[[], object], *, flusher: L2Flusher | None, devi
 
 def time_callable(fn: Callable[[], object], *, flusher: L2Flusher | None, device: torch.device, warmup: int = 3,
                   min_reps: int = 20, max_reps: int = 200, budget_s: float = 1.0) -> Stats:
-    """Cold-L2 device time of a whole callable (e.g. a peer's backward), same protocol as our kernels."""
-    (total,) = time_kernels([fn], flusher=flusher, split=False, warmup=warmup, min_reps=min_reps,
-                            max_reps=max_reps, budget_s=budget_s, device=device)
+    """Cold-L2 device time of a whole callable (e.g. a peer's backward), same protocol as our kernels, with
+    the spin stretched to cover the callable's host-side launch time (twice over)."""
+    for _ in range(warmup):
+        fn()
+    host_us = host_launch_us(fn, device) if device.type == "cuda" else 0.0
+    spin = max(SPIN_CYCLES, int(2 * host_us * CYCLES_PER_US))
+    (total,) = time_kernels([fn], flusher=flusher, split=False, warmup=0, min_reps=min_reps,
+                            max_reps=max_reps, budget_s=budget_s, device=device, spin_cycles=spin)
     return total

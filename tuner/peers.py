@@ -153,7 +153,9 @@ class Quack(Peer):
 
     def prepare(self, problem, x, weight, bias, grad):
         try:
-            from quack import rmsnorm as qr
+            import importlib
+
+            qr = importlib.import_module("quack.rmsnorm")  # `from quack import rmsnorm` is the function
         except Exception as err:  # noqa: BLE001 - quack's import can fail in its DSL runtime too
             raise PeerUnavailable(f"quack is not importable ({type(err).__name__}: {err})") from None
         note = "quack needs fp32 weights: weights (and bias) upcast to fp32" if weight.dtype != torch.float32 else ""

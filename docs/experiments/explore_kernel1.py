@@ -36,32 +36,18 @@ def variants(p: Problem):
         if cfg.is_valid(p):
             out[name] = cfg
 
-    # round 3 (default = prefetch, evict_first, pps1, PDL): one knob at a time around it
-    add("no_pdl", k2_pdl=False)
-    add("no_prefetch", prefetch=False)
-    add("no_prefetch+stages3", prefetch=False, num_stages=3)
-    add("no_ef", eviction_policy="")
-    add("pps2", programs_per_sm=2)
-    add("warps*2", num_warps=min(32, k1.num_warps * 2))
-    add("warps/2", num_warps=max(1, k1.num_warps // 2))
-    add("rows*2", block_row=k1.block_row * 2, num_warps=min(16, k1.num_warps * 2))
-    add("rows/2", block_row=max(1, k1.block_row // 2))
-    add("rows/2+warps/2", block_row=max(1, k1.block_row // 2), num_warps=max(1, k1.num_warps // 2))
-    for bm, bn, w in ((128, 16, 4), (256, 8, 4), (64, 32, 4), (32, 64, 4), (128, 32, 8), (64, 16, 2)):
-        add(f"k2_{bm}x{bn}_w{w}", k2_block_m=bm, k2_block_n=bn, k2_num_warps=w)
-    add("k2_s2", k2_num_stages=2)
-    if p.N >= 8192:
-        add("1pass_w16", two_pass=False, block_col=p.N, block_row=1, num_warps=16, prefetch=False)
-        add("1pass_w16_s3", two_pass=False, block_col=p.N, block_row=1, num_warps=16, num_stages=3,
-            prefetch=False)
-        add("1pass_w32_s3", two_pass=False, block_col=p.N, block_row=1, num_warps=32, num_stages=3,
-            prefetch=False)
-        add("2pass4096_w8", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True)
-        add("2pass4096_w8_pps2", two_pass=True, block_col=4096, block_row=1, num_warps=8, prefetch=True,
-            programs_per_sm=2)
-        add("2pass8192_w16", two_pass=True, block_col=8192, block_row=1, num_warps=16, prefetch=True)
-        add("2pass2048_w4_pps2", two_pass=True, block_col=2048, block_row=1, num_warps=4, prefetch=True,
-            programs_per_sm=2)
+    # round 4: wide rows (reload = reduce from one read, compute from a second), fractional grids
+    add("k2_128x16", k2_block_m=128, k2_block_n=16)
+    add("pps0.5", programs_per_sm=0.5)
+    if not k1.two_pass:
+        for w in sorted({k1.num_warps, min(32, k1.num_warps * 2)}):
+            add(f"reload_w{w}", reload=True, prefetch=False, num_warps=w)
+            add(f"reload+pf_w{w}", reload=True, prefetch=True, num_warps=w)
+            add(f"reload+pf_w{w}_pps0.5", reload=True, prefetch=True, num_warps=w, programs_per_sm=0.5)
+            add(f"reload_w{w}_s3", reload=True, prefetch=False, num_warps=w, num_stages=3)
+            add(f"reload+pf_w{w}_noef", reload=True, prefetch=True, num_warps=w, eviction_policy="")
+        add("reload+pf_pps2", reload=True, prefetch=True, programs_per_sm=2)
+        add("s3", prefetch=False, num_stages=3)
     return out
 
 
@@ -69,8 +55,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--min-n", type=int, default=0)
     args = ap.parse_args()
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SEED
+    if args.min_n:
+        shapes = [s for s in shapes if s[1] >= args.min_n]
     info = detect()
     dev = torch.device("cuda")
     print(json.dumps(info.to_dict()), flush=True)

@@ -1,0 +1,385 @@
+"""Launch configs: values (JSON, hashing, immutability, validation messages), every knob giving correct results,
+the analytic default and `select_config` valid over the whole (M, N) range, and bitwise determinism.
+
+The Triton interpreter ignores num_warps, num_stages, eviction hints and PDL, but the launchers must still accept
+and pass them; on a GPU (`gpu`-marked test) the same variations run compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from normtune.kernels import (
+    BackwardConfig,
+    ConfigError,
+    Kernel1Config,
+    Kernel2Config,
+    Problem,
+    default_config,
+    select_config,
+)
+from normtune.kernels.backward import BackwardLaunch, num_programs
+from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
+from normtune.kernels.device import sm_count
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config values.
+# ---------------------------------------------------------------------------------------------------------------
+SAMPLE = BackwardConfig(
+    Kernel1Config(block_row=4, block_col=512, num_warps=8, num_stages=3, programs_per_sm=3, two_pass=True,
+                  eviction_policy="evict_first", prefetch=True),
+    Kernel2Config(block_m=32, block_n=128, num_warps=2, num_stages=2, pdl=True),
+)
+
+
+def test_config_json_round_trip():
+    text = SAMPLE.to_json()
+    assert json.loads(text) == SAMPLE.to_dict()
+    assert BackwardConfig.from_json(text) == SAMPLE
+    assert BackwardConfig.from_dict(SAMPLE.to_dict()) == SAMPLE
+    assert BackwardConfig.from_json(BackwardConfig().to_json()) == BackwardConfig()
+    # Canonical text: the same config always serializes the same way (usable as a storage key).
+    assert BackwardConfig.from_json(text).to_json() == text
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    # Missing fields take their defaults.
+    partial = BackwardConfig.from_json('{"kernel_1": {"block_row": 8}}')
+    assert partial == BackwardConfig(Kernel1Config(block_row=8), Kernel2Config())
+
+
+def test_config_is_hashable_and_frozen():
+    twin = BackwardConfig.from_json(SAMPLE.to_json())
+    assert twin is not SAMPLE and hash(twin) == hash(SAMPLE)
+    assert {SAMPLE: "a", twin: "b"} == {SAMPLE: "b"}
+    other = dataclasses.replace(SAMPLE, kernel_2=dataclasses.replace(SAMPLE.kernel_2, pdl=False))
+    assert other != SAMPLE and len({SAMPLE, other}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE.kernel_1 = Kernel1Config()  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE.kernel_1.block_row = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLE.kernel_2.block_m = 2  # type: ignore[misc]
+
+
+def test_config_str_names_the_knobs():
+    text = str(SAMPLE)
+    for part in ("2pass", "4x512", "w8", "s3", "pps3", "prefetch", "evict_first", "32x128", "pdl"):
+        assert part in text, f"{part!r} missing from {text!r}"
+
+
+PROBLEM = Problem("layer_norm", 64, 200, "bf16")
+WIDE = Problem("layer_norm", 64, 16384, "bf16")
+K1, K2 = Kernel1Config, Kernel2Config
+BAD_CONFIGS = [
+    # (config, problem, exception, substrings of the message)
+    (BackwardConfig(K1(block_col=200)), PROBLEM, ["kernel_1.block_col=200", "power of two", "128 or 256"]),
+    (BackwardConfig(K1(block_row=3, block_col=256)), PROBLEM, ["kernel_1.block_row=3", "power of two"]),
+    (BackwardConfig(K1(block_col=256), K2(block_m=3)), PROBLEM, ["kernel_2.block_m=3", "power of two"]),
+    (BackwardConfig(K1(block_col=256), K2(block_n=100)), PROBLEM, ["kernel_2.block_n=100", "power of two"]),
+    (BackwardConfig(K1(block_col=128)), PROBLEM,
+     ["kernel_1.block_col=128 < N=200", "single pass", "block_col >= 256", "two_pass"]),
+    (BackwardConfig(K1(block_row=64, block_col=1024, num_warps=1)), PROBLEM,
+     ["kernel_1 register budget", "64x1024", "1 warps", "more warps"]),
+    (BackwardConfig(K1(block_col=256, num_warps=3)), PROBLEM,
+     ["kernel_1.num_warps=3", "not allowed", "1, 2, 4, 8, 16, 32"]),
+    (BackwardConfig(K1(block_col=256), K2(num_warps=64)), PROBLEM, ["kernel_2.num_warps=64", "1, 2, 4, 8, 16, 32"]),
+    (BackwardConfig(K1(block_col=256, eviction_policy="evict_sometimes")), PROBLEM,
+     ["kernel_1.eviction_policy='evict_sometimes'", "'evict_first'", "'evict_last'"]),
+    (BackwardConfig(K1(block_col=256, num_stages=0)), PROBLEM, ["kernel_1.num_stages=0", "1 <= kernel_1.num_stages"]),
+    (BackwardConfig(K1(block_col=256), K2(num_stages=5)), PROBLEM, ["kernel_2.num_stages=5", "<= 4"]),
+    (BackwardConfig(K1(block_col=256, programs_per_sm=0)), PROBLEM, ["kernel_1.programs_per_sm=0"]),
+    (BackwardConfig(K1(block_row=True, block_col=256)), PROBLEM, ["kernel_1.block_row=True", "integer"]),
+    (BackwardConfig(K1(block_col=256, two_pass="yes")), PROBLEM, ["kernel_1.two_pass='yes'", "true or false"]),
+    (BackwardConfig(K1(block_col=256, prefetch=1)), PROBLEM, ["kernel_1.prefetch=1", "true or false"]),
+    (BackwardConfig(K1(block_col=256), K2(pdl="no")), PROBLEM, ["kernel_2.pdl='no'", "true or false"]),
+    (BackwardConfig(K1(block_row=64, block_col=2048, num_warps=32, two_pass=True)), WIDE,
+     ["tile", "131072", "exceeds 65536", "block_row or block_col"]),
+    (BackwardConfig(K1(block_row=1, block_col=32, num_warps=4, two_pass=True)), PROBLEM,
+     ["kernel_1.num_warps=4", "idle", "num_warps <= 1"]),
+    (BackwardConfig(K1(block_row=1, block_col=16384, num_warps=16, num_stages=6)), WIDE,
+     ["kernel_1.num_stages=6", "shared memory", "fewer stages"]),
+    (BackwardConfig(K1(block_col=256), K2(block_m=1024, block_n=4096, num_warps=1)), PROBLEM,
+     ["kernel_2 tile 1024x4096", "registers"]),
+]
+
+
+@pytest.mark.parametrize("config,problem,needles", BAD_CONFIGS, ids=[str(i) for i in range(len(BAD_CONFIGS))])
+def test_validate_names_field_and_allowed_values(config, problem, needles):
+    assert not config.is_valid(problem)
+    with pytest.raises(ConfigError) as info:
+        config.validate(problem)
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    assert isinstance(info.value, ValueError), "ConfigError must be a ValueError"
+
+
+def test_validate_returns_the_config():
+    cfg = BackwardConfig(K1(block_col=256))
+    assert cfg.validate(PROBLEM) is cfg and cfg.is_valid(PROBLEM)
+    # The same config is fine for a narrower row and invalid (single pass) for a wider one.
+    assert cfg.is_valid(PROBLEM.with_shape(7, 256)) and not cfg.is_valid(PROBLEM.with_shape(7, 257))
+
+
+@pytest.mark.parametrize("text,needles", [
+    ('{"kernel_1": {"block_rows": 2}}', ["unknown Kernel1Config field(s) block_rows", "allowed:", "block_row"]),
+    ('{"kernel_2": {"warps": 4, "pdl": true}}', ["unknown Kernel2Config field(s) warps", "allowed:", "num_warps"]),
+    ('{"kernel_1": {}, "kernel_3": {}}', ["keys kernel_1 and kernel_2", "kernel_3"]),
+    ('[1, 2]', ["keys kernel_1 and kernel_2"]),
+    ('{"kernel_1": [4]}', ["Kernel1Config expects a JSON object", "list"]),
+    ('{"kernel_1": {"block_row": 2,}', ["not valid JSON", "expected e.g.", '"kernel_1"']),
+])
+def test_from_json_rejects_unknown_keys_and_bad_text(text, needles):
+    with pytest.raises(ConfigError) as info:
+        BackwardConfig.from_json(text)
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.parametrize("kwargs,exc,needles", [
+    (dict(norm="layer_norm", M=4, N=MAX_N + 1), ConfigError, [f"N={MAX_N + 1}", f"maximum {MAX_N}"]),
+    (dict(norm="layer_norm", M=4, N=0), ConfigError, ["N=0", "positive integer"]),
+    (dict(norm="layer_norm", M=-1, N=8), ConfigError, ["M=-1"]),
+    (dict(norm="rms_norm", M=4, N=8, has_bias=True), ConfigError, ["rms_norm has no bias", "has_bias=False"]),
+    (dict(norm="layer_norm", M=4, N=8, has_weight=False, zero_centered=True), ConfigError,
+     ["zero_centered=True needs a weight"]),
+    (dict(norm="layer_norm", M=4, N=8, dtype="bf16", weight_dtype="fp16"), ConfigError,
+     ["weight_dtype='fp16'", "fp32 or the activation dtype"]),
+    (dict(norm="layer_norm", M=4, N=8, save="both"), ConfigError, ["save='both'", "'input', 'output'"]),
+    (dict(norm="batch_norm", M=4, N=8), ConfigError, ["norm='batch_norm'", "'layer_norm', 'rms_norm'"]),
+    (dict(norm="layer_norm", M=4, N=8, dtype="float64"), TypeError, ["float64", "float32, bfloat16, float16"]),
+])
+def test_problem_rejects_impossible_problems(kwargs, exc, needles):
+    with pytest.raises(exc) as info:
+        Problem(**kwargs)
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every knob at two or more values gives correct results (poisoned buffers, float64 reference, partial rows).
+# ---------------------------------------------------------------------------------------------------------------
+M_VAR, N_VAR = 45, 200  # 23 row tiles of 2: programs own uneven numbers of tiles; N not a power of two
+BASE = BackwardConfig(
+    K1(block_row=2, block_col=256, num_warps=2, num_stages=1, programs_per_sm=2, two_pass=False,
+       eviction_policy="", prefetch=False),
+    K2(block_m=4, block_n=64, num_warps=2, num_stages=1, pdl=False),
+)
+K1_VARIATIONS = {
+    "block_row": [1, 4, 8],
+    "block_col": [512, 1024],
+    "num_warps": [1, 4, 16],
+    "num_stages": [2, 3],
+    "programs_per_sm": [1, 3, 32],
+    "two_pass": [True],
+    "eviction_policy": ["evict_first", "evict_last"],
+    "prefetch": [True],
+}
+K2_VARIATIONS = {
+    "block_m": [1, 2, 16, 32],
+    "block_n": [16, 32, 256],
+    "num_warps": [1, 4, 8],
+    "num_stages": [2, 3, 4],
+    "pdl": [True],
+}
+
+
+def _variations():
+    out = [("base", BASE)]
+    for name, values in K1_VARIATIONS.items():
+        out += [(f"k1.{name}={v}", dataclasses.replace(BASE, kernel_1=dataclasses.replace(BASE.kernel_1, **{name: v})))
+                for v in values]
+    for name, values in K2_VARIATIONS.items():
+        out += [(f"k2.{name}={v}", dataclasses.replace(BASE, kernel_2=dataclasses.replace(BASE.kernel_2, **{name: v})))
+                for v in values]
+    # Two-pass knobs only matter with several column chunks: narrow block_col, alone and with the other knobs.
+    two = dataclasses.replace(BASE.kernel_1, two_pass=True, block_col=64)
+    out += [("k1.two_pass+block_col=64", dataclasses.replace(BASE, kernel_1=two)),
+            ("k1.two_pass+block_col=64+block_row=1", dataclasses.replace(
+                BASE, kernel_1=dataclasses.replace(two, block_row=1)))]
+    for name, v in [("prefetch", True), ("num_stages", 3), ("block_row", 8), ("programs_per_sm", 1),
+                    ("eviction_policy", "evict_first")]:
+        out.append((f"k1.two_pass+block_col=64+{name}={v}",
+                    dataclasses.replace(BASE, kernel_1=dataclasses.replace(two, **{name: v}))))
+    return out
+
+
+VARIATIONS = _variations()
+# LayerNorm with weight and bias (every partial buffer), and zero-centered RMSNorm (no bias): both saving modes.
+VARIATION_PROBLEMS = [
+    Problem("layer_norm", M_VAR, N_VAR, "bf16", has_bias=True, save="input"),
+    Problem("layer_norm", M_VAR, N_VAR, "bf16", has_bias=True, save="output"),
+    Problem("rms_norm", M_VAR, N_VAR, "fp16", weight_dtype="fp32", zero_centered=True, save="input"),
+    Problem("rms_norm", M_VAR, N_VAR, "fp16", weight_dtype="fp32", zero_centered=True, save="output"),
+]
+TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def test_every_field_is_varied():
+    """Guard: each Kernel1Config/Kernel2Config field appears in the variations at >= 2 values (with the base)."""
+    for cls, table in ((Kernel1Config, K1_VARIATIONS), (Kernel2Config, K2_VARIATIONS)):
+        assert set(table) == {f.name for f in dataclasses.fields(cls)}
+    for name, cfg in VARIATIONS:
+        cfg.validate(VARIATION_PROBLEMS[0])  # the variations must be valid configs to test anything
+
+
+def saved_inputs(problem: Problem, device, reference_norm, make_norm_inputs, shape=None):
+    """Inputs, their float64 reference and what the forward would have saved, for a launcher-level run."""
+    dtype, pdt = TORCH_DTYPE[problem.dtype], TORCH_DTYPE[problem.weight_dtype]
+    inputs = make_norm_inputs(shape or (problem.M, problem.N), dtype, device, has_weight=problem.has_weight,
+                              has_bias=bool(problem.has_bias), zero_centered=problem.zero_centered, param_dtype=pdt)
+    is_rms = problem.norm == "rms_norm"
+    ref = reference_norm(inputs["x"], inputs["weight"], inputs["bias"], 1e-5, inputs["grad"], is_rms=is_rms,
+                         zero_centered=problem.zero_centered)
+    saved = inputs["x"] if problem.save == "input" else ref["y"].to(dtype)
+    rstd = ref["rstd"].float()
+    mean = ref["mean"].float() if not is_rms and problem.save == "input" else rstd.new_empty((0,))
+    return inputs, ref, (inputs["grad"], saved, inputs["weight"], inputs["bias"], rstd, mean)
+
+
+def poisoned_run(problem, config, args) -> BackwardLaunch:
+    launch = BackwardLaunch(problem, config, *args)
+    for buf in (launch.dx, launch.dw, launch.db, launch.partial_dw, launch.partial_db):
+        if buf is not None:
+            buf.fill_(float("nan"))
+    launch.run()
+    return launch
+
+
+@pytest.mark.parametrize("problem", VARIATION_PROBLEMS, ids=lambda p: p.family.key.replace("/", "-"))
+@pytest.mark.parametrize("name,config", VARIATIONS, ids=[n for n, _ in VARIATIONS])
+def test_config_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
+                                     make_norm_inputs):
+    inputs, ref, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
+    launch = poisoned_run(problem, config, args)
+    k1 = config.kernel_1
+    tiles = -(-problem.M // k1.block_row)
+    assert launch.programs == min(k1.programs_per_sm * sm_count(torch.device(device)), tiles)
+    tol = tolerance(TORCH_DTYPE[problem.dtype], problem.save)
+    assert_close(launch.dx, ref["dx"], tol, "dx")
+    assert_close(launch.dw, ref["dw"], tol, "dw")
+    assert_close(launch.db, ref["db"], tol, "db")
+    # Each program's partial row holds exactly the rows of its tiles (tile t → program t mod programs).
+    owner = (torch.arange(problem.M, device=device) // k1.block_row) % launch.programs
+    g64 = inputs["grad"].double()
+    want_dw = torch.zeros((launch.programs, problem.N), dtype=torch.float64, device=device)
+    assert_close(launch.partial_dw, want_dw.index_add(0, owner, g64 * ref["xhat"]), tol, "partial_dw")
+    if problem.has_bias:
+        assert_close(launch.partial_db, want_dw.index_add(0, owner, g64), tol, "partial_db")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The analytic default and select_config over the whole supported range.
+# ---------------------------------------------------------------------------------------------------------------
+def _families():
+    out = []
+    for norm, dtype, fp32_weight, has_weight, has_bias, zc, save in itertools.product(
+            NORMS, DTYPES, (False, True), (False, True), (False, True), (False, True), SAVE_MODES):
+        try:
+            out.append(Problem(norm, 1, 1, dtype, "fp32" if fp32_weight else None, has_weight, has_bias, zc, save))
+        except ConfigError:
+            continue
+    return sorted(set(out), key=lambda p: p.family.key)
+
+
+FAMILIES = _families()
+DEVICE_NAMES = [None, "NVIDIA H100 80GB HBM3", "NVIDIA H200", "cpu (triton interpreter)"]
+
+
+def check_default_for(problem: Problem) -> None:
+    cfg = default_config(problem)
+    assert isinstance(cfg, BackwardConfig)
+    cfg.validate(problem)
+    assert BackwardConfig.from_json(cfg.to_json()) == cfg and hash(cfg) == hash(BackwardConfig.from_json(cfg.to_json()))
+    if not cfg.kernel_1.two_pass:
+        assert cfg.kernel_1.block_col >= problem.N
+    programs = num_programs(problem.M, cfg, 132)
+    assert 1 <= programs <= max(1, -(-problem.M // cfg.kernel_1.block_row))
+    for name in DEVICE_NAMES:
+        selected = select_config(problem, name)
+        assert selected.is_valid(problem), f"select_config({problem.key}, {name!r}) gave an invalid {selected}"
+
+
+def test_families_cover_the_flags():
+    assert len(FAMILIES) >= 40
+    assert {p.norm for p in FAMILIES} == set(NORMS) and {p.save for p in FAMILIES} == set(SAVE_MODES)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(family=st.sampled_from(FAMILIES), M=st.integers(0, 2**20), N=st.integers(1, MAX_N))
+@example(family=FAMILIES[0], M=0, N=1)
+@example(family=FAMILIES[-1], M=1, N=MAX_N)
+def test_default_and_selected_configs_are_valid(family, M, N):
+    check_default_for(family.with_shape(M, N))
+
+
+def test_default_configs_valid_at_power_of_two_boundaries():
+    """Every family at N = 2^k − 1, 2^k, 2^k + 1 (where the single-pass threshold and tile sizes switch)."""
+    widths = sorted({n for k in range(19) for n in (2**k - 1, 2**k, 2**k + 1) if 1 <= n <= MAX_N} | {MAX_N})
+    for family in FAMILIES:
+        for N in widths:
+            for M in (1, 4097):
+                check_default_for(family.with_shape(M, N))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Determinism: fixed-order sums, no atomics, so reruns are bitwise identical.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("two_pass", [False, True], ids=["1pass", "2pass"])
+def test_backward_is_bitwise_deterministic(two_pass, device, reference_norm, make_norm_inputs):
+    problem = Problem("layer_norm", 64, 200, "bf16", weight_dtype="fp32", has_bias=True)
+    k1 = K1(block_row=2, block_col=64 if two_pass else 256, num_warps=2, programs_per_sm=3, two_pass=two_pass)
+    config = BackwardConfig(k1, K2(block_m=2, block_n=32, num_warps=1))
+    _, _, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
+    first = poisoned_run(problem, config, args)
+    # Several programs, and more partial rows than kernel_2's block_m: kernel_2 sums partials over several steps.
+    assert first.programs > 2 * config.kernel_2.block_m
+    second = poisoned_run(problem, config, args)
+    outputs = ("dx", "dw", "db", "partial_dw", "partial_db")
+    for name in outputs:
+        assert torch.equal(getattr(first, name), getattr(second, name)), f"{name} differs between two runs"
+    again = [getattr(first, name).clone() for name in outputs]
+    first.run()  # a launch is reusable: running it again recomputes the same values in place
+    for name, before in zip(outputs, again):
+        assert torch.equal(getattr(first, name), before), f"{name} differs after relaunching"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: the knob variations compiled (warps, stages, eviction and PDL take effect there), determinism at scale.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,config", VARIATIONS, ids=[n for n, _ in VARIATIONS])
+def test_gpu_config_variation_is_correct(name, config, tolerance, assert_close, reference_norm, make_norm_inputs):
+    problem = Problem("layer_norm", 4099, N_VAR, "bf16", has_bias=True, save="output")
+    inputs, ref, args = saved_inputs(problem, "cuda", reference_norm, make_norm_inputs)
+    launch = poisoned_run(problem, config, args)
+    tol = tolerance(torch.bfloat16, "output")
+    assert_close(launch.dx, ref["dx"], tol, "dx")
+    assert_close(launch.dw, ref["dw"], tol, "dw")
+    assert_close(launch.db, ref["db"], tol, "db")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("M,N", [(4096, 16384), (32768, 1024), (512, 65536)])
+def test_gpu_bitwise_deterministic_at_scale(M, N, norm, reference_norm, make_norm_inputs):
+    problem = Problem(norm, M, N, "bf16")
+    config = select_config(problem, torch.cuda.get_device_name())
+    inputs = make_norm_inputs((M, N), torch.bfloat16, "cuda", has_bias=bool(problem.has_bias))
+    ref = reference_norm(inputs["x"], inputs["weight"], inputs["bias"], 1e-5, is_rms=norm == "rms_norm")
+    rstd = ref["rstd"].float()
+    mean = ref["mean"].float() if norm == "layer_norm" else rstd.new_empty((0,))
+    args = (inputs["grad"], inputs["x"], inputs["weight"], inputs["bias"], rstd, mean)
+    runs = [poisoned_run(problem, config, args) for _ in range(3)]
+    assert runs[0].programs > 1
+    for name in ("dx", "dw", "db"):
+        a = getattr(runs[0], name)
+        for other in runs[1:]:
+            b = getattr(other, name)
+            assert (a is None and b is None) or torch.equal(a, b), f"{name} differs between runs"
