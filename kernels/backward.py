@@ -77,29 +77,19 @@ def _normalized(s, w, b, r, mu, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
 
 
 @triton.jit
-def _grad_input(g, xhat, w, r, N, IS_RMS: tl.constexpr):
-    """dx for a tile whose rows are whole (single pass)."""
-    wg = w[None, :] * g
-    c1 = tl.sum(xhat * wg, axis=1) / N
-    if IS_RMS:
-        dx = (wg - xhat * c1[:, None]) * r[:, None]
-    else:
-        c2 = tl.sum(wg, axis=1) / N
-        dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
-    return dx
-
-
-@triton.jit
 def _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS: tl.constexpr,
-               FROM_OUTPUT: tl.constexpr, BLOCK_ROW: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr):
+               FROM_OUTPUT: tl.constexpr, BLOCK_ROW: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+               CACHE: tl.constexpr = ""):
     """Raw (unconverted) grad and saved tiles of row tile `tile`, with r and μ; rows past M load nothing."""
     rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
     if INT64:
         rows = rows.to(tl.int64)
     mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
-    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION,
+                cache_modifier=CACHE)
+    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION,
+                cache_modifier=CACHE)
     r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
     mu = r
     if not IS_RMS and not FROM_OUTPUT:
@@ -157,35 +147,33 @@ def _kernel_1_single_pass(
             w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         g = g.to(tl.float32)
         xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+        # dw/db do not depend on the row terms: accumulate before the reductions so that g is dead across them.
+        if HAS_WEIGHT:
+            acc_dw += g * xhat
+        if HAS_BIAS:
+            acc_db += g
+        wg = w[None, :] * g
+        c1 = tl.sum(xhat * wg, axis=1) / N
+        c2 = tl.sum(wg, axis=1) / N
         if RELOAD:
-            # Row terms from this read; dx and the accumulators from a second read of the same tile (L1/L2 hits),
-            # so no row data stays in registers across the reductions: wide rows then fit beside the
-            # accumulators and a prefetched tile.
-            wg = w[None, :] * g
-            c1 = tl.sum(xhat * wg, axis=1) / N
-            c2 = tl.sum(wg, axis=1) / N
+            # dx from a second read of the tile (an L1/L2 hit), so no row data stays in registers across the
+            # reductions. The explicit .ca cache modifier makes it a distinct load the compiler cannot merge
+            # with the first one.
             g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
-                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
+                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64, ".ca")
             if RELOAD_WEIGHT:
                 w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-            g = g.to(tl.float32)
             xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
-            wg = w[None, :] * g
-            if IS_RMS:
-                dx = (wg - xhat * c1[:, None]) * r[:, None]
-            else:
-                dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
+            wg = w[None, :] * g.to(tl.float32)
+        if IS_RMS:
+            dx = (wg - xhat * c1[:, None]) * r[:, None]
         else:
-            dx = _grad_input(g, xhat, w, r, N, IS_RMS)
+            dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
         rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
         mask = (rows < M)[:, None] & col_mask[None, :]
         if INT64:
             rows = rows.to(tl.int64)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_WEIGHT:
-            acc_dw += g * xhat
-        if HAS_BIAS:
-            acc_db += g
     partial = pid * N + cols
     if HAS_WEIGHT:
         tl.store(PARTIAL_DW + partial, tl.sum(acc_dw, axis=0), mask=col_mask)
@@ -289,6 +277,10 @@ def _kernel_1_two_pass(
                                          NEED_BIAS, EVICTION)
             g = g.to(tl.float32)
             xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            if HAS_WEIGHT:
+                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g * xhat, axis=0), mask=col_mask)
+            if HAS_BIAS:
+                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
             wg = w[None, :] * g
             if IS_RMS:
                 dx = (wg - xhat * c1[:, None]) * r[:, None]
@@ -296,10 +288,6 @@ def _kernel_1_two_pass(
                 dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
             mask = row_mask[:, None] & col_mask[None, :]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            if HAS_WEIGHT:
-                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g * xhat, axis=0), mask=col_mask)
-            if HAS_BIAS:
-                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
         # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.
         tl.debug_barrier()
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 # save="output" recovers x̂ = (y − b)/w from the *rounded* y: x̂ carries y's rounding error, amplified by 1/|w|
 # and by |y|/|x̂|, so gradients (dw in particular) are a few times further off than when saving the input.
-TOLERANCE_SAVE_OUTPUT = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+TOLERANCE_SAVE_OUTPUT = {torch.float32: 3e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -36,18 +36,16 @@ def variants(p: Problem):
         if cfg.is_valid(p):
             out[name] = cfg
 
-    # round 4: wide rows (reload = reduce from one read, compute from a second), fractional grids
-    add("k2_128x16", k2_block_m=128, k2_block_n=16)
-    add("pps0.5", programs_per_sm=0.5)
+    # round 5: dw/db accumulated before the row reductions (all variants); reload as a distinct .ca load
     if not k1.two_pass:
         for w in sorted({k1.num_warps, min(32, k1.num_warps * 2)}):
             add(f"reload_w{w}", reload=True, prefetch=False, num_warps=w)
             add(f"reload+pf_w{w}", reload=True, prefetch=True, num_warps=w)
-            add(f"reload+pf_w{w}_pps0.5", reload=True, prefetch=True, num_warps=w, programs_per_sm=0.5)
             add(f"reload_w{w}_s3", reload=True, prefetch=False, num_warps=w, num_stages=3)
-            add(f"reload+pf_w{w}_noef", reload=True, prefetch=True, num_warps=w, eviction_policy="")
-        add("reload+pf_pps2", reload=True, prefetch=True, programs_per_sm=2)
+            add(f"pf_w{w}", prefetch=True, num_warps=w)
         add("s3", prefetch=False, num_stages=3)
+        add("s2", prefetch=False, num_stages=2)
+        add("pps0.5", programs_per_sm=0.5)
     return out
 
 
