@@ -79,7 +79,7 @@ def _normalized(s, w, b, r, mu, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
 @triton.jit
 def _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS: tl.constexpr,
                FROM_OUTPUT: tl.constexpr, BLOCK_ROW: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
-               CACHE: tl.constexpr = ""):
+               CACHE: tl.constexpr):
     """Raw (unconverted) grad and saved tiles of row tile `tile`, with r and μ; rows past M load nothing."""
     rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
@@ -133,16 +133,16 @@ def _kernel_1_single_pass(
     num_tiles = tl.cdiv(M, BLOCK_ROW)
     if PREFETCH:
         g_next, s_next, r_next, mu_next = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, pid, M, cols, col_mask,
-                                                     IS_RMS, FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
+                                                     IS_RMS, FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64, "")
     for tile in tl.range(pid, num_tiles, num_programs, num_stages=NUM_STAGES):
         if PREFETCH:
             g, s, r, mu = g_next, s_next, r_next, mu_next
             g_next, s_next, r_next, mu_next = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile + num_programs,
                                                          M, cols, col_mask, IS_RMS, FROM_OUTPUT, BLOCK_ROW,
-                                                         EVICTION, INT64)
+                                                         EVICTION, INT64, "")
         else:
             g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
-                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64)
+                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64, "")
         if RELOAD_WEIGHT:
             w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         g = g.to(tl.float32)
