@@ -158,9 +158,9 @@ def _kernel_1_single_pass(
         if RELOAD:
             # dx from a second read of the tile (an L1/L2 hit), so no row data stays in registers across the
             # reductions. The explicit .ca cache modifier makes it a distinct load the compiler cannot merge
-            # with the first one.
+            # with the first one (and excludes an eviction hint: ptxas rejects .ca with .evict_first).
             g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
-                                     FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64, ".ca")
+                                     FROM_OUTPUT, BLOCK_ROW, "", INT64, ".ca")
             if RELOAD_WEIGHT:
                 w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
             xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)

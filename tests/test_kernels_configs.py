@@ -67,10 +67,20 @@ def test_config_is_hashable_and_frozen():
         SAMPLE.kernel_2.block_m = 2  # type: ignore[misc]
 
 
+def test_programs_per_sm_has_one_spelling():
+    """2 and 2.0 are the same grid: equal, same hash, same JSON; fractions are kept."""
+    a, b = Kernel1Config(programs_per_sm=2), Kernel1Config(programs_per_sm=2.0)
+    assert a == b and hash(a) == hash(b)
+    assert BackwardConfig(b).to_json() == BackwardConfig(a).to_json()
+    half = BackwardConfig(Kernel1Config(programs_per_sm=0.5))
+    assert BackwardConfig.from_json(half.to_json()) == half and half.kernel_1.programs_per_sm == 0.5
+
+
 def test_config_str_names_the_knobs():
     text = str(SAMPLE)
     for part in ("2pass", "4x512", "w8", "s3", "pps3", "prefetch", "evict_first", "32x128", "pdl"):
         assert part in text, f"{part!r} missing from {text!r}"
+    assert "reload" in str(BackwardConfig(Kernel1Config(reload=True))) and "reload" not in text
 
 
 PROBLEM = Problem("layer_norm", 64, 200, "bf16")
@@ -93,7 +103,14 @@ BAD_CONFIGS = [
      ["kernel_1.eviction_policy='evict_sometimes'", "'evict_first'", "'evict_last'"]),
     (BackwardConfig(K1(block_col=256, num_stages=0)), PROBLEM, ["kernel_1.num_stages=0", "1 <= kernel_1.num_stages"]),
     (BackwardConfig(K1(block_col=256), K2(num_stages=5)), PROBLEM, ["kernel_2.num_stages=5", "<= 4"]),
-    (BackwardConfig(K1(block_col=256, programs_per_sm=0)), PROBLEM, ["kernel_1.programs_per_sm=0"]),
+    (BackwardConfig(K1(block_col=256, programs_per_sm=0)), PROBLEM,
+     ["kernel_1.programs_per_sm=0", "out of range", "0.125", "32"]),
+    (BackwardConfig(K1(block_col=256, programs_per_sm=0.1)), PROBLEM, ["kernel_1.programs_per_sm=0.1", "0.125"]),
+    (BackwardConfig(K1(block_col=256, programs_per_sm=True)), PROBLEM, ["kernel_1.programs_per_sm=True"]),
+    (BackwardConfig(K1(block_col=256, programs_per_sm="2")), PROBLEM, ["kernel_1.programs_per_sm='2'"]),
+    (BackwardConfig(K1(block_col=256, reload=1)), PROBLEM, ["kernel_1.reload=1", "true or false"]),
+    (BackwardConfig(K1(block_col=64, two_pass=True, reload=True)), PROBLEM,
+     ["kernel_1.reload=true", "single pass", "reload=false"]),
     (BackwardConfig(K1(block_row=True, block_col=256)), PROBLEM, ["kernel_1.block_row=True", "integer"]),
     (BackwardConfig(K1(block_col=256, two_pass="yes")), PROBLEM, ["kernel_1.two_pass='yes'", "true or false"]),
     (BackwardConfig(K1(block_col=256, prefetch=1)), PROBLEM, ["kernel_1.prefetch=1", "true or false"]),
@@ -176,10 +193,11 @@ K1_VARIATIONS = {
     "block_col": [512, 1024],
     "num_warps": [1, 4, 16],
     "num_stages": [2, 3],
-    "programs_per_sm": [1, 3, 32],
+    "programs_per_sm": [0.125, 0.5, 1, 3, 32],  # fractions round to whole programs (0.125 x 4 SMs → 1)
     "two_pass": [True],
     "eviction_policy": ["evict_first", "evict_last"],
     "prefetch": [True],
+    "reload": [True],
 }
 K2_VARIATIONS = {
     "block_m": [1, 2, 16, 32],
@@ -198,6 +216,10 @@ def _variations():
     for name, values in K2_VARIATIONS.items():
         out += [(f"k2.{name}={v}", dataclasses.replace(BASE, kernel_2=dataclasses.replace(BASE.kernel_2, **{name: v})))
                 for v in values]
+    # reload re-reads the tile (and, with single-row tiles, the weight) after the reductions.
+    for name, v in [("prefetch", True), ("block_row", 1), ("num_stages", 2)]:
+        out.append((f"k1.reload+{name}={v}", dataclasses.replace(
+            BASE, kernel_1=dataclasses.replace(BASE.kernel_1, reload=True, **{name: v}))))
     # Two-pass knobs only matter with several column chunks: narrow block_col, alone and with the other knobs.
     two = dataclasses.replace(BASE.kernel_1, two_pass=True, block_col=64)
     out += [("k1.two_pass+block_col=64", dataclasses.replace(BASE, kernel_1=two)),
@@ -260,7 +282,7 @@ def test_config_variation_is_correct(name, config, problem, device, tolerance, a
     launch = poisoned_run(problem, config, args)
     k1 = config.kernel_1
     tiles = -(-problem.M // k1.block_row)
-    assert launch.programs == min(k1.programs_per_sm * sm_count(torch.device(device)), tiles)
+    assert launch.programs == max(1, min(round(k1.programs_per_sm * sm_count(torch.device(device))), tiles))
     tol = tolerance(TORCH_DTYPE[problem.dtype], problem.save)
     assert_close(launch.dx, ref["dx"], tol, "dx")
     assert_close(launch.dw, ref["dw"], tol, "dw")

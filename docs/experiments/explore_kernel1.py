@@ -36,16 +36,18 @@ def variants(p: Problem):
         if cfg.is_valid(p):
             out[name] = cfg
 
-    # round 5: dw/db accumulated before the row reductions (all variants); reload as a distinct .ca load
+    # round 6: wide rows — reload (fixed), warps, two-pass tiles of several rows
     if not k1.two_pass:
         for w in sorted({k1.num_warps, min(32, k1.num_warps * 2)}):
             add(f"reload_w{w}", reload=True, prefetch=False, num_warps=w)
             add(f"reload+pf_w{w}", reload=True, prefetch=True, num_warps=w)
-            add(f"reload_w{w}_s3", reload=True, prefetch=False, num_warps=w, num_stages=3)
-            add(f"pf_w{w}", prefetch=True, num_warps=w)
+        add("w32", prefetch=False, num_warps=32)
         add("s3", prefetch=False, num_stages=3)
-        add("s2", prefetch=False, num_stages=2)
-        add("pps0.5", programs_per_sm=0.5)
+        add("s3_w32", prefetch=False, num_stages=3, num_warps=32)
+        for br, bc, w in ((2, 4096, 8), (4, 2048, 8), (2, 8192, 16), (4, 4096, 16)):
+            add(f"2pass_{br}x{bc}_w{w}", two_pass=True, block_row=br, block_col=bc, num_warps=w, prefetch=True)
+            add(f"2pass_{br}x{bc}_w{w}_s2", two_pass=True, block_row=br, block_col=bc, num_warps=w,
+                prefetch=False, num_stages=2)
     return out
 
 
