@@ -59,6 +59,40 @@ def _effective_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl
 
 
 @triton.jit
+def _widen(v, BF16_BITS: tl.constexpr):
+    """fp32 from raw values. BF16_BITS: through integer bit operations (bf16 is the top half of an fp32, so this
+    is exact) — a different instruction sequence from the plain conversion, which the compiler therefore cannot
+    merge with an earlier conversion of the same registers. That keeps only the packed raw tile alive across the
+    row reductions (see RECOMPUTE)."""
+    if BF16_BITS:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _weight_from_raw(w_raw, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Effective weight from a raw weight row loaded by `_load_weight_raw`."""
+    if HAS_WEIGHT:
+        w = _widen(w_raw, BF16_BITS)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        w = tl.where(mask, w, 1.0)
+    else:
+        w = tl.full(w_raw.shape, 1.0, tl.float32)
+    return w
+
+
+@triton.jit
+def _load_weight_raw(W, cols, mask, HAS_WEIGHT: tl.constexpr):
+    if HAS_WEIGHT:
+        w_raw = tl.load(W + cols, mask=mask, other=0.0)
+    else:
+        w_raw = tl.zeros(cols.shape, tl.float32)
+    return w_raw
+
+
+@triton.jit
 def _normalized(s, w, b, r, mu, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
     """x̂ from the saved activation s: the input x, or the output y when FROM_OUTPUT."""
@@ -112,7 +146,8 @@ def _kernel_1_single_pass(
     NUM_STAGES: tl.constexpr,  # Triton software pipelining of the tile loop (async copies through shared memory)
     PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
     RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
-    RELOAD: tl.constexpr,  # re-read the tile after the row reduction instead of keeping it live across it
+    RECOMPUTE: tl.constexpr,  # keep the raw (bf16) tile across the row reductions, widen it again after them
+    BF16_BITS: tl.constexpr,  # the activations (and weight, for RECOMPUTE) are bf16: widen by bit operations
     EVICTION: tl.constexpr, INT64: tl.constexpr,
     PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
 ):
@@ -144,9 +179,11 @@ def _kernel_1_single_pass(
             g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
                                      FROM_OUTPUT, BLOCK_ROW, EVICTION, INT64, "")
         if RELOAD_WEIGHT:
-            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-        g = g.to(tl.float32)
-        xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            w_raw = _load_weight_raw(W, cols, col_mask, HAS_WEIGHT)
+            w = _weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, False)
+        g_raw, s_raw = g, s
+        g = g_raw.to(tl.float32)
+        xhat = _normalized(s_raw.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
         # dw/db do not depend on the row terms: accumulate before the reductions so that g is dead across them.
         if HAS_WEIGHT:
             acc_dw += g * xhat
@@ -155,16 +192,13 @@ def _kernel_1_single_pass(
         wg = w[None, :] * g
         c1 = tl.sum(xhat * wg, axis=1) / N
         c2 = tl.sum(wg, axis=1) / N
-        if RELOAD:
-            # dx from a second read of the tile (an L1/L2 hit), so no row data stays in registers across the
-            # reductions. The explicit .ca cache modifier makes it a distinct load the compiler cannot merge
-            # with the first one (and excludes an eviction hint: ptxas rejects .ca with .evict_first).
-            g, s, r, mu = _load_rows(G, stride_g, S, stride_s, RSTD, MEAN, tile, M, cols, col_mask, IS_RMS,
-                                     FROM_OUTPUT, BLOCK_ROW, "", INT64, ".ca")
+        if RECOMPUTE:
+            # Widen the raw tile again rather than keeping fp32 x̂ and w·g live across the reductions: halves
+            # the registers the tile holds there (bf16 packs two per register), so wide LayerNorm rows fit.
             if RELOAD_WEIGHT:
-                w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-            xhat = _normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
-            wg = w[None, :] * g.to(tl.float32)
+                w = _weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, BF16_BITS)
+            xhat = _normalized(_widen(s_raw, BF16_BITS), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS)
+            wg = w[None, :] * _widen(g_raw, BF16_BITS)
         if IS_RMS:
             dx = (wg - xhat * c1[:, None]) * r[:, None]
         else:
@@ -203,11 +237,11 @@ def _kernel_1_two_pass(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    RELOAD_WEIGHT: tl.constexpr, RELOAD: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
-    PDL: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, BF16_BITS: tl.constexpr, EVICTION: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT and RELOAD are implied: w is loaded per chunk and
-    pass 2 re-reads). Rows wider than
+    """Arguments as `_kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE does not
+    apply: pass 2 re-reads). Rows wider than
     BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (a program's tile is
     block_row rows, so the re-read is served by L2 when the programs' tiles fit there; pass 1 loads with
     evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's partial row
@@ -327,6 +361,51 @@ def num_programs(M: int, config: BackwardConfig, sms: int) -> int:
     return max(1, min(round(config.kernel_1.programs_per_sm * sms), tiles))
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _pdl_enabled(config: BackwardConfig, device: torch.device) -> bool:
+    cc = compute_capability(device)
+    return bool(config.kernel_2.pdl and PDL_SUPPORTED and not interpret_mode() and cc is not None and cc >= (9, 0))
+
+
+def _kernel_1_args(problem: Problem, config: BackwardConfig, grad, saved, dx, weight, bias, rstd, mean, partial_dw,
+                   partial_db, *, int64: bool, pdl: bool):
+    """(positional args, keyword constexprs/options) of kernel_1. Absent tensors are replaced by `rstd` (an fp32
+    placeholder the constexpr flags never dereference); the same substitution is made when compiling ahead."""
+    p, k1 = problem, config.kernel_1
+    args = (grad, p.N if isinstance(grad, torch.dtype) else grad.stride(0),
+            saved, p.N if isinstance(saved, torch.dtype) else saved.stride(0),
+            dx, p.N if isinstance(dx, torch.dtype) else dx.stride(0),
+            weight if weight is not None else rstd, bias if bias is not None else rstd,
+            rstd, mean if (p.norm == "layer_norm" and p.save == "input") else rstd,
+            partial_dw if p.has_weight else rstd, partial_db if p.has_bias else rstd, p.M, p.N)
+    kwargs = dict(IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
+                  ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output",
+                  BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch,
+                  RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
+                  BF16_BITS=p.dtype == "bf16" and (p.weight_dtype == "bf16" or not p.has_weight),
+                  EVICTION=k1.eviction_policy, INT64=int64,
+                  PDL=pdl, num_warps=k1.num_warps)
+    return args, kwargs
+
+
+def _kernel_2_args(problem: Problem, config: BackwardConfig, partial_dw, partial_db, dw, db, placeholder,
+                   programs: int, *, pdl: bool):
+    p, k2 = problem, config.kernel_2
+    args = (partial_dw if p.has_weight else placeholder, partial_db if p.has_bias else placeholder,
+            dw if dw is not None else placeholder, db if db is not None else placeholder, programs, p.N)
+    kwargs = dict(HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m, BLOCK_N=k2.block_n,
+                  NUM_STAGES=k2.num_stages, PDL=pdl, num_warps=k2.num_warps)
+    if pdl:
+        kwargs["launch_pdl"] = True
+    return args, kwargs
+
+
+def _needs_int64(M: int, N: int, *strides: int) -> bool:
+    return max(M * max(strides, default=N), M * N) >= 2**31
+
+
 class BackwardLaunch:
     """One backward, ready to launch: outputs and partials allocated, grids computed.
 
@@ -351,34 +430,22 @@ class BackwardLaunch:
         self.partial_db = torch.empty((self.programs, N) if has_b else (0,), dtype=torch.float32, device=device)
         self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
         self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
-        rows_span = max(M * max(grad.stride(0), saved.stride(0), self.dx.stride(0)), M * N)
-        self._int64 = rows_span >= 2**31
+        self.pdl = _pdl_enabled(config, device)
+        int64 = _needs_int64(M, N, grad.stride(0), saved.stride(0), self.dx.stride(0))
         self._kernel_1 = _kernel_1_two_pass if config.kernel_1.two_pass else _kernel_1_single_pass
-        cc = compute_capability(device)
-        self.pdl = bool(config.kernel_2.pdl and PDL_SUPPORTED and not interpret_mode() and cc is not None
-                        and cc >= (9, 0))
-        self._pdl_kwargs = {"launch_pdl": True} if self.pdl else {}
+        self._k1_args = _kernel_1_args(problem, config, grad, saved, self.dx, weight, bias, rstd, mean,
+                                       self.partial_dw, self.partial_db, int64=int64, pdl=self.pdl)
+        self._k2_args = _kernel_2_args(problem, config, self.partial_dw, self.partial_db, self.dw, self.db, rstd,
+                                       self.programs, pdl=self.pdl)
 
     def kernel_1(self) -> None:
         if self.programs == 0:
             return
-        p, k1 = self.problem, self.config.kernel_1
-        dummy = self.rstd  # placeholder pointer for absent tensors; the constexpr flags never dereference it
-        self._kernel_1[(self.programs,)](
-            self.grad, self.grad.stride(0), self.saved, self.saved.stride(0), self.dx, self.dx.stride(0),
-            self.weight if self.weight is not None else dummy, self.bias if self.bias is not None else dummy,
-            self.rstd, self.mean if self.mean.numel() else dummy,
-            self.partial_dw if p.has_weight else dummy, self.partial_db if p.has_bias else dummy,
-            p.M, p.N,
-            IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
-            ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output",
-            BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch,
-            RELOAD_WEIGHT=k1.block_row == 1, RELOAD=k1.reload, EVICTION=k1.eviction_policy, INT64=self._int64, PDL=self.pdl,
-            num_warps=k1.num_warps,
-        )
+        args, kwargs = self._k1_args
+        self._kernel_1[(self.programs,)](*args, **kwargs)
 
     def kernel_2(self) -> None:
-        p, k2 = self.problem, self.config.kernel_2
+        p = self.problem
         if not (p.has_weight or p.has_bias):
             return
         if self.programs == 0:  # M = 0: the sums over no rows are zero
@@ -386,16 +453,34 @@ class BackwardLaunch:
                 if out is not None:
                     out.zero_()
             return
-        dummy = self.rstd
-        _kernel_2[(triton.cdiv(p.N, k2.block_n),)](
-            self.partial_dw if p.has_weight else dummy, self.partial_db if p.has_bias else dummy,
-            self.dw if self.dw is not None else dummy, self.db if self.db is not None else dummy,
-            self.programs, p.N,
-            HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m, BLOCK_N=k2.block_n,
-            NUM_STAGES=k2.num_stages, PDL=self.pdl, num_warps=k2.num_warps, **self._pdl_kwargs,
-        )
+        args, kwargs = self._k2_args
+        _kernel_2[(triton.cdiv(p.N, self.config.kernel_2.block_n),)](*args, **kwargs)
 
     def run(self):
         self.kernel_1()
         self.kernel_2()
         return self.dx, self.dw, self.db
+
+
+def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch.device | None = None) -> None:
+    """Compile both kernels for (problem, config) without launching them, as the first real launch would
+    (contiguous rows, the same integer specialization), so that Triton's on-disk cache serves the launch.
+    Used by the tuner's compile-ahead workers; needs the GPU's driver but no data."""
+    config.validate(problem)
+    if problem.M == 0:
+        return
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    act = _TORCH_DTYPES[problem.dtype]
+    wdt = _TORCH_DTYPES[problem.weight_dtype]
+    f32 = torch.float32
+    pdl = _pdl_enabled(config, device)
+    programs = num_programs(problem.M, config, sms)
+    int64 = _needs_int64(problem.M, problem.N)
+    kernel_1 = _kernel_1_two_pass if config.kernel_1.two_pass else _kernel_1_single_pass
+    args, kwargs = _kernel_1_args(problem, config, act, act, act, wdt if problem.has_weight else None,
+                                  wdt if problem.has_bias else None, f32, f32, f32, f32, int64=int64, pdl=pdl)
+    kernel_1.warmup(*args, grid=(programs,), **kwargs)
+    if problem.has_weight or problem.has_bias:
+        args, kwargs = _kernel_2_args(problem, config, f32, f32, wdt if problem.has_weight else None,
+                                      wdt if problem.has_bias else None, f32, programs, pdl=pdl)
+        _kernel_2.warmup(*args, grid=(triton.cdiv(problem.N, config.kernel_2.block_n),), **kwargs)

@@ -208,7 +208,7 @@ class ProblemFamily:
 
 
 def estimate_registers(problem: Problem, block_row: int, block_col: int, num_warps: int, two_pass: bool,
-                       prefetch: bool, reload: bool = False) -> int:
+                       prefetch: bool, recompute: bool = False) -> int:
     """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
 
     Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
@@ -216,8 +216,8 @@ def estimate_registers(problem: Problem, block_row: int, block_col: int, num_war
     registers unless a single-row tile reloads it per tile) and b when recovering x̂ from y.
     """
     per_thread = math.ceil(block_row * block_col / (32 * num_warps))
-    # reload: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
-    live = 3.0 if not reload else 1.0 + 2 * problem.itemsize / 4
+    # recompute: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
+    live = 3.0 if not recompute else 1.0 + 2 * problem.itemsize / 4
     if two_pass:
         live += 1 + (problem.norm == "layer_norm")
     else:
@@ -236,9 +236,9 @@ class Kernel1Config:
     and grid-strides over row tiles; two-pass walks each row tile in column chunks of block_col twice: pass 1
     reduces the row terms, pass 2 re-reads (from L2 when the tile fits) and writes grad_input and partials.
     num_stages > 1 software-pipelines the tile loop (loads issued num_stages - 1 iterations ahead).
-    prefetch loads the next tile (two-pass: chunk) into registers before computing the current one. reload
-    (single pass) reduces the row terms from one read and computes dx and the partials from a second read of the
-    tile (an L1/L2 hit), so that no row data is live across the reductions: wide rows then fit in registers.
+    prefetch loads the next tile (two-pass: chunk) into registers before computing the current one. recompute
+    (single pass) keeps only the raw bf16 tile live across the row reductions and widens it again after them,
+    halving the registers the tile holds there, so that wide LayerNorm rows fit (no effect for fp16/fp32 data).
     round(programs_per_sm x SMs) persistent programs (a fraction such as 0.5 leaves SMs idle but halves the
     partials), never more than the row tiles. eviction_policy is the cache
     hint of the streaming loads ("" = none).
@@ -252,7 +252,7 @@ class Kernel1Config:
     two_pass: bool = False
     eviction_policy: str = ""
     prefetch: bool = False
-    reload: bool = False
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         # 2 and 2.0 are the same grid: keep one spelling so configs hash and serialize identically.
@@ -277,11 +277,11 @@ class Kernel1Config:
         _check_choice("kernel_1.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         if not isinstance(self.prefetch, bool):
             raise ConfigError(f"kernel_1.prefetch={self.prefetch!r} must be true or false")
-        if not isinstance(self.reload, bool):
-            raise ConfigError(f"kernel_1.reload={self.reload!r} must be true or false")
-        if self.reload and self.two_pass:
-            raise ConfigError("kernel_1.reload=true applies to single pass: two_pass=true already re-reads "
-                              "(use reload=false)")
+        if not isinstance(self.recompute, bool):
+            raise ConfigError(f"kernel_1.recompute={self.recompute!r} must be true or false")
+        if self.recompute and self.two_pass:
+            raise ConfigError("kernel_1.recompute=true applies to single pass: two_pass=true re-reads its chunks "
+                              "(use recompute=false)")
         if not self.two_pass and self.block_col < problem.N:
             raise ConfigError(
                 f"kernel_1.block_col={self.block_col} < N={problem.N} in single pass: use block_col >= "
@@ -299,7 +299,7 @@ class Kernel1Config:
                 f"tile: use num_warps <= {max(1, self.tile() // 32)}"
             )
         regs = estimate_registers(problem, self.block_row, self.block_col, self.num_warps, self.two_pass,
-                                  self.prefetch, self.reload)
+                                  self.prefetch, self.recompute)
         budget = register_budget(self.num_warps)
         if regs > budget:
             raise ConfigError(
@@ -399,7 +399,7 @@ class BackwardConfig:
         k1, k2 = self.kernel_1, self.kernel_2
         mode = "2pass" if k1.two_pass else "1pass"
         ev = f" {k1.eviction_policy}" if k1.eviction_policy else ""
-        pf = (" prefetch" if k1.prefetch else "") + (" reload" if k1.reload else "")
+        pf = (" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
         return (f"k1[{mode} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
                 f"pps{k1.programs_per_sm}{pf}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}"
                 f"{' pdl' if k2.pdl else ''}]")

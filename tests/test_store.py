@@ -12,7 +12,9 @@ import dataclasses
 import datetime as dt
 import multiprocessing
 import os
+import queue as queue_module
 import sqlite3
+import time
 import uuid
 
 import pytest
@@ -39,7 +41,7 @@ INTERP = dataclasses.replace(H100, name="cpu (triton interpreter)", key="interpr
 RMS = Problem("rms_norm", 4096, 8192, "bf16", weight_dtype="fp32")
 LN = Problem("layer_norm", 2**33, 1024, "fp16", zero_centered=True, save="output")
 CONFIG = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, num_stages=2, programs_per_sm=3,
-                                      two_pass=False, eviction_policy="evict_first", prefetch=True),
+                                      two_pass=False, eviction_policy="evict_first", prefetch=True, reload=True),
                         Kernel2Config(block_m=128, block_n=32, num_warps=8, num_stages=3, pdl=True))
 
 
@@ -161,8 +163,10 @@ def test_measurement_round_trip(store):
 
     failed = MeasureResult(status="compile_error", error="CompilationError: at 12:4\n" + "é" * 5000,
                            compile_s=None, interpret=True)
-    store.add_measurement(run_id, RMS, BackwardConfig(), failed, source="seed")
-    assert store.measurements(status="compile_error")[0].to_result() == failed
+    half = BackwardConfig(dataclasses.replace(CONFIG.kernel_1, programs_per_sm=0.5), CONFIG.kernel_2)
+    store.add_measurement(run_id, RMS, half, failed, source="seed")
+    (m,) = store.measurements(status="compile_error")
+    assert m.to_result() == failed and m.config == half and m.config.kernel_1.programs_per_sm == 0.5
 
 
 def test_nan_figures_are_stored_as_missing(store):
@@ -308,13 +312,13 @@ def test_peer_result_round_trip(store):
 # ---------------------------------------------------------------------------------------------- concurrency
 
 
-def _writer(url: str, barrier, worker: int, trials: range, queue) -> None:
+def _writer(url: str, barrier, worker: int, trials: list[int], queue) -> None:
     barrier.wait()  # both processes open the (fresh) database and write at the same moment
     with Store(url) as s:
         run_id = s.start_run(H100, kind="sweep", command_line=f"worker {worker}")
         ids = {}
-        for t in trials:
-            problem = RMS.with_shape(1024 * (1 + t % 4), 4096)  # shared problems: concurrent get-or-create
+        for i, t in enumerate(trials):
+            problem = RMS.with_shape(1024 * (1 + i % 4), 4096)  # both create the same problems at once
             ids[t] = s.add_measurement(run_id, problem, CONFIG, ok(50.0 + t), source="sweep", study_name="shared",
                                        trial_number=t)
             s.add_measurement(run_id, problem, CONFIG, ok(60.0), source="seed")  # never deduplicated
@@ -325,20 +329,18 @@ def _writer(url: str, barrier, worker: int, trials: range, queue) -> None:
 def test_concurrent_writers(url):
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters, as separate sweep processes would be
     barrier, queue = ctx.Barrier(2), ctx.Queue()
-    ranges = {0: range(0, 30), 1: range(15, 45)}  # trials 15..29 are written by both
-    procs = [ctx.Process(target=_writer, args=(url, barrier, w, r, queue)) for w, r in ranges.items()]
+    # Both start with trials 15..29, so they race on the same (study, trial) rows, then write their own.
+    trials = {0: [*range(15, 30), *range(0, 15)], 1: [*range(15, 30), *range(30, 45)]}
+    procs = [ctx.Process(target=_writer, args=(url, barrier, w, t, queue)) for w, t in trials.items()]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = _collect(procs, queue)
     with Store(url) as s:
-        trials = s.measurements(study_name="shared")
-        assert sorted(m.trial_number for m in trials) == list(range(45))  # nothing lost, nothing twice
-        by_trial = {m.trial_number: m.id for m in trials}
+        stored = s.measurements(study_name="shared")
+        assert sorted(m.trial_number for m in stored) == list(range(45))  # nothing lost, nothing twice
+        by_trial = {m.trial_number: m.id for m in stored}
         for worker, ids in results.items():
-            assert ids == {t: by_trial[t] for t in ranges[worker]}  # overlapping trials: the same stored id
+            assert ids == {t: by_trial[t] for t in trials[worker]}  # a raced trial: both got the stored id
         assert s.count_measurements(source="seed") == 60
         assert len(s.problems()) == 4
         assert [r.status for r in s.runs()] == ["finished", "finished"]
@@ -348,6 +350,23 @@ def _fork_child(s: Store, queue) -> None:
     queue.put(s.problem_id(LN))
 
 
+def _collect(procs, queue, timeout_s: float = 120.0):
+    """What the processes put on `queue` (one item each; a (key, value) pair becomes a dict entry), failing fast
+    when one of them dies instead of waiting out the timeout."""
+    items, deadline = [], time.monotonic() + timeout_s
+    while len(items) < len(procs):
+        try:
+            items.append(queue.get(timeout=0.5))
+        except queue_module.Empty:
+            codes = [p.exitcode for p in procs]
+            assert not any(c not in (None, 0) for c in codes), f"a writer process failed (exit codes {codes})"
+            assert time.monotonic() < deadline, "the writer processes timed out"
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return dict(items) if isinstance(items[0], tuple) else items[0]
+
+
 def test_store_inherited_through_fork_reconnects(tmp_path):
     s = Store(f"sqlite:///{tmp_path / 'results.db'}")
     s.problem_id(RMS)  # a pooled connection now exists in the parent
@@ -355,9 +374,8 @@ def test_store_inherited_through_fork_reconnects(tmp_path):
     queue = ctx.Queue()
     child = ctx.Process(target=_fork_child, args=(s, queue))
     child.start()
-    child_id = queue.get(timeout=60)
-    child.join(timeout=60)
-    assert child.exitcode == 0 and s.problem_id(LN) == child_id
+    child_id = _collect([child], queue)
+    assert s.problem_id(LN) == child_id
     s.close()
 
 
@@ -397,6 +415,21 @@ def test_schema_version_mismatch_leaves_the_database_untouched(url, found, advic
     assert f"database schema {found}, this normtune expects {SCHEMA_VERSION}" in message
     assert advice in message and "left unchanged" in message
     assert isinstance(err.value, StoreError)
+    assert _snapshot(url) == before
+
+
+def test_missing_column_is_refused(url):
+    # A table layout older than this normtune's (a config field added without a column): refused up front.
+    with Store(url) as s:
+        s.start_run(H100, kind="sweep", command_line="x")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP INDEX ix_normtune_measurements_k2_pdl"))
+        conn.execute(text("ALTER TABLE normtune_measurements DROP COLUMN k2_pdl"))
+    engine.dispose()
+    before = _snapshot(url)
+    with pytest.raises(SchemaVersionError, match="normtune_measurements.k2_pdl"):
+        Store(url)
     assert _snapshot(url) == before
 
 

@@ -45,7 +45,8 @@ PEER_STATUSES = ("ok", "error", "unavailable")
 BUSY_TIMEOUT_S = 60.0
 
 # Config field -> column, for both kernels. tests/test_store.py checks these columns exist on the table, so a
-# new Kernel1Config/Kernel2Config field without a column fails CI instead of silently going unstored.
+# new Kernel1Config/Kernel2Config field without a column fails CI instead of silently going unstored. A new
+# column is a schema change: bump SCHEMA_VERSION (databases of the old layout are then refused, not corrupted).
 CONFIG_COLUMNS = {("kernel_1", f.name): f"k1_{f.name}" for f in dataclasses.fields(Kernel1Config)}
 CONFIG_COLUMNS |= {("kernel_2", f.name): f"k2_{f.name}" for f in dataclasses.fields(Kernel2Config)}
 
@@ -139,10 +140,11 @@ class MeasurementModel(Base):
     k1_block_col: Mapped[int] = mapped_column(Integer, index=True)
     k1_num_warps: Mapped[int] = mapped_column(Integer, index=True)
     k1_num_stages: Mapped[int] = mapped_column(Integer, index=True)
-    k1_programs_per_sm: Mapped[int] = mapped_column(Integer, index=True)
+    k1_programs_per_sm: Mapped[float] = mapped_column(Float, index=True)  # fractions (0.5) leave SMs idle
     k1_two_pass: Mapped[bool] = mapped_column(Boolean, index=True)
     k1_eviction_policy: Mapped[str] = mapped_column(String(32), index=True)
     k1_prefetch: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_reload: Mapped[bool] = mapped_column(Boolean, index=True)
     k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
     k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)
@@ -404,22 +406,34 @@ class Store:
         self._check_schema_version()
 
     def _check_schema_version(self) -> None:
+        """Refuse a database of another schema version, or one whose tables lack columns this version writes."""
         try:
             with self._engine.connect() as conn:
-                if not inspect(conn).has_table(MetaModel.__tablename__):
+                inspector = inspect(conn)
+                if not inspector.has_table(MetaModel.__tablename__):
                     return
                 found = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")).scalar()
+                missing = [f"{table.name}.{column}" for table in Base.metadata.sorted_tables
+                           if inspector.has_table(table.name)
+                           for column in sorted(set(table.c.keys()) - {c["name"] for c in
+                                                                       inspector.get_columns(table.name)})]
         except SQLAlchemyError as err:
             raise StoreError(f"cannot read {self.display_url}: {err}") from err
-        if found is None or found == str(SCHEMA_VERSION):
-            return
-        newer = found.isdigit() and int(found) > SCHEMA_VERSION
-        advice = ("upgrade normtune to read it" if newer else
-                  f"open it with the normtune release that wrote it (schema {found})")
-        raise SchemaVersionError(
-            f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {self.display_url} was written by "
-            f"{'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to "
-            f"start afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
+        if found is not None and found != str(SCHEMA_VERSION):
+            newer = found.isdigit() and int(found) > SCHEMA_VERSION
+            advice = ("upgrade normtune to read it" if newer else
+                      f"open it with the normtune release that wrote it (schema {found})")
+            raise SchemaVersionError(
+                f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {self.display_url} was written "
+                f"by {'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to "
+                f"start afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
+        if missing:
+            # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
+            raise SchemaVersionError(
+                f"database schema {found}, this normtune expects {SCHEMA_VERSION} with column(s) "
+                f"{', '.join(missing)} that {self.display_url} lacks: it was written by a normtune of the same "
+                "schema version but an older table layout (a change that should have bumped SCHEMA_VERSION), and "
+                "was left unchanged. Open it with the normtune that wrote it, or pass another database.")
 
     @contextmanager
     def session_scope(self) -> Iterator[Session]:

@@ -36,18 +36,14 @@ def variants(p: Problem):
         if cfg.is_valid(p):
             out[name] = cfg
 
-    # round 6: wide rows — reload (fixed), warps, two-pass tiles of several rows
+    # round 7: recompute (raw bf16 tile across the reductions, widened again after)
     if not k1.two_pass:
         for w in sorted({k1.num_warps, min(32, k1.num_warps * 2)}):
-            add(f"reload_w{w}", reload=True, prefetch=False, num_warps=w)
-            add(f"reload+pf_w{w}", reload=True, prefetch=True, num_warps=w)
-        add("w32", prefetch=False, num_warps=32)
+            add(f"rc_w{w}", recompute=True, prefetch=False, num_warps=w)
+            add(f"rc+pf_w{w}", recompute=True, prefetch=True, num_warps=w)
+            add(f"rc_w{w}_s3", recompute=True, prefetch=False, num_warps=w, num_stages=3)
         add("s3", prefetch=False, num_stages=3)
-        add("s3_w32", prefetch=False, num_stages=3, num_warps=32)
-        for br, bc, w in ((2, 4096, 8), (4, 2048, 8), (2, 8192, 16), (4, 4096, 16)):
-            add(f"2pass_{br}x{bc}_w{w}", two_pass=True, block_row=br, block_col=bc, num_warps=w, prefetch=True)
-            add(f"2pass_{br}x{bc}_w{w}_s2", two_pass=True, block_row=br, block_col=bc, num_warps=w,
-                prefetch=False, num_stages=2)
+        add("2pass_4x2048_w8", two_pass=True, block_row=4, block_col=2048, num_warps=8, prefetch=True)
     return out
 
 

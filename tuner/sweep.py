@@ -1,0 +1,604 @@
+"""`normtune sweep`: an Optuna search over both kernels' launch knobs, per problem, measured cold-L2, stored.
+
+Per problem there is one Optuna study (named deterministically, living in the results database) and the goal
+is `trials` finished trials: re-running adds only the difference. The loop uses Optuna's ask/tell interface:
+
+    ask ─► suggest a config ─► (invalid? prune, no compile) ─► compile ahead in a CPU worker ─┐
+    tell ◄── store the measurement (committed at once) ◄── gate + time in the measuring process ┘
+
+- The GPU work runs in a separate measuring process; a trial that outlives `trial_timeout_s` (a hung kernel)
+  gets that process killed and restarted, and is recorded as `timeout`.
+- CPU worker processes compile the next configs (Triton's on-disk cache then serves the measuring process).
+- A measurement is committed to the store before the trial is told to Optuna, so a SIGKILL loses nothing that
+  was measured; on restart, a trial found measured but not told is completed from the store (no re-measure).
+- Several sweeps (processes, GPUs, hosts) may share one database: Optuna heartbeats mark a dead worker's
+  trial failed and `RetryFailedTrialCallback` re-queues it; a retry whose original was measured reuses it.
+- SIGINT/SIGTERM finish the current trial and stop; a second signal abandons it. `time_budget_s` stops between
+  trials and reports what remains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from normtune.kernels.config import BackwardConfig, Problem, default_config
+
+from .device import DeviceInfo
+from .measure import MeasureResult
+from .space import Space
+
+log = logging.getLogger("normtune.sweep")
+
+SAMPLERS = ("tpe", "random", "grid")
+MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
+
+
+def study_name(gpu_key: str, problem: Problem, interpret: bool = False) -> str:
+    """One study per (GPU, problem), named so that any worker on any host finds the same one."""
+    return f"normtune:{'interpret' if interpret else gpu_key}:{problem.key}"
+
+
+@dataclass
+class SweepOptions:
+    gpu_key: str
+    problems: list[Problem]
+    trials: int = 40
+    time_budget_s: float | None = None
+    sampler: str = "tpe"
+    storage_url: str = "sqlite:///results.db"
+    device: int = 0
+    interpret: bool = False
+    compile_workers: int = 8
+    lookahead: int = 6
+    trial_timeout_s: float = 180.0
+    seed: int = 0
+    min_reps: int = 20
+    max_reps: int = 100
+    budget_s: float = 0.3
+    heartbeat_interval: int = 20
+    grace_period: int = 60
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
+        if self.trials < 1:
+            raise ValueError(f"--trials {self.trials}: need at least 1 trial per problem")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds")
+
+
+@dataclass
+class ProblemSummary:
+    problem: Problem
+    study: str
+    trials: int = 0
+    measured_now: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    best_us: float | None = None
+    best_config: BackwardConfig | None = None
+    default_us: float | None = None
+
+
+@dataclass
+class SweepSummary:
+    problems: list[ProblemSummary] = field(default_factory=list)
+    wall_s: float = 0.0
+    measure_s: float = 0.0
+    compile_s: float = 0.0
+    compile_wait_s: float = 0.0
+    stopped: str | None = None  # "time budget", "interrupted", or None when everything finished
+    remaining: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------- measuring process
+
+
+def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: dict) -> None:
+    """Body of the measuring process: owns the CUDA context, one problem's inputs at a time."""
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from normtune.kernels.config import BackwardConfig as BC
+    from normtune.kernels.config import Problem as P
+
+    from . import measure
+
+    if interpret:
+        device, bandwidth, flusher = torch.device("cpu"), math.nan, None
+    else:
+        torch.cuda.set_device(device_index)
+        device = torch.device("cuda", device_index)
+        bandwidth = measure.copy_bandwidth(device)
+        flusher = measure.L2Flusher(device, l2_bytes)
+    conn.send(("ready", bandwidth))
+    case = ref = None
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        _, problem_dict, config_json = msg
+        problem = P.from_dict(problem_dict)
+        try:
+            if case is None or case.problem != problem:
+                case = ref = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                case = measure.make_case(problem, device)
+                ref = case.reference()
+            result = measure.measure_config(case, BC.from_json(config_json), flusher=flusher,
+                                            bandwidth_gbps=bandwidth, reference_grads=ref, **timing)
+        except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
+            result = MeasureResult(status=measure.classify_exception(err), error=f"{type(err).__name__}: {err}",
+                                   interpret=interpret)
+        conn.send(("result", result.to_dict()))
+
+
+class MeasuringProcess:
+    """The GPU side of the sweep, in its own process so that a hung kernel can be killed."""
+
+    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: dict):
+        self._args = (device_index, interpret, l2_bytes, timing)
+        self._proc = None
+        self._conn = None
+        self.bandwidth_gbps = math.nan
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_measure_loop, args=(child, *self._args), daemon=True)
+        self._proc.start()
+        self._conn = parent
+        if not parent.poll(600):
+            raise RuntimeError("the measuring process did not start within 600 s")
+        _, self.bandwidth_gbps = parent.recv()
+
+    def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send(("measure", problem.to_dict(), config.to_json()))
+        if not self._conn.poll(timeout_s):
+            self.kill()
+            return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
+                                 interpret=self._args[1])
+        try:
+            _, data = self._conn.recv()
+        except EOFError:
+            self.kill()
+            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
+                                 interpret=self._args[1])
+        return MeasureResult(**data)
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(10)
+        self._proc = self._conn = None
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+                self._proc.join(10)
+            except (OSError, BrokenPipeError):
+                pass
+        self.kill()
+
+
+# -------------------------------------------------------------------------------------- compile workers
+
+
+def _compile_init(device_index: int) -> None:
+    import torch
+
+    torch.cuda.set_device(device_index)
+
+
+def _compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
+    """(status, seconds, error) of compiling a config ahead of its measurement."""
+    from normtune.kernels.backward import precompile
+    from normtune.kernels.config import BackwardConfig as BC
+    from normtune.kernels.config import Problem as P
+
+    from .measure import classify_exception
+
+    t = time.perf_counter()
+    try:
+        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms)
+        return "ok", time.perf_counter() - t, None
+    except Exception as err:  # noqa: BLE001
+        return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"
+
+
+# ------------------------------------------------------------------------------------------ the sweep
+
+
+@dataclass
+class _Pending:
+    trial: Any
+    config: BackwardConfig
+    source: str
+    compiled: Future | None
+    asked_at: float
+
+
+class Sweep:
+    """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
+
+    def __init__(self, opts: SweepOptions, store, info: DeviceInfo,
+                 on_event: Callable[[str, dict], None] | None = None):
+        import optuna
+
+        self.opts, self.store, self.info = opts, store, info
+        self.emit = on_event or (lambda kind, data: None)
+        self._stop_requested = 0
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self._optuna = optuna
+        url = opts.storage_url
+        engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+        from optuna.storages import RetryFailedTrialCallback
+
+        self.storage = optuna.storages.RDBStorage(
+            url, engine_kwargs=engine_kwargs, heartbeat_interval=opts.heartbeat_interval,
+            grace_period=opts.grace_period, failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
+        self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
+        self._lock = threading.Lock()
+
+    # ---- signals
+    def _on_signal(self, signum, frame):
+        self._stop_requested += 1
+        if self._stop_requested == 1:
+            self.emit("signal", {"message": f"{signal.Signals(signum).name}: finishing the current trial, then "
+                                            "stopping (again to abandon it)"})
+        else:
+            raise KeyboardInterrupt
+
+    # ---- helpers
+    def _sampler(self, space: Space):
+        o = self._optuna
+        if self.opts.sampler == "random":
+            return o.samplers.RandomSampler(seed=self.opts.seed)
+        if self.opts.sampler == "grid":
+            return o.samplers.GridSampler({"config": list(range(len(self._grid(space))))}, seed=self.opts.seed)
+        return o.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=self.opts.seed,
+                                     n_startup_trials=8, warn_independent_sampling=False)
+
+    def _grid(self, space: Space) -> list[BackwardConfig]:
+        if not hasattr(self, "_grid_cache") or self._grid_cache[0] != space:
+            self._grid_cache = (space, list(space))
+        return self._grid_cache[1]
+
+    def _suggest(self, trial, space: Space) -> BackwardConfig:
+        if self.opts.sampler == "grid":
+            configs = self._grid(space)
+            return configs[trial.suggest_categorical("config", list(range(len(configs))))]
+        d = space.domains()
+        params = {}
+        params["k1.two_pass"] = trial.suggest_categorical("k1.two_pass", list(d["k1.two_pass"]))
+        for key, dom in d.items():
+            if key == "k1.two_pass":
+                continue
+            if key == "k1.block_col" and not params["k1.two_pass"]:
+                params[key] = dom[0]
+                continue
+            if key == "k1.recompute" and params["k1.two_pass"]:
+                params[key] = False
+                continue
+            params[key] = trial.suggest_categorical(key, list(dom))
+        return space.config(params)
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.opts.heartbeat_interval):
+            with self._lock:
+                ids = list(self._running)
+            for tid in ids:
+                try:
+                    self.storage.record_heartbeat(tid)
+                except Exception as err:  # noqa: BLE001 - a missed heartbeat only risks a retry
+                    log.debug("heartbeat failed: %s", err)
+
+    def _finished(self, study) -> list:
+        TS = self._optuna.trial.TrialState
+        return [t for t in study.get_trials(deepcopy=False, states=(TS.COMPLETE, TS.FAIL))
+                if t.user_attrs.get("status") in MEASURED]
+
+    def _repair(self, study, name: str, problem: Problem) -> None:
+        """Trials measured (stored) but never told — their process died in between — are told now."""
+        TS = self._optuna.trial.TrialState
+        running = study.get_trials(deepcopy=False, states=(TS.RUNNING,))
+        if not running:
+            return
+        stored = {m.trial_number: m for m in self.store.measurements(problem=problem, interpret=self.info.interpret)
+                  if m.study_name == name and m.trial_number is not None}
+        for t in running:
+            m = stored.get(t.number)
+            if m is not None:
+                self._tell_from_record(study, t.number, m)
+
+    def _tell_from_record(self, study, number: int, m) -> None:
+        TS = self._optuna.trial.TrialState
+        try:
+            study._storage.set_trial_user_attr(study.trials[number]._trial_id, "status", m.status)
+            if m.status == "ok":
+                study.tell(number, m.median_us)
+            else:
+                study.tell(number, state=TS.FAIL)
+        except (RuntimeError, ValueError) as err:  # already told by its own (live) worker
+            log.debug("repair of trial %s skipped: %s", number, err)
+
+    # ---- main loop
+    def run(self) -> SweepSummary:
+        opts = self.opts
+        summary = SweepSummary()
+        t0 = time.perf_counter()
+        old_handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[sig] = signal.signal(sig, self._on_signal)
+        timing = dict(min_reps=opts.min_reps, max_reps=opts.max_reps, budget_s=opts.budget_s)
+        if opts.interpret:
+            timing = dict(min_reps=1, max_reps=2, budget_s=0.0, warmup=0)
+        measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, timing)
+        pool = None
+        if not opts.interpret and opts.compile_workers > 0:
+            pool = ProcessPoolExecutor(opts.compile_workers, mp_context=mp.get_context("spawn"),
+                                       initializer=_compile_init, initargs=(opts.device,))
+        run_id = self.store.start_run(self.info, kind="sweep", command_line=" ".join(os.sys.argv))
+        stop_hb = threading.Event()
+        hb = threading.Thread(target=self._heartbeat_loop, args=(stop_hb,), daemon=True)
+        hb.start()
+        status = "finished"
+        self.emit("start", {"problems": len(opts.problems), "trials": opts.trials, "run_id": run_id})
+        try:
+            for index, problem in enumerate(opts.problems):
+                if self._stop_requested or self._over_budget(t0):
+                    summary.stopped = "interrupted" if self._stop_requested else "time budget"
+                    summary.remaining += [p.key for p in opts.problems[index:]]
+                    break
+                ps = self._sweep_problem(problem, index, run_id, measurer, pool, t0, summary)
+                summary.problems.append(ps)
+                if summary.stopped:
+                    summary.remaining += [p.key for p in opts.problems[index + 1:]]
+                    break
+        except KeyboardInterrupt:
+            summary.stopped = "interrupted"
+            status = "interrupted"
+        except BaseException:
+            status = "failed"
+            raise
+        finally:
+            stop_hb.set()
+            with self._lock:
+                self._running.clear()
+            measurer.close()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+            if summary.stopped == "interrupted":
+                status = "interrupted"
+            self.store.end_run(run_id, status=status)
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
+            summary.wall_s = time.perf_counter() - t0
+            self.emit("finish", {"summary": summary})
+        return summary
+
+    def _over_budget(self, t0: float) -> bool:
+        return self.opts.time_budget_s is not None and time.perf_counter() - t0 >= self.opts.time_budget_s
+
+    def _sweep_problem(self, problem: Problem, index: int, run_id: int, measurer: MeasuringProcess,
+                       pool, t0: float, summary: SweepSummary) -> ProblemSummary:
+        o, opts = self._optuna, self.opts
+        TS = o.trial.TrialState
+        space = Space(problem, self.info.sm_count)
+        name = study_name(opts.gpu_key, problem, self.info.interpret)
+        study = o.create_study(study_name=name, storage=self.storage, sampler=self._sampler(space),
+                               direction="minimize", load_if_exists=True)
+        o.storages.fail_stale_trials(study)
+        self._repair(study, name, problem)
+        if not study.user_attrs.get("seeded"):
+            study.set_user_attr("seeded", True)
+            study.set_user_attr("problem", problem.to_dict())
+            study.set_user_attr("gpu_key", opts.gpu_key)
+            for cfg in space.seeds() if opts.sampler != "grid" else []:
+                study.enqueue_trial(space.params(cfg), user_attrs={"source": "seed"}, skip_if_exists=True)
+        ps = ProblemSummary(problem, name)
+        default = default_config(problem)
+        pending: list[_Pending] = []
+        grid_size = len(self._grid(space)) if opts.sampler == "grid" else None
+
+        def done_and_running() -> tuple[int, int]:
+            finished = len(self._finished(study))
+            running = len(study.get_trials(deepcopy=False, states=(TS.RUNNING,)))
+            return finished, running
+
+        finished, _ = done_and_running()
+        target = opts.trials if grid_size is None else min(opts.trials, grid_size)
+        self.emit("problem", {"index": index, "problem": problem, "study": name, "done": finished,
+                              "target": target})
+        invalid_streak = 0
+        while True:
+            finished, running = done_and_running()
+            # keep `lookahead` trials asked (compiling) ahead of the measurement
+            while (finished + running < target and len(pending) < max(1, opts.lookahead if pool else 1)
+                   and not self._stop_requested and not self._over_budget(t0) and invalid_streak < 500):
+                trial = study.ask()
+                cfg = self._suggest(trial, space)
+                why = space.why_not(cfg)
+                if why is not None:
+                    trial.set_user_attr("status", "invalid")
+                    trial.set_user_attr("error", why[:500])
+                    study.tell(trial, state=TS.PRUNED)
+                    invalid_streak += 1
+                    continue
+                invalid_streak = 0
+                cfg = space.canonical(cfg)
+                source = trial.user_attrs.get("source", "sweep")
+                with self._lock:
+                    self._running[trial._trial_id] = trial.number
+                fut = pool.submit(_compile_one, problem.to_dict(), cfg.to_json(), self.info.sm_count) if pool else None
+                pending.append(_Pending(trial, cfg, source, fut, time.perf_counter()))
+                running += 1
+            if not pending:
+                if finished + running >= target or invalid_streak >= 500:
+                    break
+                if self._stop_requested or self._over_budget(t0):
+                    summary.stopped = "interrupted" if self._stop_requested else "time budget"
+                    summary.remaining.append(f"{problem.key}: {max(0, target - finished)} trials")
+                    break
+                time.sleep(1.0)  # other workers hold the last trials: wait for them
+                continue
+            item = pending.pop(0)
+            self._measure_pending(item, problem, name, run_id, measurer, ps, summary, default)
+            if self._stop_requested or self._over_budget(t0):
+                self._abandon(study, pending)
+                pending = []
+                finished, _ = done_and_running()
+                if finished < target:
+                    summary.stopped = "interrupted" if self._stop_requested else "time budget"
+                    summary.remaining.append(f"{problem.key}: {target - finished} trials")
+                break
+        ps.trials = len(self._finished(study))
+        best = self.store.best(problem, gpu_key=opts.gpu_key, interpret=self.info.interpret)
+        if best is not None:
+            ps.best_us, ps.best_config = best.median_us, best.config
+        self.emit("problem_done", {"summary": ps})
+        return ps
+
+    def _abandon(self, study, pending: list[_Pending]) -> None:
+        TS = self._optuna.trial.TrialState
+        for item in pending:
+            if item.compiled is not None:
+                item.compiled.cancel()
+            item.trial.set_user_attr("status", "abandoned")
+            study.tell(item.trial, state=TS.PRUNED)
+            with self._lock:
+                self._running.pop(item.trial._trial_id, None)
+
+    def _measure_pending(self, item: _Pending, problem: Problem, name: str, run_id: int,
+                         measurer: MeasuringProcess, ps: ProblemSummary, summary: SweepSummary,
+                         default: BackwardConfig) -> None:
+        from optuna.storages import RetryFailedTrialCallback
+
+        TS = self._optuna.trial.TrialState
+        study_trial, cfg = item.trial, item.config
+        result = None
+        compile_s = None
+        # A retry of a trial whose (dead) worker had already stored its measurement reuses it.
+        original = RetryFailedTrialCallback.retried_trial_number(study_trial)
+        if original is not None:
+            prev = [m for m in self.store.measurements(problem=problem, interpret=self.info.interpret)
+                    if m.study_name == name and m.trial_number == original]
+            if prev:
+                m = prev[0]
+                study_trial.set_user_attr("status", m.status)
+                study_trial.set_user_attr("reused_from", original)
+                if m.status == "ok":
+                    self._tell(study_trial, m.median_us)
+                else:
+                    self._tell(study_trial, None)
+                return
+        if item.compiled is not None:
+            t_wait = time.perf_counter()
+            try:
+                cstatus, compile_s, cerr = item.compiled.result(timeout=self.opts.trial_timeout_s)
+            except Exception as err:  # noqa: BLE001 - a broken pool: measure (and compile) in the measurer
+                cstatus, compile_s, cerr = "ok", None, None
+                log.debug("compile-ahead failed: %s", err)
+            summary.compile_wait_s += time.perf_counter() - t_wait
+            summary.compile_s += compile_s or 0.0
+            if cstatus in ("compile_error", "out_of_resources"):
+                result = MeasureResult(status=cstatus, error=cerr, compile_s=compile_s,
+                                       interpret=self.info.interpret)
+        if result is None:
+            t = time.perf_counter()
+            result = measurer.measure(problem, cfg, self.opts.trial_timeout_s)
+            summary.measure_s += time.perf_counter() - t
+            if compile_s is not None:
+                result.compile_s = compile_s
+        # Commit the measurement first: a kill after this line loses nothing (restart repairs the trial).
+        self.store.add_measurement(run_id, problem, cfg, result, source=item.source, study_name=name,
+                                   trial_number=study_trial.number)
+        study_trial.set_user_attr("status", result.status)
+        study_trial.set_user_attr("config", cfg.to_json())
+        if result.error:
+            study_trial.set_user_attr("error", result.error[:1000])
+        self._tell(study_trial, result.median_us if result.status == "ok" else None)
+        ps.measured_now += 1
+        if result.status != "ok":
+            ps.failures[result.status] = ps.failures.get(result.status, 0) + 1
+        elif ps.best_us is None or result.median_us < ps.best_us:
+            ps.best_us, ps.best_config = result.median_us, cfg
+        if cfg == default and result.status == "ok":
+            ps.default_us = result.median_us
+        self.emit("trial", {"problem": problem, "config": cfg, "result": result, "best_us": ps.best_us,
+                            "default_us": ps.default_us, "number": study_trial.number})
+
+    def _tell(self, trial, value: float | None) -> None:
+        TS = self._optuna.trial.TrialState
+        study = trial.study
+        if value is None or not math.isfinite(value):
+            study.tell(trial, state=TS.FAIL)
+        else:
+            study.tell(trial, value)
+        with self._lock:
+            self._running.pop(trial._trial_id, None)
+
+
+# ------------------------------------------------------------------------------------------ many GPUs
+
+
+def _worker_main(opts_dict: dict, device: int, storage_url: str, log_path: str | None) -> None:
+    """One sweep worker per GPU (`--devices 0,1,…`): same studies, its own device."""
+    from .device import detect
+    from .store import Store
+
+    opts = SweepOptions(**{**opts_dict, "device": device,
+                           "problems": [Problem.from_dict(p) for p in opts_dict["problems"]]})
+    info = detect(device)
+    store = Store(storage_url)
+    try:
+        Sweep(opts, store, info).run()
+    finally:
+        store.close()
+
+
+def run_on_devices(opts: SweepOptions, devices: list[int]) -> list[int]:
+    """Start one sweep process per device and wait; returns their exit codes."""
+    ctx = mp.get_context("spawn")
+    data = dataclasses.asdict(opts)
+    data["problems"] = [p.to_dict() for p in opts.problems]
+    procs = [ctx.Process(target=_worker_main, args=(data, d, opts.storage_url, None)) for d in devices]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGINT)
+        for p in procs:
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def summary_json(summary: SweepSummary) -> str:
+    return json.dumps({
+        "wall_s": summary.wall_s, "measure_s": summary.measure_s, "compile_s": summary.compile_s,
+        "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "remaining": summary.remaining,
+        "problems": [{"problem": ps.problem.key, "study": ps.study, "trials": ps.trials,
+                      "measured_now": ps.measured_now, "failures": ps.failures, "best_us": ps.best_us,
+                      "default_us": ps.default_us,
+                      "best_config": ps.best_config.to_dict() if ps.best_config else None}
+                     for ps in summary.problems]}, indent=1)
