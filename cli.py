@@ -209,6 +209,157 @@ def _print_summary(console, report) -> None:
         console.print(f"geometric-mean speedup over the best peer: {g:.3f}×")
 
 
+# ------------------------------------------------------------------------------------------------- sweep
+
+
+def _problems(norms: list[str], dtype: str, weight_dtype: str | None, shapes, *, bias: bool | None,
+              zero_centered: bool, save: str):
+    from normtune.kernels.config import Problem
+
+    out = []
+    for norm in norms:
+        has_bias = (norm == "layer_norm") if bias is None else (bias and norm == "layer_norm")
+        for M, N in shapes:
+            out.append(Problem(norm, M, N, dtype, weight_dtype, True, has_bias, zero_centered, save))
+    return out
+
+
+def _parse_devices(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        devices = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise CLIError(f"--devices {text!r}: use a comma list of CUDA device indices, e.g. 0,1,2,3") from None
+    if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+        raise CLIError(f"--devices {text!r}: use distinct non-negative indices, e.g. 0,1")
+    return devices
+
+
+@app.command()
+def sweep(
+    gpu: Gpu = "auto",
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    shapes: Shapes = None,
+    weight_dtype: Annotated[Optional[str], typer.Option(help="Weight dtype (default: the activation dtype)")] = None,
+    bias: Annotated[Optional[bool], typer.Option("--bias/--no-bias", help="LayerNorm bias [default: bias]")] = None,
+    zero_centered: Annotated[bool, typer.Option(help="Zero-centered weights (w = 1 + w')")] = False,
+    save: Annotated[str, typer.Option(help="What the forward saves: input | output")] = "input",
+    trials: Annotated[int, typer.Option(help="Finished trials each problem should end with (re-running adds "
+                                             "only the difference)")] = 40,
+    time_budget: Annotated[Optional[float], typer.Option(help="Stop between trials after this many seconds")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe | random | grid")] = "tpe",
+    storage: Storage = DEFAULT_DB,
+    device: Device = 0,
+    devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices: one worker per GPU")] = None,
+    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs")] = 8,
+    trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
+    seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
+    summary: Annotated[Optional[Path], typer.Option(help="Also write a JSON summary here")] = None,
+    interpret: Interpret = False,
+):
+    """Search kernel_1/kernel_2 launch configs with Optuna, measured cold-L2, stored in the results database."""
+    _run(_use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS, SAVE_MODES, canonical_dtype
+    from normtune.tuner import sweep as S
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    norms = _run(_split, norm, NORMS, "--norm")
+    if save not in SAVE_MODES:
+        _run(_raise, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
+    dt = _run(canonical_dtype, dtype)
+    wdt = _run(canonical_dtype, weight_dtype) if weight_dtype else None
+    shape_list = _run(_shapes, shapes, interpret)
+    problems = _run(_problems, norms, dt, wdt, shape_list, bias=bias, zero_centered=zero_centered, save=save)
+    device_list = _run(_parse_devices, devices)
+    if device_list and interpret:
+        _run(_raise, "--devices needs GPUs; --interpret runs one worker on CPU")
+    info = _run(_device_info, gpu, interpret, device_list[0] if device_list else device)
+    key = info.key if interpret else gpu if gpu != "auto" else info.key
+    opts = _run(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
+                sampler=sampler, storage_url=storage, device=device, interpret=interpret,
+                compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed)
+    store = _run(Store, storage)
+    if interpret:
+        console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
+                      "interpreter timings and are never emitted as a GPU table[/]")
+    if device_list:
+        store.close()
+        console.print(f"sweeping {len(problems)} problems on devices {device_list} ({storage})")
+        codes = S.run_on_devices(opts, device_list)
+        if any(codes):
+            raise typer.Exit(1)
+        return
+    result = _sweep_with_progress(console, S.Sweep(opts, store, info, on_event=None), opts)
+    store.close()
+    if summary:
+        summary.write_text(S.summary_json(result))
+    if result.stopped:
+        console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
+                      "Re-run the same command to continue.[/]")
+
+
+def _raise(message: str):
+    raise CLIError(message)
+
+
+def _sweep_with_progress(console, sw, opts):
+    from rich.live import Live
+    from rich.table import Table
+
+    state = {"problem": "", "done": 0, "target": 0, "best": None, "default": None, "pdone": 0, "ptotal": 0,
+             "t0": None, "trials": 0, "last": ""}
+    import time as _t
+
+    def render():
+        t = Table.grid(padding=(0, 2))
+        elapsed = _t.perf_counter() - state["t0"] if state["t0"] else 0.0
+        rate = elapsed / state["trials"] if state["trials"] else None
+        left = (state["ptotal"] - state["pdone"]) * opts.trials - state["done"]
+        eta = f"{rate * max(0, left) / 60:.1f} min" if rate else "–"
+        best = f"{state['best']:.1f} µs" if state["best"] else "–"
+        dflt = f"{state['default']:.1f} µs" if state["default"] else "–"
+        t.add_row("problems", f"{state['pdone']}/{state['ptotal']}", "ETA", eta)
+        t.add_row("problem", state["problem"], "trials", f"{state['done']}/{state['target']}")
+        t.add_row("best", best, "default config", dflt)
+        t.add_row("last", state["last"], "", "")
+        return t
+
+    with Live(render(), console=console, refresh_per_second=4) as live:
+        def on_event(kind, data):
+            if kind == "start":
+                state.update(ptotal=data["problems"], t0=_t.perf_counter())
+            elif kind == "problem":
+                state.update(problem=data["problem"].key, done=data["done"], target=data["target"], best=None,
+                             default=None)
+            elif kind == "trial":
+                r = data["result"]
+                state["done"] += 1
+                state["trials"] += 1
+                state.update(best=data["best_us"], default=data["default_us"])
+                state["last"] = (f"{r.median_us:.1f} µs" if r.status == "ok" else r.status) + f"  {data['config']}"
+            elif kind == "problem_done":
+                state["pdone"] += 1
+                ps = data["summary"]
+                live.console.print(f"{ps.problem.key}: {ps.trials} trials, best "
+                                   f"{ps.best_us and f'{ps.best_us:.1f} µs'}"
+                                   + (f" (default {ps.default_us:.1f} µs)" if ps.default_us else "")
+                                   + (f", failures {ps.failures}" if ps.failures else ""))
+            elif kind == "signal":
+                live.console.print(f"[yellow]{data['message']}[/]")
+            live.update(render())
+
+        sw.emit = on_event
+        result = _run(sw.run)
+    console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
+                  f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
+    return result
+
+
 def main() -> None:  # pragma: no cover - console-script entry point alternative
     app()
 

@@ -26,12 +26,13 @@ DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-# Relative error ‖out − ref‖ / ‖ref‖ allowed against the float64 reference, per activation dtype.
-# Calibrated on this suite's inputs (randn + 0.5 activations, weights 1 + 0.1·randn): the worst case seen was
-# about a fifth of each bound. Low-precision outputs are bounded by their final rounding (bf16 2^-9, fp16 2^-12).
+# Relative error ‖out − ref‖ / ‖ref‖ allowed against the float64 reference, per activation dtype. Low-precision
+# outputs are bounded by their final rounding (bf16 2^-9, fp16 2^-12); calibrated on this suite's inputs (randn + 0.5
+# activations, weights 1 + 0.1·randn), on the interpreter and on an H100, where the worst errors seen were ~1e-6
+# (fp32, N = 1), 3e-4 (fp16) and 7e-3 (bf16).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-# save="output" recovers x̂ = (y − b)/w from the *rounded* y: x̂ carries y's rounding error, amplified by 1/|w|
-# and by |y|/|x̂|, so gradients (dw in particular) are a few times further off than when saving the input.
+# save="output" recovers x̂ = (y − b)/w from the *rounded* y: x̂ carries y's rounding error, amplified by 1/|w| and
+# by |y|/|x̂|, so gradients can be a few times further off than when saving the input.
 TOLERANCE_SAVE_OUTPUT = {torch.float32: 3e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 
@@ -74,16 +75,16 @@ def tolerance():
     return lookup
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-8) -> float:
-    """‖out − ref‖ / max(‖ref‖, floor), in float64. The floor only matters for an (almost) zero reference,
-    e.g. LayerNorm's dx for N = 1, where it turns the check into an absolute one."""
+def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """‖out − ref‖ / max(‖ref‖, floor, 1e-8), in float64. The floors only matter for a reference that is (almost)
+    zero, e.g. LayerNorm's dx and dw for N = 1 (x̂ = 0), where float64 autograd leaves ~1e-17 rather than 0."""
     ref64 = ref.detach().double()
     out64 = out.detach().to(ref64.device, torch.float64)
-    return ((out64 - ref64).norm() / max(ref64.norm().item(), floor, 1e-30)).item()
+    return ((out64 - ref64).norm() / max(ref64.norm().item(), floor, 1e-8)).item()
 
 
 def assert_close(out: torch.Tensor | None, ref: torch.Tensor | None, tol: float, what: str,
-                 floor: float = 1e-8) -> None:
+                 floor: float = 0.0) -> None:
     """`out` has ref's shape, every element finite (poisoned outputs were all written), and is within `tol`
     relative error of the float64 `ref` (relative to `floor` where ‖ref‖ is smaller: pass the size of the terms
     that cancel to form ref when that cancellation can leave ref near zero)."""

@@ -80,7 +80,7 @@ def test_config_str_names_the_knobs():
     text = str(SAMPLE)
     for part in ("2pass", "4x512", "w8", "s3", "pps3", "prefetch", "evict_first", "32x128", "pdl"):
         assert part in text, f"{part!r} missing from {text!r}"
-    assert "reload" in str(BackwardConfig(Kernel1Config(reload=True))) and "reload" not in text
+    assert "recompute" in str(BackwardConfig(Kernel1Config(recompute=True))) and "recompute" not in text
 
 
 PROBLEM = Problem("layer_norm", 64, 200, "bf16")
@@ -108,9 +108,9 @@ BAD_CONFIGS = [
     (BackwardConfig(K1(block_col=256, programs_per_sm=0.1)), PROBLEM, ["kernel_1.programs_per_sm=0.1", "0.125"]),
     (BackwardConfig(K1(block_col=256, programs_per_sm=True)), PROBLEM, ["kernel_1.programs_per_sm=True"]),
     (BackwardConfig(K1(block_col=256, programs_per_sm="2")), PROBLEM, ["kernel_1.programs_per_sm='2'"]),
-    (BackwardConfig(K1(block_col=256, reload=1)), PROBLEM, ["kernel_1.reload=1", "true or false"]),
-    (BackwardConfig(K1(block_col=64, two_pass=True, reload=True)), PROBLEM,
-     ["kernel_1.reload=true", "single pass", "reload=false"]),
+    (BackwardConfig(K1(block_col=256, recompute=1)), PROBLEM, ["kernel_1.recompute=1", "true or false"]),
+    (BackwardConfig(K1(block_col=64, two_pass=True, recompute=True)), PROBLEM,
+     ["kernel_1.recompute=true", "single pass", "recompute=false"]),
     (BackwardConfig(K1(block_row=True, block_col=256)), PROBLEM, ["kernel_1.block_row=True", "integer"]),
     (BackwardConfig(K1(block_col=256, two_pass="yes")), PROBLEM, ["kernel_1.two_pass='yes'", "true or false"]),
     (BackwardConfig(K1(block_col=256, prefetch=1)), PROBLEM, ["kernel_1.prefetch=1", "true or false"]),
@@ -197,7 +197,7 @@ K1_VARIATIONS = {
     "two_pass": [True],
     "eviction_policy": ["evict_first", "evict_last"],
     "prefetch": [True],
-    "reload": [True],
+    "recompute": [True],
 }
 K2_VARIATIONS = {
     "block_m": [1, 2, 16, 32],
@@ -216,10 +216,10 @@ def _variations():
     for name, values in K2_VARIATIONS.items():
         out += [(f"k2.{name}={v}", dataclasses.replace(BASE, kernel_2=dataclasses.replace(BASE.kernel_2, **{name: v})))
                 for v in values]
-    # reload re-reads the tile (and, with single-row tiles, the weight) after the reductions.
+    # recompute widens the raw tile (and, with single-row tiles, the raw weight) again after the reductions.
     for name, v in [("prefetch", True), ("block_row", 1), ("num_stages", 2)]:
-        out.append((f"k1.reload+{name}={v}", dataclasses.replace(
-            BASE, kernel_1=dataclasses.replace(BASE.kernel_1, reload=True, **{name: v}))))
+        out.append((f"k1.recompute+{name}={v}", dataclasses.replace(
+            BASE, kernel_1=dataclasses.replace(BASE.kernel_1, recompute=True, **{name: v}))))
     # Two-pass knobs only matter with several column chunks: narrow block_col, alone and with the other knobs.
     two = dataclasses.replace(BASE.kernel_1, two_pass=True, block_col=64)
     out += [("k1.two_pass+block_col=64", dataclasses.replace(BASE, kernel_1=two)),

@@ -60,7 +60,7 @@ DEFAULT_EPS = {"layer_norm": 1e-5, "rms_norm": 1e-6}
 
 
 def small_config(N: int, dtype: torch.dtype, *, two_pass: bool, block_row: int = 2, programs_per_sm: int = 2,
-                 norm: str = "layer_norm", reload: bool = False) -> BackwardConfig:
+                 norm: str = "layer_norm", recompute: bool = False) -> BackwardConfig:
     """A small-tile config for N columns: single pass holds the whole row; two-pass walks ~4 column chunks
     (block_col < N whenever N > 1), the narrowest valid warp count (fastest under the interpreter)."""
     block_col = max(1, next_power_of_two(N) // 4) if two_pass else next_power_of_two(N)
@@ -68,8 +68,9 @@ def small_config(N: int, dtype: torch.dtype, *, two_pass: bool, block_row: int =
     problem = Problem(norm, 1, N, dtype)
     for rows in (block_row, 1):  # whole wide rows fit the register budget only one at a time
         for warps in NUM_WARPS:
-            cfg = BackwardConfig(Kernel1Config(block_row=rows, block_col=block_col, num_warps=warps,
-                                               programs_per_sm=programs_per_sm, two_pass=two_pass, reload=reload), k2)
+            k1 = Kernel1Config(block_row=rows, block_col=block_col, num_warps=warps, programs_per_sm=programs_per_sm,
+                               two_pass=two_pass, recompute=recompute)
+            cfg = BackwardConfig(k1, k2)
             if cfg.is_valid(problem):
                 return cfg
     raise AssertionError(f"no valid small config for N={N}")
@@ -145,10 +146,10 @@ def run_and_check_backward(problem, config, inputs, tolerance, assert_close, ref
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Backward launcher: every flag combination x saving mode x dtype, single pass (holding the tile, or re-reading it
-# after the row reductions) and two-pass.
+# Backward launcher: every flag combination x saving mode x dtype, single pass (keeping the widened tile, or
+# widening the raw tile again after the row reductions: recompute) and two-pass.
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["1pass", "1pass-reload", "2pass"])
+@pytest.mark.parametrize("mode", ["1pass", "1pass-recompute", "2pass"])
 @pytest.mark.parametrize("save", SAVES)
 @pytest.mark.parametrize("norm,has_weight,has_bias,zero_centered,dtype,param_dtype", FLAG_DTYPE_CASES)
 def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtype, param_dtype, save, mode,
@@ -157,7 +158,7 @@ def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtyp
     inputs = make_norm_inputs((M, N), dtype, device, has_weight=has_weight, has_bias=has_bias,
                               zero_centered=zero_centered, param_dtype=param_dtype)
     problem = make_problem(norm, M, N, dtype, param_dtype, has_weight, has_bias, zero_centered, save)
-    config = small_config(N, dtype, two_pass=mode == "2pass", reload=mode == "1pass-reload", norm=norm)
+    config = small_config(N, dtype, two_pass=mode == "2pass", recompute=mode == "1pass-recompute", norm=norm)
     run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm)
 
 

@@ -23,14 +23,16 @@ import importlib.util
 import json
 import math
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, MetaData, String,
                         Text, UniqueConstraint, create_engine, event, func, inspect, select)
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DisconnectionError, IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import (DisconnectionError, IntegrityError, OperationalError, ProgrammingError,
+                            SQLAlchemyError)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
@@ -144,7 +146,7 @@ class MeasurementModel(Base):
     k1_two_pass: Mapped[bool] = mapped_column(Boolean, index=True)
     k1_eviction_policy: Mapped[str] = mapped_column(String(32), index=True)
     k1_prefetch: Mapped[bool] = mapped_column(Boolean, index=True)
-    k1_reload: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_recompute: Mapped[bool] = mapped_column(Boolean, index=True)
     k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
     k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)
@@ -386,16 +388,8 @@ class Store:
         try:
             with self._engine.connect() as conn:
                 if is_sqlite and make_url(self.url).database not in (None, "", ":memory:"):
-                    conn.exec_driver_sql("PRAGMA journal_mode=WAL")  # persistent: a property of the file
-                for attempt in range(5):
-                    try:
-                        Base.metadata.create_all(conn)  # only the missing tables
-                        conn.commit()
-                        break
-                    except SQLAlchemyError:  # another process created a table between check and create
-                        conn.rollback()
-                        if attempt == 4:
-                            raise
+                    _retry_while_locked(conn, _enable_wal)
+                _retry_while_locked(conn, Base.metadata.create_all)  # only the missing tables
         except SQLAlchemyError as err:
             raise StoreError(f"cannot create the normtune tables in {self.display_url}: {err}") from err
         try:
@@ -634,6 +628,33 @@ class Store:
             query = query.where(ProblemModel.key == problem.key)
         with self.session_scope() as session:
             return [_peer_record(*row) for row in session.execute(query)]
+
+
+def _enable_wal(conn) -> None:
+    # WAL is a property of the file: once any opener has switched it, everyone's connections use it.
+    if conn.exec_driver_sql("PRAGMA journal_mode").scalar() != "wal":
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+
+
+_TRANSIENT = ("locked", "busy", "already exists", "duplicate key")
+
+
+def _retry_while_locked(conn, step: Callable[[Any], None]) -> None:
+    """Run `step(conn)` and commit, retrying while another opener holds the lock it needs or races it to create
+    a table. Switching the journal mode fails at once when locked (SQLite's busy timeout does not cover it), and
+    creating tables checks for each one before creating it, so two fresh openers can collide there too."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            step(conn)
+            conn.commit()
+            return
+        except (OperationalError, IntegrityError, ProgrammingError) as err:
+            conn.rollback()
+            transient = any(word in str(err.orig).lower() for word in _TRANSIENT)
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _install_connection_hooks(engine, is_sqlite: bool) -> None:

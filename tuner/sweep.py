@@ -41,6 +41,8 @@ from .space import Space
 log = logging.getLogger("normtune.sweep")
 
 SAMPLERS = ("tpe", "random", "grid")
+# Trials every problem gets before any is searched deeper (the default config and its first neighbours).
+FIRST_ROUND = 12
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 
 
@@ -65,7 +67,7 @@ class SweepOptions:
     seed: int = 0
     min_reps: int = 20
     max_reps: int = 100
-    budget_s: float = 0.3
+    budget_s: float = 0.2
     heartbeat_interval: int = 20
     grace_period: int = 60
 
@@ -329,7 +331,8 @@ class Sweep:
     def _tell_from_record(self, study, number: int, m) -> None:
         TS = self._optuna.trial.TrialState
         try:
-            study._storage.set_trial_user_attr(study.trials[number]._trial_id, "status", m.status)
+            frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
+            self.storage.set_trial_user_attr(frozen._trial_id, "status", m.status)
             if m.status == "ok":
                 study.tell(number, m.median_us)
             else:
@@ -360,16 +363,25 @@ class Sweep:
         hb.start()
         status = "finished"
         self.emit("start", {"problems": len(opts.problems), "trials": opts.trials, "run_id": run_id})
+        # Rounds: every problem first gets a few trials (the default and its neighbours), then all are deepened
+        # to `trials`, so that a time-budgeted sweep covers every problem before it refines any.
+        rounds = sorted({min(opts.trials, FIRST_ROUND), opts.trials})
         try:
-            for index, problem in enumerate(opts.problems):
-                if self._stop_requested or self._over_budget(t0):
-                    summary.stopped = "interrupted" if self._stop_requested else "time budget"
-                    summary.remaining += [p.key for p in opts.problems[index:]]
-                    break
-                ps = self._sweep_problem(problem, index, run_id, measurer, pool, t0, summary)
-                summary.problems.append(ps)
+            for target in rounds:
+                by_key: dict[str, ProblemSummary] = {}
+                for index, problem in enumerate(opts.problems):
+                    if self._stop_requested or self._over_budget(t0):
+                        summary.stopped = "interrupted" if self._stop_requested else "time budget"
+                        summary.remaining += [f"{p.key}: up to {opts.trials} trials" for p in opts.problems[index:]]
+                        break
+                    ps = self._sweep_problem(problem, index, run_id, measurer, pool, t0, summary, target)
+                    by_key[problem.key] = ps
+                    if summary.stopped:
+                        summary.remaining += [f"{p.key}: up to {opts.trials} trials"
+                                              for p in opts.problems[index + 1:]]
+                        break
+                summary.problems = list(by_key.values())
                 if summary.stopped:
-                    summary.remaining += [p.key for p in opts.problems[index + 1:]]
                     break
         except KeyboardInterrupt:
             summary.stopped = "interrupted"
@@ -397,7 +409,7 @@ class Sweep:
         return self.opts.time_budget_s is not None and time.perf_counter() - t0 >= self.opts.time_budget_s
 
     def _sweep_problem(self, problem: Problem, index: int, run_id: int, measurer: MeasuringProcess,
-                       pool, t0: float, summary: SweepSummary) -> ProblemSummary:
+                       pool, t0: float, summary: SweepSummary, trials: int) -> ProblemSummary:
         o, opts = self._optuna, self.opts
         TS = o.trial.TrialState
         space = Space(problem, self.info.sm_count)
@@ -413,6 +425,9 @@ class Sweep:
             for cfg in space.seeds() if opts.sampler != "grid" else []:
                 study.enqueue_trial(space.params(cfg), user_attrs={"source": "seed"}, skip_if_exists=True)
         ps = ProblemSummary(problem, name)
+        best = self.store.best(problem, gpu_key=opts.gpu_key, interpret=self.info.interpret)
+        if best is not None:
+            ps.best_us, ps.best_config = best.median_us, best.config
         default = default_config(problem)
         pending: list[_Pending] = []
         grid_size = len(self._grid(space)) if opts.sampler == "grid" else None
@@ -423,7 +438,7 @@ class Sweep:
             return finished, running
 
         finished, _ = done_and_running()
-        target = opts.trials if grid_size is None else min(opts.trials, grid_size)
+        target = trials if grid_size is None else min(trials, grid_size)
         self.emit("problem", {"index": index, "problem": problem, "study": name, "done": finished,
                               "target": target})
         invalid_streak = 0
@@ -495,7 +510,7 @@ class Sweep:
         result = None
         compile_s = None
         # A retry of a trial whose (dead) worker had already stored its measurement reuses it.
-        original = RetryFailedTrialCallback.retried_trial_number(study_trial)
+        original = RetryFailedTrialCallback.retried_trial_number(self.storage.get_trial(study_trial._trial_id))
         if original is not None:
             prev = [m for m in self.store.measurements(problem=problem, interpret=self.info.interpret)
                     if m.study_name == name and m.trial_number == original]
