@@ -360,6 +360,114 @@ def _sweep_with_progress(console, sw, opts):
     return result
 
 
+# -------------------------------------------------------------------------------------------------- emit
+
+
+@app.command()
+def emit(
+    gpu: Gpu = "auto",
+    db: Storage = DEFAULT_DB,
+    out: Annotated[Optional[Path], typer.Option(help="Output file [default: configs/<gpu>.json]")] = None,
+    remeasure: Annotated[bool, typer.Option(help="First time each problem's top configs on its neighbours "
+                                                 "(needs the GPU) to complete the config x shape matrix")] = False,
+    interpret: Interpret = False,
+):
+    """Fit a frozen launch-heuristic table from the stored measurements and write configs/<gpu>.json."""
+    _run(_use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.tuner import emit as E
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    store = _run(Store, db)
+    if interpret:
+        key = "interpret"
+    elif gpu == "auto" or remeasure:
+        key = _run(_device_info, gpu, False).key
+    else:
+        key = gpu
+    if remeasure:
+        info = _run(_device_info, gpu, interpret)
+        n = _run(E.remeasure_neighbours, store, key, info, interpret=interpret)
+        console.print(f"re-measured {n} (problem, config) pairs on neighbouring shapes")
+    table = _run(E.build_table, store, key, interpret=interpret)
+    path = out or Path("configs") / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(E.dumps(table))
+    fams = table["families"]
+    console.print(f"wrote {path}: {len(fams)} families, {sum(len(f['rules']) for f in fams.values())} rules, "
+                  f"from {table['provenance']['configs_measured']} measured configs "
+                  f"(GPU {table['gpu']['name']})")
+
+
+# ---------------------------------------------------------------------------------------------- validate
+
+
+@app.command()
+def validate(
+    gpu: Gpu = "auto",
+    shapes: Shapes = None,
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
+    = None,
+    trials: Annotated[int, typer.Option(help="Trials of the short fresh sweep per shape")] = 20,
+    db: Storage = DEFAULT_DB,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
+    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling ahead")] = 8,
+    interpret: Interpret = False,
+):
+    """Regret of a heuristic table on shapes it was not fitted on (table ÷ best of a short fresh sweep)."""
+    _run(_use_interpreter, interpret)
+    import json as _json
+
+    from rich.console import Console
+    from rich.table import Table as RTable
+
+    from normtune.kernels.config import NORMS, canonical_dtype
+    from normtune.kernels.tables import load_table, table_for
+    from normtune.tuner import validate as V
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    norms = _run(_split, norm, NORMS, "--norm")
+    dt = _run(canonical_dtype, dtype)
+    shape_list = _run(_shapes, shapes or ("tiny" if interpret else "heldout"), interpret)
+    problems = _run(_problems, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    info = _run(_device_info, gpu, interpret)
+    if table is not None:
+        tab = _run(load_table, str(table))
+    else:
+        cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+        tab = _run(table_for, None if interpret else info.name, cc)
+    store = _run(Store, db)
+    rows = _run(V.run_validate, store, info, info.key, problems, tab, trials=trials, storage_url=db,
+                compile_workers=compile_workers)
+    summary = V.summarize(rows)
+    t = RTable(title=f"validate — {info.name}" + (" (interpreter: not GPU times)" if interpret else ""))
+    for col in ("problem", "table µs", "best µs", "default µs", "regret", "vs default"):
+        t.add_column(col, justify="left" if col == "problem" else "right")
+
+    def f(x, d=1):
+        return "–" if x is None else f"{x:.{d}f}"
+
+    for r in rows:
+        t.add_row(f"{r.problem.norm} {r.problem.M}×{r.problem.N}", f(r.table_us), f(r.best_us), f(r.default_us),
+                  f(r.regret, 3), f(r.speedup_vs_default, 3))
+    console.print(t)
+    console.print(f"geometric-mean regret {f(summary['geomean_regret'], 3)}, worst {f(summary['worst_regret'], 3)};"
+                  f" speedup over defaults {f(summary['geomean_speedup_vs_default'], 3)}×")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "validate.json").write_text(_json.dumps({"device": info.to_dict(), "table": tab.path if tab else None,
+                                                        "summary": summary, "rows": [r.to_dict() for r in rows]},
+                                                       indent=1, sort_keys=True))
+        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None))
+        console.print(f"wrote {out / 'validate.json'}, {out / 'validate.md'}")
+    store.close()
+
+
 def main() -> None:  # pragma: no cover - console-script entry point alternative
     app()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -54,3 +55,30 @@ def compute_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type == "cuda":
         return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
     return None
+
+
+# Known GPU families, most specific first: (regex over the device name, key). The key names tables
+# (configs/<key>.json) and is what `--gpu` takes.
+_GPU_KEYS = (
+    (r"\bGH200\b", "gh200"),
+    (r"\bH200\b", "h200"),
+    (r"\bH100\b", "h100"),
+    (r"\bH800\b", "h800"),
+    (r"\bH20\b", "h20"),
+    (r"\bGB200\b", "gb200"),
+    (r"\bB200\b", "b200"),
+    (r"\bA100\b", "a100"),
+    (r"\bA10G\b", "a10g"),
+    (r"\bL40S\b", "l40s"),
+    (r"\bL4\b", "l4"),
+    (r"RTX 4090", "rtx4090"),
+)
+
+
+def gpu_key(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' → 'h100'. Unknown names become a slug of the name."""
+    for pattern, key in _GPU_KEYS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return key
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+    return slug or "unknown"

@@ -17,7 +17,7 @@ from . import backward as _backward
 from . import forward as _forward
 from . import reference
 from .config import Problem
-from .device import device_name, use_triton
+from .device import compute_capability, device_name, use_triton
 from .select import resolve_config
 
 
@@ -64,7 +64,7 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
     problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                save_output=save_output)
     if use_triton(grad):
-        cfg = resolve_config(problem, config, device_name(grad.device))
+        cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device))
         dx, dw, db = _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean).run()
     else:
         if config:

@@ -33,7 +33,8 @@ has_tools() { for tool in pg_ctl initdb psql pg_isready; do [ -x "$1/$tool" ] ||
 find_bin() {
     local bin
     bin=$(command -v pg_ctl 2>/dev/null || true)
-    if [ -n "$bin" ] && has_tools "$(dirname "$(readlink -f "$bin")")"; then dirname "$(readlink -f "$bin")"; return; fi
+    [ -n "$bin" ] && bin=$(dirname "$(readlink -f "$bin")")
+    if [ -n "$bin" ] && has_tools "$bin"; then echo "$bin"; return; fi
     # Debian keeps the server binaries off PATH, one directory per major version: take the newest.
     for bin in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -t/ -k5 -n -r); do
         if has_tools "$bin"; then echo "$bin"; return; fi
@@ -41,8 +42,10 @@ find_bin() {
 }
 
 BIN=$(find_bin)
+if [ "${1:-}" = "--stop" ] && [ -z "$BIN" ]; then exit 0; fi  # nothing installed, nothing running
 if [ -z "$BIN" ]; then
-    [ "$(id -u)" = 0 ] || fail "no PostgreSQL binaries (pg_ctl, initdb, psql, pg_isready) and not root: apt-get install postgresql"
+    [ "$(id -u)" = 0 ] || fail "no PostgreSQL binaries (pg_ctl, initdb, psql, pg_isready), and only root may" \
+        "install them: apt-get install postgresql"
     : >"$LOG"
     { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql; } \
         >>"$LOG" 2>&1 || fail "apt-get install postgresql failed"

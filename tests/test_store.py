@@ -40,8 +40,11 @@ INTERP = dataclasses.replace(H100, name="cpu (triton interpreter)", key="interpr
 
 RMS = Problem("rms_norm", 4096, 8192, "bf16", weight_dtype="fp32")
 LN = Problem("layer_norm", 2**33, 1024, "fp16", zero_centered=True, save="output")
-CONFIG = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, num_stages=2, programs_per_sm=3,
-                                      two_pass=False, eviction_policy="evict_first", prefetch=True, reload=True),
+_K1 = Kernel1Config(block_row=2, block_col=8192, num_warps=16, num_stages=2, programs_per_sm=3,
+                    eviction_policy="evict_first")
+# Every on/off knob switched on, whichever kernel_1 has today, so that a new knob is round-tripped too.
+CONFIG = BackwardConfig(dataclasses.replace(_K1, **{f.name: True for f in dataclasses.fields(_K1)
+                                                   if f.type in (bool, "bool")}),
                         Kernel2Config(block_m=128, block_n=32, num_warps=8, num_stages=3, pdl=True))
 
 
@@ -334,7 +337,7 @@ def test_concurrent_writers(url):
     procs = [ctx.Process(target=_writer, args=(url, barrier, w, t, queue)) for w, t in trials.items()]
     for p in procs:
         p.start()
-    results = _collect(procs, queue)
+    results = dict(_collect(procs, queue))
     with Store(url) as s:
         stored = s.measurements(study_name="shared")
         assert sorted(m.trial_number for m in stored) == list(range(45))  # nothing lost, nothing twice
@@ -351,8 +354,8 @@ def _fork_child(s: Store, queue) -> None:
 
 
 def _collect(procs, queue, timeout_s: float = 120.0):
-    """What the processes put on `queue` (one item each; a (key, value) pair becomes a dict entry), failing fast
-    when one of them dies instead of waiting out the timeout."""
+    """The items the processes put on `queue` (one each), failing fast when one of them dies instead of waiting
+    out the timeout."""
     items, deadline = [], time.monotonic() + timeout_s
     while len(items) < len(procs):
         try:
@@ -364,7 +367,7 @@ def _collect(procs, queue, timeout_s: float = 120.0):
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    return dict(items) if isinstance(items[0], tuple) else items[0]
+    return items
 
 
 def test_store_inherited_through_fork_reconnects(tmp_path):
@@ -374,7 +377,7 @@ def test_store_inherited_through_fork_reconnects(tmp_path):
     queue = ctx.Queue()
     child = ctx.Process(target=_fork_child, args=(s, queue))
     child.start()
-    child_id = _collect([child], queue)
+    (child_id,) = _collect([child], queue)
     assert s.problem_id(LN) == child_id
     s.close()
 

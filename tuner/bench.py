@@ -52,12 +52,14 @@ def problem_for(norm: str, M: int, N: int, dtype: str, weight_dtype: str | None)
     return Problem(norm, M, N, dtype, weight_dtype, has_weight=True, has_bias=norm == "layer_norm")
 
 
-def resolve_bench_config(spec: str, problem: Problem, device_name: str | None) -> tuple[BackwardConfig, str]:
+def resolve_bench_config(spec: str, problem: Problem, info: DeviceInfo) -> tuple[BackwardConfig, str]:
     """(config, how it was chosen) for --config default|table|JSON."""
     if spec == "default":
         return default_config(problem), "default"
     if spec == "table":
-        return select_config(problem, device_name), "table"
+        cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+        name = None if info.interpret else info.name
+        return select_config(problem, name, cc), "table"
     text = spec
     if os.path.isfile(spec):
         with open(spec) as fh:
@@ -106,7 +108,7 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, bandwidth_gbps: float | N
             base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
                     "floor_us": _nan_to_none(floor)}
             # normtune
-            config, chosen = resolve_bench_config(opts.config, problem, info.name)
+            config, chosen = resolve_bench_config(opts.config, problem, info)
             res = measure.measure_config(case, config, flusher=flusher, bandwidth_gbps=bandwidth_gbps,
                                          reference_grads=ref, **timing)
             row = {**base, "impl": OURS, "status": res.status, "error": res.error, "median_us": res.median_us,
@@ -216,3 +218,29 @@ def geomean(values: list[float]) -> float | None:
 def to_json(report: BenchReport) -> str:
     return json.dumps({"provenance": report.provenance, "rows": report.rows,
                        "summary": summary(report.rows)}, indent=1, sort_keys=True, default=str)
+
+
+def store_report(store, report: BenchReport, info: DeviceInfo) -> int:
+    """Record a bench run: normtune's rows as measurements (source "bench"), peers as peer results."""
+    from .device import command_line
+    from .measure import MeasureResult
+
+    run_id = store.start_run(info, kind="bench", command_line=command_line(),
+                             copy_bandwidth_gbps=report.provenance.get("copy_bandwidth_gbps"))
+    for r in report.rows:
+        problem = problem_for(r["norm"], r["M"], r["N"], r["dtype"], r["weight_dtype"])
+        if r["impl"] == OURS:
+            result = MeasureResult(status=r["status"], error=r["error"], median_us=r["median_us"],
+                                   p10_us=r["p10_us"], p90_us=r["p90_us"], reps=r["reps"] or 0,
+                                   kernel_1_us=r["kernel_1_us"], kernel_2_us=r["kernel_2_us"],
+                                   floor_us=r["floor_us"], floor_fraction=r["floor_fraction"],
+                                   interpret=info.interpret)
+            store.add_measurement(run_id, problem, BackwardConfig.from_dict(r["config"]), result,
+                                  source=f"bench-{r['config_source']}")
+        else:
+            status = r["status"] if r["status"] in ("ok", "error", "unavailable") else "error"
+            store.add_peer_result(run_id, problem, r["impl"], status=status, median_us=r["median_us"],
+                                  p10_us=r["p10_us"], p90_us=r["p90_us"], reps=r["reps"] or 0,
+                                  kernels=r.get("kernels") or {}, error=r.get("error"), note=r.get("note") or None)
+    store.end_run(run_id)
+    return run_id

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -14,37 +13,13 @@ from importlib import metadata
 
 import torch
 
+from normtune.kernels.device import gpu_key  # noqa: F401 - re-exported: the tuner's GPU keys are the runtime's
+
 INTERPRET_KEY = "interpret"
 
 
 class NoGPUError(RuntimeError):
     """No CUDA device where one is needed."""
-
-# Known GPU families, most specific first: (regex over the device name, key).
-_GPU_KEYS = (
-    (r"\bH200\b", "h200"),
-    (r"\bH100\b", "h100"),
-    (r"\bH800\b", "h800"),
-    (r"\bH20\b", "h20"),
-    (r"\bGH200\b", "gh200"),
-    (r"\bB200\b", "b200"),
-    (r"\bGB200\b", "gb200"),
-    (r"\bA100\b", "a100"),
-    (r"\bA10G\b", "a10g"),
-    (r"\bL40S\b", "l40s"),
-    (r"\bL4\b", "l4"),
-    (r"RTX 4090", "rtx4090"),
-)
-
-
-def gpu_key(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' → 'h100'. Unknown names become a slug of the name."""
-    for pattern, key in _GPU_KEYS:
-        if re.search(pattern, name, re.IGNORECASE):
-            return key
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
-    return slug or "unknown"
-
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -77,7 +52,10 @@ def _package_version(name: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def git_revision() -> str | None:
-    """The checkout's revision (with '-dirty' when it has uncommitted changes), or None outside git."""
+    """The checkout's revision (with '-dirty' when it has uncommitted changes), or None outside git.
+    $NORMTUNE_GIT_REVISION overrides it (a copy of the tree without .git, e.g. on a remote GPU host)."""
+    if os.environ.get("NORMTUNE_GIT_REVISION"):
+        return os.environ["NORMTUNE_GIT_REVISION"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)

@@ -159,7 +159,7 @@ class Space:
     # ---- seeding
     def seeds(self) -> list[BackwardConfig]:
         """The analytic default and its one-step neighbours (each knob moved to the adjacent domain value)."""
-        base = default_config(self.problem)
+        base = self.canonical(default_config(self.problem))
         out = [base]
         d = self.domains()
         params = self.params(base)

@@ -299,6 +299,10 @@ def _figure(value: float | None) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
 
 
+def _config_hash(config_json: str) -> str:
+    return hashlib.sha1(config_json.encode()).hexdigest()
+
+
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
@@ -394,7 +398,8 @@ class Store:
             raise StoreError(f"cannot create the normtune tables in {self.display_url}: {err}") from err
         try:
             with self.session_scope() as session:
-                session.add(MetaModel(key="schema_version", value=str(SCHEMA_VERSION)))
+                if session.get(MetaModel, "schema_version") is None:
+                    session.add(MetaModel(key="schema_version", value=str(SCHEMA_VERSION)))
         except StoreIntegrityError:
             pass  # recorded already (by us or by a concurrent opener)
         self._check_schema_version()
@@ -510,7 +515,7 @@ class Store:
         config_json = config.to_json()
         row = MeasurementModel(
             run_id=run_id, problem_id=self.problem_id(problem), config_json=config_json,
-            config_hash=hashlib.sha1(config_json.encode()).hexdigest(),
+            config_hash=_config_hash(config_json),
             **{column: getattr(getattr(config, kernel), name) for (kernel, name), column in CONFIG_COLUMNS.items()},
             status=result.status, error=result.error, reps=result.reps, bytes_moved=result.bytes_moved,
             programs=result.programs, errors_json=json.dumps(result.errors, sort_keys=True),
@@ -551,13 +556,12 @@ class Store:
                            source=None, interpret=None, run_id=None, study_name=None, config=None):
         query = (select(*columns).join(ProblemModel, MeasurementModel.problem_id == ProblemModel.id)
                  .join(RunModel, MeasurementModel.run_id == RunModel.id))
-        conditions = {RunModel.gpu_key: gpu_key, ProblemModel.family_key: family_key,
-                      MeasurementModel.source: source, MeasurementModel.interpret: interpret,
-                      MeasurementModel.run_id: run_id, MeasurementModel.study_name: study_name,
-                      ProblemModel.key: problem.key if problem is not None else None,
-                      MeasurementModel.config_hash: (hashlib.sha1(config.to_json().encode()).hexdigest()
-                                                     if config is not None else None)}
-        query = query.where(*(column == value for column, value in conditions.items() if value is not None))
+        conditions = [(RunModel.gpu_key, gpu_key), (ProblemModel.family_key, family_key),
+                      (MeasurementModel.source, source), (MeasurementModel.interpret, interpret),
+                      (MeasurementModel.run_id, run_id), (MeasurementModel.study_name, study_name),
+                      (ProblemModel.key, problem.key if problem is not None else None),
+                      (MeasurementModel.config_hash, _config_hash(config.to_json()) if config is not None else None)]
+        query = query.where(*(column == value for column, value in conditions if value is not None))
         if status is not None:
             query = query.where(MeasurementModel.status.in_([status] if isinstance(status, str) else list(status)))
         return query

@@ -46,9 +46,9 @@ FIRST_ROUND = 12
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 
 
-def study_name(gpu_key: str, problem: Problem, interpret: bool = False) -> str:
+def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: str = "normtune") -> str:
     """One study per (GPU, problem), named so that any worker on any host finds the same one."""
-    return f"normtune:{'interpret' if interpret else gpu_key}:{problem.key}"
+    return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}"
 
 
 @dataclass
@@ -70,6 +70,9 @@ class SweepOptions:
     budget_s: float = 0.2
     heartbeat_interval: int = 20
     grace_period: int = 60
+    study_prefix: str = "normtune"  # validation sweeps use their own studies
+    source: str = "sweep"  # measurement source recorded in the store
+    extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
@@ -246,6 +249,12 @@ class Sweep:
         self.emit = on_event or (lambda kind, data: None)
         self._stop_requested = 0
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        import warnings
+
+        # Heartbeats are recorded by this driver's own thread (ask/tell, not Study.optimize), and the retry
+        # helper it relies on is marked experimental: both warnings are expected.
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self._optuna = optuna
         url = opts.storage_url
         engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
@@ -413,7 +422,7 @@ class Sweep:
         o, opts = self._optuna, self.opts
         TS = o.trial.TrialState
         space = Space(problem, self.info.sm_count)
-        name = study_name(opts.gpu_key, problem, self.info.interpret)
+        name = study_name(opts.gpu_key, problem, self.info.interpret, opts.study_prefix)
         study = o.create_study(study_name=name, storage=self.storage, sampler=self._sampler(space),
                                direction="minimize", load_if_exists=True)
         o.storages.fail_stale_trials(study)
@@ -422,13 +431,19 @@ class Sweep:
             study.set_user_attr("seeded", True)
             study.set_user_attr("problem", problem.to_dict())
             study.set_user_attr("gpu_key", opts.gpu_key)
-            for cfg in space.seeds() if opts.sampler != "grid" else []:
-                study.enqueue_trial(space.params(cfg), user_attrs={"source": "seed"}, skip_if_exists=True)
+            extra = [space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
+            for cfg in dict.fromkeys(extra + space.seeds()) if opts.sampler != "grid" else []:
+                if space.why_not(cfg) is None:
+                    study.enqueue_trial(space.params(cfg), user_attrs={"source": "seed"}, skip_if_exists=True)
         ps = ProblemSummary(problem, name)
         best = self.store.best(problem, gpu_key=opts.gpu_key, interpret=self.info.interpret)
         if best is not None:
             ps.best_us, ps.best_config = best.median_us, best.config
-        default = default_config(problem)
+        default = space.canonical(default_config(problem))
+        for m in self.store.measurements(problem=problem, gpu_key=opts.gpu_key, interpret=self.info.interpret,
+                                         status="ok"):
+            if m.config == default and m.study_name == name:
+                ps.default_us = m.median_us
         pending: list[_Pending] = []
         grid_size = len(self._grid(space)) if opts.sampler == "grid" else None
 
@@ -459,6 +474,8 @@ class Sweep:
                 invalid_streak = 0
                 cfg = space.canonical(cfg)
                 source = trial.user_attrs.get("source", "sweep")
+                if opts.source != "sweep":
+                    source = opts.source
                 with self._lock:
                     self._running[trial._trial_id] = trial.number
                 fut = pool.submit(_compile_one, problem.to_dict(), cfg.to_json(), self.info.sm_count) if pool else None

@@ -1,0 +1,235 @@
+"""Frozen launch-heuristic tables (`configs/<gpu>.json`, emitted by `normtune emit`) and their lookup.
+
+A table holds, per problem family (norm, dtypes, flags), an ordered list of rules over N and M; the first rule
+with N <= n_max and M <= m_max (null: unbounded) gives the config. Rules were fitted on measured shapes; for any
+other shape the config is adapted (single pass needs block_col >= N, …) and validated, so whatever the shape the
+returned config can run it.
+
+Which table: the file named by $NORMTUNE_CONFIG → the shipped table whose GPU name matches the device → the
+shipped table of the same GPU family (key, e.g. h100 for an 'H100 PCIe'), or of the same compute capability,
+with a one-time warning saying which → none (the analytic defaults, with a one-time warning). Tables are loaded
+once; a malformed or wrong-schema table is refused with an error naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import (
+    BackwardConfig,
+    ConfigError,
+    Problem,
+    ProblemFamily,
+    default_config,
+    next_power_of_two,
+)
+from .device import gpu_key
+
+SCHEMA_VERSION = 1
+ENV_VAR = "NORMTUNE_CONFIG"
+# Widest row a single-pass rule is stretched to; beyond it an adapted config runs two-pass.
+SINGLE_PASS_LIMIT = 16384
+
+
+class TableError(ValueError):
+    """A table that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    n_max: int | None
+    m_max: int | None
+    config: BackwardConfig
+
+    def matches(self, M: int, N: int) -> bool:
+        return (self.n_max is None or N <= self.n_max) and (self.m_max is None or M <= self.m_max)
+
+
+@dataclass(frozen=True)
+class Table:
+    path: str
+    gpu_name: str
+    gpu_key: str
+    compute_capability: str | None
+    sm_count: int | None
+    interpret: bool
+    families: dict[str, tuple[Rule, ...]]
+    raw: dict
+
+    def rules(self, family: ProblemFamily) -> tuple[Rule, ...] | None:
+        """The family's rules, or those of the closest tuned family (same norm and dtype, most flags equal)."""
+        if family.key in self.families:
+            return self.families[family.key]
+        best, best_score = None, -1
+        for key, rules in self.families.items():
+            other = ProblemFamily.from_key(key)
+            if (other.norm, other.dtype) != (family.norm, family.dtype):
+                continue
+            score = sum(getattr(other, f) == getattr(family, f) for f in ("weight_dtype", "has_weight", "has_bias",
+                                                                          "zero_centered", "save"))
+            if score > best_score:
+                best, best_score = rules, score
+        return best
+
+    def lookup(self, problem: Problem) -> BackwardConfig | None:
+        """The table's config adapted to `problem`, or None when no rule applies."""
+        rules = self.rules(problem.family)
+        if not rules:
+            return None
+        rule = next((r for r in rules if r.matches(problem.M, problem.N)), None)
+        if rule is None:  # past every bound: the widest rule's configs, for the largest M bucket
+            widest = max((r.n_max or 0) for r in rules)
+            rule = [r for r in rules if (r.n_max or 0) == widest][-1]
+        return adapt(rule.config, problem)
+
+
+def adapt(config: BackwardConfig, problem: Problem) -> BackwardConfig:
+    """Make a rule's config valid for `problem`: single pass takes block_col = next_pow2(N) (two-pass past
+    SINGLE_PASS_LIMIT); knobs that cannot apply are dropped; if it still cannot run, the analytic default."""
+    k1 = config.kernel_1
+    n_pow2 = next_power_of_two(problem.N)
+    if not k1.two_pass:
+        if n_pow2 <= SINGLE_PASS_LIMIT:
+            block_row = k1.block_row
+            while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
+                block_row //= 2  # keep the tile no larger than the rule's
+            k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
+        else:
+            k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
+                                     recompute=False)
+    elif k1.block_col >= n_pow2 and n_pow2 <= SINGLE_PASS_LIMIT:
+        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
+    k2 = config.kernel_2
+    if k2.block_n > n_pow2:
+        k2 = dataclasses.replace(k2, block_n=n_pow2)
+    for warps in (k1.num_warps, 16, 8, 4, 2, 1):
+        cand = BackwardConfig(dataclasses.replace(k1, num_warps=warps), k2)
+        if cand.is_valid(problem):
+            return cand
+    return default_config(problem)
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+
+def _fail(path: str, message: str):
+    raise TableError(f"heuristic table {path}: {message}")
+
+
+def parse_table(data: Any, path: str = "<table>") -> Table:
+    """Validate a table's JSON object and build the `Table`; every error names `path` and the problem."""
+    if not isinstance(data, Mapping):
+        _fail(path, "is not a JSON object")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        _fail(path, f"schema_version is {version!r}, this normtune reads {SCHEMA_VERSION}: re-emit it with "
+                    "`normtune emit` from this version")
+    gpu = data.get("gpu")
+    if not isinstance(gpu, Mapping) or not isinstance(gpu.get("name"), str):
+        _fail(path, "has no gpu.name (the GPU it was tuned on)")
+    fams = data.get("families")
+    if not isinstance(fams, Mapping) or not fams:
+        _fail(path, "has no families (rules per norm/dtype/flags)")
+    families: dict[str, tuple[Rule, ...]] = {}
+    for key, fam in fams.items():
+        try:
+            family = ProblemFamily.from_key(key)
+        except ConfigError as err:
+            _fail(path, f"family {key!r}: {err}")
+        rules_data = fam.get("rules") if isinstance(fam, Mapping) else None
+        if not isinstance(rules_data, list) or not rules_data:
+            _fail(path, f"family {key!r} has no rules")
+        rules = []
+        for i, r in enumerate(rules_data):
+            where = f"family {key!r} rule {i}"
+            if not isinstance(r, Mapping):
+                _fail(path, f"{where} is not an object")
+            n_max, m_max = r.get("n_max"), r.get("m_max")
+            for name, v in (("n_max", n_max), ("m_max", m_max)):
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    _fail(path, f"{where}: {name}={v!r} must be a positive integer or null")
+            try:
+                cfg = BackwardConfig.from_dict(r.get("config"))
+                # The rule's config must run the problem at its own bounds.
+                cfg.validate(family.problem(m_max or 1, n_max or next_power_of_two(cfg.kernel_1.block_col)))
+            except (ConfigError, TypeError) as err:
+                _fail(path, f"{where}: {err}")
+            rules.append(Rule(n_max, m_max, cfg))
+        families[key] = tuple(rules)
+    return Table(path=path, gpu_name=gpu["name"], gpu_key=gpu.get("key") or gpu_key(gpu["name"]),
+                 compute_capability=gpu.get("compute_capability"), sm_count=gpu.get("sm_count"),
+                 interpret=bool(data.get("interpret", False)), families=families, raw=dict(data))
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(path: str) -> Table:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise TableError(f"heuristic table {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TableError(f"heuristic table {path}: not valid JSON ({err})") from None
+    return parse_table(data, path)
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_tables() -> tuple[Table, ...]:
+    """Every table shipped in normtune.configs (the wheel's package data)."""
+    out = []
+    for entry in sorted(resources.files("normtune.configs").iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            with resources.as_file(entry) as p:
+                out.append(load_table(str(p)))
+    return tuple(out)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=64)
+def table_for(device_name: str | None, capability: tuple[int, int] | None = None) -> Table | None:
+    """The table the runtime uses on this device (the chain in this module's docstring)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        table = load_table(env)
+        if table.interpret and device_name and not device_name.startswith("cpu"):
+            raise TableError(f"heuristic table {env}: it holds Triton-interpreter timings and cannot tune a GPU "
+                             f"({device_name}); emit one from a GPU sweep")
+        return table
+    if not device_name or device_name.startswith("cpu"):
+        return None
+    tables = [t for t in shipped_tables() if not t.interpret]
+    exact = [t for t in tables if t.gpu_name == device_name]
+    if exact:
+        return exact[0]
+    key = gpu_key(device_name)
+    same_key = [t for t in tables if t.gpu_key == key]
+    if same_key:
+        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].path} (tuned on "
+                   f"{same_key[0].gpu_name!r}, same GPU family)")
+        return same_key[0]
+    cc = f"{capability[0]}.{capability[1]}" if capability else None
+    same_cc = [t for t in tables if cc and t.compute_capability == cc]
+    if same_cc:
+        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].path} (tuned on "
+                   f"{same_cc[0].gpu_name!r}, same compute capability {cc})")
+        return same_cc[0]
+    _warn_once(f"normtune: no heuristic table for {device_name!r}: using the analytic default configs "
+               "(run `normtune sweep` and `normtune emit` to tune this GPU)")
+    return None
