@@ -260,8 +260,10 @@ class Sweep:
         engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
         from optuna.storages import RetryFailedTrialCallback
 
+        from .store import optuna_storage_url
+
         self.storage = optuna.storages.RDBStorage(
-            url, engine_kwargs=engine_kwargs, heartbeat_interval=opts.heartbeat_interval,
+            optuna_storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=opts.heartbeat_interval,
             grace_period=opts.grace_period, failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
         self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
         self._lock = threading.Lock()
@@ -330,8 +332,8 @@ class Sweep:
         running = study.get_trials(deepcopy=False, states=(TS.RUNNING,))
         if not running:
             return
-        stored = {m.trial_number: m for m in self.store.measurements(problem=problem, interpret=self.info.interpret)
-                  if m.study_name == name and m.trial_number is not None}
+        stored = {m.trial_number: m for m in self.store.measurements(study_name=name)
+                  if m.trial_number is not None}
         for t in running:
             m = stored.get(t.number)
             if m is not None:
@@ -529,8 +531,7 @@ class Sweep:
         # A retry of a trial whose (dead) worker had already stored its measurement reuses it.
         original = RetryFailedTrialCallback.retried_trial_number(self.storage.get_trial(study_trial._trial_id))
         if original is not None:
-            prev = [m for m in self.store.measurements(problem=problem, interpret=self.info.interpret)
-                    if m.study_name == name and m.trial_number == original]
+            prev = [m for m in self.store.measurements(study_name=name) if m.trial_number == original]
             if prev:
                 m = prev[0]
                 study_trial.set_user_attr("status", m.status)
