@@ -378,7 +378,14 @@ class BackwardConfig:
         return {"kernel_1": dataclasses.asdict(self.kernel_1), "kernel_2": dataclasses.asdict(self.kernel_2)}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Canonical compact JSON (sorted keys), the same bytes as json.dumps(sort_keys=True, separators=(",",
+        ":")). Written out by hand because torch.compile traces this (explicit `config=` in a compiled model)
+        and cannot trace the json module."""
+        def obj(value, names) -> str:
+            return "{" + ",".join(f'"{n}":{_json_scalar(getattr(value, n))}' for n in names) + "}"
+
+        return (f'{{"kernel_1":{obj(self.kernel_1, _K1_NAMES)},'
+                f'"kernel_2":{obj(self.kernel_2, _K2_NAMES)}}}')
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BackwardConfig":
@@ -403,6 +410,29 @@ class BackwardConfig:
         return (f"k1[{mode} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
                 f"pps{k1.programs_per_sm}{pf}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}"
                 f"{' pdl' if k2.pdl else ''}]")
+
+
+def _json_scalar(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def mapping_to_json(data: Mapping[str, Any]) -> str:
+    """JSON text of a {"kernel_1": {...}, "kernel_2": {...}} mapping of scalars, without the json module (see
+    `BackwardConfig.to_json`); keys it does not know are kept, for from_json to reject with its message."""
+    def obj(d) -> str:
+        if not isinstance(d, Mapping):
+            return _json_scalar(d)
+        return "{" + ",".join(f'"{k}":{obj(d[k])}' for k in sorted(d)) + "}"
+
+    return obj(data)
+
+
+_K1_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel1Config)))
+_K2_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel2Config)))
 
 
 def default_config(problem: Problem) -> BackwardConfig:
@@ -438,5 +468,15 @@ def default_config(problem: Problem) -> BackwardConfig:
     block_n = min(16, n_pow2)  # 128x16 tiles: kernel_2 x0.83 vs wider tiles, median over the 30 seed cases (H100)
     block_m = 128
     k2_warps = max(1, min(4, (block_m * block_n) // 32))
-    cfg = BackwardConfig(k1, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps))
-    return cfg.validate(problem)
+    k2 = Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps)
+    # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
+    # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
+    candidates = [k1, dataclasses.replace(k1, recompute=problem.dtype == "bf16"),
+                  dataclasses.replace(k1, recompute=problem.dtype == "bf16", num_warps=min(32, 2 * num_warps)),
+                  Kernel1Config(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
+                                two_pass=True, eviction_policy="evict_first", prefetch=True)]
+    for cand in candidates:
+        cfg = BackwardConfig(cand, k2)
+        if cfg.is_valid(problem):
+            return cfg
+    return BackwardConfig(candidates[-1], k2).validate(problem)

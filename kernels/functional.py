@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import MAX_N, BackwardConfig, ConfigError, Problem
+from .config import MAX_N, BackwardConfig, ConfigError, Problem, mapping_to_json
 from .ops import norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -44,6 +44,9 @@ def _config_text(config: BackwardConfig | dict | str | None) -> str:
         return ""
     if isinstance(config, BackwardConfig):
         return config.to_json()
+    if torch.compiler.is_compiling() and isinstance(config, (dict, str)):
+        # Parsed and validated by the backward op, outside the traced graph (dynamo cannot trace json).
+        return config if isinstance(config, str) else mapping_to_json(config)
     if isinstance(config, dict):
         return BackwardConfig.from_dict(config).to_json()
     if isinstance(config, str):

@@ -31,14 +31,10 @@ class _Norm(nn.Module):
         if zero_centered and not elementwise_affine:
             raise ValueError("zero_centered=True needs elementwise_affine=True (w = 1 + weight)")
         factory = {"device": device, "dtype": dtype}
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
-        else:
-            self.register_parameter("weight", None)
-            self.bias = None
-        if self.bias is None:
-            self.register_parameter("bias", None)
+        self.register_parameter(
+            "weight", nn.Parameter(torch.empty(self.normalized_shape, **factory)) if elementwise_affine else None)
+        self.register_parameter(
+            "bias", nn.Parameter(torch.empty(self.normalized_shape, **factory)) if elementwise_affine and bias else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -329,12 +329,11 @@ def test_compile_fullgraph_module(device, make_norm_inputs):
         assert torch.equal(a, c)
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="BUG: config= is turned into JSON (json.dumps/json.loads) inside the traced function, "
-                          "which dynamo cannot trace, so fullgraph=True fails whenever a config is given")
-def test_compile_fullgraph_with_explicit_config(device, make_norm_inputs):
+@pytest.mark.parametrize("form", ["value", "dict", "json"])
+def test_compile_fullgraph_with_explicit_config(form, device, make_norm_inputs):
     torch._dynamo.reset()
-    fn = lambda x, w, b: layer_norm(x, w, b, config=SMALL)  # noqa: E731
+    config = {"value": SMALL, "dict": SMALL.to_dict(), "json": SMALL.to_json()}[form]
+    fn = lambda x, w, b: layer_norm(x, w, b, config=config)  # noqa: E731
     inputs = make_norm_inputs((4, N), torch.float32, device, has_bias=True)
     args = (inputs["x"], inputs["weight"], inputs["bias"], inputs["grad"])
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
