@@ -43,6 +43,8 @@ log = logging.getLogger("normtune.sweep")
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
+# Version of Space.seeds(): 2 added the structural strategies for wide rows.
+SEED_VERSION = 2
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 
 
@@ -429,8 +431,11 @@ class Sweep:
                                direction="minimize", load_if_exists=True)
         o.storages.fail_stale_trials(study)
         self._repair(study, name, problem)
-        if not study.user_attrs.get("seeded"):
+        if study.user_attrs.get("seed_version", 1 if study.user_attrs.get("seeded") else 0) < SEED_VERSION:
+            # New studies, and studies seeded by an older normtune (fewer seed strategies), get the current
+            # seeds; skip_if_exists keeps already-measured ones from being queued twice.
             study.set_user_attr("seeded", True)
+            study.set_user_attr("seed_version", SEED_VERSION)
             study.set_user_attr("problem", problem.to_dict())
             study.set_user_attr("gpu_key", opts.gpu_key)
             extra = [space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
