@@ -256,6 +256,9 @@ def sweep(
     compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs")] = 8,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
     seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
+    heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,
+    grace_period: Annotated[int, typer.Option(help="Seconds without a heartbeat before another worker fails "
+                                                   "and re-queues a trial")] = 60,
     summary: Annotated[Optional[Path], typer.Option(help="Also write a JSON summary here")] = None,
     interpret: Interpret = False,
 ):
@@ -282,7 +285,8 @@ def sweep(
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = _run(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
                 sampler=sampler, storage_url=storage, device=device, interpret=interpret,
-                compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed)
+                compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed,
+                heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     store = _run(Store, storage)
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "

@@ -495,7 +495,10 @@ class Sweep:
                     summary.stopped = "interrupted" if self._stop_requested else "time budget"
                     summary.remaining.append(f"{problem.key}: {max(0, target - finished)} trials")
                     break
-                time.sleep(1.0)  # other workers hold the last trials: wait for them
+                # Other workers hold the last trials: wait for them, failing (and so re-queuing) the trials of
+                # a worker whose heartbeat stopped.
+                time.sleep(min(1.0, opts.heartbeat_interval / 2))
+                o.storages.fail_stale_trials(study)
                 continue
             item = pending.pop(0)
             self._measure_pending(item, problem, name, run_id, measurer, ps, summary, default)
