@@ -443,10 +443,11 @@ def default_config(problem: Problem) -> BackwardConfig:
       single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
       reads each element once. Wider rows run two-pass on 4096-column chunks, 8 warps.
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
-    - num_warps gives each thread ~32 elements of the tile (tile / 1024, 4..16 warps); with prefetch, halving
-      the warps of a 16-warp 8x1024 tile was 0-30% faster.
+    - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
+      0-30% faster), 16 from 4096 columns.
     - prefetch (load tile i+1 before computing tile i) whenever its registers fit the hardware budget: the
-      largest single win measured, kernel_1 0.78x median over the 30 seed cases.
+      largest single win measured, kernel_1 0.78x median over the 30 seed cases. Where it does not fit (one-row
+      tiles of 16384 columns), bf16 keeps the raw tile across the reductions instead (recompute).
     - evict_first on the streaming loads (0-3% better), programs_per_sm=1: a second program per SM doubled
       kernel_2's partials for no kernel_1 gain once prefetch keeps loads in flight.
     - kernel_2: many programs of narrow columns and tall tiles (it is latency-bound: a 32x128 tile took
@@ -458,13 +459,22 @@ def default_config(problem: Problem) -> BackwardConfig:
     block_col = 4096 if two_pass else n_pow2
     block_row = 1 if two_pass else max(1, min(16, 8192 // block_col))
     tile = block_row * block_col
-    num_warps = 8 if two_pass else max(4, min(16, tile // 1024))
+    # 16 warps once a row is >= 4096 columns (H100 and H200 sweeps: every tuned seed config at N >= 4096 ran 16
+    # warps or smem pipelining; 8 warps cost LayerNorm 4096x8192 96.6 vs 82.0 µs on the H100).
+    num_warps = 8 if two_pass else (16 if block_col >= 4096 else max(4, min(8, tile // 1024)))
     while num_warps > 1 and 32 * num_warps > tile:
         num_warps //= 2
     hardware = min(REGISTER_BUDGET, REGISTER_FILE // (32 * num_warps))
     prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True) <= hardware
+    # Where prefetch does not fit (one-row tiles of 16384), bf16 LayerNorm rows with a bias (two accumulators)
+    # keep their raw tile across the reductions instead of fp32 copies (recompute: 2048x16384 167 -> 126 µs on
+    # the H100). RMSNorm fits without it and runs slower with it (2048x16384: 87.2 vs 84.5 µs H100, 74.3 vs
+    # 68.1 µs H200).
+    recompute = (not two_pass and not prefetch and problem.dtype == "bf16" and block_row == 1
+                 and bool(problem.has_bias))
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
-                       programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch)
+                       programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
+                       recompute=recompute)
     block_n = min(16, n_pow2)  # 128x16 tiles: kernel_2 x0.83 vs wider tiles, median over the 30 seed cases (H100)
     block_m = 128
     k2_warps = max(1, min(4, (block_m * block_n) // 32))

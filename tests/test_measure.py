@@ -1,0 +1,474 @@
+"""`normtune.tuner.measure` (statistics, bytes and floor, the correctness gate, failure classification, one
+measurement in the interpreter) and the bench writers of `normtune.tuner.bench_output`.
+
+Kernels run on CPU through the Triton interpreter (see conftest.py); timings there are host wall-clock, so only
+their shape is checked (finite, positive, consistent with each other), never their values.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+from normtune.kernels import backward as kbackward
+from normtune.kernels.backward import BackwardLaunch, num_programs
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner import bench_output, measure
+from normtune.tuner.bench import OURS, BenchReport, summary
+from normtune.tuner.device import detect
+from normtune.tuner.measure import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
+                                    floor_bytes, floor_us, flush_size, gate, make_case, measure_config, percentile)
+
+# Fast timing for the interpreter: the figures only need to exist.
+FAST = dict(warmup=0, min_reps=2, max_reps=2, budget_s=0.0)
+BANDWIDTH = 1000.0  # GB/s: any positive value gives a finite floor
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+
+
+@pytest.mark.parametrize("values", [[3.0], [5.0, 1.0], [2.5, 9.0, -1.0, 7.25, 7.25, 0.0, 13.0],
+                                    list(np.random.default_rng(7).normal(50, 9, size=101))])
+@pytest.mark.parametrize("q", [0, 10, 33.3, 50, 90, 99, 100])
+def test_percentile_matches_numpy(values, q):
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-12)
+
+
+def test_percentile_of_nothing_is_nan_and_input_is_not_reordered():
+    assert math.isnan(percentile([], 50))
+    values = [3.0, 1.0, 2.0]
+    percentile(values, 50)
+    assert values == [3.0, 1.0, 2.0]
+
+
+def test_stats_of_matches_numpy():
+    values = list(np.random.default_rng(3).exponential(20.0, size=37))
+    s = Stats.of(values)
+    assert s.count == 37
+    assert s.median == pytest.approx(np.median(values))
+    assert s.p10 == pytest.approx(np.percentile(values, 10))
+    assert s.p90 == pytest.approx(np.percentile(values, 90))
+    assert s.p10 <= s.median <= s.p90
+
+
+# ------------------------------------------------------------------------------------------ bytes and floor
+
+
+def test_floor_bytes_is_three_passes_over_the_activations():
+    assert floor_bytes(Problem("layer_norm", 3, 5, "bf16")) == 3 * 3 * 5 * 2
+    assert floor_bytes(Problem("rms_norm", 7, 33, "fp32")) == 3 * 7 * 33 * 4
+    assert floor_bytes(Problem("rms_norm", 7, 33, "fp16", weight_dtype="fp32")) == 3 * 7 * 33 * 2
+    assert floor_bytes(Problem("layer_norm", 0, 9)) == 0
+
+
+@pytest.mark.parametrize("problem, programs, expected", [
+    # LayerNorm bf16 saving x: floor 90, stats 2·4·3 (rstd, mean), weight 5·2, partials 2·4·2·5·2 (dw, db
+    # written then read), dw/db 2·5·2.
+    (Problem("layer_norm", 3, 5, "bf16"), 2, 90 + 24 + 10 + 160 + 20),
+    # Saving y: only rstd is stored, but the bias is read too to recover x̂ = (y − b)/w.
+    (Problem("layer_norm", 3, 5, "bf16", save="output"), 2, 90 + 12 + 20 + 160 + 20),
+    # RMSNorm, bf16 activations with fp32 weights: weight and dw are 4 bytes each, one partial buffer.
+    (Problem("rms_norm", 3, 5, "bf16", weight_dtype="fp32"), 2, 90 + 12 + 20 + 80 + 20),
+    # RMSNorm without a weight: no partials at all.
+    (Problem("rms_norm", 3, 5, "bf16", has_weight=False), 2, 90 + 12),
+    # LayerNorm fp32 with fp32 everything, 3 programs, 11 rows of 7.
+    (Problem("layer_norm", 11, 7, "fp32"), 3, 3 * 11 * 7 * 4 + 2 * 4 * 11 + 7 * 4 + 2 * 4 * 3 * 7 * 2 + 2 * 7 * 4),
+    # LayerNorm without bias saving y: no bias to read, one partial buffer.
+    (Problem("layer_norm", 3, 5, "fp16", has_bias=False, save="output"), 1, 90 + 12 + 10 + 40 + 10),
+])
+def test_bytes_moved_hand_computed(problem, programs, expected):
+    assert bytes_moved(problem, programs) == expected
+
+
+def test_bytes_moved_grows_with_programs_by_the_partials():
+    p = Problem("layer_norm", 64, 200, "bf16")
+    # Two fp32 partial rows (dw, db) per program, each written and read.
+    assert bytes_moved(p, 9) - bytes_moved(p, 8) == 2 * 4 * 200 * 2
+
+
+def test_floor_us():
+    p = Problem("rms_norm", 1000, 1000, "bf16")  # 6e6 bytes
+    assert floor_us(p, 3000.0) == pytest.approx(2.0)  # 6e6 B at 3e12 B/s = 2 µs
+    assert floor_us(Problem("rms_norm", 1000, 1000, "fp32"), 2000.0) == pytest.approx(6.0)
+    assert math.isnan(floor_us(p, 0.0))
+    assert math.isnan(floor_us(p, math.nan))
+
+
+@pytest.mark.parametrize("l2_mib", [0, 1, 4, 31, 32, 33, 50, 60, 96, 253])
+def test_flush_size_is_at_least_twice_l2_and_64_mib(l2_mib):
+    l2 = l2_mib * 2**20 + (12345 if l2_mib % 2 else 0)
+    n = flush_size(l2)
+    assert n >= 2 * l2
+    assert n >= 64 * 2**20
+    assert n == max(2 * l2, 64 * 2**20)  # and no larger than needed
+
+
+def test_l2_flusher_buffer_covers_the_flush_size():
+    flusher = L2Flusher(torch.device("cpu"), 40 * 2**20 + 3)
+    assert flusher.nbytes == flush_size(40 * 2**20 + 3)
+    assert flusher.buffer.numel() * flusher.buffer.element_size() >= 2 * (40 * 2**20 + 3) - 4
+    flusher.buffer.fill_(7)
+    flusher()
+    assert int(flusher.buffer.abs().max()) == 0  # it writes the whole buffer
+
+
+# ------------------------------------------------------------------------------------------------- the gate
+
+
+def _reference(problem: Problem, seed: int = 0):
+    case = make_case(problem, "cpu", seed=seed)
+    return case, case.reference()
+
+
+def test_gate_passes_the_reference_itself_and_small_rounding():
+    problem = Problem("layer_norm", 13, 37, "bf16")
+    _, ref = _reference(problem)
+    passed, errors, message = gate(problem, ref, ref)
+    assert passed and message == ""
+    assert set(errors) == {"dx", "dw", "db"}
+    assert all(e == 0.0 for e in errors.values())
+    # A relative error at half the tolerance passes.
+    tol = GATE_TOLERANCE["bf16"]
+    got = tuple(t.double() * (1 + tol / 2) for t in ref)
+    passed, errors, _ = gate(problem, got, ref)
+    assert passed
+    assert errors["dx"] == pytest.approx(tol / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("bad", ["dx", "dw", "db"])
+def test_gate_fails_a_nan_and_names_the_output(bad):
+    problem = Problem("layer_norm", 9, 21, "fp32")
+    _, ref = _reference(problem)
+    got = [t.clone() for t in ref]
+    got[("dx", "dw", "db").index(bad)].view(-1)[-1] = math.nan
+    passed, errors, message = gate(problem, tuple(got), ref)
+    assert not passed
+    assert errors[bad] == math.inf
+    assert message.startswith(bad) and "relative error" in message
+    assert all(name not in message for name in ("dx", "dw", "db") if name != bad)
+
+
+def test_gate_fails_wrong_values_and_names_each_wrong_output():
+    problem = Problem("layer_norm", 9, 21, "fp16")
+    _, ref = _reference(problem)
+    dx, dw, db = ref
+    passed, errors, message = gate(problem, (dx * 1.5, dw, -db), ref)
+    assert not passed
+    assert "dx relative error" in message and "db relative error" in message and "dw" not in message
+    assert errors["dx"] == pytest.approx(0.5, rel=1e-3)
+    assert errors["db"] == pytest.approx(2.0, rel=1e-3)
+    assert errors["dw"] == 0.0
+
+
+def test_gate_skips_outputs_the_problem_does_not_have():
+    problem = Problem("rms_norm", 5, 17, "bf16")  # no bias: db is None
+    _, ref = _reference(problem)
+    assert ref[2] is None
+    passed, errors, _ = gate(problem, ref, ref)
+    assert passed and set(errors) == {"dx", "dw"}
+
+
+def test_gate_doubles_the_tolerance_when_recovering_from_the_output():
+    tol = GATE_TOLERANCE["fp32"]
+    for save, expect in (("input", False), ("output", True)):
+        problem = Problem("rms_norm", 5, 17, "fp32", save=save)
+        _, ref = _reference(problem)
+        got = (ref[0] * (1 + 1.5 * tol), ref[1], None)
+        passed, _, _ = gate(problem, got, ref)
+        assert passed is expect, save
+
+
+# ---------------------------------------------------------------------------------------- classify_exception
+
+
+class _NamedCompilationError(Exception):
+    pass
+
+
+_NamedCompilationError.__name__ = "CompilationError"
+
+
+class _NamedOutOfResources(Exception):
+    pass
+
+
+_NamedOutOfResources.__name__ = "OutOfResources"
+
+
+@pytest.mark.parametrize("err, status", [
+    (OutOfResources(300000, 232448, "shared memory"), "out_of_resources"),
+    (_NamedOutOfResources("too many registers"), "out_of_resources"),
+    (RuntimeError("Triton Error [CUDA]: out of resources"), "out_of_resources"),
+    (RuntimeError("wrapped: OutOfResources('shared memory')"), "out_of_resources"),
+    (CompilationError("x = 1", ast.parse("x = 1").body[0], "bad constexpr"), "compile_error"),
+    (_NamedCompilationError("at 3:4: unsupported"), "compile_error"),
+    (RuntimeError("PTXAS error: Internal Triton PTX codegen error"), "compile_error"),
+    (RuntimeError("MLIR pass manager failed"), "compile_error"),
+    (ValueError("shapes do not match"), "error"),
+    (ZeroDivisionError("division by zero"), "error"),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), "error"),
+])
+def test_classify_exception(err, status):
+    assert classify_exception(err) == status
+
+
+# --------------------------------------------------------------------------------- one measurement (interpreter)
+
+
+@pytest.mark.parametrize("problem", [
+    Problem("layer_norm", 24, 200, "bf16"),
+    Problem("rms_norm", 5, 33, "fp32"),
+    Problem("layer_norm", 7, 3000, "fp16", weight_dtype="fp32", save="output"),
+], ids=lambda p: p.key)
+def test_measure_config_in_the_interpreter(problem):
+    case = make_case(problem, "cpu", seed=1)
+    config = default_config(problem)
+    r = measure_config(case, config, flusher=None, bandwidth_gbps=BANDWIDTH, **FAST)
+    assert r.status == "ok", r.error
+    assert r.error is None
+    assert r.interpret is True
+    figures = dict(median_us=r.median_us, p10_us=r.p10_us, p90_us=r.p90_us, kernel_1_us=r.kernel_1_us,
+                   kernel_2_us=r.kernel_2_us, gbps=r.gbps, floor_us=r.floor_us, floor_fraction=r.floor_fraction)
+    for name, value in figures.items():
+        assert value is not None and math.isfinite(value) and value > 0, (name, value)
+    assert r.p10_us <= r.median_us <= r.p90_us
+    assert r.reps == FAST["min_reps"]
+    assert r.compile_s is not None and r.compile_s >= 0
+    assert r.programs == num_programs(problem.M, config, INTERPRET_SM_COUNT)
+    assert r.bytes_moved == bytes_moved(problem, r.programs)
+    assert r.gbps == pytest.approx(r.bytes_moved / (r.median_us * 1e3))
+    assert r.floor_us == pytest.approx(floor_us(problem, BANDWIDTH))
+    assert r.floor_fraction == pytest.approx(r.floor_us / r.median_us)
+    assert set(r.errors) == {"dx", "dw"} | ({"db"} if problem.has_bias else set())
+    assert all(e <= GATE_TOLERANCE[problem.dtype] * 2 for e in r.errors.values())
+    assert MeasureResult(**r.to_dict()) == r
+
+
+def test_measure_config_without_bandwidth_has_no_floor():
+    problem = Problem("rms_norm", 6, 40, "bf16")
+    r = measure_config(make_case(problem, "cpu"), default_config(problem), flusher=None, bandwidth_gbps=math.nan,
+                       **FAST)
+    assert r.status == "ok", r.error
+    assert math.isnan(r.floor_us) and r.floor_fraction is None
+    assert r.median_us > 0
+
+
+@pytest.mark.parametrize("config, needle", [
+    (BackwardConfig(Kernel1Config(block_col=64)), "block_col"),  # single pass narrower than N=200
+    (BackwardConfig(Kernel1Config(block_col=256, num_warps=3)), "num_warps"),
+    (BackwardConfig(Kernel1Config(block_col=256), Kernel2Config(block_n=24)), "block_n"),
+    (BackwardConfig(Kernel1Config(block_col=128, two_pass=True, recompute=True)), "recompute"),
+])
+def test_invalid_config_is_a_status_not_a_crash(config, needle):
+    problem = Problem("layer_norm", 10, 200, "bf16")
+    r = measure_config(make_case(problem, "cpu"), config, flusher=None, bandwidth_gbps=BANDWIDTH, **FAST)
+    assert r.status == "invalid"
+    assert needle in r.error
+    assert r.median_us is None and r.reps == 0 and r.interpret is True
+
+
+# ------------------------------------------------------------------------- the gate catches wrong kernels
+
+
+PROBLEM = Problem("layer_norm", 19, 72, "bf16")
+
+
+def _patch(monkeypatch, name, wrapper):
+    original = getattr(BackwardLaunch, name)
+    monkeypatch.setattr(BackwardLaunch, name, lambda self: wrapper(self, original))
+
+
+def _measure(problem=PROBLEM, config=None):
+    return measure_config(make_case(problem, "cpu", seed=5), config or default_config(problem), flusher=None,
+                          bandwidth_gbps=BANDWIDTH, **FAST)
+
+
+def test_gate_catches_a_kernel_1_with_wrong_dx(monkeypatch):
+    def wrong(self, original):
+        original(self)
+        self.dx[3] *= 2  # one row off by a factor of two
+
+    _patch(monkeypatch, "kernel_1", wrong)
+    r = _measure()
+    assert r.status == "incorrect"
+    assert "dx relative error" in r.error and "dw" not in r.error
+    assert r.errors["dx"] > GATE_TOLERANCE["bf16"]
+    assert r.median_us is None  # not timed
+
+
+def test_gate_catches_a_kernel_1_that_skips_the_last_row(monkeypatch):
+    def skipping(self, original):
+        saved = self.dx[-1].clone()  # the poisoned (NaN) row
+        original(self)
+        self.dx[-1] = saved
+
+    _patch(monkeypatch, "kernel_1", skipping)
+    r = _measure()
+    assert r.status == "incorrect"
+    assert r.errors["dx"] == math.inf
+
+
+def test_gate_catches_a_kernel_1_with_wrong_partials(monkeypatch):
+    def wrong(self, original):
+        original(self)
+        self.partial_dw[0] += 1.0
+
+    _patch(monkeypatch, "kernel_1", wrong)
+    r = _measure()
+    assert r.status == "incorrect"
+    assert "dw relative error" in r.error and "dx" not in r.error and "db" not in r.error
+
+
+def test_gate_catches_a_kernel_2_that_drops_a_program(monkeypatch):
+    def dropping(self, original):
+        self.partial_db[-1] = 0.0  # the last program's bias partials lost
+        original(self)
+
+    _patch(monkeypatch, "kernel_2", dropping)
+    problem = Problem("layer_norm", 40, 72, "bf16")
+    config = BackwardConfig(Kernel1Config(block_row=2, block_col=128, num_warps=1, programs_per_sm=1))
+    r = _measure(problem, config)
+    assert r.status == "incorrect"
+    assert "db relative error" in r.error
+
+
+def test_a_right_kernel_passes_the_same_harness(monkeypatch):
+    # The counterpart of the tests above: wrapping without corrupting changes nothing.
+    _patch(monkeypatch, "kernel_1", lambda self, original: original(self))
+    assert _measure().status == "ok"
+
+
+@pytest.mark.parametrize("err, status", [
+    (CompilationError("tl.arange(0, 3)", ast.parse("x = 1").body[0], "arange's range must be a power of 2"),
+     "compile_error"),
+    (OutOfResources(262144, 232448, "shared memory"), "out_of_resources"),
+    (RuntimeError("something else broke"), "error"),
+])
+def test_a_kernel_that_raises_is_a_status(monkeypatch, err, status):
+    def raising(self, original):
+        raise err
+
+    _patch(monkeypatch, "kernel_1", raising)
+    r = _measure()
+    assert r.status == status
+    assert type(err).__name__ in r.error
+    assert r.median_us is None and r.interpret is True
+
+
+def test_a_failure_while_timing_is_an_error_status(monkeypatch):
+    calls = {"n": 0}
+
+    def flaky(self, original):
+        calls["n"] += 1
+        if calls["n"] > 1:  # the gated first launch succeeds, the timed repetitions fail
+            raise RuntimeError("lost the device")
+        original(self)
+
+    _patch(monkeypatch, "kernel_2", flaky)
+    r = _measure()
+    assert r.status == "error"
+    assert "lost the device" in r.error
+    assert r.median_us is None
+
+
+def test_the_kernels_really_are_the_patched_ones(monkeypatch):
+    # Guards the tests above: measure_config must launch through BackwardLaunch.kernel_1/kernel_2.
+    seen = []
+    _patch(monkeypatch, "kernel_1", lambda self, original: (seen.append(1), original(self)))
+    _patch(monkeypatch, "kernel_2", lambda self, original: (seen.append(2), original(self)))
+    assert _measure().status == "ok"
+    assert seen[:2] == [1, 2] and seen.count(1) > 1 and seen.count(2) > 1
+    assert kbackward.BackwardLaunch is BackwardLaunch
+
+
+# ------------------------------------------------------------------------------------------- bench writers
+
+
+def _report() -> BenchReport:
+    info = detect(interpret=True)
+    provenance = {
+        "device": info.to_dict(), "peers": {"liger_kernel": None, "quack": None, "optuna": "5.0"},
+        "copy_bandwidth_gbps": 2930.0, "cold_l2": True, "flush_bytes": 128 * 2**20, "dtype": "bf16",
+        "weight_dtype": "bf16", "config": "table",
+        "timing": {"min_reps": 20, "max_reps": 200, "budget_s": 0.5, "spin_cycles": 500000},
+        "interpret": False, "started": "2025-01-01T00:00:00+0000", "peer_descriptions": {},
+    }
+    rows = []
+
+    def row(norm, M, N, impl, median, *, status="ok", k1=None, k2=None, error=None, note=""):
+        floor = 3 * M * N * 2 / (2930.0 * 1e3)
+        r = {"norm": norm, "M": M, "N": N, "dtype": "bf16", "weight_dtype": "bf16", "floor_us": floor,
+             "impl": impl, "status": status, "error": error, "median_us": median,
+             "p10_us": median * 0.97 if median else None, "p90_us": median * 1.05 if median else None,
+             "reps": 57 if median else 0, "kernel_1_us": k1, "kernel_2_us": k2,
+             "kernels": {"kernel_1": k1, "kernel_2": k2} if impl == OURS else ({"vectorized_layer_norm": median}
+                                                                             if median else {}),
+             "rel_err_dx": 1e-3 if median else None,
+             "config": default_config(Problem(norm, M, N)).to_dict() if impl == OURS else None,
+             "config_source": "table" if impl == OURS else None, "note": note,
+             "floor_fraction": floor / median if median else None}
+        rows.append(r)
+
+    for norm in ("layer_norm", "rms_norm"):
+        for (M, N), ours, torch_us in (((4093, 1536), 20.0, 40.0), ((777, 7168), 30.0, 24.0)):
+            row(norm, M, N, OURS, ours, k1=ours * 0.75, k2=ours * 0.25)
+            row(norm, M, N, "torch", torch_us, note="eager")
+            row(norm, M, N, "liger", None, status="unavailable", error="liger-kernel is not installed")
+    return BenchReport(provenance, rows)
+
+
+def test_write_all(tmp_path):
+    report = _report()
+    paths = bench_output.write_all(report, tmp_path / "out")
+    names = sorted(p.name for p in paths)
+    assert names == sorted(["bench.csv", "bench.json", "bench.md", "bench_layer_norm.png", "bench_rms_norm.png",
+                            "kernels_layer_norm.png", "kernels_rms_norm.png"])
+    for p in paths:
+        assert p.is_file() and p.stat().st_size > 0
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    with open(tmp_path / "out" / "bench.csv", newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert tuple(reader.fieldnames) == bench_output.CSV_COLUMNS
+        rows = list(reader)
+    assert len(rows) == len(report.rows) == 12
+    assert {r["impl"] for r in rows} == {OURS, "torch", "liger"}
+    for r in rows:
+        if r["status"] == "ok":
+            for col in ("median_us", "p10_us", "p90_us", "floor_us", "floor_fraction"):
+                assert math.isfinite(float(r[col])) and float(r[col]) > 0, (col, r)
+            assert isinstance(json.loads(r["kernels"]), dict)
+        else:
+            assert r["median_us"] == "" and "not installed" in r["error"]
+    ours = [r for r in rows if r["impl"] == OURS]
+    assert all(float(r["kernel_1_us"]) + float(r["kernel_2_us"]) == pytest.approx(float(r["median_us"]))
+               for r in ours)
+    assert all(json.loads(r["config"]) == BackwardConfig.from_dict(json.loads(r["config"])).to_dict() for r in ours)
+
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert data["provenance"]["device"]["name"] == "cpu (triton interpreter)"
+    assert data["provenance"]["timing"]["min_reps"] == 20
+    assert len(data["rows"]) == 12
+    speedups = {(s["norm"], s["M"], s["N"]): s["speedup"] for s in data["summary"]}
+    assert speedups[("layer_norm", 4093, 1536)] == pytest.approx(2.0)  # torch 40 µs / ours 20 µs
+    assert speedups[("rms_norm", 777, 7168)] == pytest.approx(0.8)
+    assert {s["best_peer"] for s in data["summary"]} == {"torch"}  # an unavailable peer never wins
+
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert md.startswith("# normtune bench — cpu (triton interpreter)")
+    assert "## layer_norm (µs, lower is better)" in md and "## rms_norm (µs, lower is better)" in md
+    assert "| 4093×1536 |" in md and "2.00×" in md and "0.80×" in md
+    assert "normtune beats the best peer on 2/4" in md
+    assert "liger unavailable: liger-kernel is not installed" in md
+    # bench summary: what the Markdown is built from
+    assert [s["speedup"] for s in summary(report.rows)] == pytest.approx([2.0, 0.8, 2.0, 0.8])

@@ -1,0 +1,226 @@
+"""`normtune.tuner.report` without a GPU: a hand-made database (runs, measurements, peers) rendered to Markdown and
+PNGs, checked for its sections and numbers; plus one rendering of the committed results.db.
+
+Expected figures are worked out by hand in the comments beside the values that produce them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.tuner import emit
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.report import heatmap_cells, load_report_data, write_report
+from normtune.tuner.store import Store
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
+
+GPU = DeviceInfo(name="NVIDIA Test GPU", key="testgpu", compute_capability="9.0", sm_count=8, l2_bytes=50 * 2**20,
+                 memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0", triton="3.2.0",
+                 normtune="0.1.0", git_revision="abc1234", host="node-1", python="3.11.9", interpret=False)
+INTERPRETER = dataclasses.replace(GPU, name="cpu (triton interpreter)", key="interpret", compute_capability=None,
+                                  sm_count=4, driver=None, cuda=None, interpret=True)
+
+LN = Problem("layer_norm", 256, 1024, "bf16")
+RMS = Problem("rms_norm", 512, 2048, "bf16")
+LN_HELDOUT = Problem("layer_norm", 300, 1536, "bf16")
+RMS_HELDOUT = Problem("rms_norm", 700, 3000, "bf16")
+
+
+def config(problem: Problem, block_row: int = 1, num_warps: int = 4, block_m: int = 64,
+           block_n: int = 64) -> BackwardConfig:
+    n_pow2 = 1 << (problem.N - 1).bit_length()
+    return BackwardConfig(Kernel1Config(block_row=block_row, block_col=n_pow2, num_warps=num_warps),
+                          Kernel2Config(block_m=block_m, block_n=block_n)).validate(problem)
+
+
+def ok(median: float, floor: float | None = None, **more) -> MeasureResult:
+    return MeasureResult(status="ok", median_us=median, reps=20, kernel_1_us=0.8 * median, kernel_2_us=0.2 * median,
+                         floor_us=floor, floor_fraction=floor / median if floor else None, **more)
+
+
+def failed(status: str) -> MeasureResult:
+    return MeasureResult(status=status, error=f"made-up {status}")
+
+
+def add_sweep(store: Store, info: DeviceInfo = GPU) -> int:
+    run = store.start_run(info, kind="sweep", command_line=f"normtune sweep --gpu {info.key}")
+    add = lambda problem, cfg, result, source: store.add_measurement(  # noqa: E731
+        run, problem, cfg, dataclasses.replace(result, interpret=info.interpret), source=source)
+    # LN's heatmap grid (block_row x num_warps): (1, 4) twice, the cell keeps the faster 10.0; (2, 8) only failed,
+    # so its cell stays blank; the analytic default (block_row 8, 8 warps for N=1024) adds its own cell.
+    for block_row, num_warps, result in ((1, 4, ok(12.0)), (1, 4, ok(10.0)), (1, 8, ok(9.37, floor=4.685)),
+                                         (2, 4, ok(11.0)), (2, 8, failed("incorrect"))):
+        add(LN, config(LN, block_row, num_warps), result, "sweep")
+    add(LN, default_config(LN), ok(15.0), "seed")
+    add(RMS, config(RMS, 1, 8), ok(18.3), "sweep")
+    add(RMS, config(RMS, 2, 8), ok(19.0), "sweep")
+    add(RMS, config(RMS, 4, 16), failed("out_of_resources"), "sweep")
+    store.end_run(run)
+    return run
+
+
+def add_validation(store: Store) -> None:
+    run = store.start_run(GPU, kind="validate", command_line="validate head-to-head")
+    # Medians of the rounds: LN 300x1536 table 11.5, best 10.0, default 13.0 -> regret 1.15, speedup 1.1304;
+    # RMS 700x3000 table 20, best 16, default 25 -> regret 1.25, speedup 1.25.
+    # Geometric means: regret sqrt(1.15 * 1.25) = 1.199, speedup sqrt(1.1304 * 1.25) = 1.189.
+    rounds = {LN_HELDOUT: {"table": (10.5, 11.5, 12.0), "best": (10.0, 10.0, 10.5), "default": (13.0, 13.0, 14.0)},
+              RMS_HELDOUT: {"table": (20.0,) * 3, "best": (16.0,) * 3, "default": (25.0,) * 3}}
+    for problem, by_name in rounds.items():
+        configs = {"table": config(problem, 1, 8), "best": config(problem, 1, 4), "default": default_config(problem)}
+        for i in range(3):
+            for name, times in by_name.items():
+                store.add_measurement(run, problem, configs[name], ok(times[i]), source=f"validate-{name}")
+    store.end_run(run)
+
+
+def add_bench(store: Store) -> None:
+    run = store.start_run(GPU, kind="bench", command_line="normtune bench --peers torch,quack",
+                          copy_bandwidth_gbps=2900.0)
+    # LN: normtune 12.5, torch 20, quack 15 -> best peer quack, speedup 1.2; RMS: normtune 20, torch 30, quack
+    # unavailable -> speedup 1.5. Wins 2/2, geometric-mean speedup sqrt(1.2 * 1.5) = 1.342.
+    store.add_measurement(run, LN, config(LN, 1, 8), ok(12.5, floor=5.0), source="bench-table")
+    store.add_measurement(run, RMS, config(RMS, 1, 8), ok(20.0, floor=10.0), source="bench-table")
+    store.add_peer_result(run, LN, "torch", status="ok", median_us=20.0, reps=20)
+    store.add_peer_result(run, LN, "quack", status="ok", median_us=15.0, reps=20)
+    store.add_peer_result(run, RMS, "torch", status="ok", median_us=30.0, reps=20)
+    store.add_peer_result(run, RMS, "quack", status="unavailable", error="quack-kernels is not installed")
+    store.end_run(run)
+
+
+@pytest.fixture(scope="module")
+def full_store(tmp_path_factory):
+    """Sweep, validate and bench runs on the made-up GPU."""
+    store = Store(f"sqlite:///{tmp_path_factory.mktemp('full') / 'results.db'}")
+    add_sweep(store)
+    add_validation(store)
+    add_bench(store)
+    yield store
+    store.close()
+
+
+def assert_valid_pngs(paths: list[Path]) -> None:
+    for path in paths:
+        if path.suffix == ".png":
+            data = path.read_bytes()
+            assert data[:8] == PNG_SIGNATURE, f"{path.name} is not a PNG"
+            assert len(data) > 1024, f"{path.name} is only {len(data)} bytes"
+
+
+def test_report_writes_every_section_and_plot(full_store, tmp_path):
+    paths = write_report(full_store, "testgpu", tmp_path)
+    names = [p.name for p in paths]
+    assert names[0] == "report.md"
+    assert set(names) == {"report.md", "kernels_layer_norm.png", "kernels_rms_norm.png",
+                          "best_vs_default_layer_norm.png", "best_vs_default_rms_norm.png",
+                          "heatmap_k1_block_row_k1_num_warps.png", "heatmap_k2_block_m_k2_block_n.png",
+                          "heatmap_k1_programs_per_sm_k2_block_m.png", "validation.png", "peers_layer_norm.png",
+                          "peers_rms_norm.png"}
+    assert all(p.parent == tmp_path and p.is_file() for p in paths)
+    assert_valid_pngs(paths)
+    text = (tmp_path / "report.md").read_text()
+    for heading in ("## Provenance", "## Best config per problem", "## Launch knobs", "## Heuristic table",
+                    "## Validation on held-out shapes", "## normtune vs peers"):
+        assert heading in text
+    for png in names[1:]:
+        assert f"]({png})" in text, f"report.md does not link {png}"
+    # Provenance
+    assert "NVIDIA Test GPU" in text and "compute capability 9.0" in text and "8 SMs" in text
+    assert "driver 560.35.03" in text and "torch 2.6.0" in text and "git revisions abc1234" in text
+    assert "| sweep |" in text and "| validate |" in text and "| bench |" in text
+    # Best LN: 9.37 µs (7 measurements: 6 of the sweep, 1 of the bench), kernel split 80/20, floor 4.685 µs -> 50%; the default measured at 15.0 -> 1.60x. GB/s,
+    # derived as no bytes were stored: 16 programs (2 per SM x 8 SMs) move 1572864 (floor) + 2048 (mean, rstd)
+    # + 2048 (weight) + 262144 (fp32 partials of dw and db, written and read) + 4096 (dw, db) = 1843200 B in
+    # 9.37 µs = 197 GB/s.
+    assert f"| 256×1024 | `{config(LN, 1, 8)}` | 9.4 | 7.5 | 1.9 | 197 | 50 | 15.0 | 1.60× | 7 | incorrect 1 |" in text
+    assert f"| 512×2048 | `{config(RMS, 1, 8)}` | 18.3 |" in text and "out_of_resources 1" in text
+    # Heatmaps: the problem with most measurements, 9 validation rounds each for both held-out problems; the tie
+    # goes to the first key.
+    assert f"layer_norm 300×1536 (`{LN_HELDOUT.key}`, 9 measurements)" in text
+    # No table file for this GPU: fitted from the store.
+    assert "rules fitted now from the stored results" in text and "Learned single-pass threshold" in text
+    # Validation and peers, as worked out beside the fixture.
+    assert "| layer_norm 300×1536 | 11.5 | 10.0 | 13.0 | 1.150 | 1.130 |" in text
+    assert "Geometric-mean regret 1.199, worst 1.250 (rms_norm 700×3000)" in text
+    assert "analytic defaults 1.189×" in text and "2 of 2 shapes exceed a regret of 1.10" in text
+    assert "| layer_norm 256×1024 | 5.0 | 12.5 | 20.0 | 15.0 | quack | 1.20× |" in text
+    assert "| rms_norm 512×2048 | 10.0 | 20.0 | 30.0 | unavailable | torch | 1.50× |" in text
+    assert "normtune beats the best peer on 2/2 shapes; geometric-mean speedup 1.342×" in text
+    assert "2900 GB/s (run 3)" in text
+
+
+def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
+    data = load_report_data(full_store, "testgpu")
+    ln = [m for m in data.measurements if m.problem == LN]
+    default = default_config(LN).kernel_1
+    assert heatmap_cells(ln, "k1_block_row", "k1_num_warps") == {
+        (1, 4): 10.0, (1, 8): 9.37, (2, 4): 11.0, (default.block_row, default.num_warps): 15.0}
+    assert heatmap_cells(ln, "k2_block_m", "k2_block_n") == {(64, 64): 9.37, (128, 16): 15.0}
+
+
+def test_report_is_deterministic(full_store, tmp_path):
+    write_report(full_store, "testgpu", tmp_path / "a")
+    write_report(full_store, "testgpu", tmp_path / "b")
+    assert (tmp_path / "a" / "report.md").read_text() == (tmp_path / "b" / "report.md").read_text()
+
+
+def test_report_uses_the_given_table_and_heatmap_problem(full_store, tmp_path):
+    table_file = tmp_path / "testgpu.json"
+    table_file.write_text(emit.dumps(emit.build_table(full_store, "testgpu")))
+    write_report(full_store, "testgpu", tmp_path / "out", table_path=str(table_file), heatmap_problem=RMS.key)
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"`{table_file}`: tuned on NVIDIA Test GPU" in text
+    assert "| N ≤ | M ≤ | config | fitted on |" in text and "512x2048" in text
+    assert f"rms_norm 512×2048 (`{RMS.key}`, 4 measurements)" in text
+
+
+def test_missing_validation_and_bench_are_sentences(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        add_sweep(store)
+        paths = write_report(store, "testgpu", tmp_path / "out")
+    text = paths[0].read_text()
+    assert "No validation run for this GPU" in text and "No bench run for this GPU" in text
+    assert not {"validation.png", "peers_layer_norm.png"} & {p.name for p in paths}
+    # Only LN's best stored a floor: 3 * 256 * 1024 * 2 B in 4.685 µs = 336 GB/s.
+    assert "copy bandwidth behind the memory floor: 336 GB/s (median implied by the stored floors)" in text
+    assert_valid_pngs(paths)
+
+
+def test_interpreter_only_database_is_labelled(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        add_sweep(store, INTERPRETER)
+        paths = write_report(store, "interpret", tmp_path / "out")
+    text = paths[0].read_text()
+    assert "Triton-interpreter timings" in text and "cpu (triton interpreter)" in text
+    assert f"| 256×1024 | `{config(LN, 1, 8)}` | 9.4 |" in text
+    assert "rules fitted now" in text  # build_table(interpret=True): no interpreter table is shipped
+
+
+def test_unknown_gpu_key_names_the_keys_present(full_store, tmp_path):
+    with pytest.raises(ValueError, match=r"'h300'.*GPU keys present: testgpu"):
+        write_report(full_store, "h300", tmp_path)
+    with pytest.raises(ValueError, match="heatmap problem"):
+        write_report(full_store, "testgpu", tmp_path, heatmap_problem="rms_norm/bf16/wbf16/nobias/save-input/1x1")
+    with Store(f"sqlite:///{tmp_path / 'empty.db'}") as empty, pytest.raises(ValueError, match="empty"):
+        write_report(empty, "testgpu", tmp_path)
+
+
+@pytest.mark.skipif(not REPO_DB.is_file(), reason="no committed results.db")
+def test_report_from_the_committed_results_db(tmp_path):
+    # A copy: opening a SQLite store may switch it to WAL and add files beside it, never in the checkout.
+    shutil.copy(REPO_DB, tmp_path / "results.db")
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        paths = write_report(store, "h100", tmp_path / "out")
+    text = paths[0].read_text()
+    assert "NVIDIA H100 80GB HBM3" in text
+    assert "## Validation on held-out shapes" in text and "## normtune vs peers" in text
+    assert {"validation.png", "peers_layer_norm.png", "kernels_rms_norm.png"} <= {p.name for p in paths}
+    assert_valid_pngs(paths)
