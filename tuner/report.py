@@ -360,7 +360,8 @@ def validation_section(run: RunRecord | None, rows: list[ValidationRow], picture
               f"analytic defaults {_num(s['geomean_speedup_vs_default'], 3)}×.** {over} of {len(rated)} shapes "
               f"exceed a regret of {REGRET_LIMIT:.2f}.", ""]
     fig = _bars([_label(r.problem) for r in rated], {"regret": [r.regret for r in rated]}, ylabel="table ÷ best",
-                title=f"Regret of the table on held-out shapes (run {run.id})", hlines=(1.0, REGRET_LIMIT))
+                title=f"Regret of the table on held-out shapes (run {run.id})", hlines=(1.0, REGRET_LIMIT),
+                ymin=min(0.9, 0.95 * min(r.regret for r in rated)))
     return lines + [pictures.save(fig, "validation.png"), ""]
 
 
@@ -461,10 +462,12 @@ def _axes(width: float, height: float):
 
 
 def _bars(labels: list[str], series: dict[str, list], *, title: str, ylabel: str, stacked: bool = False,
-          markers: dict[str, list] | None = None, hlines: tuple[float, ...] = ()):
+          markers: dict[str, list] | None = None, hlines: tuple[float, ...] = (), ymin: float = 0.0):
     """Grouped (or stacked) bars, one group per label; missing values draw no bar; `markers` are drawn as
-    horizontal ticks over each group (the memory floor), `hlines` as dashed lines across the plot."""
-    fig, ax = _axes(max(7.0, 0.55 * len(labels) * max(1, len(series) if not stacked else 1) + 3), 4.6)
+    horizontal ticks over each group (the memory floor), `hlines` as dashed lines across the plot; the y axis
+    starts at `ymin` (ratios near 1 are unreadable on bars that start at 0)."""
+    bars_per_group = 1 if stacked else max(1, len(series))
+    fig, ax = _axes(min(20.0, max(7.0, len(labels) * (0.3 + 0.15 * bars_per_group) + 2)), 4.6)
     width = 0.8 if stacked else 0.8 / max(1, len(series))
     bottom = [0.0] * len(labels)
     for i, (name, values) in enumerate(series.items()):
@@ -481,6 +484,7 @@ def _bars(labels: list[str], series: dict[str, list], *, title: str, ylabel: str
     for y in hlines:
         ax.axhline(y, color="black" if y == 1.0 else "red", linestyle="--", linewidth=1, label=f"{y:g}")
     ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylim(bottom=ymin)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)

@@ -1,0 +1,269 @@
+"""`normtune.tuner.space`: domains cover every knob of the config dataclasses, enumeration yields only valid and
+distinct launches, seeds start at the default, params/config round-trip, and random configs run correctly.
+
+Spaces of real problems have ~10^5 configs and take tens of seconds to enumerate; these tests enumerate tiny
+problems fully and take `itertools.islice` prefixes (and random draws) of the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+
+import pytest
+
+from normtune.kernels.backward import num_programs
+from normtune.kernels.config import (BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config,
+                                     next_power_of_two)
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner.measure import make_case, measure_config
+from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
+
+# (norm, M, N, sm_count): a single column, odd widths, a wide row that needs two-pass chunks.
+SMALL = [("layer_norm", 3, 1, 4), ("rms_norm", 3, 1, 4), ("layer_norm", 5, 3, 2), ("rms_norm", 1, 1, 2)]
+LARGER = [("layer_norm", 64, 200, 4), ("rms_norm", 64, 200, 3), ("layer_norm", 8, 5000, 4),
+          ("rms_norm", 8, 5000, 2), ("layer_norm", 33, 20000, 4)]
+
+
+def space(norm, M, N, sms, **flags) -> Space:
+    return Space(Problem(norm, M, N, **flags), sms)
+
+
+def launch_key(space: Space, config: BackwardConfig):
+    """What actually launches: every knob, with programs_per_sm replaced by the grid it gives."""
+    progs = num_programs(space.problem.M, config, space.sm_count)
+    return dataclasses.replace(config.kernel_1, programs_per_sm=0.125), config.kernel_2, progs
+
+
+def prefix(space: Space, n: int = 3000) -> list[BackwardConfig]:
+    return list(itertools.islice(space, n))
+
+
+# ------------------------------------------------------------------------------------------------- domains
+
+
+def test_domains_cover_every_config_field():
+    for s in (space("layer_norm", 64, 200, 4), space("rms_norm", 1, 1, 1), space("layer_norm", 8, 40000, 132)):
+        d = s.domains()
+        k1 = {f"k1.{f.name}" for f in dataclasses.fields(Kernel1Config)}
+        k2 = {f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
+        assert k1 | k2 == set(d), f"missing {sorted((k1 | k2) - set(d))}, extra {sorted(set(d) - (k1 | k2))}"
+        assert set(K1_DOMAINS) == {f.name for f in dataclasses.fields(Kernel1Config)}
+        assert set(K2_DOMAINS) == {f.name for f in dataclasses.fields(Kernel2Config)}
+        assert all(len(v) >= 1 for v in d.values())
+
+
+@pytest.mark.parametrize("N, modes", [(1, (False,)), (1024, (False,)), (1025, (False, True)),
+                                      (16384, (False, True)), (16385, (True,)), (262144, (True,))])
+def test_two_pass_domain_follows_the_row_width(N, modes):
+    d = space("rms_norm", 128, N, 8).domains()
+    assert d["k1.two_pass"] == modes
+    if True in modes:  # two-pass chunks are narrower than the row
+        assert all(c < next_power_of_two(N) for c in d["k1.block_col"])
+    assert (False in modes) == (next_power_of_two(N) <= MAX_SINGLE_PASS)
+
+
+def test_block_row_domain_never_exceeds_the_rows():
+    assert space("layer_norm", 3, 64, 4).domains()["k1.block_row"] == (1, 2, 4)
+    assert space("layer_norm", 0, 64, 4).domains()["k1.block_row"] == (1,)
+    assert space("layer_norm", 1000, 64, 4).domains()["k1.block_row"] == K1_DOMAINS["block_row"]
+    assert space("layer_norm", 100, 3, 4).domains()["k2.block_n"] == (4,)
+
+
+# ------------------------------------------------------------------------------------------- enumeration
+
+
+@pytest.mark.parametrize("norm, M, N, sms", SMALL)
+def test_small_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
+    s = space(norm, M, N, sms)
+    configs = list(s)
+    assert configs, "an empty space"
+    assert len(configs) == s.size() <= s.raw_size()
+    d = s.domains()
+    launches = set()
+    for cfg in configs:
+        cfg.validate(s.problem)
+        assert s.why_not(cfg) is None
+        assert s.canonical(cfg) == cfg
+        key = launch_key(s, cfg)
+        assert key not in launches, f"{cfg} launches like an earlier config"
+        launches.add(key)
+        assert cfg.kernel_1.programs_per_sm in d["k1.programs_per_sm"]
+    assert len(set(configs)) == len(configs)
+
+
+@pytest.mark.parametrize("norm, M, N, sms", LARGER)
+def test_larger_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
+    s = space(norm, M, N, sms)
+    configs = prefix(s)
+    assert len(configs) == 3000
+    launches = {launch_key(s, c) for c in configs}
+    assert len(launches) == len(configs)
+    for cfg in configs:
+        assert s.why_not(cfg) is None, cfg
+        cfg.validate(s.problem)
+        assert cfg.kernel_1.tile() <= MAX_SPACE_TILE
+        assert not (cfg.kernel_1.prefetch and cfg.kernel_1.num_stages > 1)
+        if not cfg.kernel_1.two_pass:
+            assert cfg.kernel_1.block_col == next_power_of_two(N)
+
+
+@pytest.mark.parametrize("norm, M, N, sms", LARGER)
+def test_random_points_of_the_space_are_valid_or_explained(norm, M, N, sms):
+    """Random draws from the full cartesian product: each is either pruned with a reason, or valid, and its
+    canonical form keeps the grid."""
+    s = space(norm, M, N, sms)
+    d = s.domains()
+    rng = random.Random(f"{norm}{M}x{N}")
+    kept = 0
+    for _ in range(400):
+        params = {k: rng.choice(v) for k, v in d.items()}
+        cfg = s.config(params)
+        why = s.why_not(cfg)
+        if why is not None:
+            assert isinstance(why, str) and why
+            assert not cfg.is_valid(s.problem) or any(w in why for w in ("tile", "num_warps", "prefetch"))
+            continue
+        kept += 1
+        cfg.validate(s.problem)
+        canon = s.canonical(cfg)
+        assert launch_key(s, canon) == launch_key(s, cfg)
+        assert canon.kernel_1.programs_per_sm in d["k1.programs_per_sm"]
+    assert kept > 0
+
+
+def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
+    # M=3 rows in tiles of 1 row on 4 SMs: 2, 3 and 4 programs per SM all give 3 programs.
+    s = space("rms_norm", 3, 64, 4)
+    base = BackwardConfig(Kernel1Config(block_row=1, block_col=64, num_warps=1), Kernel2Config(32, 8, 1))
+    grids = {}
+    for pps in K1_DOMAINS["programs_per_sm"]:
+        cfg = dataclasses.replace(base, kernel_1=dataclasses.replace(base.kernel_1, programs_per_sm=pps))
+        grids.setdefault(num_programs(3, cfg, 4), set()).add(s.canonical(cfg))
+    assert sorted(grids) == [2, 3]  # 0.5 → 2 programs; 1 and more → 3 (capped by the 3 row tiles)
+    assert all(len(canon) == 1 for canon in grids.values())
+    assert {c.kernel_1.programs_per_sm for c in grids[3]} == {1}
+    enumerated = [c for c in s if dataclasses.replace(c.kernel_1, programs_per_sm=1) == base.kernel_1
+                  and c.kernel_2 == base.kernel_2]
+    assert sorted(c.kernel_1.programs_per_sm for c in enumerated) == [0.5, 1]
+
+
+def test_size_and_raw_size():
+    s = space("layer_norm", 3, 1, 4)
+    d = s.domains()
+    assert s.raw_size() == math.prod(len(v) for v in d.values())
+    assert 0 < s.size() < s.raw_size()
+
+
+# ---------------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("norm, M, N, sms", SMALL + LARGER)
+def test_params_config_round_trip(norm, M, N, sms):
+    s = space(norm, M, N, sms)
+    d = s.domains()
+    for cfg in prefix(s, 300)[::7] + s.seeds():
+        params = s.params(cfg)
+        assert set(params) == set(d)
+        assert s.config(params) == cfg
+        if not cfg.kernel_1.two_pass:
+            assert params["k1.block_col"] == d["k1.block_col"][0]
+
+
+# --------------------------------------------------------------------------------------------------- seeds
+
+
+@pytest.mark.parametrize("norm, M, N, sms", SMALL + LARGER + [("layer_norm", 512, 16384, 132),
+                                                              ("rms_norm", 2048, 8192, 132),
+                                                              ("layer_norm", 4096, 65536, 132)])
+def test_seeds_start_with_the_default_and_are_valid(norm, M, N, sms):
+    s = space(norm, M, N, sms)
+    seeds = s.seeds()
+    assert seeds[0] == s.canonical(default_config(s.problem))
+    assert len(set(seeds)) == len(seeds)
+    for cfg in seeds:
+        cfg.validate(s.problem)
+        assert s.why_not(cfg) is None, cfg
+        assert s.canonical(cfg) == cfg
+
+
+@pytest.mark.parametrize("norm, M, N, sms", [("layer_norm", 64, 200, 4), ("rms_norm", 1000, 1024, 132),
+                                             ("layer_norm", 512, 16384, 132), ("rms_norm", 8, 5000, 4)])
+def test_seeds_lie_in_the_search_space(norm, M, N, sms):
+    """A seed is enqueued in the Optuna study by its params: every param must be one of its domain's values."""
+    s = space(norm, M, N, sms)
+    d = s.domains()
+    for cfg in s.seeds():
+        params = s.params(cfg)
+        outside = {k: v for k, v in params.items() if v not in d[k]}
+        assert not outside, f"seed {cfg} outside the domains: {outside}"
+
+
+@pytest.mark.parametrize("norm, M, N", [("rms_norm", 3, 1), ("layer_norm", 5, 1024), ("rms_norm", 0, 7),
+                                        ("layer_norm", 12, 200)])
+def test_seeds_of_short_problems_lie_in_the_search_space(norm, M, N):
+    """Short problems (M below the default's block_row): the default's 16- or 8-row tile is not in the block_row
+    domain (rows <= next_pow2(M)), so the sweep's `enqueue_trial(space.params(seed))` makes Optuna raise
+    "'16' not in (1, 2, 4)" and `normtune sweep --shapes 3x1` stops before measuring anything."""
+    s = space(norm, M, N, 4)
+    d = s.domains()
+    for cfg in s.seeds():
+        params = s.params(cfg)
+        outside = {k: v for k, v in params.items() if v not in d[k]}
+        assert not outside, f"seed {cfg} outside the domains: {outside}"
+
+
+def test_seeds_include_two_pass_strategies_for_wide_rows():
+    for norm, M, N in (("layer_norm", 512, 16384), ("rms_norm", 1024, 8192), ("layer_norm", 3000, 5000)):
+        s = space(norm, M, N, 132)
+        seeds = s.seeds()
+        two_pass = [c for c in seeds if c.kernel_1.two_pass]
+        assert two_pass, f"no two-pass seed for {norm} {M}x{N}"
+        assert {c.kernel_1.block_row for c in two_pass} >= {1, 2}
+        assert all(c.kernel_1.block_col < next_power_of_two(N) for c in two_pass)
+        strategies = s.strategies()
+        assert strategies and all(c in seeds for c in strategies)
+    # Narrow rows have no structural alternatives.
+    assert space("rms_norm", 4096, 1024, 132).strategies() == []
+
+
+def test_seeds_move_each_knob_one_step():
+    s = space("layer_norm", 4096, 1024, 132)
+    base, *rest = s.seeds()
+    bp = s.params(base)
+    d = s.domains()
+    for cfg in rest:
+        if cfg in s.strategies():
+            continue
+        moved = {k for k, v in s.params(cfg).items() if v != bp[k]}
+        if moved == {"k1.programs_per_sm"}:
+            continue
+        assert len(moved) == 1, (cfg, moved)
+        (key,) = moved
+        assert abs(d[key].index(s.params(cfg)[key]) - d[key].index(bp[key])) == 1
+
+
+# ---------------------------------------------------------------------------------- random configs run right
+
+
+@pytest.mark.parametrize("norm, M, N, seed", [("layer_norm", 13, 72, 0), ("rms_norm", 9, 40, 1),
+                                              ("layer_norm", 6, 1500, 2)])
+def test_random_configs_run_correctly_in_the_interpreter(norm, M, N, seed):
+    problem = Problem(norm, M, N, "bf16")
+    s = Space(problem, INTERPRET_SM_COUNT)
+    d = s.domains()
+    rng = random.Random(seed)
+    case = make_case(problem, "cpu", seed=seed)
+    ref = case.reference()
+    picked: list[BackwardConfig] = []
+    while len(picked) < 2:
+        cfg = s.config({k: rng.choice(v) for k, v in d.items()})
+        if s.why_not(cfg) is None:
+            picked.append(s.canonical(cfg))
+    for cfg in picked:
+        r = measure_config(case, cfg, flusher=None, bandwidth_gbps=1000.0, reference_grads=ref, warmup=0,
+                           min_reps=1, max_reps=1, budget_s=0.0)
+        assert r.status == "ok", f"{cfg}: {r.status} {r.error}"
+        assert r.median_us > 0
