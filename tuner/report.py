@@ -61,7 +61,8 @@ def write_report(store, gpu_key: str, out_dir, *, heatmap_problem: str | None = 
 
     `heatmap_problem` is a problem key (default: the problem with most measurements); `table_path` a heuristic
     table (default: the shipped configs/<gpu_key>.json, else one fitted now from the store). Raises ValueError for
-    a GPU key without runs (naming the keys present) or a heatmap problem that was never measured."""
+    a GPU key without runs (naming the keys present) or a heatmap problem that was never measured, and
+    `kernels.tables.TableError` (a ValueError) or OSError for a `table_path` that cannot be used."""
     data = load_report_data(store, gpu_key)
     summaries = summarize_problems(data)
     focus = choose_heatmap_problem(summaries, heatmap_problem)
@@ -131,9 +132,10 @@ def _default_config(problem: Problem) -> BackwardConfig | None:
 
 
 def choose_heatmap_problem(summaries: list[ProblemSummary], key: str | None) -> ProblemSummary | None:
-    """The summary of problem `key`, or of the problem with most measurements (ties: the first by key)."""
+    """The summary of problem `key`, or of the problem with most measurements among those that ran correctly
+    (ties: the first by key)."""
     if key is None:
-        return min(summaries, key=lambda s: (-s.trials, s.problem.key), default=None)
+        return min((s for s in summaries if s.best), key=lambda s: (-s.trials, s.problem.key), default=None)
     found = [s for s in summaries if s.problem.key == key]
     if not found:
         raise ValueError(f"heatmap problem {key!r} has no measurements on this GPU; measured problems: "
@@ -247,7 +249,8 @@ def problems_section(summaries: list[ProblemSummary], data: ReportData, pictures
         return lines + ["No measurements are stored for this GPU yet: run `normtune sweep` first.", ""]
     lines += ["Best = the fastest correct measurement of any run; GB/s counts every byte both kernels move; "
               "% floor = time of the memory floor (3·M·N·itemsize at the copy bandwidth) ÷ best time; "
-              "default = the analytic default config, where it was measured.", ""]
+              "default = the analytic default config, where it was measured; trials = every stored measurement of "
+              "the problem (sweeps, neighbours, validation, bench).", ""]
     for family in dict.fromkeys(s.problem.family.key for s in summaries):
         lines += [f"### {family}", "", "| M×N | best config | µs | kernel_1 µs | kernel_2 µs | GB/s | % floor | "
                   "default µs | default ÷ best | trials | failed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -266,7 +269,11 @@ def problems_section(summaries: list[ProblemSummary], data: ReportData, pictures
                   f"({len(gains)} problems where the default was measured).", ""]
     for norm in dict.fromkeys(s.problem.norm for s in summaries):
         group = [s for s in summaries if s.problem.norm == norm and s.best]
-        labels = [_label(s.problem, group) for s in group]
+        if not group:
+            lines += [f"No {norm} problem ran correctly: nothing to plot.", ""]
+            continue
+        mixed = len({s.problem.family for s in group}) > 1
+        labels = [_label(s.problem, family=mixed) for s in group]
         fig = _bars(labels, {"kernel_1": [s.best.kernel_1_us for s in group],
                              "kernel_2": [s.best.kernel_2_us for s in group]}, stacked=True,
                     markers={"memory floor": [s.best.floor_us for s in group]}, ylabel="µs",
@@ -359,7 +366,7 @@ def validation_section(run: RunRecord | None, rows: list[ValidationRow], picture
               f"({worst.problem.norm} {worst.problem.M}×{worst.problem.N}); geometric-mean speedup over the "
               f"analytic defaults {_num(s['geomean_speedup_vs_default'], 3)}×.** {over} of {len(rated)} shapes "
               f"exceed a regret of {REGRET_LIMIT:.2f}.", ""]
-    fig = _bars([_label(r.problem) for r in rated], {"regret": [r.regret for r in rated]}, ylabel="table ÷ best",
+    fig = _bars([_label(r.problem, norm=True) for r in rated], {"regret": [r.regret for r in rated]}, ylabel="table ÷ best",
                 title=f"Regret of the table on held-out shapes (run {run.id})", hlines=(1.0, REGRET_LIMIT),
                 ymin=min(0.9, 0.95 * min(r.regret for r in rated)))
     return lines + [pictures.save(fig, "validation.png"), ""]
@@ -429,12 +436,10 @@ def _span(ids) -> str:
         ", ".join(map(str, ids))
 
 
-def _label(problem: Problem, group: list[ProblemSummary] | None = None) -> str:
-    """M×N, with the norm when several norms share a plot and the family when several families share a norm."""
-    if group is None:
-        return f"{'LN' if problem.norm == 'layer_norm' else 'RMS'} {problem.M}×{problem.N}"
-    several = len({s.problem.family for s in group}) > 1
-    return f"{problem.M}×{problem.N}" + (f"\n{problem.dtype}/{problem.weight_dtype}/{problem.save}" if several else "")
+def _label(problem: Problem, *, norm: bool = False, family: bool = False) -> str:
+    """M×N, after the norm for plots that mix norms, above dtypes and save mode for plots that mix families."""
+    shape = f"{'LN' if problem.norm == 'layer_norm' else 'RMS'} " * norm + f"{problem.M}×{problem.N}"
+    return shape + f"\n{problem.dtype}/w{problem.weight_dtype}/save-{problem.save}" * family
 
 
 # ------------------------------------------------------------------------------------------------- plots
