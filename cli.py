@@ -472,6 +472,42 @@ def validate(
     store.close()
 
 
+# ------------------------------------------------------------------------------------------------ report
+
+
+@app.command()
+def report(
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU key whose data to report (h100, h200, interpret, …)")],
+    db: Storage = DEFAULT_DB,
+    out: Annotated[Path, typer.Option(help="Folder for report.md and its PNGs")] = Path("report"),
+    problem: Annotated[Optional[str], typer.Option(help="Problem key for the parameter heatmaps [default: the "
+                                                        "most measured]")] = None,
+    table: Annotated[Optional[Path], typer.Option(help="Table whose rules to show [default: configs/<gpu>.json]")]
+    = None,
+):
+    """Markdown + PNG report from the stored data (no GPU needed): best configs, per-kernel split, heatmaps,
+    emitted rules, validation regret, normtune vs peers."""
+    from rich.console import Console
+
+    from normtune.kernels.tables import TableError
+    from normtune.tuner.report import write_report
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    if db == DEFAULT_DB and not Path("results.db").exists():
+        _run(_raise, "results.db not found here: run from the repository root or pass --db sqlite:///PATH")
+    store = _run(Store, db)
+    try:
+        paths = write_report(store, gpu.strip().lower(), out, heatmap_problem=problem,
+                             table_path=str(table) if table else None)
+    except (ValueError, TableError, OSError) as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    console.print(f"wrote {paths[0]} and {len(paths) - 1} plots in {out}")
+
+
 def main() -> None:  # pragma: no cover - console-script entry point alternative
     app()
 

@@ -26,6 +26,7 @@ from normtune.kernels.tables import parse_table
 from .bench import OURS, geomean, summary
 from .emit import build_table, single_pass_threshold
 from .measure import bytes_moved, floor_bytes
+from .space import Space
 from .store import MeasurementRecord, RunRecord
 from .validate import ValidationRow, summarize
 
@@ -104,8 +105,7 @@ def summarize_problems(data: ReportData) -> list[ProblemSummary]:
     for problem in sorted(by_problem, key=lambda p: (p.family.key, p.N, p.M)):
         rows = by_problem[problem]
         ok = [m for m in rows if m.status == "ok" and m.median_us]
-        default = _default_config(problem)
-        defaults = [m.median_us for m in ok if m.config == default or m.source == "validate-default"]
+        defaults = [m.median_us for m in ok if _is_default(m, sm_counts.get(m.run_id))]
         best = min(ok, key=lambda m: (m.median_us, m.id), default=None)
         gbps = _gbps(best, sm_counts.get(best.run_id)) if best else None
         floor_fraction = (best.floor_fraction or _ratio_of(best.floor_us, best.median_us)) if best else None
@@ -124,11 +124,16 @@ def _gbps(m: MeasurementRecord, sm_count: int | None) -> float | None:
     return moved / (m.median_us * 1e3) if moved else None  # B / µs / 1e3 = GB/s
 
 
-def _default_config(problem: Problem) -> BackwardConfig | None:
+def _is_default(m: MeasurementRecord, sm_count: int | None) -> bool:
+    """Whether `m` timed the analytic default: what validate timed as the default then, or today's
+    `default_config` as the sweep seeds it (canonical: programs_per_sm values giving the same grid are one)."""
+    if m.source == "validate-default":
+        return True
     try:
-        return default_config(problem)
+        default = default_config(m.problem)
     except ConfigError:  # no analytic config runs this problem: there is nothing to compare with
-        return None
+        return False
+    return m.config == default or bool(sm_count) and m.config == Space(m.problem, sm_count).canonical(default)
 
 
 def choose_heatmap_problem(summaries: list[ProblemSummary], key: str | None) -> ProblemSummary | None:
@@ -316,7 +321,7 @@ def rules_section(store, data: ReportData, table_path: str | None) -> list[str]:
         lines += [f"Note: this table was tuned for `{table['gpu']['key']}`, not `{data.gpu_key}`.", ""]
     for family, fam in sorted(table["families"].items()):
         threshold = fam.get("single_pass_max_n", single_pass_threshold(fam["rules"]))
-        lines += [f"### {family}", "", f"Learned single-pass threshold: "
+        lines += [f"### {family}", "", "Learned single-pass threshold: "
                   + (f"single pass up to N = {threshold}." if threshold else "no rule runs single pass."), "",
                   "| N ≤ | M ≤ | config | fitted on |", "|---|---|---|---|"]
         for rule in fam["rules"]:
@@ -366,9 +371,9 @@ def validation_section(run: RunRecord | None, rows: list[ValidationRow], picture
               f"({worst.problem.norm} {worst.problem.M}×{worst.problem.N}); geometric-mean speedup over the "
               f"analytic defaults {_num(s['geomean_speedup_vs_default'], 3)}×.** {over} of {len(rated)} shapes "
               f"exceed a regret of {REGRET_LIMIT:.2f}.", ""]
-    fig = _bars([_label(r.problem, norm=True) for r in rated], {"regret": [r.regret for r in rated]}, ylabel="table ÷ best",
-                title=f"Regret of the table on held-out shapes (run {run.id})", hlines=(1.0, REGRET_LIMIT),
-                ymin=min(0.9, 0.95 * min(r.regret for r in rated)))
+    fig = _bars([_label(r.problem, norm=True) for r in rated], {"regret": [r.regret for r in rated]},
+                ylabel="table ÷ best", title=f"Regret of the table on held-out shapes (run {run.id})",
+                hlines=(1.0, REGRET_LIMIT), ymin=min(0.9, 0.95 * min(r.regret for r in rated)))
     return lines + [pictures.save(fig, "validation.png"), ""]
 
 
