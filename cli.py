@@ -84,6 +84,15 @@ def _use_interpreter(interpret: bool) -> None:
                            "set TRITON_INTERPRET=1 before starting Python")
 
 
+def _dtype(text: str, option: str = "--dtype") -> str:
+    from normtune.kernels.config import DTYPES, canonical_dtype
+
+    try:
+        return canonical_dtype(text)
+    except TypeError:
+        raise CLIError(f"{option} {text!r}: use one of {', '.join(DTYPES)}") from None
+
+
 def _split(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
     items = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in items if s not in allowed]
@@ -141,15 +150,15 @@ def bench(
     _run(_use_interpreter, interpret)
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS, canonical_dtype
+    from normtune.kernels.config import NORMS
     from normtune.tuner import bench as B
     from normtune.tuner import bench_output
     from normtune.tuner.peers import parse_peers
 
     console = Console(stderr=True)
     norms = _run(_split, norm, NORMS, "--norm")
-    dt = _run(canonical_dtype, dtype)
-    wdt = _run(canonical_dtype, weight_dtype) if weight_dtype else None
+    dt = _run(_dtype, dtype)
+    wdt = _run(_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
     shape_list = _run(_shapes, shapes, interpret)
     peer_names = _run(parse_peers, peers)
     info = _run(_device_info, gpu, interpret, device)
@@ -266,7 +275,7 @@ def sweep(
     _run(_use_interpreter, interpret)
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS, SAVE_MODES, canonical_dtype
+    from normtune.kernels.config import NORMS, SAVE_MODES
     from normtune.tuner import sweep as S
     from normtune.tuner.store import Store
 
@@ -274,8 +283,8 @@ def sweep(
     norms = _run(_split, norm, NORMS, "--norm")
     if save not in SAVE_MODES:
         _run(_raise, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
-    dt = _run(canonical_dtype, dtype)
-    wdt = _run(canonical_dtype, weight_dtype) if weight_dtype else None
+    dt = _run(_dtype, dtype)
+    wdt = _run(_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
     shape_list = _run(_shapes, shapes, interpret)
     problems = _run(_problems, norms, dt, wdt, shape_list, bias=bias, zero_centered=zero_centered, save=save)
     device_list = _run(_parse_devices, devices)
@@ -429,14 +438,14 @@ def validate(
     from rich.console import Console
     from rich.table import Table as RTable
 
-    from normtune.kernels.config import NORMS, canonical_dtype
+    from normtune.kernels.config import NORMS
     from normtune.kernels.tables import load_table, table_for
     from normtune.tuner import validate as V
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
     norms = _run(_split, norm, NORMS, "--norm")
-    dt = _run(canonical_dtype, dtype)
+    dt = _run(_dtype, dtype)
     shape_list = _run(_shapes, shapes or ("tiny" if interpret else "heldout"), interpret)
     problems = _run(_problems, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
     info = _run(_device_info, gpu, interpret)

@@ -462,7 +462,7 @@ def default_config(problem: Problem) -> BackwardConfig:
     # 16 warps once a row is >= 4096 columns (H100 and H200 sweeps: every tuned seed config at N >= 4096 ran 16
     # warps or smem pipelining; 8 warps cost LayerNorm 4096x8192 96.6 vs 82.0 µs on the H100).
     num_warps = 8 if two_pass else (16 if block_col >= 4096 else max(4, min(8, tile // 1024)))
-    while num_warps > 1 and 32 * num_warps > tile:
+    while num_warps > 1 and 4 * 32 * num_warps > tile:  # tiny rows: keep >= 4 elements per thread
         num_warps //= 2
     hardware = min(REGISTER_BUDGET, REGISTER_FILE // (32 * num_warps))
     prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True) <= hardware

@@ -1,8 +1,8 @@
 """`normtune.tuner.measure` (statistics, bytes and floor, the correctness gate, failure classification, one
 measurement in the interpreter) and the bench writers of `normtune.tuner.bench_output`.
 
-Kernels run on CPU through the Triton interpreter (see conftest.py); timings there are host wall-clock, so only
-their shape is checked (finite, positive, consistent with each other), never their values.
+Kernels run on the `device` fixture's device: CPU through the Triton interpreter without a GPU (see conftest.py).
+Timings are only checked for their shape (finite, positive, consistent with each other), never their values.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from triton.runtime.errors import OutOfResources
 from normtune.kernels import backward as kbackward
 from normtune.kernels.backward import BackwardLaunch, num_programs
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.kernels.device import INTERPRET_SM_COUNT
-from normtune.tuner import bench_output, measure
+from normtune.kernels.device import sm_count
+from normtune.tuner import bench_output
 from normtune.tuner.bench import OURS, BenchReport, summary
 from normtune.tuner.device import detect
 from normtune.tuner.measure import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
@@ -124,14 +124,14 @@ def test_l2_flusher_buffer_covers_the_flush_size():
 # ------------------------------------------------------------------------------------------------- the gate
 
 
-def _reference(problem: Problem, seed: int = 0):
-    case = make_case(problem, "cpu", seed=seed)
+def _reference(problem: Problem, device: str, seed: int = 0):
+    case = make_case(problem, device, seed=seed)
     return case, case.reference()
 
 
-def test_gate_passes_the_reference_itself_and_small_rounding():
+def test_gate_passes_the_reference_itself_and_small_rounding(device):
     problem = Problem("layer_norm", 13, 37, "bf16")
-    _, ref = _reference(problem)
+    _, ref = _reference(problem, device)
     passed, errors, message = gate(problem, ref, ref)
     assert passed and message == ""
     assert set(errors) == {"dx", "dw", "db"}
@@ -145,9 +145,9 @@ def test_gate_passes_the_reference_itself_and_small_rounding():
 
 
 @pytest.mark.parametrize("bad", ["dx", "dw", "db"])
-def test_gate_fails_a_nan_and_names_the_output(bad):
+def test_gate_fails_a_nan_and_names_the_output(bad, device):
     problem = Problem("layer_norm", 9, 21, "fp32")
-    _, ref = _reference(problem)
+    _, ref = _reference(problem, device)
     got = [t.clone() for t in ref]
     got[("dx", "dw", "db").index(bad)].view(-1)[-1] = math.nan
     passed, errors, message = gate(problem, tuple(got), ref)
@@ -157,9 +157,9 @@ def test_gate_fails_a_nan_and_names_the_output(bad):
     assert all(name not in message for name in ("dx", "dw", "db") if name != bad)
 
 
-def test_gate_fails_wrong_values_and_names_each_wrong_output():
+def test_gate_fails_wrong_values_and_names_each_wrong_output(device):
     problem = Problem("layer_norm", 9, 21, "fp16")
-    _, ref = _reference(problem)
+    _, ref = _reference(problem, device)
     dx, dw, db = ref
     passed, errors, message = gate(problem, (dx * 1.5, dw, -db), ref)
     assert not passed
@@ -169,19 +169,19 @@ def test_gate_fails_wrong_values_and_names_each_wrong_output():
     assert errors["dw"] == 0.0
 
 
-def test_gate_skips_outputs_the_problem_does_not_have():
+def test_gate_skips_outputs_the_problem_does_not_have(device):
     problem = Problem("rms_norm", 5, 17, "bf16")  # no bias: db is None
-    _, ref = _reference(problem)
+    _, ref = _reference(problem, device)
     assert ref[2] is None
     passed, errors, _ = gate(problem, ref, ref)
     assert passed and set(errors) == {"dx", "dw"}
 
 
-def test_gate_doubles_the_tolerance_when_recovering_from_the_output():
+def test_gate_doubles_the_tolerance_when_recovering_from_the_output(device):
     tol = GATE_TOLERANCE["fp32"]
     for save, expect in (("input", False), ("output", True)):
         problem = Problem("rms_norm", 5, 17, "fp32", save=save)
-        _, ref = _reference(problem)
+        _, ref = _reference(problem, device)
         got = (ref[0] * (1 + 1.5 * tol), ref[1], None)
         passed, _, _ = gate(problem, got, ref)
         assert passed is expect, save
@@ -229,13 +229,13 @@ def test_classify_exception(err, status):
     Problem("rms_norm", 5, 33, "fp32"),
     Problem("layer_norm", 7, 3000, "fp16", weight_dtype="fp32", save="output"),
 ], ids=lambda p: p.key)
-def test_measure_config_in_the_interpreter(problem):
-    case = make_case(problem, "cpu", seed=1)
+def test_measure_config(problem, device):
+    case = make_case(problem, device, seed=1)
     config = default_config(problem)
     r = measure_config(case, config, flusher=None, bandwidth_gbps=BANDWIDTH, **FAST)
     assert r.status == "ok", r.error
     assert r.error is None
-    assert r.interpret is True
+    assert r.interpret is (device == "cpu")
     figures = dict(median_us=r.median_us, p10_us=r.p10_us, p90_us=r.p90_us, kernel_1_us=r.kernel_1_us,
                    kernel_2_us=r.kernel_2_us, gbps=r.gbps, floor_us=r.floor_us, floor_fraction=r.floor_fraction)
     for name, value in figures.items():
@@ -243,7 +243,7 @@ def test_measure_config_in_the_interpreter(problem):
     assert r.p10_us <= r.median_us <= r.p90_us
     assert r.reps == FAST["min_reps"]
     assert r.compile_s is not None and r.compile_s >= 0
-    assert r.programs == num_programs(problem.M, config, INTERPRET_SM_COUNT)
+    assert r.programs == num_programs(problem.M, config, sm_count(torch.device(device)))
     assert r.bytes_moved == bytes_moved(problem, r.programs)
     assert r.gbps == pytest.approx(r.bytes_moved / (r.median_us * 1e3))
     assert r.floor_us == pytest.approx(floor_us(problem, BANDWIDTH))
@@ -253,9 +253,9 @@ def test_measure_config_in_the_interpreter(problem):
     assert MeasureResult(**r.to_dict()) == r
 
 
-def test_measure_config_without_bandwidth_has_no_floor():
+def test_measure_config_without_bandwidth_has_no_floor(device):
     problem = Problem("rms_norm", 6, 40, "bf16")
-    r = measure_config(make_case(problem, "cpu"), default_config(problem), flusher=None, bandwidth_gbps=math.nan,
+    r = measure_config(make_case(problem, device), default_config(problem), flusher=None, bandwidth_gbps=math.nan,
                        **FAST)
     assert r.status == "ok", r.error
     assert math.isnan(r.floor_us) and r.floor_fraction is None
@@ -268,12 +268,12 @@ def test_measure_config_without_bandwidth_has_no_floor():
     (BackwardConfig(Kernel1Config(block_col=256), Kernel2Config(block_n=24)), "block_n"),
     (BackwardConfig(Kernel1Config(block_col=128, two_pass=True, recompute=True)), "recompute"),
 ])
-def test_invalid_config_is_a_status_not_a_crash(config, needle):
+def test_invalid_config_is_a_status_not_a_crash(config, needle, device):
     problem = Problem("layer_norm", 10, 200, "bf16")
-    r = measure_config(make_case(problem, "cpu"), config, flusher=None, bandwidth_gbps=BANDWIDTH, **FAST)
+    r = measure_config(make_case(problem, device), config, flusher=None, bandwidth_gbps=BANDWIDTH, **FAST)
     assert r.status == "invalid"
     assert needle in r.error
-    assert r.median_us is None and r.reps == 0 and r.interpret is True
+    assert r.median_us is None and r.reps == 0 and r.interpret is (device == "cpu")
 
 
 # ------------------------------------------------------------------------- the gate catches wrong kernels
@@ -287,48 +287,48 @@ def _patch(monkeypatch, name, wrapper):
     monkeypatch.setattr(BackwardLaunch, name, lambda self: wrapper(self, original))
 
 
-def _measure(problem=PROBLEM, config=None):
-    return measure_config(make_case(problem, "cpu", seed=5), config or default_config(problem), flusher=None,
+def _measure(device, problem=PROBLEM, config=None):
+    return measure_config(make_case(problem, device, seed=5), config or default_config(problem), flusher=None,
                           bandwidth_gbps=BANDWIDTH, **FAST)
 
 
-def test_gate_catches_a_kernel_1_with_wrong_dx(monkeypatch):
+def test_gate_catches_a_kernel_1_with_wrong_dx(monkeypatch, device):
     def wrong(self, original):
         original(self)
         self.dx[3] *= 2  # one row off by a factor of two
 
     _patch(monkeypatch, "kernel_1", wrong)
-    r = _measure()
+    r = _measure(device)
     assert r.status == "incorrect"
     assert "dx relative error" in r.error and "dw" not in r.error
     assert r.errors["dx"] > GATE_TOLERANCE["bf16"]
     assert r.median_us is None  # not timed
 
 
-def test_gate_catches_a_kernel_1_that_skips_the_last_row(monkeypatch):
+def test_gate_catches_a_kernel_1_that_skips_the_last_row(monkeypatch, device):
     def skipping(self, original):
         saved = self.dx[-1].clone()  # the poisoned (NaN) row
         original(self)
         self.dx[-1] = saved
 
     _patch(monkeypatch, "kernel_1", skipping)
-    r = _measure()
+    r = _measure(device)
     assert r.status == "incorrect"
     assert r.errors["dx"] == math.inf
 
 
-def test_gate_catches_a_kernel_1_with_wrong_partials(monkeypatch):
+def test_gate_catches_a_kernel_1_with_wrong_partials(monkeypatch, device):
     def wrong(self, original):
         original(self)
         self.partial_dw[0] += 1.0
 
     _patch(monkeypatch, "kernel_1", wrong)
-    r = _measure()
+    r = _measure(device)
     assert r.status == "incorrect"
     assert "dw relative error" in r.error and "dx" not in r.error and "db" not in r.error
 
 
-def test_gate_catches_a_kernel_2_that_drops_a_program(monkeypatch):
+def test_gate_catches_a_kernel_2_that_drops_a_program(monkeypatch, device):
     def dropping(self, original):
         self.partial_db[-1] = 0.0  # the last program's bias partials lost
         original(self)
@@ -336,15 +336,15 @@ def test_gate_catches_a_kernel_2_that_drops_a_program(monkeypatch):
     _patch(monkeypatch, "kernel_2", dropping)
     problem = Problem("layer_norm", 40, 72, "bf16")
     config = BackwardConfig(Kernel1Config(block_row=2, block_col=128, num_warps=1, programs_per_sm=1))
-    r = _measure(problem, config)
+    r = _measure(device, problem, config)
     assert r.status == "incorrect"
     assert "db relative error" in r.error
 
 
-def test_a_right_kernel_passes_the_same_harness(monkeypatch):
+def test_a_right_kernel_passes_the_same_harness(monkeypatch, device):
     # The counterpart of the tests above: wrapping without corrupting changes nothing.
     _patch(monkeypatch, "kernel_1", lambda self, original: original(self))
-    assert _measure().status == "ok"
+    assert _measure(device).status == "ok"
 
 
 @pytest.mark.parametrize("err, status", [
@@ -353,18 +353,18 @@ def test_a_right_kernel_passes_the_same_harness(monkeypatch):
     (OutOfResources(262144, 232448, "shared memory"), "out_of_resources"),
     (RuntimeError("something else broke"), "error"),
 ])
-def test_a_kernel_that_raises_is_a_status(monkeypatch, err, status):
+def test_a_kernel_that_raises_is_a_status(monkeypatch, device, err, status):
     def raising(self, original):
         raise err
 
     _patch(monkeypatch, "kernel_1", raising)
-    r = _measure()
+    r = _measure(device)
     assert r.status == status
     assert type(err).__name__ in r.error
-    assert r.median_us is None and r.interpret is True
+    assert r.median_us is None
 
 
-def test_a_failure_while_timing_is_an_error_status(monkeypatch):
+def test_a_failure_while_timing_is_an_error_status(monkeypatch, device):
     calls = {"n": 0}
 
     def flaky(self, original):
@@ -374,18 +374,18 @@ def test_a_failure_while_timing_is_an_error_status(monkeypatch):
         original(self)
 
     _patch(monkeypatch, "kernel_2", flaky)
-    r = _measure()
+    r = _measure(device)
     assert r.status == "error"
     assert "lost the device" in r.error
     assert r.median_us is None
 
 
-def test_the_kernels_really_are_the_patched_ones(monkeypatch):
+def test_the_kernels_really_are_the_patched_ones(monkeypatch, device):
     # Guards the tests above: measure_config must launch through BackwardLaunch.kernel_1/kernel_2.
     seen = []
     _patch(monkeypatch, "kernel_1", lambda self, original: (seen.append(1), original(self)))
     _patch(monkeypatch, "kernel_2", lambda self, original: (seen.append(2), original(self)))
-    assert _measure().status == "ok"
+    assert _measure(device).status == "ok"
     assert seen[:2] == [1, 2] and seen.count(1) > 1 and seen.count(2) > 1
     assert kbackward.BackwardLaunch is BackwardLaunch
 

@@ -13,11 +13,12 @@ import math
 import random
 
 import pytest
+import torch
 
 from normtune.kernels.backward import num_programs
 from normtune.kernels.config import (BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config,
                                      next_power_of_two)
-from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
 
@@ -145,7 +146,8 @@ def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
     assert sorted(grids) == [2, 3]  # 0.5 → 2 programs; 1 and more → 3 (capped by the 3 row tiles)
     assert all(len(canon) == 1 for canon in grids.values())
     assert {c.kernel_1.programs_per_sm for c in grids[3]} == {1}
-    enumerated = [c for c in s if dataclasses.replace(c.kernel_1, programs_per_sm=1) == base.kernel_1
+    same_knobs = dataclasses.replace(base.kernel_1, programs_per_sm=1)
+    enumerated = [c for c in s if dataclasses.replace(c.kernel_1, programs_per_sm=1) == same_knobs
                   and c.kernel_2 == base.kernel_2]
     assert sorted(c.kernel_1.programs_per_sm for c in enumerated) == [0.5, 1]
 
@@ -185,29 +187,31 @@ def test_seeds_start_with_the_default_and_are_valid(norm, M, N, sms):
     assert len(set(seeds)) == len(seeds)
     for cfg in seeds:
         cfg.validate(s.problem)
-        assert s.why_not(cfg) is None, cfg
         assert s.canonical(cfg) == cfg
+    for cfg in seeds[1:]:  # the default itself: see test_the_default_is_worth_measuring
+        assert s.why_not(cfg) is None, cfg
+
+
+@pytest.mark.parametrize("norm, M, N, sms", [("layer_norm", 3, 1, 4), ("rms_norm", 1, 2, 2), ("rms_norm", 5, 17, 4),
+                                             *LARGER, ("rms_norm", 4096, 1024, 132),
+                                             ("layer_norm", 5, 3, 2), ("rms_norm", 64, 16, 4)])
+def test_the_default_is_worth_measuring(norm, M, N, sms):
+    """The sweep enqueues only seeds with `why_not(...) is None`: a default the space prunes is never measured,
+    and the sweep reports no "default config" time for the problem."""
+    s = space(norm, M, N, sms)
+    assert s.why_not(s.seeds()[0]) is None
 
 
 @pytest.mark.parametrize("norm, M, N, sms", [("layer_norm", 64, 200, 4), ("rms_norm", 1000, 1024, 132),
-                                             ("layer_norm", 512, 16384, 132), ("rms_norm", 8, 5000, 4)])
+                                             ("layer_norm", 512, 16384, 132), ("rms_norm", 8, 5000, 4),
+                                             ("layer_norm", 5, 1024, 4), ("layer_norm", 12, 200, 4),
+                                             # shorter than the default's row tile:
+                                             ("rms_norm", 3, 1, 4), ("layer_norm", 5, 200, 4), ("rms_norm", 0, 7, 4)])
 def test_seeds_lie_in_the_search_space(norm, M, N, sms):
-    """A seed is enqueued in the Optuna study by its params: every param must be one of its domain's values."""
+    """A seed is enqueued in the Optuna study by its params, so every param must be one of its domain's values.
+    Where M is below the default's block_row (16 rows for N <= 512), the block_row domain stops at next_pow2(M)
+    and `normtune sweep --shapes 3x1` fails before measuring anything with "error: '16' not in (1, 2, 4)."."""
     s = space(norm, M, N, sms)
-    d = s.domains()
-    for cfg in s.seeds():
-        params = s.params(cfg)
-        outside = {k: v for k, v in params.items() if v not in d[k]}
-        assert not outside, f"seed {cfg} outside the domains: {outside}"
-
-
-@pytest.mark.parametrize("norm, M, N", [("rms_norm", 3, 1), ("layer_norm", 5, 1024), ("rms_norm", 0, 7),
-                                        ("layer_norm", 12, 200)])
-def test_seeds_of_short_problems_lie_in_the_search_space(norm, M, N):
-    """Short problems (M below the default's block_row): the default's 16- or 8-row tile is not in the block_row
-    domain (rows <= next_pow2(M)), so the sweep's `enqueue_trial(space.params(seed))` makes Optuna raise
-    "'16' not in (1, 2, 4)" and `normtune sweep --shapes 3x1` stops before measuring anything."""
-    s = space(norm, M, N, 4)
     d = s.domains()
     for cfg in s.seeds():
         params = s.params(cfg)
@@ -250,12 +254,12 @@ def test_seeds_move_each_knob_one_step():
 
 @pytest.mark.parametrize("norm, M, N, seed", [("layer_norm", 13, 72, 0), ("rms_norm", 9, 40, 1),
                                               ("layer_norm", 6, 1500, 2)])
-def test_random_configs_run_correctly_in_the_interpreter(norm, M, N, seed):
+def test_random_configs_run_correctly(norm, M, N, seed, device):
     problem = Problem(norm, M, N, "bf16")
-    s = Space(problem, INTERPRET_SM_COUNT)
+    s = Space(problem, sm_count(torch.device(device)))
     d = s.domains()
     rng = random.Random(seed)
-    case = make_case(problem, "cpu", seed=seed)
+    case = make_case(problem, device, seed=seed)
     ref = case.reference()
     picked: list[BackwardConfig] = []
     while len(picked) < 2:

@@ -116,7 +116,14 @@ class Space:
         return None
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
-        """Collapse knobs that do not change the launch: programs_per_sm values giving the same grid."""
+        """Collapse knobs that do not change the launch: row tiles taller than the problem (kept within the
+        block_row domain), and programs_per_sm values giving the same grid."""
+        rows = self.domains()["k1.block_row"][-1]
+        if config.kernel_1.block_row > rows:
+            k1 = dataclasses.replace(config.kernel_1, block_row=rows)
+            while k1.num_warps > 1 and k1.num_warps * 32 * 4 > k1.tile():  # the smaller tile's warps
+                k1 = dataclasses.replace(k1, num_warps=k1.num_warps // 2)
+            config = dataclasses.replace(config, kernel_1=k1)
         progs = num_programs(self.problem.M, config, self.sm_count)
         pps = progs / self.sm_count
         for value in K1_DOMAINS["programs_per_sm"]:

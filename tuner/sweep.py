@@ -108,6 +108,19 @@ class SweepSummary:
     remaining: list[str] = field(default_factory=list)
 
 
+def _retry_callback():
+    """(callback class, RDBStorage keyword) re-queuing a trial whose worker's heartbeat stopped. Optuna 4.9
+    renamed RetryFailedTrialCallback / failed_trial_callback (deprecated, removed in 6.0)."""
+    try:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+        return RetryHeartbeatStaleTrialCallback, "heartbeat_stale_trial_callback"
+    except ImportError:  # Optuna < 4.9
+        from optuna.storages import RetryFailedTrialCallback
+
+        return RetryFailedTrialCallback, "failed_trial_callback"
+
+
 # --------------------------------------------------------------------------------------- measuring process
 
 
@@ -439,9 +452,11 @@ class Sweep:
             study.set_user_attr("problem", problem.to_dict())
             study.set_user_attr("gpu_key", opts.gpu_key)
             extra = [space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
+            domains = space.domains()
             for cfg in dict.fromkeys(extra + space.seeds()) if opts.sampler != "grid" else []:
-                if space.why_not(cfg) is None:
-                    study.enqueue_trial(space.params(cfg), user_attrs={"source": "seed"}, skip_if_exists=True)
+                params = space.params(cfg)
+                if space.why_not(cfg) is None and all(v in domains[k] for k, v in params.items()):
+                    study.enqueue_trial(params, user_attrs={"source": "seed"}, skip_if_exists=True)
         ps = ProblemSummary(problem, name)
         best = self.store.best(problem, gpu_key=opts.gpu_key, interpret=self.info.interpret)
         if best is not None:
@@ -530,14 +545,12 @@ class Sweep:
     def _measure_pending(self, item: _Pending, problem: Problem, name: str, run_id: int,
                          measurer: MeasuringProcess, ps: ProblemSummary, summary: SweepSummary,
                          default: BackwardConfig) -> None:
-        from optuna.storages import RetryFailedTrialCallback
-
         TS = self._optuna.trial.TrialState
         study_trial, cfg = item.trial, item.config
         result = None
         compile_s = None
         # A retry of a trial whose (dead) worker had already stored its measurement reuses it.
-        original = RetryFailedTrialCallback.retried_trial_number(self.storage.get_trial(study_trial._trial_id))
+        original = _retry_callback()[0].retried_trial_number(self.storage.get_trial(study_trial._trial_id))
         if original is not None:
             prev = [m for m in self.store.measurements(study_name=name) if m.trial_number == original]
             if prev:

@@ -1,0 +1,283 @@
+"""`normtune bench` end to end through typer's CliRunner in `--interpret` mode (CPU, Triton interpreter), its
+one-line error paths, and the `--shapes` parser of `normtune.tuner.shapes`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import MAX_N
+from normtune.kernels.device import interpret_mode
+from normtune.tuner import bench_output
+from normtune.tuner.bench import OURS
+from normtune.tuner.peers import PEERS
+from normtune.tuner.shapes import HELDOUT, PRESETS, SEED, TINY, parse_shape, parse_shapes
+from normtune.tuner.store import Store
+
+runner = CliRunner()
+# `--interpret` must be in effect before the kernels are first imported: on a GPU host (no TRITON_INTERPRET) the
+# kernels are already compiled for the GPU in this process, and the CLI refuses --interpret.
+needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="the CLI tests run `--interpret`: set "
+                                                                    "TRITON_INTERPRET=1")
+
+SHAPES = "24x200,8x96"
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def error_lines(result) -> list[str]:
+    text = result.stderr if result.stderr is not None else result.output
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    """Exit code 1, exactly one non-empty output line, 'error: …' naming every needle, no traceback."""
+    assert result.exit_code == 1, result.output
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    lines = error_lines(result)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: "), lines
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def read_csv(path):
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        return reader.fieldnames, list(reader)
+
+
+# ---------------------------------------------------------------------------------------------- happy paths
+
+
+@pytest.fixture(scope="module")
+def torch_bench(tmp_path_factory):
+    """One interpreter bench of two shapes x both norms against torch eager, stored in a database too."""
+    if not interpret_mode():
+        pytest.skip("the CLI tests run `--interpret`: set TRITON_INTERPRET=1")
+    tmp = tmp_path_factory.mktemp("bench")
+    out, db = tmp / "out", f"sqlite:///{tmp / 'bench.db'}"
+    result = invoke("bench", "--interpret", "--shapes", SHAPES, "--peers", "torch", "--out", out, "--db", db)
+    return result, out, db
+
+
+def test_bench_writes_every_output(torch_bench):
+    result, out, _ = torch_bench
+    assert result.exit_code == 0, result.output
+    for name in ("bench.csv", "bench.json", "bench.md", "bench_layer_norm.png", "bench_rms_norm.png",
+                 "kernels_layer_norm.png", "kernels_rms_norm.png"):
+        path = out / name
+        assert path.is_file() and path.stat().st_size > 0, name
+        if name.endswith(".png"):
+            assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_csv_rows(torch_bench):
+    _, out, _ = torch_bench
+    columns, rows = read_csv(out / "bench.csv")
+    assert tuple(columns) == bench_output.CSV_COLUMNS
+    shapes = {(24, 200), (8, 96)}
+    assert {(r["norm"], int(r["M"]), int(r["N"]), r["impl"]) for r in rows} == \
+        {(n, M, N, impl) for n in ("layer_norm", "rms_norm") for M, N in shapes for impl in (OURS, "torch")}
+    assert len(rows) == 8
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["dtype"] == "bf16" and r["weight_dtype"] == "bf16"
+        median = float(r["median_us"])
+        assert math.isfinite(median) and median > 0
+        assert float(r["p10_us"]) <= median <= float(r["p90_us"])
+        assert float(r["rel_err_dx"]) < 3e-2  # both compute the right gradient
+        if r["impl"] == OURS:
+            assert float(r["kernel_1_us"]) > 0 and float(r["kernel_2_us"]) > 0
+            assert r["config_source"] == "table"
+            assert set(json.loads(r["config"])) == {"kernel_1", "kernel_2"}
+
+
+def test_bench_json_provenance(torch_bench):
+    _, out, _ = torch_bench
+    data = json.loads((out / "bench.json").read_text())
+    prov = data["provenance"]
+    assert prov["interpret"] is True
+    assert prov["device"]["name"] == "cpu (triton interpreter)" and prov["device"]["interpret"] is True
+    assert {"torch", "triton", "normtune", "sm_count"} <= set(prov["device"])
+    assert set(prov["peers"]) >= {"liger_kernel", "quack"}
+    assert prov["timing"]["min_reps"] >= 1 and prov["timing"]["max_reps"] >= prov["timing"]["min_reps"]
+    assert prov["dtype"] == "bf16" and prov["config"] == "table"
+    assert prov["flush_bytes"] == 0  # nothing to flush on CPU
+    assert len(data["rows"]) == 8 and len(data["summary"]) == 4
+    md = (out / "bench.md").read_text()
+    assert "Triton interpreter on CPU" in md and "| 24×200 |" in md and "| 8×96 |" in md
+
+
+def test_bench_is_stored_in_the_database(torch_bench):
+    _, _, db = torch_bench
+    store = Store(db)
+    try:
+        runs = store.runs(kind="bench")
+        assert len(runs) == 1 and runs[0].interpret and runs[0].status == "finished"
+        peers = store.peer_results(run_id=runs[0].id)
+        assert sorted((p.problem.norm, p.problem.M, p.problem.N) for p in peers) == \
+            sorted((n, M, N) for n in ("layer_norm", "rms_norm") for M, N in ((24, 200), (8, 96)))
+        assert {p.peer for p in peers} == {"torch"} and all(p.status == "ok" and p.median_us > 0 for p in peers)
+        ours = store.measurements(run_id=runs[0].id)
+        assert len(ours) == 4
+        assert all(m.source.startswith("bench-") and m.status == "ok" and m.median_us > 0 and m.interpret
+                   for m in ours)
+        assert {m.problem.has_bias for m in ours if m.problem.norm == "layer_norm"} == {True}
+    finally:
+        store.close()
+
+
+@needs_interpreter
+def test_bench_all_peers_in_the_interpreter(tmp_path):
+    result = invoke("bench", "--interpret", "--norm", "rms_norm", "--shapes", "5x33", "--peers", "all", "--out",
+                    tmp_path, "--config", "default")
+    assert result.exit_code == 0, result.output
+    _, rows = read_csv(tmp_path / "bench.csv")
+    by_impl = {r["impl"]: r for r in rows}
+    assert set(by_impl) == {OURS, *PEERS}
+    assert by_impl[OURS]["status"] == "ok" and by_impl[OURS]["config_source"] == "default"
+    assert by_impl["torch"]["status"] == "ok"
+    for peer in ("compile", "liger", "quack"):
+        assert by_impl[peer]["status"] == "unavailable", by_impl[peer]
+        assert by_impl[peer]["error"] and by_impl[peer]["median_us"] == ""
+
+
+@needs_interpreter
+def test_bench_explicit_config(tmp_path):
+    config = ('{"kernel_1": {"block_row": 2, "block_col": 64, "num_warps": 1, "programs_per_sm": 1}, '
+              '"kernel_2": {"block_m": 32, "block_n": 16, "num_warps": 1}}')
+    result = invoke("bench", "--interpret", "--norm", "layer_norm", "--shapes", "7x50", "--peers", "none",
+                    "--out", tmp_path, "--config", config)
+    assert result.exit_code == 0, result.output
+    _, rows = read_csv(tmp_path / "bench.csv")
+    assert [r["impl"] for r in rows] == [OURS]
+    assert rows[0]["status"] == "ok" and rows[0]["config_source"] == "explicit"
+    cfg = json.loads(rows[0]["config"])
+    assert cfg["kernel_1"]["block_row"] == 2 and cfg["kernel_2"]["block_m"] == 32
+
+
+# ------------------------------------------------------------------------------------------------ error paths
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shapes, needles", [
+    ("4096x", ["bad shape", "'4096x'"]),
+    ("axb", ["bad shape", "'axb'", "integers"]),
+    ("0x0", ["bad shape", "'0x0'", "N >= 1"]),
+    ("16x1,8x-3", ["bad shape", "'8x-3'"]),
+    (f"4x{MAX_N * 2}", ["bad shape", str(MAX_N)]),
+    ("everything", ["neither a preset", "seed"]),
+])
+def test_bad_shapes(tmp_path, shapes, needles):
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", shapes, "--out", tmp_path), *needles)
+    assert not (tmp_path / "bench.csv").exists()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("peers, needles", [("foo", ["unknown peer(s) foo", "allowed", "torch", "quack"]),
+                                            ("torch,bar,baz", ["bar, baz"])])
+def test_unknown_peers(tmp_path, peers, needles):
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--peers", peers, "--out", tmp_path),
+                          *needles)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("norm", ["group_norm", "layer_norm,foo", ""])
+def test_unknown_norm(tmp_path, norm):
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--norm", norm, "--out", tmp_path),
+                          "--norm", "layer_norm, rms_norm")
+
+
+@needs_interpreter
+def test_unknown_dtype(tmp_path):
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--dtype", "int8", "--out", tmp_path),
+                          "int8", "bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a CUDA GPU")
+def test_gpu_without_a_gpu(tmp_path):
+    line = assert_one_line_error(invoke("bench", "--gpu", "h100", "--shapes", "8x96", "--out", tmp_path), "--interpret")
+    assert "GPU" in line
+    assert not (tmp_path / "bench.csv").exists()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config, needles", [
+    ("{bad", ["not valid JSON"]),
+    ('{"kernel_1": {"block_size": 4}}', ["unknown", "block_size", "block_row"]),
+    ('{"kernel_1": {"block_col": 32}}', ["block_col=32", "N=96"]),  # single pass narrower than the row
+])
+def test_bad_config(tmp_path, config, needles):
+    result = invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--config", config,
+                    "--out", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in error_lines(result) if line.startswith("error: ")]
+    assert len(errors) == 1, result.output
+    for needle in needles:
+        assert needle in errors[0]
+
+
+@needs_interpreter
+def test_config_file_that_does_not_exist_is_taken_as_json(tmp_path):
+    result = invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--config",
+                    str(tmp_path / "missing.json"), "--out", tmp_path)
+    assert result.exit_code == 1
+    assert any("not valid JSON" in line for line in error_lines(result))
+
+
+# --------------------------------------------------------------------------------------------- shapes parser
+
+
+def test_presets():
+    assert parse_shapes("seed") == list(SEED) and len(SEED) == 15
+    assert all(M * N in (2**25, 2**24, 2**23) for M, N in SEED)
+    assert parse_shapes("  tiny ") == list(TINY)
+    assert parse_shapes("heldout") == list(HELDOUT)
+    assert set(PRESETS) == {"seed", "llm", "heldout", "tiny"}
+    assert len(parse_shapes("llm")) == len(set(parse_shapes("llm")))
+    assert not set(HELDOUT) & set(SEED)  # held-out shapes are never fitted on
+
+
+def test_explicit_lists():
+    assert parse_shapes("4096x8192") == [(4096, 8192)]
+    assert parse_shapes("4096x8192, 2048X4096,,1×1") == [(4096, 8192), (2048, 4096), (1, 1)]
+    assert parse_shapes(f"0x{MAX_N}") == [(0, MAX_N)]
+    assert parse_shape(" 7 x 9 ") == (7, 9)
+
+
+def test_shape_file(tmp_path):
+    path = tmp_path / "shapes.txt"
+    path.write_text("# wide rows\n512x16384   # LayerNorm 16k\n\n  1000x3584, 257x14336\n4093x1536 7x9\n# end\n")
+    assert parse_shapes(str(path)) == [(512, 16384), (1000, 3584), (257, 14336), (4093, 1536), (7, 9)]
+
+
+def test_shape_file_errors(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("512x16384\n# fine\n12x\n")
+    with pytest.raises(ValueError, match=r"bad\.txt:3: bad shape '12x'"):
+        parse_shapes(str(bad))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing here\n\n")
+    with pytest.raises(ValueError, match="lists no shapes"):
+        parse_shapes(str(empty))
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("", "empty"), ("   ", "empty"), ("seeds", "neither a preset"), ("4096x8192x2", "write MxN"),
+    ("1.5x8", "integers"), ("-1x8", "M >= 0"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
+])
+def test_shape_errors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_shapes(spec)

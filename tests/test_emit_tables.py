@@ -1,0 +1,559 @@
+"""Emitting heuristic tables (`normtune.tuner.emit`) from stored measurements, and the runtime side that reads them
+(`normtune.kernels.tables`, `normtune.kernels.select`): determinism, rule fitting, lookup for any shape, the
+table-for-this-GPU chain with its one-time warnings, refusal of malformed tables, the `emit` CLI, and the
+committed tables.
+
+Fitting is tested on hand-made measurements replayed from a SQLite store (no kernel runs); the CLI test runs a
+tiny interpreter sweep first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels import tables
+from normtune.kernels.config import (MAX_N, BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily,
+                                     default_config)
+from normtune.kernels.device import gpu_key, interpret_mode
+from normtune.kernels.select import clear_caches, select_config
+from normtune.kernels.tables import ENV_VAR, SCHEMA_VERSION, TableError, adapt, load_table, parse_table, table_for
+from normtune.tuner import emit
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.store import Store
+
+CONFIGS = Path(str(resources.files("normtune.configs")))
+H100_NAME = "NVIDIA H100 80GB HBM3"
+
+# A made-up GPU (its key is a slug of the name), with few SMs so that lookups never shrink the fitted row tiles.
+GPU = DeviceInfo(name="NVIDIA Test GPU X1", key=gpu_key("NVIDIA Test GPU X1"), compute_capability="9.0",
+                 sm_count=8, l2_bytes=50 * 2**20, memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6",
+                 torch="2.6.0", triton="3.2.0", normtune="0.1.0", git_revision="0123abcd", host="gpu-7",
+                 python="3.11.9", interpret=False)
+OTHER_GPU = dataclasses.replace(GPU, name="NVIDIA H200", key="h200")
+INTERP = dataclasses.replace(GPU, name="cpu (triton interpreter)", key="interpret", compute_capability=None,
+                             sm_count=4, driver=None, cuda=None, interpret=True)
+
+LN = ProblemFamily("layer_norm", "bf16", "bf16", True, True, False, "input")
+RMS = ProblemFamily("rms_norm", "bf16", "bf16", True, False, False, "input")
+NS = (256, 1024, 4096)
+MS = (64, 512, 4096)
+
+
+def k1(N: int, **knobs) -> Kernel1Config:
+    return Kernel1Config(**({"block_row": 1, "block_col": N, "num_warps": 4, "programs_per_sm": 1,
+                             "eviction_policy": "evict_first"} | knobs))
+
+
+def candidates(N: int) -> dict[str, BackwardConfig]:
+    """Three configs per N, all valid for rows of N."""
+    return {"A": BackwardConfig(k1(N), Kernel2Config(128, 16, 4)),
+            "B": BackwardConfig(k1(N, num_warps=8, programs_per_sm=2), Kernel2Config(64, 32, 4)),
+            "C": BackwardConfig(k1(N, prefetch=True), Kernel2Config(32, 64, 2))}
+
+
+def factor(name: str, N: int, M: int) -> float:
+    """Relative speed: N=256, A best everywhere; N=1024, A best up to M=512 and B beyond by 2x; N=4096, C best."""
+    if N == 256:
+        return {"A": 1.0, "B": 1.2, "C": 1.5}[name]
+    if N == 1024:
+        return {"A": 1.0 if M <= 512 else 2.0, "B": 2.0 if M <= 512 else 1.0, "C": 3.0}[name]
+    return {"A": 1.3, "B": 1.4, "C": 1.0}[name]
+
+
+def base_us(M: int, N: int) -> float:
+    return 5.0 + M * N * 6 / 3e6
+
+
+def ok(median: float) -> MeasureResult:
+    return MeasureResult(status="ok", median_us=median, p10_us=median * 0.98, p90_us=median * 1.02, reps=20,
+                         kernel_1_us=median * 0.8, kernel_2_us=median * 0.2, programs=8)
+
+
+def fill(store: Store) -> dict:
+    """The replayed sweep, plus measurements that must never reach the table."""
+    run = store.start_run(GPU, kind="sweep", command_line="normtune sweep --gpu test-gpu-x1")
+    expected = {}
+    for family in (LN, RMS):
+        for N in NS:
+            for M in MS:
+                problem = family.problem(M, N)
+                for name, cfg in candidates(N).items():
+                    t = round(base_us(M, N) * factor(name, N, M), 3)
+                    store.add_measurement(run, problem, cfg, ok(t), source="sweep")
+                    expected[(family.key, M, N, name)] = t
+                # Repeats of A are reduced by their median: 1.1x and 0.9x around the first.
+                a = expected[(family.key, M, N, "A")]
+                for f in (1.1, 0.9):
+                    store.add_measurement(run, problem, candidates(N)["A"], ok(round(a * f, 3)), source="sweep")
+                # A wrong result timed very fast must be ignored.
+                fast_but_wrong = BackwardConfig(k1(N, num_warps=2), Kernel2Config(128, 8, 1))
+                store.add_measurement(run, problem, fast_but_wrong,
+                                      MeasureResult(status="incorrect", median_us=0.01, error="dx relative error"),
+                                      source="sweep")
+    store.end_run(run)
+    # Another GPU and the interpreter measured a config that would win everything.
+    winner = lambda N: BackwardConfig(k1(N, num_stages=2), Kernel2Config(32, 8, 1))  # noqa: E731
+    for info in (OTHER_GPU, INTERP):
+        other = store.start_run(info, kind="sweep", command_line="other")
+        for N in NS:
+            store.add_measurement(other, LN.problem(64, N), winner(N),
+                                  dataclasses.replace(ok(0.001), interpret=info.interpret), source="sweep")
+        store.end_run(other)
+    return expected
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    path = tmp_path_factory.mktemp("emit") / "results.db"
+    store = Store(f"sqlite:///{path}")
+    expected = fill(store)
+    store.close()
+    return f"sqlite:///{path}", expected
+
+
+@pytest.fixture(scope="module")
+def table(db):
+    store = Store(db[0])
+    try:
+        return emit.build_table(store, GPU.key)
+    finally:
+        store.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selection(monkeypatch):
+    """Every test starts with no $NORMTUNE_CONFIG, no loaded tables and no warnings given."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    clear_caches()
+    yield
+    clear_caches()
+
+
+# ------------------------------------------------------------------------------------------ emitted table
+
+
+def test_emitted_table_is_deterministic(db, table):
+    url, _ = db
+    first = emit.dumps(table)
+    store = Store(url)
+    try:
+        assert emit.dumps(emit.build_table(store, GPU.key)) == first
+    finally:
+        store.close()
+    again = Store(url)  # a fresh process would open it like this
+    try:
+        assert emit.dumps(emit.build_table(again, GPU.key)) == first
+    finally:
+        again.close()
+    assert first.endswith("\n") and json.loads(first) == table
+    assert first == json.dumps(json.loads(first), indent=1, sort_keys=True) + "\n"
+
+
+def test_emitted_table_parses_with_schema_gpu_and_provenance(db, table):
+    _, expected = db
+    assert table["schema_version"] == SCHEMA_VERSION
+    assert table["interpret"] is False
+    assert table["gpu"] == {"name": GPU.name, "key": GPU.key, "compute_capability": "9.0", "sm_count": 8}
+    prov = table["provenance"]
+    assert prov["runs"] == [1]  # the other GPU's and the interpreter's runs are not its provenance
+    assert prov["torch"] == ["2.6.0"] and prov["triton"] == ["3.2.0"] and prov["normtune"] == ["0.1.0"]
+    assert prov["git_revision"] == ["0123abcd"] and prov["driver"] == ["560.35.03"]
+    assert len(prov["date"]) == 10 and prov["date"][4] == "-"
+    # distinct (problem, config) pairs that measured ok: 3 candidates x 9 shapes x 2 families
+    assert prov["configs_measured"] == 3 * 9 * 2
+    parsed = parse_table(json.loads(emit.dumps(table)), "emitted.json")
+    assert parsed.gpu_name == GPU.name and parsed.gpu_key == GPU.key and parsed.sm_count == 8
+    assert set(parsed.families) == {LN.key, RMS.key}
+    for family in (LN, RMS):
+        fam = table["families"][family.key]
+        assert set(fam["expected_us"]) == {f"{M}x{N}" for M in MS for N in NS}
+        assert set(fam["fit_regret"]) == set(fam["expected_us"])
+        assert all(r >= 1.0 for r in fam["fit_regret"].values())
+        assert fam["single_pass_max_n"] == max(NS)
+        # expected_us is the measured time of the config the rule chose (A's median of its three repeats).
+        assert fam["expected_us"]["64x256"] == pytest.approx(expected[(family.key, 64, 256, "A")], abs=0.01)
+        assert fam["expected_us"]["4096x4096"] == pytest.approx(expected[(family.key, 4096, 4096, "C")], abs=0.01)
+
+
+def _rules(table, family, n_max):
+    return [r for r in table["families"][family.key]["rules"] if r["n_max"] == n_max]
+
+
+@pytest.mark.parametrize("family", [LN, RMS], ids=lambda f: f.norm)
+def test_one_rule_where_one_config_wins_every_m(table, family):
+    (rule,) = _rules(table, family, 256)
+    assert rule["m_max"] is None
+    assert BackwardConfig.from_dict(rule["config"]) == candidates(256)["A"]
+    assert rule["fitted_on"] == ["64x256", "512x256", "4096x256"]
+    (last,) = _rules(table, family, None)  # the widest bucket is open above
+    assert BackwardConfig.from_dict(last["config"]) == candidates(4096)["C"]
+    assert all(table["families"][family.key]["fit_regret"][f"{M}x{N}"] == 1.0 for M in MS for N in (256, 4096))
+
+
+@pytest.mark.parametrize("family", [LN, RMS], ids=lambda f: f.norm)
+def test_two_rules_where_m_splits_clearly(table, family):
+    small, large = _rules(table, family, 1024)
+    assert small["m_max"] == 512 and large["m_max"] is None
+    assert BackwardConfig.from_dict(small["config"]) == candidates(1024)["A"]
+    assert BackwardConfig.from_dict(large["config"]) == candidates(1024)["B"]
+    assert small["fitted_on"] == ["64x1024", "512x1024"] and large["fitted_on"] == ["4096x1024"]
+    parsed = parse_table(table)
+    assert parsed.lookup(family.problem(100, 1000)) == candidates(1024)["A"]
+    assert parsed.lookup(family.problem(513, 1024)) == candidates(1024)["B"]
+    assert parsed.lookup(family.problem(2**20, 600)) == candidates(1024)["B"]
+    # Narrower rows than a rule was fitted on: the rule of their bucket, adapted to the row width.
+    got = parsed.lookup(family.problem(64, 200))
+    assert got.kernel_1 == dataclasses.replace(candidates(256)["A"].kernel_1, block_col=256)
+
+
+def test_split_needs_a_real_gain():
+    """A split that gains less than SPLIT_GAIN keeps one rule: rules that generalize beat rules that memorize."""
+    probs = [RMS.problem(M, 1024) for M in MS]
+    a, b = candidates(1024)["A"], candidates(1024)["B"]
+    close = {p: {a: 10.0, b: 10.0 + (0.04 if p.M < 4096 else -0.04)} for p in probs}
+    assert len(emit.fit_family(RMS, close).rules) == 1
+    far = {p: {a: 10.0, b: 15.0 if p.M < 4096 else 5.0} for p in probs}
+    rules = emit.fit_family(RMS, far).rules
+    assert [r["m_max"] for r in rules] == [512, None]
+
+
+def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
+    a, b = candidates(512)["A"], candidates(512)["B"]
+    data = {RMS.problem(64, 512): {a: 3.0}, RMS.problem(4096, 512): {b: 9.0}}
+    fitted = emit.fit_family(RMS, data)
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(64, a), (None, b)]
+
+
+def test_build_table_without_measurements_says_what_to_run(db):
+    store = Store(db[0])
+    try:
+        with pytest.raises(ValueError, match="no successful measurements for h100.*normtune sweep --gpu h100"):
+            emit.build_table(store, "h100")
+        interp = emit.build_table(store, "interpret", interpret=True)  # only the interpreter's measurements
+        assert interp["interpret"] is True and set(interp["families"]) == {LN.key}
+        assert parse_table(interp).interpret
+    finally:
+        store.close()
+
+
+# --------------------------------------------------------------------------------- lookup for every shape
+
+
+def _shipped(name: str) -> tables.Table:
+    return load_table(str(CONFIGS / name))
+
+
+ABSENT = [
+    ProblemFamily("layer_norm", "bf16", "fp32", True, False, False, "output"),  # closest: LayerNorm bf16
+    ProblemFamily("rms_norm", "bf16", "bf16", True, False, True, "output"),  # zero-centered, saving y
+    ProblemFamily("rms_norm", "bf16", "bf16", False, False, False, "input"),  # no weight at all
+]
+
+
+@settings(derandomize=True, database=None, max_examples=250, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(M=st.integers(0, 2**20), N=st.integers(1, MAX_N), family=st.sampled_from([LN, RMS, *ABSENT]),
+       which=st.sampled_from(["emitted", "h100.json", "h200.json"]))
+def test_lookup_always_returns_a_valid_config(table, M, N, family, which):
+    tab = parse_table(table, "emitted") if which == "emitted" else _shipped(which)
+    problem = family.problem(M, N)
+    config = tab.lookup(problem)
+    assert config is not None, "the closest family (same norm and dtype) must answer"
+    config.validate(problem)
+    for rule in tab.rules(family):
+        adapt(rule.config, problem, tab.sm_count).validate(problem)
+        adapt(rule.config, problem).validate(problem)
+
+
+@settings(derandomize=True, database=None, max_examples=60, deadline=None)
+@given(M=st.integers(0, 2**20), N=st.integers(1, MAX_N))
+def test_lookup_of_another_dtype_falls_back_to_the_default(M, N):
+    problem = Problem("rms_norm", M, N, "fp16")  # the shipped tables hold only bf16
+    assert _shipped("h100.json").lookup(problem) is None
+    clear_caches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_config(problem, H100_NAME, (9, 0)) == default_config(problem)
+
+
+def test_closest_family_prefers_most_matching_flags(table):
+    parsed = parse_table(table)
+    # LayerNorm with fp32 weights differs from the tuned LayerNorm in one flag: it takes its rules.
+    fam = dataclasses.replace(LN, weight_dtype="fp32")
+    assert parsed.rules(fam) == parsed.families[LN.key]
+    assert parsed.rules(ProblemFamily("layer_norm", "fp32", "fp32", True, True, False, "input")) is None
+
+
+# ---------------------------------------------------------------------------------------- the lookup chain
+
+
+PROBLEM = Problem("rms_norm", 4096, 4096, "bf16")
+
+
+def _normtune_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("normtune")]
+
+
+def test_env_table_wins(tmp_path, monkeypatch, table):
+    path = tmp_path / "mine.json"
+    path.write_text(emit.dumps(table))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    clear_caches()
+    tab = table_for(H100_NAME, (9, 0))
+    assert tab.path == str(path) and tab.gpu_name == GPU.name
+    problem = RMS.problem(4096, 1024)
+    assert select_config(problem, H100_NAME, (9, 0)) == candidates(1024)["B"]
+    assert select_config(problem, None) == candidates(1024)["B"]  # even without a device
+
+
+def test_exact_gpu_name_takes_its_table_without_warning():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        tab = table_for(H100_NAME, (9, 0))
+        config = select_config(PROBLEM, H100_NAME, (9, 0))
+    assert not _normtune_warnings(record)
+    assert tab.gpu_name == H100_NAME and Path(tab.path).name == "h100.json"
+    assert config == tab.lookup(PROBLEM)
+    assert table_for("NVIDIA H200", (9, 0)).gpu_name == "NVIDIA H200"
+
+
+def test_same_family_warns_once():
+    with pytest.warns(UserWarning, match=r"no table tuned on 'NVIDIA H100 PCIe'.*h100\.json.*same GPU family"):
+        tab = table_for("NVIDIA H100 PCIe", (9, 0))
+    assert tab.gpu_name == H100_NAME
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert select_config(PROBLEM, "NVIDIA H100 PCIe", (9, 0)) == tab.lookup(PROBLEM)
+        tables.table_for.cache_clear()  # looked up again: the warning is still not repeated
+        assert table_for("NVIDIA H100 PCIe", (9, 0)).gpu_name == H100_NAME
+    assert not _normtune_warnings(record)
+
+
+def test_same_compute_capability_warns_once():
+    name = "NVIDIA Future GPU 9000"
+    with pytest.warns(UserWarning, match=r"no table for 'NVIDIA Future GPU 9000'.*same compute capability 9\.0"):
+        tab = table_for(name, (9, 0))
+    assert tab is not None and tab.compute_capability == "9.0" and not tab.interpret
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        select_config(PROBLEM, name, (9, 0))
+        tables.table_for.cache_clear()
+        table_for(name, (9, 0))
+    assert not _normtune_warnings(record)
+
+
+@pytest.mark.parametrize("name, capability", [("NVIDIA Tesla T4", (7, 5)), ("Some Accelerator", None)])
+def test_unknown_gpu_uses_the_default_with_one_warning(name, capability):
+    with pytest.warns(UserWarning, match="no heuristic table.*analytic default"):
+        assert table_for(name, capability) is None
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for problem in (PROBLEM, Problem("layer_norm", 3, 5000, "fp16")):
+            assert select_config(problem, name, capability) == default_config(problem)
+    assert not _normtune_warnings(record)
+
+
+def test_cpu_uses_the_default_silently():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert table_for("cpu (triton interpreter)") is None
+        assert table_for(None) is None
+        assert select_config(PROBLEM, "cpu") == default_config(PROBLEM)
+
+
+# ------------------------------------------------------------------------------------------ bad tables
+
+
+def _valid() -> dict:
+    return json.loads((CONFIGS / "h100.json").read_text())
+
+
+def _first_rule(data: dict) -> dict:
+    return data["families"]["rms_norm/bf16/wbf16/nobias/save-input"]["rules"][0]
+
+
+def _mutate(fn):
+    data = _valid()
+    fn(data)
+    return json.dumps(data)
+
+
+BAD_TABLES = {
+    "bad-json": ("{not json", ["not valid JSON"]),
+    "a-list": ("[1, 2]", ["is not a JSON object"]),
+    "old-schema": (_mutate(lambda d: d.update(schema_version=0)), ["schema_version is 0", "reads 1"]),
+    "no-schema": (_mutate(lambda d: d.pop("schema_version")), ["schema_version is None"]),
+    "no-gpu": (_mutate(lambda d: d.pop("gpu")), ["no gpu.name"]),
+    "no-families": (_mutate(lambda d: d.pop("families")), ["has no families"]),
+    "empty-families": (_mutate(lambda d: d.update(families={})), ["has no families"]),
+    "bad-family-key": (_mutate(lambda d: d["families"].update({"layer_norm/bf16": {"rules": []}})),
+                       ["family 'layer_norm/bf16'", "malformed"]),
+    "no-rules": (_mutate(lambda d: d["families"]["rms_norm/bf16/wbf16/nobias/save-input"].update(rules=[])),
+                 ["rms_norm/bf16/wbf16/nobias/save-input", "has no rules"]),
+    "bad-block-col": (_mutate(lambda d: _first_rule(d)["config"]["kernel_1"].update(block_col=100)),
+                      ["rule 0", "kernel_1.block_col=100", "power of two"]),
+    "unknown-knob": (_mutate(lambda d: _first_rule(d)["config"]["kernel_2"].update(block_k=4)),
+                     ["rule 0", "unknown Kernel2Config field", "block_k"]),
+    "narrow-single-pass": (_mutate(lambda d: _first_rule(d).update(n_max=2 * _first_rule(d)["n_max"])),
+                           ["rule 0", "block_col", "< N="]),
+    "bad-n-max": (_mutate(lambda d: _first_rule(d).update(n_max=0)), ["rule 0", "n_max=0"]),
+    "string-m-max": (_mutate(lambda d: _first_rule(d).update(m_max="4096")), ["rule 0", "m_max='4096'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TABLES))
+def test_malformed_table_is_refused_naming_file_and_problem(tmp_path, monkeypatch, case):
+    text, needles = BAD_TABLES[case]
+    path = tmp_path / f"{case}.json"
+    path.write_text(text)
+    monkeypatch.setenv(ENV_VAR, str(path))
+    clear_caches()
+    with pytest.raises(TableError) as info:
+        select_config(PROBLEM, H100_NAME, (9, 0))
+    message = str(info.value)
+    assert str(path) in message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_valid_base_of_the_malformed_tables_loads(tmp_path, monkeypatch):
+    path = tmp_path / "fine.json"
+    path.write_text(json.dumps(_valid()))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    clear_caches()
+    assert select_config(PROBLEM, H100_NAME, (9, 0)) == _shipped("h100.json").lookup(PROBLEM)
+
+
+def test_missing_table_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "nope.json"))
+    clear_caches()
+    with pytest.raises(TableError, match=r"nope\.json: cannot be read"):
+        table_for(H100_NAME)
+
+
+def test_interpreter_table_is_refused_for_a_gpu(tmp_path, monkeypatch):
+    data = _valid()
+    data["interpret"] = True
+    path = tmp_path / "interp.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv(ENV_VAR, str(path))
+    clear_caches()
+    with pytest.raises(TableError, match=r"interp\.json: it holds Triton-interpreter timings.*NVIDIA H100"):
+        select_config(PROBLEM, H100_NAME, (9, 0))
+    assert table_for("cpu (triton interpreter)").interpret  # the interpreter itself may use it
+    assert table_for(None).path == str(path)
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def sweep_db(tmp_path_factory):
+    if not interpret_mode():
+        pytest.skip("runs `normtune sweep --interpret`: set TRITON_INTERPRET=1 (the kernels are compiled for the "
+                    "GPU in this process otherwise)")
+    tmp = tmp_path_factory.mktemp("sweep")
+    url = f"sqlite:///{tmp / 'sweep.db'}"
+    result = runner.invoke(app, ["sweep", "--interpret", "--shapes", "24x200,48x200", "--trials", "3",
+                                 "--storage", url])
+    assert result.exit_code == 0, result.output
+    return url, tmp
+
+
+def test_cli_emit(sweep_db, tmp_path, monkeypatch):
+    """One test (the sweep behind it takes seconds, and each xdist worker would run its own): emit twice, byte-
+    identical; what it wrote; `--gpu h100` on the same database fails clearly; the table is refused on a GPU."""
+    url, tmp = sweep_db
+    outs = [tmp_path / "a" / "interpret.json", tmp_path / "b.json"]
+    for out in outs:
+        result = runner.invoke(app, ["emit", "--interpret", "--db", url, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert out.is_file()
+    first = outs[0].read_bytes()
+    assert first == outs[1].read_bytes()
+    data = json.loads(first)
+    assert data["interpret"] is True and data["gpu"]["key"] == "interpret"
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert set(data["families"]) == {LN.key, RMS.key}
+    for fam in data["families"].values():
+        assert set(fam["expected_us"]) == {"24x200", "48x200"}
+        assert all(v > 0 for v in fam["expected_us"].values())
+    parsed = parse_table(data, str(outs[0]))
+    assert parsed.lookup(Problem("layer_norm", 24, 200)) is not None
+    store = Store(url)
+    try:
+        assert data["provenance"]["runs"] == [r.id for r in store.runs() if r.interpret]
+        # Every rule's config was measured ok on the problems it was fitted on.
+        for key, fam in data["families"].items():
+            for rule in fam["rules"]:
+                cfg = BackwardConfig.from_dict(rule["config"])
+                for shape in rule["fitted_on"]:
+                    M, N = map(int, shape.split("x"))
+                    problem = ProblemFamily.from_key(key).problem(M, N)
+                    assert store.count_measurements(problem=problem, config=cfg, status="ok") >= 1
+        assert store.count_measurements(interpret=True) == 12  # 3 trials x 2 shapes x 2 norms, all stored
+    finally:
+        store.close()
+
+    # No h100 measurements in an interpreter database: one line, exit 1, nothing written.
+    h100 = tmp_path / "h100.json"
+    result = runner.invoke(app, ["emit", "--gpu", "h100", "--db", url, "--out", str(h100)])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: no successful measurements for h100"), lines
+    assert "--interpret" in lines[0]
+    assert not h100.exists()
+
+    # The interpreter table is for the interpreter only.
+    monkeypatch.setenv(ENV_VAR, str(outs[0]))
+    clear_caches()
+    with pytest.raises(TableError, match="interpreter"):
+        select_config(Problem("rms_norm", 24, 200), H100_NAME, (9, 0))
+    clear_caches()
+    problem = Problem("rms_norm", 24, 200)
+    assert select_config(problem, "cpu (triton interpreter)") == parsed.lookup(problem)
+
+
+# ------------------------------------------------------------------------------------- committed tables
+
+
+@pytest.mark.parametrize("name, gpu, key", [("h100.json", H100_NAME, "h100"), ("h200.json", "NVIDIA H200", "h200")])
+def test_committed_tables(name, gpu, key):
+    raw = json.loads((CONFIGS / name).read_text())
+    tab = _shipped(name)
+    assert tab.gpu_name == gpu and tab.gpu_key == key == gpu_key(gpu)
+    assert tab.compute_capability == "9.0" and tab.sm_count == 132 and not tab.interpret
+    assert raw["schema_version"] == SCHEMA_VERSION
+    assert {"layer_norm/bf16/wbf16/bias/save-input", "rms_norm/bf16/wbf16/nobias/save-input"} <= set(tab.families)
+    for key, fam in raw["families"].items():
+        assert fam["expected_us"] and all(v > 0 for v in fam["expected_us"].values())
+        rules = tab.families[key]
+        for i, rule in enumerate(fam["rules"]):
+            for shape in rule["fitted_on"]:
+                assert shape in fam["expected_us"]
+                # A shape a rule was fitted on is looked up by that rule, not an earlier one.
+                M, N = map(int, shape.split("x"))
+                assert next(r for r in rules if r.matches(M, N)) is rules[i], (key, shape)
+    # The committed bytes are what `emit.dumps` writes (so a re-emit diffs cleanly).
+    assert (CONFIGS / name).read_text() == emit.dumps(raw)
+    assert Path(tab.path).name == name
+    assert name in {Path(t.path).name for t in tables.shipped_tables()}
+
+
+def test_shipped_tables_are_found_as_package_data():
+    names = {Path(t.path).name for t in tables.shipped_tables()}
+    assert {"h100.json", "h200.json"} <= names
