@@ -112,7 +112,10 @@ def _device_info(gpu: str, interpret: bool, device: int = 0):
 def _shapes(spec: str | None, interpret: bool):
     from normtune.tuner.shapes import parse_shapes
 
-    return parse_shapes(spec or ("tiny" if interpret else "seed"))
+    try:
+        return parse_shapes(spec or ("tiny" if interpret else "seed"))
+    except ValueError as err:
+        raise CLIError(f"--shapes: {err}") from None
 
 
 @app.callback()
@@ -307,7 +310,7 @@ def sweep(
         if any(codes):
             raise typer.Exit(1)
         return
-    result = _sweep_with_progress(console, S.Sweep(opts, store, info, on_event=None), opts)
+    result = _sweep_with_progress(console, _run(S.Sweep, opts, store, info, on_event=None), opts)
     store.close()
     if summary:
         summary.write_text(S.summary_json(result))

@@ -83,6 +83,14 @@ class SweepOptions:
             raise ValueError(f"--trials {self.trials}: need at least 1 trial per problem")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds")
+        for option, value in (("--trial-timeout", self.trial_timeout_s), ("--heartbeat-interval",
+                                                                         self.heartbeat_interval),
+                              ("--grace-period", self.grace_period)):
+            if not value > 0:
+                raise ValueError(f"{option} {value}: give a positive number of seconds")
+        if self.grace_period <= self.heartbeat_interval:
+            raise ValueError(f"--grace-period {self.grace_period} must exceed --heartbeat-interval "
+                             f"{self.heartbeat_interval}: a live worker's trial would be failed as stale")
 
 
 @dataclass
@@ -263,7 +271,7 @@ class Sweep:
         self.opts, self.store, self.info = opts, store, info
         self.emit = on_event or (lambda kind, data: None)
         self._stop_requested = 0
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.logging.set_verbosity(optuna.logging.ERROR)  # e.g. independent-sampling notes of conditional knobs
         import warnings
 
         # Heartbeats are recorded by this driver's own thread (ask/tell, not Study.optimize), and the retry
@@ -298,9 +306,16 @@ class Sweep:
         if self.opts.sampler == "random":
             return o.samplers.RandomSampler(seed=self.opts.seed)
         if self.opts.sampler == "grid":
-            return o.samplers.GridSampler({"config": list(range(len(self._grid(space))))}, seed=self.opts.seed)
+            class AskTellGridSampler(o.samplers.GridSampler):
+                """Exhausting the grid calls study.stop(), which only works inside Study.optimize; the sweep asks
+                and tells, and stops by itself once the grid's trials are finished."""
+
+                def after_trial(self, study, trial, state, values) -> None:
+                    return None
+
+            return AskTellGridSampler({"config": list(range(len(self._grid(space))))}, seed=self.opts.seed)
         return o.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=self.opts.seed,
-                                     n_startup_trials=8, warn_independent_sampling=False)
+                                     n_startup_trials=8)
 
     def _grid(self, space: Space) -> list[BackwardConfig]:
         if not hasattr(self, "_grid_cache") or self._grid_cache[0] != space:
@@ -485,6 +500,9 @@ class Sweep:
             while (finished + running < target and len(pending) < max(1, opts.lookahead if pool else 1)
                    and not self._stop_requested and not self._over_budget(t0) and invalid_streak < 500):
                 trial = study.ask()
+                # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
+                # otherwise leave a RUNNING trial that Optuna never considers stale.
+                self.storage.record_heartbeat(trial._trial_id)
                 cfg = self._suggest(trial, space)
                 why = space.why_not(cfg)
                 if why is not None:
@@ -504,7 +522,7 @@ class Sweep:
                 pending.append(_Pending(trial, cfg, source, fut, time.perf_counter()))
                 running += 1
             if not pending:
-                if finished + running >= target or invalid_streak >= 500:
+                if finished >= target or invalid_streak >= 500:
                     break
                 if self._stop_requested or self._over_budget(t0):
                     summary.stopped = "interrupted" if self._stop_requested else "time budget"
@@ -619,7 +637,7 @@ def _worker_main(opts_dict: dict, device: int, storage_url: str, log_path: str |
 
     opts = SweepOptions(**{**opts_dict, "device": device,
                            "problems": [Problem.from_dict(p) for p in opts_dict["problems"]]})
-    info = detect(device)
+    info = detect(device, interpret=opts.interpret)
     store = Store(storage_url)
     try:
         Sweep(opts, store, info).run()

@@ -1,0 +1,434 @@
+"""End-to-end tests of the sweep driver (`normtune sweep`: cli.py → tuner/sweep.py → tuner/store.py) on CPU.
+
+Every sweep here runs with `--interpret`: the spawned measuring process runs the Triton kernels in the
+interpreter on tiny problems (40x96, 24x200), so the timings mean nothing but every code path of the driver
+runs -- ask/tell, the measuring process and its timeout, heartbeats, resume, signals, the time budget -- against
+a SQLite database in tmp_path. Sweeps run both in-process through typer's CliRunner and as real processes
+(fresh interpreters, killed with real signals). Failures are injected without any hook in normtune: a
+`sitecustomize.py` on the sweep's PYTHONPATH patches `BackwardLaunch` in the measuring process
+(tests/sweep_support.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import signal
+import socket
+import sqlite3
+import time
+from collections import Counter
+from importlib import metadata
+
+import optuna
+import pytest
+import torch
+import triton
+from optuna.trial import TrialState as TS
+from sweep_support import (check_studies, kill_group, load_study, measurement_rows, run_sweep, running_trials,
+                           start_sweep, sweep_args, sweep_env, wait_for)
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import BackwardConfig, Problem, default_config
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, Space
+from normtune.tuner.store import Store
+from normtune.tuner.sweep import study_name
+
+RMS_A = Problem("rms_norm", 40, 96, "bf16")
+RMS_B = Problem("rms_norm", 24, 200, "bf16")
+# Seconds before a trial counts as hung: an interpreted measurement of these shapes takes well under a second,
+# the first one after a (re)start of the measuring process about one (building the inputs and the reference).
+TRIAL_TIMEOUT = 8
+
+
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'results.db'}"
+
+
+def names(*problems: Problem) -> list[str]:
+    return [study_name("interpret", p, interpret=True) for p in problems]
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+def knobs(config: BackwardConfig) -> dict:
+    """{"kernel_1.block_row": 16, …}: every knob of both kernels, as the fault rules name them."""
+    return {f"{kernel}.{f.name}": getattr(getattr(config, kernel), f.name) for kernel in ("kernel_1", "kernel_2")
+            for f in dataclasses.fields(getattr(config, kernel))}
+
+
+def matches(config: BackwardConfig, match: dict) -> bool:
+    return all(knobs(config)[key] == value for key, value in match.items())
+
+
+# ----------------------------------------------------------------------------------- CLI, provenance, names
+
+
+def test_study_names_are_deterministic():
+    assert study_name("h100", RMS_A) == f"normtune:h100:{RMS_A.key}" == study_name("h100", Problem(
+        "rms_norm", 40, 96, "bfloat16", "bf16"))
+    # Interpreted results get their own studies whatever --gpu says: they must never mix with GPU timings.
+    assert study_name("h100", RMS_A, interpret=True) == study_name("h200", RMS_A, interpret=True) \
+        == f"normtune:interpret:{RMS_A.key}"
+    assert study_name("h100", RMS_A, prefix="validate") == f"validate:h100:{RMS_A.key}"
+    assert len({study_name("h100", p) for p in (RMS_A, RMS_B, Problem("layer_norm", 40, 96))}) == 3
+
+
+def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
+    url = sqlite_url(tmp_path)
+    summary_path = tmp_path / "summary.json"
+    result = invoke(sweep_args(url, shapes="40x96,24x200", trials=3, extra=["--summary", str(summary_path)]))
+    assert result.exit_code == 0, result.output
+
+    with Store(url) as store:
+        (run,) = store.runs()
+        assert (run.kind, run.status, run.gpu_key, run.interpret) == ("sweep", "finished", "interpret", True)
+        assert run.gpu_name == "cpu (triton interpreter)" and run.sm_count == INTERPRET_SM_COUNT
+        assert (run.torch, run.triton) == (torch.__version__, triton.__version__)
+        assert (run.host, run.python) == (socket.gethostname(), platform.python_version())
+        assert run.normtune_version == metadata.version("normtune")
+        assert run.command_line and run.ended_at is not None and run.ended_at >= run.started_at
+        for problem, name in zip((RMS_A, RMS_B), names(RMS_A, RMS_B)):
+            rows = store.measurements(study_name=name)
+            assert [m.trial_number for m in rows] == [0, 1, 2]
+            assert {(m.run_id, m.problem, m.status, m.interpret, m.gpu_key) for m in rows} == {
+                (run.id, problem, "ok", True, "interpret")}
+            assert all(m.median_us > 0 and m.reps >= 1 and m.error is None for m in rows)
+            # The study starts with its seeds: the default config first, then its neighbours.
+            space = Space(problem, INTERPRET_SM_COUNT)
+            assert rows[0].config == space.canonical(default_config(problem))
+            assert {m.source for m in rows} == {"seed"} and len({m.config for m in rows}) == 3
+            best = store.best(problem, gpu_key="interpret", interpret=True)
+            assert best.median_us == min(m.median_us for m in rows)
+            assert store.best(problem, gpu_key="interpret", interpret=False) is None  # never mixed with GPU data
+
+    # Optuna's studies live in the same file as normtune's tables.
+    tables = {r[0] for r in sqlite3.connect(tmp_path / "results.db").execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"normtune_runs", "normtune_measurements", "studies", "trials", "trial_heartbeats"} <= tables
+    assert sorted(optuna.get_all_study_names(url)) == sorted(names(RMS_A, RMS_B))
+    check_studies(url, names(RMS_A, RMS_B), 3)
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["stopped"] is None and summary["remaining"] == []
+    assert [(p["problem"], p["study"], p["trials"], p["measured_now"], p["failures"]) for p in summary["problems"]] \
+        == [(RMS_A.key, names(RMS_A)[0], 3, 3, {}), (RMS_B.key, names(RMS_B)[0], 3, 3, {})]
+
+
+def test_subprocess_sweep_rerun_adds_only_the_difference(tmp_path):
+    url = sqlite_url(tmp_path)
+    env = sweep_env(tmp_path)
+    first = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=3), env, tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = measurement_rows(url)
+    assert len(before) == 6
+
+    second = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=5), env, tmp_path)
+    assert second.returncode == 0, second.stderr
+    after = measurement_rows(url)
+    assert after[:6] == before, "a re-run changed measurements committed before it"
+    with Store(url) as store:
+        runs = store.runs()
+    assert [(r.kind, r.status, r.interpret, r.gpu_key) for r in runs] == [("sweep", "finished", True, "interpret")] * 2
+    assert "sweep --interpret" in runs[0].command_line and "--trials 3" in runs[0].command_line
+    assert "--trials 5" in runs[1].command_line and runs[1].host == socket.gethostname()
+    new = after[6:]
+    assert sorted((r["study_name"], r["trial_number"]) for r in new) == sorted(
+        (name, n) for name in names(RMS_A, RMS_B) for n in (3, 4)), "the re-run measured more than the difference"
+    assert {r["run_id"] for r in new} == {runs[1].id}
+    check_studies(url, names(RMS_A, RMS_B), 5)
+
+
+def test_console_script_sweep_records_its_command_line(tmp_path):
+    import shutil
+
+    script = shutil.which("normtune")
+    if script is None:
+        pytest.skip("the `normtune` console script is not on PATH (pip install -e .)")
+    url = sqlite_url(tmp_path)
+    result = run_sweep(sweep_args(url, trials=2), sweep_env(tmp_path), tmp_path, program=[script])
+    assert result.returncode == 0, result.stderr
+    assert "interpreter timings" in result.stderr and f"{RMS_A.key}: 2 trials" in result.stderr
+    with Store(url) as store:
+        (run,) = store.runs()
+    assert run.command_line.startswith(script) and run.command_line.endswith(" ".join(sweep_args(url, trials=2)))
+    check_studies(url, names(RMS_A), 2)
+
+
+def test_time_budget_stops_early_and_reports_what_remains(tmp_path):
+    url = sqlite_url(tmp_path)
+    env = sweep_env(tmp_path)
+    summary_path = tmp_path / "summary.json"
+    # The measuring process alone takes seconds to start: a 1 s budget runs out during the first trial.
+    result = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=4,
+                                  extra=["--time-budget", "1", "--summary", str(summary_path)]), env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(summary_path.read_text())
+    assert summary["stopped"] == "time budget"
+    assert any(RMS_B.key in item for item in summary["remaining"]), summary["remaining"]
+    assert "stopped (time budget); remaining:" in result.stderr and RMS_B.key in result.stderr
+    assert "Re-run the same command to continue" in result.stderr
+    rows = measurement_rows(url)
+    assert len(rows) < 8
+    # Stopping left nothing RUNNING: asked-but-unmeasured trials were abandoned (pruned), not left to go stale.
+    for name in optuna.get_all_study_names(url):
+        study = load_study(url, name)
+        assert not study.get_trials(states=(TS.RUNNING,)), name  # (WAITING ones are queued seeds)
+        for t in study.get_trials(states=(TS.PRUNED,)):
+            assert t.user_attrs.get("status") in ("abandoned", "invalid")
+    with Store(url) as store:
+        assert [r.status for r in store.runs()] == ["finished"]
+
+    again = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=4), env, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert measurement_rows(url)[:len(rows)] == rows
+    check_studies(url, names(RMS_A, RMS_B), 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given on a machine without a GPU")
+def test_gpu_without_a_gpu_is_a_clear_error_and_interpret_works(tmp_path):
+    db = tmp_path / "results.db"
+    url = sqlite_url(tmp_path)
+    result = invoke(["sweep", "--gpu", "h100", "--norm", "rms_norm", "--shapes", "40x96", "--trials", "1",
+                     "--db", url])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "--interpret" in lines[0], result.output
+    assert "Traceback" not in result.output and not db.exists()
+
+    result = invoke(["sweep", "--gpu", "h100", "--interpret", "--norm", "rms_norm", "--shapes", "40x96",
+                     "--trials", "1", "--db", url])
+    assert result.exit_code == 0, result.output
+    with Store(url) as store:
+        (run,) = store.runs()
+        assert (run.gpu_key, run.interpret) == ("interpret", True)  # never labelled as H100 data
+        assert store.measurements(gpu_key="h100") == []
+    check_studies(url, names(RMS_A), 1)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--sampler", "bogus"),
+    ("--trials", "0"),
+    ("--trials", "-3"),
+    ("--shapes", "12by34"),
+    ("--shapes", "40x"),
+    ("--shapes", "40x0"),
+    ("--save", "weights"),
+    ("--norm", "group_norm"),
+    ("--dtype", "bf17"),
+    ("--weight-dtype", "int8"),
+    ("--time-budget", "0"),
+    ("--trial-timeout", "0"),
+    ("--heartbeat-interval", "0"),
+    ("--grace-period", "0"),
+    ("--devices", "0,1"),
+])
+def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, option, value):
+    url = sqlite_url(tmp_path)
+    result = invoke(sweep_args(url, trials=1) + [option, value])
+    assert result.exit_code == 1, f"{option} {value}: exit code {result.exit_code}\n{result.output}"
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        f"{option} {value} raised {result.exception!r} instead of a one-line error"
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert option in lines[0], f"the error does not name {option}: {lines[0]}"
+    if (tmp_path / "results.db").exists():
+        with Store(url) as store:
+            assert store.runs() == [], "a rejected sweep recorded a run"
+
+
+# ------------------------------------------------------------------------------------------ failure injection
+
+
+def fault_rules(problem: Problem, faults: list[str]) -> list[dict]:
+    """One rule per fault, on the knob by which the problem's seed 1, 2, … differs from its default (seed 0):
+    the first trials measure the seeds, so each fault hits an early trial and the default stays correct."""
+    seeds = Space(problem, INTERPRET_SM_COUNT).seeds()
+    rules = []
+    for seed, fault in zip(seeds[1:], faults):
+        key, value = next((key, value) for key, value in knobs(seed).items() if knobs(seeds[0])[key] != value)
+        rules.append({"match": {key: value}, "fault": fault})
+    return rules
+
+
+def test_failures_are_recorded_as_failed_trials_never_a_crash(tmp_path):
+    url = sqlite_url(tmp_path)
+    trials = 6
+    rules = fault_rules(RMS_A, ["incorrect", "compile_error", "hang"])
+    status_of = {"compile_error": "compile_error", "incorrect": "incorrect", "hang": "timeout"}
+
+    def expected(config: BackwardConfig) -> str:
+        return next((status_of[r["fault"]] for r in rules if matches(config, r["match"])), "ok")
+
+    summary_path = tmp_path / "summary.json"
+    env = sweep_env(tmp_path, rules, NORMTUNE_TEST_HANG_S="300")
+    result = run_sweep(sweep_args(url, trials=trials, extra=["--trial-timeout", str(TRIAL_TIMEOUT),
+                                                             "--summary", str(summary_path)]), env, tmp_path)
+    assert result.returncode == 0, result.stderr
+
+    name = names(RMS_A)[0]
+    with Store(url) as store:
+        rows = store.measurements(study_name=name)
+        best = store.best(RMS_A, gpu_key="interpret", interpret=True)
+    assert len(rows) == trials
+    assert {expected(m.config) for m in rows} == {"ok", "compile_error", "incorrect", "timeout"}, \
+        f"the injected properties {rules} did not all occur in the trials"
+    for m in rows:
+        assert m.status == expected(m.config), (m.config, m.status, m.error)
+        if m.status == "ok":
+            assert m.error is None and m.median_us > 0
+        elif m.status == "compile_error":
+            assert m.error.startswith("CompilationError:") and "injected by the test" in m.error
+            assert m.median_us is None
+        elif m.status == "incorrect":
+            assert "dx relative error" in m.error and m.errors["dx"] > 1 and m.median_us is None
+        else:
+            assert m.error == f"no result within {TRIAL_TIMEOUT} s (killed)" and m.median_us is None
+    ok = [m for m in rows if m.status == "ok"]
+    assert best is not None and best.status == "ok" and expected(best.config) == "ok"
+    assert best.median_us == min(m.median_us for m in ok)
+
+    study = load_study(url, name)
+    told = study.get_trials(states=(TS.COMPLETE, TS.FAIL))
+    assert sorted(t.number for t in told) == sorted(m.trial_number for m in rows)
+    for t in told:
+        row = next(m for m in rows if m.trial_number == t.number)
+        assert t.user_attrs["status"] == row.status
+        assert t.state == (TS.COMPLETE if row.status == "ok" else TS.FAIL), (t.number, t.state, row.status)
+        if row.status != "ok":
+            assert t.user_attrs["error"] == row.error[:1000]
+    assert expected(BackwardConfig.from_json(study.best_trial.user_attrs["config"])) == "ok"
+    check_studies(url, [name], trials)
+
+    summary = json.loads(summary_path.read_text())
+    (ps,) = summary["problems"]
+    assert ps["failures"] == dict(Counter(m.status for m in rows if m.status != "ok"))
+    assert expected(BackwardConfig.from_dict(ps["best_config"])) == "ok" and ps["best_us"] == best.median_us
+
+    # The hung measuring process was killed, and a fresh one measured the trials after it.
+    log = [line.split(" ", 2) for line in (tmp_path / "faults.log").read_text().splitlines()]
+    hung = [i for i, (_, fault, _) in enumerate(log) if fault == "hang"]
+    assert len(hung) == ps["failures"]["timeout"]
+    pid = int(log[hung[0]][0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    after = {int(p) for p, _, _ in log[hung[0] + 1:]}
+    assert after and pid not in after, "no measuring process was restarted after the timeout"
+
+
+# ----------------------------------------------------------------------------------------- kill and resume
+
+
+@pytest.mark.parametrize("kill_at", ["first-heartbeat-pending", "after-heartbeats"])
+def test_resume_after_sigkill_loses_nothing_and_ends_at_the_target(tmp_path, kill_at):
+    """SIGKILL the sweep (and its measuring process) in the middle of its third trial, after two measurements
+    were committed; re-running the same command must keep them and end with exactly `target` trials.
+
+    The third seed config is made slow (in the killed run only), so the kill lands mid-trial for sure:
+    `first-heartbeat-pending` kills as soon as that trial started (well within the first heartbeat interval, so
+    usually before any heartbeat of it was stored) and re-runs at once; `after-heartbeats` waits until a heartbeat
+    of it is stored and re-runs once the grace period is over."""
+    url = sqlite_url(tmp_path)
+    target, grace = 8, 2
+    args = sweep_args(url, shapes="40x96,24x200", trials=target,
+                      extra=["--heartbeat-interval", "1", "--grace-period", str(grace)])
+    rules = [{"match": knobs(Space(RMS_A, INTERPRET_SM_COUNT).seeds()[2]), "fault": "slow"}]
+    log, faults = tmp_path / "killed.log", tmp_path / "faults.log"
+    proc = start_sweep(args, sweep_env(tmp_path, rules, NORMTUNE_TEST_SLOW_S="60"), tmp_path, log)
+    name_a = names(RMS_A)[0]
+    try:
+        wait_for(lambda: len(measurement_rows(url)) >= 2 and faults.exists() and " slow " in faults.read_text(),
+                 180, "two committed measurements and the slow trial", proc, log)
+        if kill_at == "after-heartbeats":
+            wait_for(lambda: any(n == name_a and beats for n, _, beats in running_trials(url)), 30,
+                     "a heartbeat of the slow trial", proc, log)
+        assert proc.poll() is None, "the sweep finished before it could be killed"
+    finally:
+        kill_group(proc)  # the sweep and its measuring process, mid-trial
+    committed = measurement_rows(url)
+    assert [(r["study_name"], r["trial_number"]) for r in committed] == [(name_a, 0), (name_a, 1)]
+    killed = running_trials(url)
+    assert [(n, number) for n, number, _ in killed] == [(name_a, 2)]
+    if kill_at == "after-heartbeats":
+        time.sleep(grace + 1)  # its heartbeat is stale now: the re-run fails it and re-queues it
+
+    result = run_sweep(args, sweep_env(tmp_path), tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = {r["id"]: r for r in measurement_rows(url)}
+    for row in committed:
+        assert rows.get(row["id"]) == row, f"measurement {row['id']} changed or vanished after the re-run"
+    # The killed trial ended FAIL (stale, never measured) and was re-queued once with its params. The retry
+    # waits behind the seeds not yet measured, so it runs only if the target leaves room for it.
+    trials = {t.number: t for t in load_study(url, name_a).get_trials()}
+    assert trials[2].state == TS.FAIL, (
+        f"the killed trial 2 ({killed[0][2]} heartbeats stored when it was killed) is {trials[2].state.name} after "
+        "the re-run: it was never failed as stale nor re-queued, and it holds a place of the target")
+    assert "status" not in trials[2].user_attrs
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == 2]
+    assert len(retries) == 1 and retries[0].params == trials[2].params
+    assert retries[0].state in (TS.WAITING, TS.COMPLETE, TS.FAIL)
+    check_studies(url, names(RMS_A, RMS_B), target)
+    with Store(url) as store:
+        statuses = [r.status for r in store.runs()]
+    assert statuses == ["running", "finished"]  # the killed run never ended; the re-run did
+
+
+def test_sigterm_finishes_the_current_trial_and_stops(tmp_path):
+    url = sqlite_url(tmp_path)
+    args = sweep_args(url, shapes="40x96,24x200", trials=8)
+    log = tmp_path / "sweep.log"
+    proc = start_sweep(args, sweep_env(tmp_path), tmp_path, log)
+    try:
+        wait_for(lambda: len(measurement_rows(url)) >= 1, 180, "a committed measurement", proc, log)
+        os.kill(proc.pid, signal.SIGTERM)  # the sweep only: it stops its measuring process itself
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        kill_group(proc)
+    output = log.read_text()
+    assert "SIGTERM: finishing the current trial" in output and "stopped (interrupted)" in output
+    rows = measurement_rows(url)
+    assert 1 <= len(rows) < 16
+    with Store(url) as store:
+        assert [r.status for r in store.runs()] == ["interrupted"]
+    for name in optuna.get_all_study_names(url):
+        study = load_study(url, name)
+        assert not study.get_trials(states=(TS.RUNNING,)), f"{name}: a trial left RUNNING after SIGTERM"
+        told = study.get_trials(states=(TS.COMPLETE, TS.FAIL))
+        assert sorted(t.number for t in told) == sorted(r["trial_number"] for r in rows if r["study_name"] == name)
+
+
+# ------------------------------------------------------------------------------------------------ samplers
+
+
+def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeypatch):
+    from normtune.tuner import space as space_module
+
+    # A space of four configs (two row tiles x two kernel_2 tiles); the sweep runs in this process.
+    monkeypatch.setattr(space_module, "K1_DOMAINS", {**K1_DOMAINS, "block_row": (8, 16), "num_warps": (4,),
+                                                     "num_stages": (1,), "programs_per_sm": (1,),
+                                                     "eviction_policy": ("",), "prefetch": (False,),
+                                                     "recompute": (False,)})
+    monkeypatch.setattr(space_module, "K2_DOMAINS", {**K2_DOMAINS, "block_m": (64, 128), "block_n": (16,),
+                                                     "num_warps": (4,), "num_stages": (1,), "pdl": (False,)})
+    grid = list(Space(RMS_A, INTERPRET_SM_COUNT))
+    assert len(grid) == 4
+    url = sqlite_url(tmp_path)
+    name = names(RMS_A)[0]
+
+    result = invoke(sweep_args(url, trials=3, sampler="grid"))
+    assert result.exit_code == 0, result.output
+    check_studies(url, [name], 3)
+    result = invoke(sweep_args(url, trials=50, sampler="grid"))
+    assert result.exit_code == 0, result.output
+    assert f"{RMS_A.key}: 4 trials" in result.output
+    check_studies(url, [name], len(grid))
+    with Store(url) as store:
+        configs = [m.config for m in store.measurements(study_name=name)]
+    assert sorted(configs, key=str) == sorted(grid, key=str), "the grid was not covered exactly once"
+    assert len(load_study(url, name).get_trials()) == len(grid), "the grid sampler asked past the space"

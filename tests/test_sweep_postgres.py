@@ -1,0 +1,139 @@
+"""Two `normtune sweep` workers sharing one PostgreSQL database (the way a sweep outgrows one machine), one of
+them SIGKILLed in the middle of a trial: the study must still end with exactly `--trials` finished trials per
+problem, nothing measured may be lost or stored twice, and the dead worker's trial must be failed as stale (its
+heartbeat stopped) and re-queued.
+
+Needs a PostgreSQL server whose role may create databases (each test gets a fresh one):
+
+    eval "$(bash tests/postgres.sh)" && python -m pytest tests/test_sweep_postgres.py
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+from optuna.trial import TrialState as TS
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sweep_support import (check_studies, kill_group, load_study, measurement_rows, running_trials, start_sweep,
+                           sweep_args, sweep_env, wait_for)
+
+from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner.space import Space
+from normtune.tuner.store import Store, normalize_url
+from normtune.tuner.sweep import study_name
+
+pytestmark = pytest.mark.postgres
+
+POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
+PROBLEMS = (Problem("rms_norm", 40, 96, "bf16"), Problem("rms_norm", 24, 200, "bf16"))
+NAMES = {study_name("interpret", p, interpret=True): p for p in PROBLEMS}
+TRIALS = 5
+GRACE = 3
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh database on the test server, dropped afterwards."""
+    admin_url = os.environ.get(POSTGRES_ENV)
+    if not admin_url:
+        pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
+                    "PostgreSQL server for the multi-worker sweep test")
+    name = f"normtune_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(normalize_url(admin_url), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield make_url(normalize_url(admin_url)).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def run_id_of(url: str, marker: str) -> int | None:
+    """The id of the run whose command line contains `marker` (each worker writes its own summary file)."""
+    try:
+        with Store(url) as store:
+            return next((r.id for r in store.runs() if marker in r.command_line), None)
+    except Exception:  # noqa: BLE001 - the first worker may not have created the tables yet
+        return None
+
+
+def committed_by(url: str, marker: str) -> int:
+    run_id = run_id_of(url, marker)
+    return 0 if run_id is None else sum(r["run_id"] == run_id for r in measurement_rows(url))
+
+
+def trial_config(name: str, params: dict) -> BackwardConfig:
+    space = Space(NAMES[name], INTERPRET_SM_COUNT)
+    return space.canonical(space.config(params))
+
+
+def test_two_workers_one_killed_mid_trial_end_with_exactly_the_target(pg_url, tmp_path):
+    common = ["--heartbeat-interval", "1", "--grace-period", str(GRACE)]
+    shapes = ",".join(f"{p.M}x{p.N}" for p in PROBLEMS)
+    args_a = sweep_args(pg_url, shapes=shapes, trials=TRIALS, extra=common + ["--summary", str(tmp_path / "a.json")])
+    args_b = sweep_args(pg_url, shapes=shapes, trials=TRIALS, extra=common + ["--summary", str(tmp_path / "b.json")])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    # Worker A measures its first trial normally, then every one of its trials takes a minute: it is killed in
+    # the middle of one. Worker B is not slowed.
+    env_a = sweep_env(tmp_path / "a", [{"match": {}, "fault": "slow", "after": 1}], NORMTUNE_TEST_SLOW_S="60")
+    faults_a = tmp_path / "a" / "faults.log"
+    log_a, log_b = tmp_path / "a.log", tmp_path / "b.log"
+    a = start_sweep(args_a, env_a, tmp_path, log_a)
+    b = None
+    try:
+        wait_for(lambda: committed_by(pg_url, "a.json") >= 1 and faults_a.exists()
+                 and " slow " in faults_a.read_text(), 180, "worker A's first measurement and slow trial", a, log_a)
+        slow = BackwardConfig.from_json(faults_a.read_text().splitlines()[-1].split(" ", 2)[2])
+        b = start_sweep(args_b, sweep_env(tmp_path / "b"), tmp_path, log_b)
+        wait_for(lambda: committed_by(pg_url, "b.json") >= 1, 180, "worker B's first measurement", b, log_b)
+
+        def a_trial():
+            for name, number, beats in running_trials(pg_url):
+                trial = next(t for t in load_study(pg_url, name).get_trials(deepcopy=False) if t.number == number)
+                if beats and trial_config(name, trial.params) == slow:
+                    return name, number
+            return None
+
+        killed_study, killed_number = wait_for(a_trial, 30, "a heartbeat of worker A's slow trial", a, log_a)
+        assert a.poll() is None, "worker A finished before it could be killed"
+        kill_group(a)  # A and its measuring process, mid-trial
+        committed = measurement_rows(pg_url)
+        assert b.wait(240) == 0, log_b.read_text()[-4000:]
+    finally:
+        kill_group(a)
+        if b is not None:
+            kill_group(b)
+
+    rows = {r["id"]: r for r in measurement_rows(pg_url)}
+    for row in committed:
+        assert rows.get(row["id"]) == row, f"measurement {row['id']} changed or vanished"
+    study = load_study(pg_url, killed_study)
+    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
+    killed = trials[killed_number]
+    assert killed.state == TS.FAIL, (
+        f"worker A's trial {killed_number} of {killed_study} is {killed.state.name} after worker B finished: "
+        "B never failed it as stale (heartbeat older than the grace period) nor re-queued it")
+    assert "status" not in killed.user_attrs and not any(
+        r["study_name"] == killed_study and r["trial_number"] == killed_number for r in rows.values())
+    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_number]
+    assert len(retries) == 1 and retries[0].params == killed.params, "the stale trial was not re-queued once"
+    assert retries[0].state in (TS.WAITING, TS.COMPLETE, TS.FAIL)
+
+    # Exactly TRIALS finished trials per problem, each backed by one stored measurement, every measurement
+    # backing one finished trial, no (study_name, trial_number) stored twice, nothing left RUNNING.
+    checked = check_studies(pg_url, NAMES, TRIALS)
+    for name, info in checked.items():
+        unmeasured_fails = [t.number for t in info["trials"] if t.state == TS.FAIL and "status" not in t.user_attrs]
+        assert unmeasured_fails == ([killed_number] if name == killed_study else []), (name, unmeasured_fails)
+    with Store(pg_url) as store:
+        runs = {("a.json" in r.command_line): r for r in store.runs()}
+        a_rows = store.measurements(run_id=runs[True].id)
+    assert len(runs) == 2 and runs[True].status == "running" and runs[False].status == "finished"
+    assert a_rows, "worker A committed nothing before it was killed"
