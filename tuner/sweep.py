@@ -281,13 +281,12 @@ class Sweep:
         self._optuna = optuna
         url = opts.storage_url
         engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        from optuna.storages import RetryFailedTrialCallback
-
         from .store import optuna_storage_url
 
+        retry, retry_keyword = _retry_callback()
         self.storage = optuna.storages.RDBStorage(
             optuna_storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=opts.heartbeat_interval,
-            grace_period=opts.grace_period, failed_trial_callback=RetryFailedTrialCallback(max_retry=2))
+            grace_period=opts.grace_period, **{retry_keyword: retry(max_retry=2)})
         self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
         self._lock = threading.Lock()
 
