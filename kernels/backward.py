@@ -46,19 +46,6 @@ W_TINY: tl.constexpr = tl.constexpr(1e-12)
 
 
 @triton.jit
-def _effective_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """w (fp32) for the given columns: 1 without a weight, 1 + w' when zero-centered; 1 where masked."""
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
-        w = tl.where(mask, w, 1.0)
-    else:
-        w = tl.full(cols.shape, 1.0, tl.float32)
-    return w
-
-
-@triton.jit
 def _widen(v, BF16_BITS: tl.constexpr):
     """fp32 from raw values. BF16_BITS: through integer bit operations (bf16 is the top half of an fp32, so this
     is exact) — a different instruction sequence from the plain conversion, which the compiler therefore cannot
@@ -90,6 +77,12 @@ def _load_weight_raw(W, cols, mask, HAS_WEIGHT: tl.constexpr):
     else:
         w_raw = tl.zeros(cols.shape, tl.float32)
     return w_raw
+
+
+@triton.jit
+def _effective_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """w (fp32) for the given columns: 1 without a weight, 1 + w' when zero-centered; 1 where masked."""
+    return _weight_from_raw(_load_weight_raw(W, cols, mask, HAS_WEIGHT), mask, HAS_WEIGHT, ZERO_CENTERED, False)
 
 
 @triton.jit

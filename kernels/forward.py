@@ -15,22 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .backward import _effective_weight
 from .config import next_power_of_two
 
 SINGLE_PASS_MAX_COLS = 8192
 CHUNK_COLS = 4096
-
-
-@triton.jit
-def _load_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
-    """Effective weight w (fp32): 1 without a weight, 1 + w' when zero-centered."""
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            w = w + 1.0
-    else:
-        w = tl.full(cols.shape, 1.0, tl.float32)
-    return w
 
 
 @triton.jit
@@ -64,7 +53,7 @@ def _forward_kernel(
             mean = tl.sum(x, axis=1) / N
             xc = tl.where(mask, x - mean[:, None], 0.0)
         rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        w = _load_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+        w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:
             y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -92,7 +81,7 @@ def _forward_kernel(
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = _load_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
             y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
             if HAS_BIAS:
                 y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]

@@ -324,7 +324,7 @@ def check_default_for(problem: Problem) -> None:
     if not cfg.kernel_1.two_pass:
         assert cfg.kernel_1.block_col >= problem.N
     programs = num_programs(problem.M, cfg, 132)
-    assert 1 <= programs <= max(1, -(-problem.M // cfg.kernel_1.block_row))
+    assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row))
     for name in DEVICE_NAMES:
         selected = select_config(problem, name)
         assert selected.is_valid(problem), f"select_config({problem.key}, {name!r}) gave an invalid {selected}"

@@ -393,7 +393,7 @@ def test_sigterm_finishes_the_current_trial_and_stops(tmp_path):
     output = log.read_text()
     assert "SIGTERM: finishing the current trial" in output and "stopped (interrupted)" in output
     rows = measurement_rows(url)
-    assert 1 <= len(rows) < 16
+    assert 0 < len(rows) < 16
     with Store(url) as store:
         assert [r.status for r in store.runs()] == ["interrupted"]
     for name in optuna.get_all_study_names(url):
