@@ -27,7 +27,7 @@ import pytest
 import torch
 import triton
 from optuna.trial import TrialState as TS
-from sweep_support import (check_studies, kill_group, load_study, measurement_rows, run_sweep, running_trials,
+from sweep_support import (INTERPRETER_ONLY, check_studies, kill_group, load_study, measurement_rows, run_sweep, running_trials,
                            start_sweep, sweep_args, sweep_env, wait_for)
 from typer.testing import CliRunner
 
@@ -37,6 +37,8 @@ from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, Space
 from normtune.tuner.store import Store
 from normtune.tuner.sweep import study_name
+
+pytestmark = INTERPRETER_ONLY
 
 RMS_A = Problem("rms_norm", 40, 96, "bf16")
 RMS_B = Problem("rms_norm", 24, 200, "bf16")

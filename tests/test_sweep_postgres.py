@@ -17,7 +17,7 @@ import pytest
 from optuna.trial import TrialState as TS
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
-from sweep_support import (check_studies, kill_group, load_study, measurement_rows, running_trials, start_sweep,
+from sweep_support import (INTERPRETER_ONLY, check_studies, kill_group, load_study, measurement_rows, running_trials, start_sweep,
                            sweep_args, sweep_env, wait_for)
 
 from normtune.kernels.config import BackwardConfig, Problem
@@ -26,7 +26,7 @@ from normtune.tuner.space import Space
 from normtune.tuner.store import Store, normalize_url
 from normtune.tuner.sweep import study_name
 
-pytestmark = pytest.mark.postgres
+pytestmark = [pytest.mark.postgres, INTERPRETER_ONLY]
 
 POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
 PROBLEMS = (Problem("rms_norm", 40, 96, "bf16"), Problem("rms_norm", 24, 200, "bf16"))
