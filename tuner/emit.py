@@ -21,7 +21,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily, next_power_of_two
+from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
 
 TOP_K = 3  # configs per problem carried into the matrix and re-measured on neighbours

@@ -99,7 +99,7 @@ class L2Flusher:
     """Evicts L2 by writing a buffer of at least twice its size (and at least 64 MiB)."""
 
     def __init__(self, device: torch.device, l2_bytes: int):
-        self.nbytes = max(2 * int(l2_bytes), 64 * 2**20)
+        self.nbytes = flush_size(l2_bytes)
         self.buffer = torch.empty(self.nbytes // 4, dtype=torch.int32, device=device)
 
     def __call__(self) -> None:
@@ -210,13 +210,6 @@ def gate(problem: Problem, got, ref) -> tuple[bool, dict[str, float], str]:
 
 
 # ---------------------------------------------------------------------------------------- timing
-
-
-@dataclass
-class Timing:
-    total: Stats
-    kernel_1: Stats
-    kernel_2: Stats
 
 
 def _spin(cycles: int = SPIN_CYCLES) -> None:

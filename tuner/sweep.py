@@ -562,7 +562,6 @@ class Sweep:
     def _measure_pending(self, item: _Pending, problem: Problem, name: str, run_id: int,
                          measurer: MeasuringProcess, ps: ProblemSummary, summary: SweepSummary,
                          default: BackwardConfig) -> None:
-        TS = self._optuna.trial.TrialState
         study_trial, cfg = item.trial, item.config
         result = None
         compile_s = None
