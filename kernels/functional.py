@@ -39,18 +39,17 @@ def _check_tensor(name: str, t: Any, x: Tensor | None = None) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}: move them to one device")
 
 
-def _config_text(config: BackwardConfig | dict | str | None) -> str:
-    if config is None:
-        return ""
-    if isinstance(config, BackwardConfig):
-        return config.to_json()
+def _explicit_config(config: BackwardConfig | dict | str | None) -> BackwardConfig | str | None:
+    """An explicit config as a value (parsed once), or — while torch.compile traces, which cannot run the json
+    module — as text the backward op parses and validates outside the graph."""
+    if config is None or isinstance(config, BackwardConfig):
+        return config
     if torch.compiler.is_compiling() and isinstance(config, (dict, str)):
-        # Parsed and validated by the backward op, outside the traced graph (dynamo cannot trace json).
         return config if isinstance(config, str) else mapping_to_json(config)
     if isinstance(config, dict):
-        return BackwardConfig.from_dict(config).to_json()
+        return BackwardConfig.from_dict(config)
     if isinstance(config, str):
-        return BackwardConfig.from_json(config).to_json()
+        return BackwardConfig.from_json(config)
     raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
 
 
@@ -73,16 +72,17 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
         raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
     if zero_centered and weight is None:
         raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
-    config_text = _config_text(config)
-    if config_text and not torch.compiler.is_compiling():
+    config = _explicit_config(config)
+    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():
         M = x.numel() // N
         problem = Problem("rms_norm" if is_rms else "layer_norm", M, N, x.dtype,
                           weight.dtype if weight is not None else None, weight is not None, bias is not None,
                           zero_centered, save)
         try:
-            BackwardConfig.from_json(config_text).validate(problem)
+            config.validate(problem)
         except ConfigError as err:
             raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
+    config_text = config.to_json() if isinstance(config, BackwardConfig) else (config or "")
     if x.stride(-1) != 1:
         x = x.contiguous()
     x2d = x.reshape(-1, N)
