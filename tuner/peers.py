@@ -47,8 +47,8 @@ def _autograd_backward(y: torch.Tensor, grad: torch.Tensor, leaves) -> Backward:
     return run
 
 
-def _eps(problem: Problem) -> float:
-    return 1e-5
+# Every implementation's forward uses the same eps as normtune's measured inputs (measure.make_case).
+EPS = 1e-5
 
 
 class Peer:
@@ -75,9 +75,9 @@ class TorchEager(Peer):
         xs, ws, bs = _leaves(x, weight, bias)
         N = problem.N
         if problem.norm == "layer_norm":
-            y = F.layer_norm(xs, (N,), ws, bs, _eps(problem))
+            y = F.layer_norm(xs, (N,), ws, bs, EPS)
         else:
-            y = F.rms_norm(xs, (N,), ws, _eps(problem))
+            y = F.rms_norm(xs, (N,), ws, EPS)
         return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)))
 
 
@@ -99,10 +99,10 @@ class TorchCompile(Peer):
         N = problem.N
         if problem.norm == "layer_norm":
             def fn(a, w, b):
-                return F.layer_norm(a, (N,), w, b, _eps(problem))
+                return F.layer_norm(a, (N,), w, b, EPS)
         else:
             def fn(a, w, b):
-                return F.rms_norm(a, (N,), w, _eps(problem))
+                return F.rms_norm(a, (N,), w, EPS)
         compiled = torch.compile(fn, dynamic=False)
         xs, ws, bs = _leaves(x, weight, bias)
         y = compiled(xs, ws, bs)
@@ -131,10 +131,10 @@ class Liger(Peer):
             raise PeerUnavailable(f"liger-kernel is not installed ({err}): pip install liger-kernel") from None
         xs, ws, bs = _leaves(x, weight, bias)
         if problem.norm == "layer_norm":
-            y = Fn.apply(xs, ws, bs, _eps(problem))
+            y = Fn.apply(xs, ws, bs, EPS)
         else:
             # in_place=False: Liger would otherwise write dx into the reused grad_output buffer.
-            y = Fn.apply(xs, ws, _eps(problem), 0.0, "llama", False)
+            y = Fn.apply(xs, ws, EPS, 0.0, "llama", False)
         return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note="in_place=False" if
                             problem.norm == "rms_norm" else "")
 
@@ -161,12 +161,12 @@ class Quack(Peer):
         note = "quack needs fp32 weights: weights (and bias) upcast to fp32" if weight.dtype != torch.float32 else ""
         if problem.norm == "rms_norm":
             xs, ws, bs = _leaves(x, weight, bias, torch.float32)
-            y = qr.rmsnorm(xs, ws, eps=_eps(problem))
+            y = qr.rmsnorm(xs, ws, eps=EPS)
             return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note=note)
         # quack 0.6.x has LayerNorm forward/backward functions but no autograd wrapper: call them directly.
         w32 = weight.detach().float()
         b32 = bias.detach().float() if bias is not None else None
-        _, rstd, mean = qr.layernorm_fwd(x, w32, b32, eps=_eps(problem), return_rstd=True, return_mean=True)
+        _, rstd, mean = qr.layernorm_fwd(x, w32, b32, eps=EPS, return_rstd=True, return_mean=True)
 
         def run():
             dx, dw, db = qr.layernorm_bwd(x, w32, grad, rstd, mean, has_bias=b32 is not None)
