@@ -10,8 +10,8 @@ from .config import (
     Kernel2Config,
     Problem,
     ProblemFamily,
-    default_config,
 )
+from .heuristics import default_config
 from .functional import layer_norm, rms_norm
 from .modules import LayerNorm, RMSNorm
 from .select import select_config

@@ -6,7 +6,9 @@ Saved for the backward: r (fp32) and, for LayerNorm saving from the input, μ (f
 
 The forward is not what normtune tunes; it uses one analytic launch: a block of rows per program, the whole row
 in registers up to 8192 columns, chunked passes beyond (mean, then variance around the mean, then the output,
-so that a large mean never cancels catastrophically).
+so that a large mean never cancels catastrophically). Rows whose values pass 2^50 are scaled by 1/max|x| before
+squaring, so that Σ(x−μ)² cannot overflow fp32 (bf16 holds values up to 3e38): such rows normalize exactly
+instead of collapsing to y = b.
 """
 
 from __future__ import annotations
@@ -15,11 +17,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import _effective_weight
-from .config import next_power_of_two
+from .backward.common import effective_weight
+from .heuristics import next_power_of_two
 
 SINGLE_PASS_MAX_COLS = 8192
 CHUNK_COLS = 4096
+# Past this magnitude a row is scaled before squaring (2^50 squared, times up to 2^18 columns, stays in fp32).
+LARGE: tl.constexpr = tl.constexpr(2.0 ** 50)
+
+
+@triton.jit
+def _square_scale(amax):
+    """1/max|x| for rows whose squares could overflow, else 1."""
+    return tl.where(amax > LARGE, 1.0 / tl.maximum(amax, 1.0), 1.0)
+
+
+@triton.jit
+def _rstd(sum_sq_scaled, scale, N, eps):
+    """(mean(x²) + eps)^-½ from Σ(x·scale)²: rsqrt(Σ(x·s)²/N + eps·s²)·s (eps·s² underflows harmlessly)."""
+    return tl.rsqrt(sum_sq_scaled / N + eps * scale * scale) * scale
 
 
 @triton.jit
@@ -52,8 +68,10 @@ def _forward_kernel(
         else:
             mean = tl.sum(x, axis=1) / N
             xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+        scale = _square_scale(tl.max(tl.abs(xc), axis=1))
+        xs = xc * scale[:, None]
+        rstd = _rstd(tl.sum(xs * xs, axis=1), scale, N, eps)
+        w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         y = xc * rstd[:, None] * w[None, :]
         if HAS_BIAS:
             y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -61,27 +79,32 @@ def _forward_kernel(
     else:
         chunk = tl.arange(0, BLOCK_COL)
         mean = tl.zeros((BLOCK_ROW,), tl.float32)
+        # Pass 1: the mean (LayerNorm) and max|x|, which bounds |x − μ| by 2·max|x|.
+        acc = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        amax = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        for c0 in range(0, N, BLOCK_COL):
+            cols = c0 + chunk
+            mask = row_mask[:, None] & (cols < N)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += x
+            amax = tl.maximum(amax, tl.abs(x))
         if not IS_RMS:
-            acc = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
-            for c0 in range(0, N, BLOCK_COL):
-                cols = c0 + chunk
-                mask = row_mask[:, None] & (cols < N)[None, :]
-                acc += tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             mean = tl.sum(acc, axis=1) / N
+        scale = _square_scale(2.0 * tl.max(amax, axis=1))
         acc = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         for c0 in range(0, N, BLOCK_COL):
             cols = c0 + chunk
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            acc += xc * xc
-        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+            xs = tl.where(mask, x - mean[:, None], 0.0) * scale[:, None]
+            acc += xs * xs
+        rstd = _rstd(tl.sum(acc, axis=1), scale, N, eps)
         for c0 in range(0, N, BLOCK_COL):
             cols = c0 + chunk
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = _effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+            w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
             y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
             if HAS_BIAS:
                 y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]

@@ -8,6 +8,7 @@ and `backward.py`; this module only dispatches between the Triton kernels and th
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -28,12 +29,16 @@ def _empty(like: Tensor) -> Tensor:
 def backward_problem(grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, is_rms: bool,
                      zero_centered: bool, save_output: bool) -> Problem:
     M, N = grad.shape
-    return Problem(
-        norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=grad.dtype,
-        weight_dtype=weight.dtype if weight is not None else None,
-        has_weight=weight is not None, has_bias=bias is not None, zero_centered=zero_centered,
-        save="output" if save_output else "input",
-    )
+    return _problem(M, N, grad.dtype, weight.dtype if weight is not None else None, weight is not None,
+                    bias is not None, is_rms, zero_centered, save_output)
+
+
+@functools.lru_cache(maxsize=4096)
+def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output) -> Problem:
+    """Built (and validated) once per shape and flags: it is on every call's host path."""
+    return Problem(norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=dtype, weight_dtype=weight_dtype,
+                   has_weight=has_weight, has_bias=has_bias, zero_centered=zero_centered,
+                   save="output" if save_output else "input")
 
 
 @torch.library.custom_op("normtune::norm_forward", mutates_args=())
@@ -41,6 +46,10 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
                  zero_centered: bool, save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
     """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
     backward (JSON text, "" for automatic selection)."""
+    return _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+
+
+def _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
     store_mean = not is_rms and not save_output
     impl = _forward.forward if use_triton(x) else reference.forward
     return impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
@@ -59,6 +68,12 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
                   mean: Tensor, is_rms: bool, zero_centered: bool, save_output: bool,
                   config: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
+    dx, dw, db = _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config)
+    return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+
+
+def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
+    """(dx, dw, db), dw/db None where there is no weight/bias."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
     problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
@@ -71,7 +86,7 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
             resolve_config(problem, config, None)  # an explicit config is checked on every path
         dx, dw, db = reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms,
                                         zero_centered=zero_centered, from_output=save_output)
-    return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+    return dx, dw, db
 
 
 @norm_backward.register_fake
@@ -99,3 +114,26 @@ def _autograd_backward(ctx, grad_y, _grad_rstd, _grad_mean):
 
 
 norm_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class EagerNorm(torch.autograd.Function):
+    """The same forward/backward as the custom ops, for eager calls: a plain autograd.Function skips the custom
+    ops' dispatch layers (their host cost is paid on every layer of every step). torch.compile traces the custom
+    ops instead (`functional.py` picks)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config):
+        y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+        ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
+        ctx.flags = (is_rms, zero_centered, save_output, config)
+        ctx.mark_non_differentiable(rstd, mean)
+        return y, rstd, mean
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_rstd, _grad_mean):
+        saved, weight, bias, rstd, mean = ctx.saved_tensors
+        is_rms, zero_centered, save_output, config = ctx.flags
+        dx, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
+                                    config)
+        return (dx, dw if weight is not None else None, db if bias is not None else None,
+                None, None, None, None, None)

@@ -1,14 +1,14 @@
 """Pure-PyTorch forward and backward, computed in fp32 with the same saving semantics as the Triton kernels.
 
 Used for CPU tensors outside the interpreter, and by the tuner as the correctness gate's reference. The math is
-the one in `backward.py`'s docstring, written with whole-tensor torch ops.
+the one in `backward/common.py`'s docstring, written with whole-tensor torch ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .backward import W_TINY
+from .config import RECOVER_LIMITS, canonical_dtype
 
 
 def effective_weight(weight: torch.Tensor | None, zero_centered: bool) -> torch.Tensor | None:
@@ -27,7 +27,10 @@ def forward(x2d: torch.Tensor, weight, bias, eps: float, *, is_rms: bool, zero_c
     else:
         mean = x.mean(dim=1)
         xc = x - mean[:, None]
-    rstd = torch.rsqrt((xc * xc).mean(dim=1) + eps)
+    amax = xc.abs().amax(dim=1, keepdim=True) if xc.numel() else xc.new_zeros((xc.shape[0], 1))
+    scale = torch.where(amax > 2.0 ** 50, 1.0 / amax.clamp_min(1.0), torch.ones_like(amax))  # as forward.py
+    xs = xc * scale
+    rstd = torch.rsqrt((xs * xs).mean(dim=1) + eps * scale[:, 0] ** 2) * scale[:, 0]
     y = xc * rstd[:, None]
     w = effective_weight(weight, zero_centered)
     if w is not None:
@@ -44,12 +47,12 @@ def normalized(saved: torch.Tensor, weight, bias, rstd, mean, *, is_rms: bool, z
     """x̂ in fp32 from the saved activation (x, or y when `from_output`)."""
     s = saved.float()
     if from_output:
-        if bias is not None:
-            s = s - bias.float()
+        b = bias.float() if bias is not None else torch.zeros(s.shape[1], device=s.device)
+        s = s - b
         w = effective_weight(weight, zero_centered)
         if w is not None:
-            tiny = torch.where(w < 0, -W_TINY.value, W_TINY.value)
-            s = s / torch.where(w.abs() < W_TINY.value, tiny, w)
+            lost = w.abs() * RECOVER_LIMITS[canonical_dtype(saved.dtype)] <= b.abs()
+            s = torch.where(lost, float("nan"), s / w)
         return s
     if is_rms:
         return s * rstd[:, None]
@@ -65,7 +68,10 @@ def backward(grad: torch.Tensor, saved: torch.Tensor, weight, bias, rstd, mean, 
                       from_output=from_output)
     w = effective_weight(weight, zero_centered)
     wg = g * w if w is not None else g
-    c1 = (xhat * wg).sum(dim=1, keepdim=True) / N
+    # From y, x̂·w = y − b exactly: columns whose x̂ is lost (NaN) do not spoil the others' grad_input.
+    xw = (saved.float() - (bias.float() if bias is not None else 0.0)) if from_output else xhat * (
+        w if w is not None else 1.0)
+    c1 = (xw * g).sum(dim=1, keepdim=True) / N
     if is_rms:
         dx = (wg - xhat * c1) * rstd[:, None]
     else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from .config import BackwardConfig, Problem, default_config
+from .config import BackwardConfig, Problem
+from .heuristics import default_config
 from .tables import table_for
 
 

@@ -28,15 +28,12 @@ from .config import (
     ConfigError,
     Problem,
     ProblemFamily,
-    default_config,
-    next_power_of_two,
 )
+from .heuristics import MAX_SINGLE_PASS, default_config, next_power_of_two
 from .device import gpu_key
 
 SCHEMA_VERSION = 1
 ENV_VAR = "NORMTUNE_CONFIG"
-# Widest row a single-pass rule is stretched to; beyond it an adapted config runs two-pass.
-SINGLE_PASS_LIMIT = 16384
 
 
 class TableError(ValueError):
@@ -93,7 +90,7 @@ class Table:
 
 def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None) -> BackwardConfig:
     """Make a rule's config valid for `problem`: single pass takes block_col = next_pow2(N) (two-pass past
-    SINGLE_PASS_LIMIT); knobs that cannot apply are dropped; if it still cannot run, the analytic default.
+    MAX_SINGLE_PASS); knobs that cannot apply are dropped; if it still cannot run, the analytic default.
     With `sm_count`, a problem too short to fill a quarter of the rule's grid with row tiles gets smaller row
     tiles (H100: LayerNorm 128x16384 ran 20% slower on the 4-row tiles fitted at M=512 — 32 tiles for 132 SMs —
     than the best config a fresh sweep found, on 2-row tiles). Above a quarter the fitted tile is kept: 257x14336
@@ -105,7 +102,7 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
             k1 = dataclasses.replace(k1, block_row=k1.block_row // 2)
     n_pow2 = next_power_of_two(problem.N)
     if not k1.two_pass:
-        if n_pow2 <= SINGLE_PASS_LIMIT:
+        if n_pow2 <= MAX_SINGLE_PASS:
             block_row = k1.block_row
             while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
                 block_row //= 2  # keep the tile no larger than the rule's
@@ -113,7 +110,7 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
         else:
             k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
                                      recompute=False)
-    elif k1.block_col >= n_pow2 and n_pow2 <= SINGLE_PASS_LIMIT:
+    elif k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
         k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
     k2 = config.kernel_2
     if k2.block_n > n_pow2:

@@ -14,21 +14,27 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from normtune.kernels.backward import num_programs
-from normtune.kernels.config import (
-    BackwardConfig,
-    Kernel1Config,
-    Kernel2Config,
-    Problem,
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.heuristics import (
+    MAX_COLUMNS_ROWS,
+    MAX_SINGLE_PASS,
+    MIN_ELEMENTS_PER_THREAD,
     default_config,
+    max_warps,
     next_power_of_two,
+    num_programs,
+    row_block_col,
+    slice_width,
 )
 
 # Domains (ordered: neighbours in a domain are "one step" apart when seeding the search).
 K1_DOMAINS: dict[str, tuple] = {
+    "strategy": ("rows", "columns"),
     "two_pass": (False, True),
-    "block_row": (1, 2, 4, 8, 16),
-    "block_col": (512, 1024, 2048, 4096, 8192),  # two-pass chunk; single pass always uses next_pow2(N)
+    "row_split": (1, 2, 4, 8),
+    "block_row": (1, 2, 4, 8, 16, 32, 64),
+    # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
+    "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
     "num_warps": (1, 2, 4, 8, 16, 32),
     "num_stages": (1, 2, 3),
     "programs_per_sm": (0.5, 1, 2, 3, 4),
@@ -42,11 +48,14 @@ K2_DOMAINS: dict[str, tuple] = {
     "num_warps": (1, 2, 4, 8),
     "num_stages": (1, 2),
     "pdl": (False, True),
+    "fused": (False, True),
 }
 # Largest tile (elements) the space offers: past it, registers spill on every Hopper config we measured.
 MAX_SPACE_TILE = 16384
-# Widest single-pass row: 16384 fits one Hopper SM's registers (a 1x16384 tile on 16 warps); wider rows spill.
-MAX_SINGLE_PASS = 16384
+# The columns strategy runs no kernel_2: its configs all carry this one (the first value of each domain).
+COLUMNS_KERNEL_2 = Kernel2Config(**{k: v[0] for k, v in K2_DOMAINS.items()})
+# Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
+MIN_TWO_PASS_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -62,38 +71,58 @@ class Space:
         n_pow2 = next_power_of_two(p.N)
         d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
         d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
-        modes = tuple(m for m in (False, True) if (m or n_pow2 <= MAX_SINGLE_PASS) and (not m or n_pow2 > 1024))
+        d["k1.strategy"] = ("rows", "columns") if p.M <= MAX_COLUMNS_ROWS else ("rows",)
+        splits = tuple(s for s in K1_DOMAINS["row_split"]
+                       if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256))
+        d["k1.row_split"] = splits or (1,)
+        modes = tuple(m for m in (False, True) if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.two_pass"] = modes
-        d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 512),)
+        d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
         rows_needed = next_power_of_two(max(1, p.M))
         d["k1.block_row"] = tuple(r for r in K1_DOMAINS["block_row"] if r <= rows_needed) or (1,)
         d["k2.block_n"] = tuple(b for b in K2_DOMAINS["block_n"] if b <= n_pow2) or (n_pow2,)
         return d
 
     def config(self, params: Mapping[str, Any]) -> BackwardConfig:
-        """Params (as sampled: 'k1.block_row', …) → a config. Single pass uses block_col = next_pow2(N)."""
+        """Params (as sampled: 'k1.block_row', …) → a config. Single pass derives block_col from N and
+        row_split; the columns strategy ignores the rows strategy's knobs and kernel_2 (first domain values)."""
         p = self.problem
-        two_pass = bool(params["k1.two_pass"])
+        columns = params.get("k1.strategy", "rows") == "columns"
+        two_pass = bool(params["k1.two_pass"]) and not columns
+        row_split = 1 if (two_pass or columns) else params.get("k1.row_split", 1)
         k1 = Kernel1Config(
             block_row=params["k1.block_row"],
-            block_col=params["k1.block_col"] if two_pass else next_power_of_two(p.N),
+            block_col=params["k1.block_col"] if (two_pass or columns) else row_block_col(p.N, row_split),
             num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
-            programs_per_sm=params["k1.programs_per_sm"], two_pass=two_pass,
+            programs_per_sm=1 if columns else params["k1.programs_per_sm"], two_pass=two_pass,
             eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
-            recompute=bool(params.get("k1.recompute", False)) and not two_pass,
+            recompute=bool(params.get("k1.recompute", False)) and not (two_pass or columns),
+            row_split=row_split, strategy="columns" if columns else "rows",
         )
+        if columns:
+            return BackwardConfig(k1, COLUMNS_KERNEL_2)
+        fused = bool(params.get("k2.fused", False))
         k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
-                           num_warps=params["k2.num_warps"], num_stages=params["k2.num_stages"],
-                           pdl=bool(params["k2.pdl"]))
+                           num_warps=K2_DOMAINS["num_warps"][0] if fused else params["k2.num_warps"],
+                           num_stages=params["k2.num_stages"], pdl=bool(params["k2.pdl"]) and not fused,
+                           fused=fused)
         return BackwardConfig(k1, k2)
 
     def params(self, config: BackwardConfig) -> dict[str, Any]:
-        """The inverse of `config` (what to enqueue in a study to measure a given config). Single pass and
-        two-pass recompute take the first value of the domains they ignore."""
+        """The inverse of `config` (what to enqueue in a study to measure a given config). Knobs a config
+        ignores take the first value of their domains."""
         out = {f"k1.{f.name}": getattr(config.kernel_1, f.name) for f in dataclasses.fields(Kernel1Config)}
         out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
-        if not config.kernel_1.two_pass:
-            out["k1.block_col"] = self.domains()["k1.block_col"][0]
+        d = self.domains()
+        k1 = config.kernel_1
+        if k1.strategy == "rows" and not k1.two_pass:
+            out["k1.block_col"] = d["k1.block_col"][0]
+        if k1.strategy == "columns":
+            out["k1.two_pass"] = d["k1.two_pass"][0]
+            out["k1.programs_per_sm"] = d["k1.programs_per_sm"][0]
+            out.update({f"k2.{k}": v[0] for k, v in K2_DOMAINS.items()})
+        if k1.strategy == "columns" or k1.two_pass:
+            out["k1.row_split"] = d["k1.row_split"][0]
         return out
 
     # ---- constraints
@@ -109,10 +138,15 @@ class Space:
         k1 = config.kernel_1
         if k1.tile() > MAX_SPACE_TILE:
             return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {MAX_SPACE_TILE} elements"
-        if k1.num_warps > 1 and k1.num_warps * 32 * 4 > k1.tile():
-            return f"num_warps={k1.num_warps} gives fewer than 4 elements per thread on a {k1.tile()}-element tile"
+        if k1.num_warps > max_warps(k1.tile()):
+            return (f"num_warps={k1.num_warps} gives fewer than {MIN_ELEMENTS_PER_THREAD} elements per thread on a "
+                    f"{k1.tile()}-element tile")
         if k1.prefetch and k1.num_stages > 1:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
+        if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
+            return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
+        if k1.strategy == "columns" and self.problem.M > MAX_COLUMNS_ROWS:
+            return f"the columns strategy sweeps every row: offered up to M={MAX_COLUMNS_ROWS}"
         return None
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
@@ -121,13 +155,18 @@ class Space:
         rows = self.domains()["k1.block_row"][-1]
         if config.kernel_1.block_row > rows:
             k1 = dataclasses.replace(config.kernel_1, block_row=rows)
-            while k1.num_warps > 1 and k1.num_warps * 32 * 4 > k1.tile():  # the smaller tile's warps
-                k1 = dataclasses.replace(k1, num_warps=k1.num_warps // 2)
+            k1 = dataclasses.replace(k1, num_warps=min(k1.num_warps, max_warps(k1.tile())))
             config = dataclasses.replace(config, kernel_1=k1)
-        progs = num_programs(self.problem.M, config, self.sm_count)
+        if config.kernel_1.strategy == "columns":  # no grid knob, no kernel_2: one spelling of each
+            return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), COLUMNS_KERNEL_2)
+        if config.kernel_2.fused:  # kernel_1's warps run the fused reduction; nothing to overlap
+            config = dataclasses.replace(config, kernel_2=dataclasses.replace(
+                config.kernel_2, num_warps=K2_DOMAINS["num_warps"][0], pdl=False))
+        M, N = self.problem.M, self.problem.N
+        progs = num_programs(M, N, config, self.sm_count)
         pps = progs / self.sm_count
         for value in K1_DOMAINS["programs_per_sm"]:
-            if num_programs(self.problem.M, dataclasses.replace(
+            if num_programs(M, N, dataclasses.replace(
                     config, kernel_1=dataclasses.replace(config.kernel_1, programs_per_sm=value)),
                     self.sm_count) == progs:
                 pps = value
@@ -136,22 +175,33 @@ class Space:
 
     # ---- enumeration
     def __iter__(self) -> Iterator[BackwardConfig]:
+        """Each distinct launch once: knobs a strategy ignores are fixed to their first value before the product
+        (the columns strategy has no kernel_2 and no grid knobs; single pass derives block_col)."""
         d = self.domains()
-        keys = list(d)
         seen: set[BackwardConfig] = set()
-        for values in itertools.product(*(d[k] for k in keys)):
-            params = dict(zip(keys, values))
-            if params["k1.two_pass"] and params["k1.recompute"]:
-                continue
-            if not params["k1.two_pass"] and params["k1.block_col"] != d["k1.block_col"][0]:
-                continue  # single pass ignores block_col: keep one representative
-            cfg = self.config(params)
-            if self.why_not(cfg) is not None:
-                continue
-            cfg = self.canonical(cfg)
-            if cfg not in seen:
-                seen.add(cfg)
-                yield cfg
+        for strategy in d["k1.strategy"]:
+            for two_pass in (d["k1.two_pass"] if strategy == "rows" else d["k1.two_pass"][:1]):
+                sub = dict(d, **{"k1.strategy": (strategy,), "k1.two_pass": (two_pass,)})
+                if strategy == "columns" or two_pass:
+                    sub["k1.row_split"] = d["k1.row_split"][:1]
+                    sub["k1.recompute"] = (False,)
+                if strategy == "rows" and not two_pass:
+                    sub["k1.block_col"] = d["k1.block_col"][:1]
+                if strategy == "columns":
+                    sub["k1.programs_per_sm"] = d["k1.programs_per_sm"][:1]
+                    sub.update({f"k2.{k}": v[:1] for k, v in K2_DOMAINS.items()})
+                keys = list(sub)
+                for values in itertools.product(*(sub[k] for k in keys)):
+                    params = dict(zip(keys, values))
+                    if params["k2.fused"] and (params["k2.pdl"] or params["k2.num_warps"] != K2_DOMAINS["num_warps"][0]):
+                        continue  # fused: kernel_2's warps and PDL do not apply
+                    cfg = self.config(params)
+                    if self.why_not(cfg) is not None:
+                        continue
+                    cfg = self.canonical(cfg)
+                    if cfg not in seen:
+                        seen.add(cfg)
+                        yield cfg
 
     def size(self) -> int:
         return sum(1 for _ in self)
@@ -166,26 +216,43 @@ class Space:
     # ---- seeding
     def strategies(self) -> list[BackwardConfig]:
         """Structurally different configs a local search around the default would not reach: for wide rows,
-        single pass keeping the raw tile (recompute) or pipelining through shared memory, and two-pass on
-        multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm 512x16384 in 33 µs where the
-        single-pass default took 52)."""
+        single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-4
+        programs, and two-pass on multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm
+        512x16384 in 33 µs where the single-pass default took 52); for few rows, the columns strategy (H100:
+        LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
         p, base = self.problem, default_config(self.problem)
-        if next_power_of_two(p.N) < 4096:
-            return []
-        k1 = base.kernel_1
-        alts = []
-        if not k1.two_pass:
-            alts += [dataclasses.replace(k1, recompute=True, prefetch=False),
-                     dataclasses.replace(k1, prefetch=False, num_stages=3)]
-        for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
-            if block_col < next_power_of_two(p.N):
-                alts.append(Kernel1Config(block_row=block_row, block_col=block_col, num_warps=warps,
-                                          programs_per_sm=1, two_pass=True, eviction_policy="evict_first",
-                                          prefetch=True))
+        k1, k2 = base.kernel_1, base.kernel_2
+        alts: list[BackwardConfig] = []
+        if next_power_of_two(p.N) >= 4096:
+            if not k1.two_pass:
+                alts += [BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2),
+                         BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2)]
+            for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
+                if block_col < next_power_of_two(p.N):
+                    alts.append(BackwardConfig(Kernel1Config(
+                        block_row=block_row, block_col=block_col, num_warps=warps, programs_per_sm=1, two_pass=True,
+                        eviction_policy="evict_first", prefetch=True), k2))
+            for split, block_row in ((2, 1), (2, 2), (4, 2)):
+                width = row_block_col(p.N, split)
+                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
+                    alts.append(BackwardConfig(Kernel1Config(
+                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                        programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
+        if p.M <= MAX_COLUMNS_ROWS:
+            for block_row, block_col in ((32, 64), (16, 128), (32, 128)):
+                alts.append(BackwardConfig(Kernel1Config(
+                    strategy="columns", block_row=block_row, block_col=block_col, num_warps=4, programs_per_sm=1,
+                    eviction_policy="evict_first", prefetch=True), Kernel2Config()))
+        wide = min(128, next_power_of_two(p.N))
+        alts.append(BackwardConfig(k1, Kernel2Config(block_m=32, block_n=wide, num_warps=4, fused=True)))
+        return self._worth_measuring(alts)
+
+    def _worth_measuring(self, configs: list[BackwardConfig]) -> list[BackwardConfig]:
+        """Canonical forms of the configs that pass the constraints (before and after canonicalization: a
+        smaller canonical row tile also gets fewer warps)."""
         out = []
-        for k in alts:
-            cfg = BackwardConfig(k, base.kernel_2)
-            if self.why_not(cfg) is None:
+        for cfg in configs:
+            if self.why_not(cfg) is None and self.why_not(self.canonical(cfg)) is None:
                 out.append(self.canonical(cfg))
         return out
 
@@ -205,7 +272,5 @@ class Space:
             i = dom.index(cur)
             for j in (i - 1, i + 1):
                 if 0 <= j < len(dom):
-                    cand = self.config({**params, key: dom[j]})
-                    if self.why_not(cand) is None and cand not in out:
-                        out.append(self.canonical(cand))
+                    out += self._worth_measuring([self.config({**params, key: dom[j]})])
         return list(dict.fromkeys(out))

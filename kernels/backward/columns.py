@@ -1,0 +1,91 @@
+"""kernel_1, columns strategy (few rows): when M is too small for persistent row programs to fill the GPU, each
+program owns a column slice and sweeps every row, so it ends holding the final dw/db of its columns — no
+partial buffer, no kernel_2. The rows' two sums (c1, c2) need whole rows, so a small kernel computes them first
+(`row_sums`, one program per few rows); the column sweep then re-reads g and the saved activation, which for
+such problems come from L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import effective_weight, grad_input, load_rows, normalized, scaled_normalized, store_rows
+
+
+@triton.jit
+def row_sums(
+    G, stride_g, S, stride_s, W, B, RSTD, MEAN, C1, C2, M, N,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """c1 = mean(x̂·w·g) and c2 = mean(w·g) of BLOCK_ROW rows per program, over column chunks of BLOCK_COL."""
+    rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+    chunk = tl.arange(0, BLOCK_COL)
+    acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    acc_c2 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    for c0 in range(0, N, BLOCK_COL):
+        cols = c0 + chunk
+        col_mask = cols < N
+        g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS, FROM_OUTPUT,
+                                "evict_last", INT64)
+        w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+        b = tl.zeros((BLOCK_COL,), tl.float32)
+        if FROM_OUTPUT and HAS_BIAS:
+            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = g.to(tl.float32)
+        s = s.to(tl.float32)
+        xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        acc_c1 += scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g
+        acc_c2 += w[None, :] * g
+    row_mask = rows < M
+    tl.store(C1 + rows, tl.sum(acc_c1, axis=1) / N, mask=row_mask)
+    tl.store(C2 + rows, tl.sum(acc_c2, axis=1) / N, mask=row_mask)
+
+
+@triton.jit
+def kernel_1_columns(
+    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, C1, C2, DW, DB, M, N,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+):
+    """Program p: columns [p·BLOCK_COL, (p+1)·BLOCK_COL) of every row, BLOCK_ROW rows at a time in row order;
+    writes grad_input there and the columns' final dw/db (fixed order: reruns are bitwise identical)."""
+    cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
+    col_mask = cols < N
+    w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = tl.zeros((BLOCK_COL,), tl.float32)
+    if FROM_OUTPUT and HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    rr = tl.arange(0, BLOCK_ROW)
+    if PREFETCH:
+        g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rr, M, cols, col_mask,
+                                                    IS_RMS, FROM_OUTPUT, EVICTION, INT64)
+    for m0 in tl.range(0, M, BLOCK_ROW, num_stages=NUM_STAGES):
+        rows = m0 + rr
+        if PREFETCH:
+            g, s, r, mu = g_next, s_next, r_next, mu_next
+            g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows + BLOCK_ROW, M,
+                                                        cols, col_mask, IS_RMS, FROM_OUTPUT, EVICTION, INT64)
+        else:
+            g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS,
+                                    FROM_OUTPUT, EVICTION, INT64)
+        row_mask = rows < M
+        c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
+        c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
+        g = g.to(tl.float32)
+        xhat = normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        if HAS_WEIGHT:
+            acc_dw += g * xhat
+        if HAS_BIAS:
+            acc_db += g
+        store_rows(DX, stride_dx, grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask,
+                   INT64)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(acc_dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(acc_db, axis=0).to(DB.dtype.element_ty), mask=col_mask)

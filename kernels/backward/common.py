@@ -1,0 +1,160 @@
+"""Triton helpers shared by the backward kernels: loading rows, the effective weight, x̂, and the counters that
+let programs of one launch wait for each other.
+
+Math (per row, fp32; x̂ normalized input, r = rstd, g = grad_output, w effective weight, N columns):
+    wg = w·g
+    c1 = mean(x̂·wg)                       # both norms
+    c2 = mean(wg)                         # LayerNorm only
+    RMSNorm:   dx = r·(wg − x̂·c1)
+    LayerNorm: dx = r·(wg − c2 − x̂·c1)
+    dw = Σ_rows g·x̂,  db = Σ_rows g
+x̂ comes from the input (x̂ = (x−μ)·r, or x·r for RMSNorm) or, when the forward saved its output, from
+y: x̂ = (y − b)/w. Where y cannot determine x̂ (w = 0, or |b| ≥ |w|·2^(p−1) for p mantissa bits), that column's
+grad_input and grad_weight are NaN rather than silently wrong; the other columns stay exact (c1 uses x̂·w = y − b).
+
+Waiting between programs (row_split's exchange of row sums, the fused reduction's grid barrier) uses an int32
+counter per group in a buffer that is all zeros between launches: programs add 1 (release) and poll (acquire)
+until the count they need is reached; the last program through resets the counters. Such waits are only safe
+when every program of the grid is resident at once; the launcher caps those grids accordingly. Results never go
+through atomics: every sum has a fixed order, so reruns are bitwise identical.
+
+Triton's interpreter runs programs one after another, so a program can never wait for a later one there. Kernels
+that wait take a PHASE: 0 on GPUs (everything, with the waits); under the interpreter the launcher runs the same
+kernel twice, PHASE=1 (publish what others wait for) then PHASE=2 (the rest, reading what was published), which
+computes the same values in the same order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def widen(v, BF16_BITS: tl.constexpr):
+    """fp32 from raw values. BF16_BITS: through integer bit operations (bf16 is the top half of an fp32, so this
+    is exact) — a different instruction sequence from the plain conversion, which the compiler therefore cannot
+    merge with an earlier conversion of the same registers. That keeps only the packed raw tile alive across the
+    row reductions (see RECOMPUTE)."""
+    if BF16_BITS:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def weight_from_raw(w_raw, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr, BF16_BITS: tl.constexpr):
+    """Effective weight from a raw weight row loaded by `load_weight_raw`: 1 without a weight, 1 + w' when
+    zero-centered; 1 where masked."""
+    if HAS_WEIGHT:
+        w = widen(w_raw, BF16_BITS)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        w = tl.where(mask, w, 1.0)
+    else:
+        w = tl.full(w_raw.shape, 1.0, tl.float32)
+    return w
+
+
+@triton.jit
+def load_weight_raw(W, cols, mask, HAS_WEIGHT: tl.constexpr):
+    if HAS_WEIGHT:
+        w_raw = tl.load(W + cols, mask=mask, other=0.0)
+    else:
+        w_raw = tl.zeros(cols.shape, tl.float32)
+    return w_raw
+
+
+@triton.jit
+def effective_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """w (fp32) for the given columns."""
+    return weight_from_raw(load_weight_raw(W, cols, mask, HAS_WEIGHT), mask, HAS_WEIGHT, ZERO_CENTERED, False)
+
+
+@triton.jit
+def normalized(s, w, b, r, mu, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, RECOVER_LIMIT: tl.constexpr):
+    """x̂ from the saved activation s: the input x, or the output y when FROM_OUTPUT. From y, x̂ = (y − b)/w is
+    NaN in a column where y cannot determine it: |w|·RECOVER_LIMIT <= |b| (w = 0, or a bias so much larger than
+    w that y's rounding swamps x̂·w; RECOVER_LIMIT = 2^(mantissa bits − 1) of the activation dtype)."""
+    if FROM_OUTPUT:
+        xhat = s
+        if HAS_BIAS:
+            xhat = xhat - b[None, :]
+        if HAS_WEIGHT:
+            lost = tl.abs(w) * RECOVER_LIMIT <= tl.abs(b)
+            xhat = tl.where(lost[None, :], float("nan"), xhat / w[None, :])
+    elif IS_RMS:
+        xhat = s * r[:, None]
+    else:
+        xhat = (s - mu[:, None]) * r[:, None]
+    return xhat
+
+
+@triton.jit
+def load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS: tl.constexpr,
+              FROM_OUTPUT: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr):
+    """Raw (unconverted) grad and saved tiles of `rows`, with r and μ; rows past M load nothing."""
+    row_mask = rows < M
+    if INT64:
+        rows = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    mu = r
+    if not IS_RMS and not FROM_OUTPUT:
+        mu = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    return g, s, r, mu
+
+
+@triton.jit
+def scaled_normalized(xhat, s, w, b, FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """x̂·w for the row term c1. From y it is y − b exactly (no division), so a column whose x̂ is lost (NaN in
+    `normalized`) does not spoil the other columns' grad_input."""
+    if FROM_OUTPUT:
+        xw = s
+        if HAS_BIAS:
+            xw = xw - b[None, :]
+    else:
+        xw = xhat * w[None, :]
+    return xw
+
+
+@triton.jit
+def grad_input(wg, xhat, c1, c2, r, IS_RMS: tl.constexpr):
+    if IS_RMS:
+        dx = (wg - xhat * c1[:, None]) * r[:, None]
+    else:
+        dx = (wg - c2[:, None] - xhat * c1[:, None]) * r[:, None]
+    return dx
+
+
+@triton.jit
+def store_rows(DX, stride_dx, dx, rows, M, cols, col_mask, INT64: tl.constexpr):
+    mask = (rows < M)[:, None] & col_mask[None, :]
+    if INT64:
+        rows = rows.to(tl.int64)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def arrive_and_wait(COUNTER, target):
+    """Add 1 to *COUNTER, then wait until it reaches `target`. The barrier before the add orders this program's
+    earlier stores (made by all its threads) before the release; the one after the wait makes every thread see
+    what the others published."""
+    tl.debug_barrier()
+    count = tl.atomic_add(COUNTER, 1, sem="release") + 1
+    while count < target:
+        count = tl.atomic_add(COUNTER, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def leave_and_reset(COUNTER, DONE, members):
+    """Called once per program after its last wait on COUNTER: the last of `members` programs to leave resets
+    COUNTER and DONE to zero for the next launch (all others are past their waits by then)."""
+    left = tl.atomic_add(DONE, 1, sem="acq_rel") + 1
+    if left == members:
+        tl.atomic_xchg(COUNTER, 0, sem="relaxed")
+        tl.atomic_xchg(DONE, 0, sem="relaxed")

@@ -1,0 +1,294 @@
+"""Host side of the backward: a `Plan` per (problem, config, device) — kernels, compile-time arguments, grids,
+buffer shapes — built once and cached, and `BackwardLaunch`, which allocates one call's outputs and launches.
+
+Strategies (config fields, chosen by the tuner): rows (single pass, optionally row_split; or two-pass) with
+kernel_2 as a second launch or fused into kernel_1's tail; columns (few rows: row sums, then a column sweep that
+writes dw/db itself). Grids of kernels whose programs wait for each other (row_split > 1, fused) are capped at
+what the GPU holds at once, read from the compiled kernel's registers and shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import triton
+
+from ..config import RECOVER_LIMITS, BackwardConfig, Problem
+from ..device import compute_capability, interpret_mode, sm_count
+from ..heuristics import (
+    MAX_PROGRAMS_PER_SM_SYNC,
+    cdiv,
+    max_warps,
+    next_power_of_two,
+    num_groups,
+    occupancy,
+    slice_width,
+)
+from .columns import kernel_1_columns, row_sums
+from .reduce import PDL_SUPPORTED, kernel_2
+from .rows import kernel_1_single_pass, kernel_1_two_pass
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def needs_int64(M: int, N: int, *strides: int) -> bool:
+    return max(M * max(strides, default=N), M * N) >= 2**31
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything about one backward that does not depend on the tensors' addresses."""
+
+    problem: Problem
+    config: BackwardConfig
+    groups: int  # partial rows (rows strategy); 0 for columns or M = 0
+    programs: int  # kernel_1's grid
+    phased: bool  # interpreter: waiting kernels run as two launches (see common.py)
+    slots: int  # row_split exchange slots per group
+    k1_kwargs: dict
+    k2_kwargs: dict | None  # None: no separate kernel_2 launch (fused on a GPU, columns, or nothing to reduce)
+    k2_grid: int
+    rs_kwargs: dict | None  # columns strategy: the row-sums kernel
+    rs_grid: int
+
+    @property
+    def kernel_1(self):
+        k1 = self.config.kernel_1
+        if k1.strategy == "columns":
+            return kernel_1_columns
+        return kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
+
+
+def _flags(p: Problem) -> dict:
+    return dict(IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
+                ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output", RECOVER_LIMIT=RECOVER_LIMITS[p.dtype])
+
+
+def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, fused: bool, phase: int,
+                 slots: int) -> dict:
+    k1, k2 = config.kernel_1, config.kernel_2
+    return dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+                PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
+                BF16_BITS=p.dtype == "bf16" and (p.weight_dtype == "bf16" or not p.has_weight),
+                EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
+                PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
+                RED_STAGES=k2.num_stages, num_warps=k1.num_warps)
+
+
+def _row_sums_tile(N: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of the columns strategy's row-sums kernel: 4096-column chunks (a pure streaming
+    reduction: nothing is held across chunks), several rows per program for short rows."""
+    block_col = min(next_power_of_two(N), 4096)
+    block_row = max(1, min(16, 4096 // block_col))
+    return block_row, block_col, min(8, max_warps(block_row * block_col))
+
+
+def pdl_enabled(config: BackwardConfig, device: torch.device) -> bool:
+    cc = compute_capability(device)
+    k2 = config.kernel_2
+    return bool(k2.pdl and not k2.fused and config.kernel_1.strategy == "rows" and PDL_SUPPORTED
+                and not interpret_mode() and cc is not None and cc >= (9, 0))
+
+
+def _waits(config: BackwardConfig, p: Problem) -> bool:
+    k1 = config.kernel_1
+    return k1.strategy == "rows" and (k1.row_split > 1 or (config.kernel_2.fused and (p.has_weight or p.has_bias)))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool) -> Plan:
+    """The cached plan; validates the config once. A grid whose programs wait for each other is capped at the
+    compiled kernel's occupancy (compiling it here, once)."""
+    config.validate(problem)
+    p, k1, k2 = problem, config.kernel_1, config.kernel_2
+    M, N = p.M, p.N
+    phased = interpret_mode()
+    reduce = p.has_weight or p.has_bias
+    if M == 0:
+        return Plan(p, config, 0, 0, phased, 1, {}, None, 0, None, 0)
+    if k1.strategy == "columns":
+        rb, rc, rw = _row_sums_tile(N)
+        k1_kwargs = dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+                         PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
+        rs_kwargs = dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
+        return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb))
+    groups = num_groups(M, config, sm_count(device))
+    fused = k2.fused and reduce
+    pdl = pdl_enabled(config, device)
+    slots = cdiv(cdiv(M, k1.block_row), groups) if phased else 2
+    if _waits(config, p) and not phased:
+        groups = min(groups, _resident_programs(p, config, device, int64, groups) // k1.row_split)
+    programs = groups * k1.row_split
+    phase = 1 if (phased and k1.row_split > 1) else 0
+    k1_kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl, fused=fused and not phased, phase=phase, slots=slots)
+    k2_kwargs, k2_grid = None, 0
+    if reduce and (not fused or phased):
+        warps = k1.num_warps if fused else k2.num_warps  # the interpreter runs a fused reduction as kernel_2
+        k2_kwargs = dict(HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m,
+                         BLOCK_N=k2.block_n, NUM_STAGES=k2.num_stages, PDL=pdl, num_warps=warps)
+        if pdl:
+            k2_kwargs["launch_pdl"] = True
+        k2_grid = programs if fused else cdiv(N, k2.block_n)
+    return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0)
+
+
+def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
+    """Programs of kernel_1 the GPU runs at once (every SM full), from the compiled kernel's resources."""
+    k1 = config.kernel_1
+    kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=config.kernel_2.fused,
+                          phase=0, slots=2)
+    kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
+    args = _placeholder_args(p, int64)
+    compiled = kernel.warmup(*args, grid=(groups * k1.row_split,), **kwargs)
+    try:
+        compiled._init_handles()
+        regs, shared = int(compiled.n_regs), int(compiled.metadata.shared)
+    except Exception:  # noqa: BLE001 - unknown compiled-kernel layout: one program per SM always fits
+        return sm_count(device)
+    props = torch.cuda.get_device_properties(device)
+    per_sm = occupancy(regs, shared, k1.num_warps, getattr(props, "shared_memory_per_multiprocessor", 0) or None)
+    return max(k1.row_split, min(per_sm, MAX_PROGRAMS_PER_SM_SYNC) * sm_count(device))
+
+
+def _placeholder_args(p: Problem, int64: bool) -> tuple:
+    """kernel_1 (rows) arguments as dtypes, for compiling without data; the same substitutions as a launch."""
+    act, wdt, f32, i32 = TORCH_DTYPES[p.dtype], TORCH_DTYPES[p.weight_dtype], torch.float32, torch.int32
+    out_dt = wdt
+    return (act, p.N, act, p.N, act, p.N, wdt if p.has_weight else f32, wdt if p.has_bias else f32, f32, f32,
+            f32, f32, out_dt if p.has_weight else f32, out_dt if p.has_bias else f32, f32, i32, i32, i32,
+            p.M, p.N, p.N)
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
+    """int32 counters, zero between launches (each waiting kernel resets what it used). One per stream, so two
+    streams never share counters."""
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
+def sync_counters(device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return _sync_buffer(device, stream, 2 + 2 * MAX_PROGRAMS_PER_SM_SYNC * sm_count(device))
+
+
+class BackwardLaunch:
+    """One backward, ready to launch: outputs and buffers allocated, the cached plan looked up.
+
+    `kernel_1()` and `kernel_2()` launch the two stages (the timing harness records events between them; for
+    the columns strategy kernel_1 is its two kernels and kernel_2 does nothing; fused, kernel_2 does nothing on
+    a GPU); `run()` launches both and returns (dx, dw, db), dw/db None where the problem has no weight/bias.
+    Reusable: launching again recomputes the same outputs into the same buffers.
+    """
+
+    def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
+                 weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor, mean: torch.Tensor,
+                 *, dx: torch.Tensor | None = None):
+        M, N = problem.M, problem.N
+        device = grad.device
+        self.dx = dx if dx is not None else torch.empty((M, N), dtype=grad.dtype, device=device)
+        int64 = needs_int64(M, N, grad.stride(0), saved.stride(0), self.dx.stride(0))
+        self.plan = pl = plan(problem, config, device, int64)
+        self.problem, self.config = problem, config
+        wdt = weight.dtype if weight is not None else grad.dtype
+        has_w, has_b = problem.has_weight, bool(problem.has_bias)
+        self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
+        self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
+        f32 = dict(dtype=torch.float32, device=device)
+        self.partial_dw = torch.empty((pl.groups, N) if has_w else (0,), **f32)
+        self.partial_db = torch.empty((pl.groups, N) if has_b else (0,), **f32)
+        weight_arg = weight if weight is not None else rstd
+        bias_arg = bias if bias is not None else rstd
+        mean_arg = mean if (problem.norm == "layer_norm" and problem.save == "input") else rstd
+        dw_arg = self.dw if has_w else rstd
+        db_arg = self.db if has_b else rstd
+        k1 = config.kernel_1
+        if M == 0:
+            self._k1_args = self._k2_args = self._rs_args = None
+        elif k1.strategy == "columns":
+            c = torch.empty((2, M), **f32)
+            self._rs_args = (grad, grad.stride(0), saved, saved.stride(0), weight_arg, bias_arg, rstd, mean_arg,
+                             c[0], c[1], M, N)
+            self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
+                             bias_arg, rstd, mean_arg, c[0], c[1], dw_arg, db_arg, M, N)
+            self._k2_args = None
+        else:
+            sync = sync_counters(device)
+            groups_cap = (sync.numel() - 2) // 2
+            sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), **f32)
+                    if k1.row_split > 1 else rstd)
+            self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
+                             bias_arg, rstd, mean_arg, self.partial_dw if has_w else rstd,
+                             self.partial_db if has_b else rstd, dw_arg, db_arg, sums, sync[2:2 + groups_cap],
+                             sync[2 + groups_cap:], sync[:2], M, N, slice_width(N, k1.row_split))
+            self._k2_args = (self.partial_dw if has_w else rstd, self.partial_db if has_b else rstd, dw_arg, db_arg,
+                             pl.groups, N)
+            self._rs_args = None
+
+    @property
+    def programs(self) -> int:
+        """kernel_1's grid (0 for M = 0)."""
+        return self.plan.programs
+
+    @property
+    def partial_rows(self) -> int:
+        """Rows of the fp32 partial buffers kernel_1 writes and kernel_2 reads (0: none, columns strategy)."""
+        return self.plan.groups
+
+    def kernel_1(self) -> None:
+        pl = self.plan
+        if pl.programs == 0:
+            return
+        if pl.rs_kwargs is not None:
+            row_sums[(pl.rs_grid,)](*self._rs_args, **pl.rs_kwargs)
+        pl.kernel_1[(pl.programs,)](*self._k1_args, **pl.k1_kwargs)
+        if pl.phased and pl.config.kernel_1.strategy == "rows" and pl.config.kernel_1.row_split > 1:
+            pl.kernel_1[(pl.programs,)](*self._k1_args, **dict(pl.k1_kwargs, PHASE=2))
+
+    def kernel_2(self) -> None:
+        pl, p = self.plan, self.problem
+        if pl.programs == 0:  # M = 0: the sums over no rows are zero
+            for out in (self.dw, self.db):
+                if out is not None:
+                    out.zero_()
+            return
+        if pl.k2_kwargs is not None:
+            kernel_2[(pl.k2_grid,)](*self._k2_args, **pl.k2_kwargs)
+
+    def run(self):
+        self.kernel_1()
+        self.kernel_2()
+        return self.dx, self.dw, self.db
+
+
+def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch.device | None = None) -> None:
+    """Compile the kernels for (problem, config) without launching them, as the first real launch would
+    (contiguous rows, the same integer specialization), so that Triton's on-disk cache serves the launch.
+    Used by the tuner's compile-ahead workers; needs the GPU's driver but no data."""
+    config.validate(problem)
+    if problem.M == 0:
+        return
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    p, k1, k2 = problem, config.kernel_1, config.kernel_2
+    int64 = needs_int64(p.M, p.N)
+    f32, act = torch.float32, TORCH_DTYPES[p.dtype]
+    wdt = TORCH_DTYPES[p.weight_dtype]
+    if k1.strategy == "columns":
+        rb, rc, rw = _row_sums_tile(p.N)
+        pa = _placeholder_args(p, int64)
+        row_sums.warmup(act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, p.M, p.N, grid=(cdiv(p.M, rb),),
+                        **dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw))
+        kernel_1_columns.warmup(act, p.N, act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, pa[12], pa[13],
+                                p.M, p.N, grid=(cdiv(p.N, k1.block_col),),
+                                **dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col,
+                                       NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy,
+                                       INT64=int64, num_warps=k1.num_warps))
+        return
+    pl = plan(p, config, device, int64)
+    pl.kernel_1.warmup(*_placeholder_args(p, int64), grid=(pl.programs,), **pl.k1_kwargs)
+    if pl.k2_kwargs is not None:
+        out = wdt
+        kernel_2.warmup(f32, f32, out if p.has_weight else f32, out if p.has_bias else f32, pl.groups, p.N,
+                        grid=(pl.k2_grid,), **pl.k2_kwargs)

@@ -1,0 +1,270 @@
+"""kernel_1, rows strategy: persistent programs walk row tiles, write grad_input and one fp32 partial dw/db row
+per row group (see `common.py` for the math and the waiting rules).
+
+- single pass: a program holds its tile's whole row (row_split = 1) or one column slice of it (row_split > 1:
+  the row_split programs of a group exchange their slices' row sums through global memory, two slots deep);
+- two-pass: rows wider than the tile are walked in column chunks twice (pass 2 re-reads from L2).
+Either may end with the fused reduction (`FUSED`): a grid-wide barrier, then kernel_2's loop on the same grid.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (
+    arrive_and_wait,
+    effective_weight,
+    grad_input,
+    leave_and_reset,
+    load_rows,
+    load_weight_raw,
+    normalized,
+    scaled_normalized,
+    store_rows,
+    weight_from_raw,
+    widen,
+)
+from .reduce import gdc_launch_dependents, reduce_columns
+
+
+@triton.jit
+def _exchange_row_sums(SUMS, COUNTER, group, part, k, c1_part, c2_part, ROW_SPLIT: tl.constexpr,
+                       SLOTS: tl.constexpr, BLOCK_ROW: tl.constexpr, PHASE: tl.constexpr):
+    """Publish this slice's row sums of the group's k-th tile, wait for the group's other slices, and return
+    the full sums added in slice order (the same bits in every program of the group). Slot k % SLOTS: with
+    two slots a program cannot overwrite a slot before every member has read it (it would first have to pass
+    the wait of the tile in between, which needs every member to have arrived there)."""
+    rr = tl.arange(0, BLOCK_ROW)
+    base = SUMS + ((group * SLOTS + k % SLOTS) * ROW_SPLIT) * (2 * BLOCK_ROW)
+    if PHASE != 2:
+        tl.store(base + part * (2 * BLOCK_ROW) + rr, c1_part)
+        tl.store(base + part * (2 * BLOCK_ROW) + BLOCK_ROW + rr, c2_part)
+    if PHASE == 0:
+        arrive_and_wait(COUNTER + group, ROW_SPLIT * (k + 1))
+    parts = tl.arange(0, ROW_SPLIT)[:, None] * (2 * BLOCK_ROW) + rr[None, :]
+    c1 = tl.sum(tl.load(base + parts, cache_modifier=".cg"), axis=0)
+    c2 = tl.sum(tl.load(base + BLOCK_ROW + parts, cache_modifier=".cg"), axis=0)
+    return c1, c2
+
+
+@triton.jit
+def kernel_1_single_pass(
+    G, stride_g,  # grad_output rows; stride: elements between consecutive rows
+    S, stride_s,  # saved activation rows: x (save="input") or y (save="output")
+    DX, stride_dx,  # grad_input rows
+    W, B,  # weight (raw: w' when zero-centered) and bias; B is read only to recover x̂ from y
+    RSTD, MEAN,  # per-row fp32 r and μ (μ only for LayerNorm saving from the input)
+    PARTIAL_DW, PARTIAL_DB,  # [groups, N] fp32: group g's sum of g·x̂ (and of g) over its rows
+    DW, DB,  # final dw/db (FUSED only)
+    SUMS, COUNTERS, DONE, BARRIER,  # row_split exchange slots (fp32); int32 counters, zero between launches
+    M, N, SLICE,  # SLICE: columns per program of a group (N when ROW_SPLIT = 1)
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # Triton software pipelining of the tile loop (async copies through shared memory)
+    PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
+    RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
+    RECOMPUTE: tl.constexpr,  # keep the raw (bf16) tile across the row reductions, widen it again after them
+    BF16_BITS: tl.constexpr,  # the activations (and weight, for RECOMPUTE) are bf16: widen by bit operations
+    EVICTION: tl.constexpr, INT64: tl.constexpr,
+    PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
+    ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
+    FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
+):
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    group = pid // ROW_SPLIT
+    part = pid % ROW_SPLIT
+    groups = programs // ROW_SPLIT
+    local = tl.arange(0, BLOCK_COL)
+    if ROW_SPLIT > 1:
+        cols = tl.multiple_of(part * SLICE, 16) + local
+    else:
+        cols = local
+    col_mask = (cols < N) & (local < SLICE)
+    if not RELOAD_WEIGHT:
+        w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = tl.zeros((BLOCK_COL,), tl.float32)
+    if FROM_OUTPUT and HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # dw/db accumulate as whole tiles and are summed over rows once at the end: no cross-warp reduction per tile.
+    acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    num_tiles = tl.cdiv(M, BLOCK_ROW)
+    rr = tl.arange(0, BLOCK_ROW)
+    if PREFETCH:
+        g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, group * BLOCK_ROW + rr,
+                                                    M, cols, col_mask, IS_RMS, FROM_OUTPUT, EVICTION, INT64)
+    for tile in tl.range(group, num_tiles, groups, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_ROW + rr
+        if PREFETCH:
+            g, s, r, mu = g_next, s_next, r_next, mu_next
+            g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN,
+                                                        rows + groups * BLOCK_ROW, M, cols, col_mask, IS_RMS,
+                                                        FROM_OUTPUT, EVICTION, INT64)
+        else:
+            g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS,
+                                    FROM_OUTPUT, EVICTION, INT64)
+        if RELOAD_WEIGHT:
+            w_raw = load_weight_raw(W, cols, col_mask, HAS_WEIGHT)
+            w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, False)
+        g_raw, s_raw = g, s
+        g = g_raw.to(tl.float32)
+        s = s_raw.to(tl.float32)
+        xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        if PHASE != 1:
+            # dw/db do not depend on the row terms: accumulate before the reductions so g is dead across them.
+            if HAS_WEIGHT:
+                acc_dw += g * xhat
+            if HAS_BIAS:
+                acc_db += g
+        wg = w[None, :] * g
+        c1 = tl.sum(scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g, axis=1)
+        c2 = tl.sum(wg, axis=1)
+        if ROW_SPLIT > 1:
+            c1, c2 = _exchange_row_sums(SUMS, COUNTERS, group, part, (tile - group) // groups, c1, c2, ROW_SPLIT,
+                                        SLOTS, BLOCK_ROW, PHASE)
+        c1 = c1 / N
+        c2 = c2 / N
+        if PHASE != 1:
+            if RECOMPUTE:
+                # Widen the raw tile again rather than keeping fp32 x̂ and w·g live across the reductions: halves
+                # the registers the tile holds there (bf16 packs two per register), so wide LayerNorm rows fit.
+                if RELOAD_WEIGHT:
+                    w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, BF16_BITS)
+                xhat = normalized(widen(s_raw, BF16_BITS), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
+                                  RECOVER_LIMIT)
+                wg = w[None, :] * widen(g_raw, BF16_BITS)
+            store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
+    if PHASE != 1:
+        partial = group * N + cols
+        if HAS_WEIGHT:
+            tl.store(PARTIAL_DW + partial, tl.sum(acc_dw, axis=0), mask=col_mask)
+        if HAS_BIAS:
+            tl.store(PARTIAL_DB + partial, tl.sum(acc_db, axis=0), mask=col_mask)
+    if ROW_SPLIT > 1 and PHASE == 0:
+        leave_and_reset(COUNTERS + group, DONE + group, ROW_SPLIT)
+    if FUSED:
+        arrive_and_wait(BARRIER, programs)
+        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, groups, N, pid, programs, HAS_WEIGHT, HAS_BIAS, RED_BLOCK_M,
+                       RED_BLOCK_N, RED_STAGES)
+        leave_and_reset(BARRIER, BARRIER + 1, programs)
+
+
+@triton.jit
+def _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                NEED_BIAS: tl.constexpr, EVICTION: tl.constexpr):
+    """Raw grad and saved chunk at columns c0.., with w (and b when recovering x̂ from y); past N loads nothing."""
+    cols = c0 + chunk
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = tl.zeros(w.shape, tl.float32)
+    if NEED_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return g, s, w, b
+
+
+@triton.jit
+def kernel_1_two_pass(
+    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, DW, DB,
+    SUMS, COUNTERS, DONE, BARRIER, M, N, SLICE,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, BF16_BITS: tl.constexpr, EVICTION: tl.constexpr,
+    INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
+    FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
+):
+    """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
+    ROW_SPLIT, SUMS, COUNTERS, DONE and SLICE do not apply). Rows wider than BLOCK_COL: pass 1 reduces c1
+    (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
+    pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's
+    partial row (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before
+    computing j."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    chunk = tl.arange(0, BLOCK_COL)
+    num_tiles = tl.cdiv(M, BLOCK_ROW)
+    partial_row = pid * N
+    NEED_BIAS: tl.constexpr = FROM_OUTPUT and HAS_BIAS
+    for tile in range(pid, num_tiles, programs):
+        rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+        row_mask = rows < M
+        if INT64:
+            rows = rows.to(tl.int64)
+        g_rows = G + rows[:, None] * stride_g
+        s_rows = S + rows[:, None] * stride_s
+        r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        mu = r
+        if not IS_RMS and not FROM_OUTPUT:
+            mu = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+        # Pass 1: row terms. Accumulate whole chunks, reduce across columns once.
+        acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        acc_c2 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        if PREFETCH:
+            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
+                                                         ZERO_CENTERED, NEED_BIAS, "evict_last")
+        for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
+            if PREFETCH:
+                g, s, w, b = g_next, s_next, w_next, b_next
+                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
+                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                             "evict_last")
+            else:
+                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
+                                         NEED_BIAS, "evict_last")
+            s = s.to(tl.float32)
+            g = g.to(tl.float32)
+            xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+            acc_c1 += scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g
+            if not IS_RMS:
+                acc_c2 += w[None, :] * g
+        c1 = tl.sum(acc_c1, axis=1) / N
+        c2 = tl.sum(acc_c2, axis=1) / N
+        # Pass 2: grad_input and the partials. A program's first tile starts its partial row from zero, so the
+        # previous partial is read only after it (prev_cols = 0 masks the whole read).
+        prev_cols = tl.where(tile == pid, 0, N)
+        if PREFETCH:
+            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
+                                                         ZERO_CENTERED, NEED_BIAS, EVICTION)
+        for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
+            cols = c0 + chunk
+            col_mask = cols < N
+            # Issue the partial-row reads first so their latency overlaps the math below.
+            if HAS_WEIGHT:
+                prev_dw = tl.load(PARTIAL_DW + partial_row + cols, mask=cols < prev_cols, other=0.0)
+            if HAS_BIAS:
+                prev_db = tl.load(PARTIAL_DB + partial_row + cols, mask=cols < prev_cols, other=0.0)
+            if PREFETCH:
+                g, s, w, b = g_next, s_next, w_next, b_next
+                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
+                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                             EVICTION)
+            else:
+                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
+                                         NEED_BIAS, EVICTION)
+            g = g.to(tl.float32)
+            xhat = normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
+                              RECOVER_LIMIT)
+            if HAS_WEIGHT:
+                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g * xhat, axis=0), mask=col_mask)
+            if HAS_BIAS:
+                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
+            dx = grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS)
+            mask = row_mask[:, None] & col_mask[None, :]
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.
+        tl.debug_barrier()
+    if FUSED:
+        arrive_and_wait(BARRIER, programs)
+        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, programs, N, pid, programs, HAS_WEIGHT, HAS_BIAS,
+                       RED_BLOCK_M, RED_BLOCK_N, RED_STAGES)
+        leave_and_reset(BARRIER, BARRIER + 1, programs)

@@ -1,0 +1,197 @@
+"""Launch arithmetic, free of Triton: register and shared-memory limits, the persistent grid, warp rules and the
+analytic default config. The runtime, the tuner's search space and the no-GPU report all read these from here.
+
+Figures in comments are from the H100/H200 sweeps (bf16, cold L2; docs/perf-notes.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the value types import this module for their limits; defaults import them lazily
+    from .config import BackwardConfig, Problem
+
+# An H100/H200 SM has 64K 32-bit registers and at most 255 per thread, so a program of W warps gets at most
+# min(255, 65536 / (32 W)). The estimate below overcounts (temporaries die early), and mild spilling still runs:
+# on an H200, a single-pass 1x16384 LayerNorm tile on 16 warps (estimate 160 vs 128 available) was the fastest
+# config for 2048x16384, while the same tile with prefetch (estimate 192) ran 4-10x slower. So configs are pruned
+# only past 1.3x the hardware limit.
+REGISTER_FILE = 65536
+REGISTER_BUDGET = 255
+REGISTER_SLACK = 1.3
+# Hopper: 227 KB of shared memory per block. Pipelined loads (num_stages > 1) stage tiles there.
+SHARED_MEMORY_BUDGET = 227 * 1024
+# Widest row one program holds in single pass: a 1x16384 tile on 16 warps fills an SM's registers. Wider rows
+# run two-pass, or split over several programs (row_split).
+MAX_SINGLE_PASS = 16384
+# Fewer elements than this per thread leave warps idle on short tiles (and buy nothing on a streaming kernel).
+MIN_ELEMENTS_PER_THREAD = 4
+# The few-rows (columns) strategy sweeps all rows of a column slice in one program: worth it only while rows are
+# few (M of the order of the SM count); the search space offers it up to this many rows.
+MAX_COLUMNS_ROWS = 2048
+# Grids whose programs wait for each other (row_split, the fused reduction) hold at most this many programs per
+# SM, and never more than the compiled kernel's occupancy: every program must be resident at once.
+MAX_PROGRAMS_PER_SM_SYNC = 4
+# Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block.
+SHARED_MEMORY_PER_SM = 228 * 1024
+# Split-row slices start on multiples of this many elements (16-byte aligned for 2-byte data: wide loads).
+SLICE_ALIGN = 16
+
+
+def register_budget(num_warps: int) -> int:
+    """Registers per thread a config may keep live on `num_warps` warps (with the slack above)."""
+    return int(min(REGISTER_BUDGET, REGISTER_SLACK * REGISTER_FILE / (32 * num_warps)))
+
+
+def hardware_registers(num_warps: int) -> int:
+    """Registers per thread the hardware gives a program of `num_warps` warps (no slack)."""
+    return min(REGISTER_BUDGET, REGISTER_FILE // (32 * num_warps))
+
+
+def occupancy(regs_per_thread: int, shared_bytes: int, num_warps: int, shared_per_sm: int | None = None) -> int:
+    """Programs of a compiled kernel one SM holds at once: registers (allocated 256 per warp at a time),
+    threads (2048), shared memory, and the 32-block limit."""
+    regs_per_warp = cdiv(regs_per_thread * 32, 256) * 256
+    by_regs = REGISTER_FILE // max(1, regs_per_warp * num_warps)
+    by_threads = 2048 // (32 * num_warps)
+    by_shared = (shared_per_sm or SHARED_MEMORY_PER_SM) // (shared_bytes + 1024) if shared_bytes else 32
+    return max(0, min(32, by_regs, by_threads, by_shared))
+
+
+def max_warps(tile: int) -> int:
+    """Most warps that still give every thread MIN_ELEMENTS_PER_THREAD elements of a `tile`-element tile."""
+    warps = 32
+    while warps > 1 and MIN_ELEMENTS_PER_THREAD * 32 * warps > tile:
+        warps //= 2
+    return warps
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def slice_width(N: int, row_split: int) -> int:
+    """Columns each of the `row_split` programs of a row owns (the last slice may be shorter)."""
+    if row_split <= 1:
+        return N
+    return cdiv(cdiv(N, row_split), SLICE_ALIGN) * SLICE_ALIGN
+
+
+def row_block_col(N: int, row_split: int = 1) -> int:
+    """The single-pass tile width: the power of two covering a row (or a row's slice)."""
+    return next_power_of_two(slice_width(N, row_split))
+
+
+def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_warps: int, two_pass: bool,
+                       prefetch: bool, recompute: bool = False) -> int:
+    """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
+
+    Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
+    two-pass, the row-term accumulators of pass 1); the raw next tile when prefetching. Per column: w (held in
+    registers unless a single-row tile reloads it per tile) and b when recovering x̂ from y.
+    """
+    per_thread = math.ceil(block_row * block_col / (32 * num_warps))
+    # recompute: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
+    live = 3.0 if not recompute else 1.0 + 2 * problem.itemsize / 4
+    if two_pass:
+        live += 1 + (problem.norm == "layer_norm")
+    else:
+        live += problem.has_weight + bool(problem.has_bias)
+    if prefetch:
+        live += 2 * problem.itemsize / 4
+    per_column = (problem.save == "output" and bool(problem.has_bias)) + (block_row > 1 and not two_pass)
+    return math.ceil(per_thread * live + per_thread / block_row * per_column)
+
+
+def row_tiles(M: int, block_row: int) -> int:
+    return cdiv(M, block_row)
+
+
+def num_groups(M: int, config: "BackwardConfig", sms: int) -> int:
+    """Persistent row groups of kernel_1's row strategy: round(programs_per_sm x SMs / row_split), never more
+    than the row tiles, at least 1. Each group is `row_split` programs sharing its rows (one column slice each);
+    a fraction of programs_per_sm (e.g. 0.5) leaves SMs idle but halves the partials kernel_2 must read."""
+    k1 = config.kernel_1
+    return max(1, min(round(k1.programs_per_sm * sms / k1.row_split), row_tiles(M, k1.block_row)))
+
+
+def num_programs(M: int, N: int, config: "BackwardConfig", sms: int) -> int:
+    """Programs kernel_1 launches (0 rows: none). Row strategy: groups x row_split; columns strategy: one
+    program per block_col-wide column slice, each sweeping every row."""
+    if M <= 0:
+        return 0
+    k1 = config.kernel_1
+    if k1.strategy == "columns":
+        return cdiv(N, k1.block_col)
+    return num_groups(M, config, sms) * k1.row_split
+
+
+def partial_rows(M: int, config: "BackwardConfig", sms: int) -> int:
+    """Rows of the fp32 partial dw/db buffers kernel_1 writes (one per row group; none for columns)."""
+    if M <= 0 or config.kernel_1.strategy == "columns":
+        return 0
+    return num_groups(M, config, sms)
+
+
+def default_config(problem: "Problem") -> "BackwardConfig":
+    """Analytic launch rules, used when no tuned table covers the problem. Every rule is about keeping a
+    streaming kernel's loads in flight without spilling registers (figures: H200, bf16, docs/perf-notes.md):
+
+    - Single pass while a whole row fits the register tile: next_pow2(N) <= 16384. At 2048x16384 a one-row
+      single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
+      reads each element once. Wider rows run two-pass on 4096-column chunks, 8 warps.
+    - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
+    - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
+      0-30% faster), 16 from 4096 columns.
+    - prefetch (load tile i+1 before computing tile i) whenever its registers fit the hardware budget: the
+      largest single win measured, kernel_1 0.78x median over the 30 seed cases. Where it does not fit (one-row
+      tiles of 16384 columns), bf16 keeps the raw tile across the reductions instead (recompute).
+    - evict_first on the streaming loads (0-3% better), programs_per_sm=1: a second program per SM doubled
+      kernel_2's partials for no kernel_1 gain once prefetch keeps loads in flight.
+    - kernel_2: many programs of narrow columns and tall tiles (it is latency-bound: a 32x128 tile took
+      7-42 µs because N=1024 gave 8 programs that each looped over the partials): 128x16. PDL off: on an H100
+      it changed nothing measurable (total x1.002 median over the 30 seed cases).
+    """
+    from .config import BackwardConfig, Kernel1Config, Kernel2Config
+
+    n_pow2 = next_power_of_two(problem.N)
+    two_pass = n_pow2 > MAX_SINGLE_PASS
+    block_col = 4096 if two_pass else n_pow2
+    block_row = 1 if two_pass else max(1, min(16, 8192 // block_col))
+    tile = block_row * block_col
+    # 16 warps once a row is >= 4096 columns (H100 and H200 sweeps: every tuned seed config at N >= 4096 ran 16
+    # warps or smem pipelining; 8 warps cost LayerNorm 4096x8192 96.6 vs 82.0 µs on the H100).
+    num_warps = 8 if two_pass else (16 if block_col >= 4096 else max(4, min(8, tile // 1024)))
+    num_warps = min(num_warps, max_warps(tile))
+    prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True) <= \
+        hardware_registers(num_warps)
+    # Where prefetch does not fit (one-row tiles of 16384), bf16 LayerNorm rows with a bias (two accumulators)
+    # keep their raw tile across the reductions instead of fp32 copies (recompute: 2048x16384 167 -> 126 µs on
+    # the H100). RMSNorm fits without it and runs slower with it (2048x16384: 87.2 vs 84.5 µs H100, 74.3 vs
+    # 68.1 µs H200).
+    recompute = (not two_pass and not prefetch and problem.dtype == "bf16" and block_row == 1
+                 and bool(problem.has_bias))
+    k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
+                       programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
+                       recompute=recompute)
+    block_n = min(16, n_pow2)  # 128x16 tiles: kernel_2 x0.83 vs wider tiles, median over the 30 seed cases (H100)
+    block_m = 128
+    k2_warps = max(1, min(4, (block_m * block_n) // 32))
+    k2 = Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps)
+    # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
+    # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
+    candidates = [k1, dataclasses.replace(k1, recompute=problem.dtype == "bf16"),
+                  dataclasses.replace(k1, recompute=problem.dtype == "bf16", num_warps=min(32, 2 * num_warps)),
+                  Kernel1Config(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
+                                two_pass=True, eviction_policy="evict_first", prefetch=True)]
+    for cand in candidates:
+        cfg = BackwardConfig(cand, k2)
+        if cfg.is_valid(problem):
+            return cfg
+    return BackwardConfig(candidates[-1], k2).validate(problem)
