@@ -471,3 +471,7 @@ _K1_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel1Config)))
 _K2_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel2Config)))
 
 
+
+
+# The analytic default lives with the rest of the launch arithmetic; re-exported here for `config` users.
+from .heuristics import default_config  # noqa: E402

@@ -25,7 +25,8 @@ from normtune.kernels import (
     default_config,
     select_config,
 )
-from normtune.kernels.backward import BackwardLaunch, num_programs
+from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.heuristics import num_programs
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 
@@ -323,7 +324,7 @@ def check_default_for(problem: Problem) -> None:
     assert BackwardConfig.from_json(cfg.to_json()) == cfg and hash(cfg) == hash(BackwardConfig.from_json(cfg.to_json()))
     if not cfg.kernel_1.two_pass:
         assert cfg.kernel_1.block_col >= problem.N
-    programs = num_programs(problem.M, cfg, 132)
+    programs = num_programs(problem.M, problem.N, cfg, 132)
     assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row))
     for name in DEVICE_NAMES:
         selected = select_config(problem, name)

@@ -18,7 +18,8 @@ from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, Probl
 from normtune.kernels import backward as backward_module
 from normtune.kernels import forward as forward_module
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.config import NUM_WARPS, next_power_of_two
+from normtune.kernels.config import NUM_WARPS
+from normtune.kernels.heuristics import next_power_of_two
 from normtune.kernels.forward import forward
 from normtune.kernels.select import select_config
 

@@ -15,9 +15,8 @@ import random
 import pytest
 import torch
 
-from normtune.kernels.backward import num_programs
-from normtune.kernels.config import (BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config,
-                                     next_power_of_two)
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.heuristics import next_power_of_two, num_programs, slice_width
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
@@ -34,7 +33,7 @@ def space(norm, M, N, sms, **flags) -> Space:
 
 def launch_key(space: Space, config: BackwardConfig):
     """What actually launches: every knob, with programs_per_sm replaced by the grid it gives."""
-    progs = num_programs(space.problem.M, config, space.sm_count)
+    progs = num_programs(space.problem.M, space.problem.N, config, space.sm_count)
     return dataclasses.replace(config.kernel_1, programs_per_sm=0.125), config.kernel_2, progs
 
 
@@ -56,14 +55,19 @@ def test_domains_cover_every_config_field():
         assert all(len(v) >= 1 for v in d.values())
 
 
-@pytest.mark.parametrize("N, modes", [(1, (False,)), (1024, (False,)), (1025, (False, True)),
-                                      (16384, (False, True)), (16385, (True,)), (262144, (True,))])
-def test_two_pass_domain_follows_the_row_width(N, modes):
+@pytest.mark.parametrize("N, modes, splits", [
+    (1, (False,), (1,)), (1024, (False,), (1, 2, 4)), (1025, (False, True), (1, 2, 4)),
+    (16384, (False, True), (1, 2, 4, 8)), (16385, (False, True), (2, 4, 8)), (131072, (False, True), (8,)),
+    (262144, (True,), (1,))])
+def test_two_pass_and_row_split_domains_follow_the_row_width(N, modes, splits):
+    """Single pass while one program (row_split = 1) or a split row's slice fits the single-pass limit;
+    slices under 256 columns are not offered."""
     d = space("rms_norm", 128, N, 8).domains()
     assert d["k1.two_pass"] == modes
+    assert d["k1.row_split"] == splits
     if True in modes:  # two-pass chunks are narrower than the row
         assert all(c < next_power_of_two(N) for c in d["k1.block_col"])
-    assert (False in modes) == (next_power_of_two(N) <= MAX_SINGLE_PASS)
+    assert (False in modes) == any(slice_width(N, s) <= MAX_SINGLE_PASS for s in (1, 2, 4, 8))
 
 
 def test_block_row_domain_never_exceeds_the_rows():
@@ -142,7 +146,7 @@ def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
     grids = {}
     for pps in K1_DOMAINS["programs_per_sm"]:
         cfg = dataclasses.replace(base, kernel_1=dataclasses.replace(base.kernel_1, programs_per_sm=pps))
-        grids.setdefault(num_programs(3, cfg, 4), set()).add(s.canonical(cfg))
+        grids.setdefault(num_programs(3, 64, cfg, 4), set()).add(s.canonical(cfg))
     assert sorted(grids) == [2, 3]  # 0.5 → 2 programs; 1 and more → 3 (capped by the 3 row tiles)
     assert all(len(canon) == 1 for canon in grids.values())
     assert {c.kernel_1.programs_per_sm for c in grids[3]} == {1}

@@ -39,7 +39,13 @@ from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import STATUSES, MeasureResult
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Columns each schema version added to normtune_measurements, with the value rows written before it take (the
+# knob's value when it did not exist yet). Opening a database of an older version for writing adds them.
+MIGRATIONS = {
+    2: (("k1_row_split", "INTEGER NOT NULL DEFAULT 1"), ("k1_strategy", "VARCHAR(16) NOT NULL DEFAULT 'rows'"),
+        ("k2_fused", "BOOLEAN NOT NULL DEFAULT FALSE")),
+}
 RUN_STATUSES = ("running", "finished", "interrupted", "failed")
 PEER_STATUSES = ("ok", "error", "unavailable")
 # How long a SQLite writer waits for another process's write lock before failing. Writes here are single rows
@@ -147,11 +153,14 @@ class MeasurementModel(Base):
     k1_eviction_policy: Mapped[str] = mapped_column(String(32), index=True)
     k1_prefetch: Mapped[bool] = mapped_column(Boolean, index=True)
     k1_recompute: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_row_split: Mapped[int] = mapped_column(Integer, index=True, default=1)
+    k1_strategy: Mapped[str] = mapped_column(String(16), index=True, default="rows")
     k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
     k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_stages: Mapped[int] = mapped_column(Integer, index=True)
     k2_pdl: Mapped[bool] = mapped_column(Boolean, index=True)
+    k2_fused: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
     status: Mapped[str] = mapped_column(_enum("measurement_status", STATUSES))
     error: Mapped[str | None] = mapped_column(Text)
     median_us: Mapped[float | None] = mapped_column(Float)
@@ -387,7 +396,9 @@ class Store:
             raise
 
     def _open(self, is_sqlite: bool) -> None:
-        # Check before anything writes: a database of another schema version is left exactly as it was.
+        # Check before anything writes: a database of another schema version is left exactly as it was, except
+        # an older one this version knows how to extend (MIGRATIONS).
+        self._migrate()
         self._check_schema_version()
         try:
             with self._engine.connect() as conn:
@@ -403,6 +414,23 @@ class Store:
         except StoreIntegrityError:
             pass  # recorded already (by us or by a concurrent opener)
         self._check_schema_version()
+
+    def _migrate(self) -> None:
+        """Add the columns of newer schema versions to a database written by an older one."""
+        try:
+            with self._engine.begin() as conn:
+                if not inspect(conn).has_table(MetaModel.__tablename__):
+                    return
+                found = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")).scalar()
+                if found is None or not found.isdigit() or int(found) >= SCHEMA_VERSION:
+                    return
+                for version in range(int(found) + 1, SCHEMA_VERSION + 1):
+                    for column, ddl in MIGRATIONS.get(version, ()):
+                        conn.exec_driver_sql(f"ALTER TABLE normtune_measurements ADD COLUMN {column} {ddl}")
+                conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
+                             .values(value=str(SCHEMA_VERSION)))
+        except SQLAlchemyError as err:
+            raise StoreError(f"cannot upgrade {self.display_url} to schema {SCHEMA_VERSION}: {err}") from err
 
     def _check_schema_version(self) -> None:
         """Refuse a database of another schema version, or one whose tables lack columns this version writes."""

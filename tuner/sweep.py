@@ -44,7 +44,7 @@ SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
 # Version of Space.seeds(): 2 added the structural strategies for wide rows.
-SEED_VERSION = 2
+SEED_VERSION = 3  # 3: kernel family v2 strategies (row_split, columns, fused)
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 
 
