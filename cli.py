@@ -532,68 +532,160 @@ _INTERPRETER_BANNER = ("[yellow]--interpret: kernels run on CPU in the Triton in
 # ---------------------------------------------------------------------------------------------- validate
 
 
+def _validation_problems(shapes: str | None, norms: list[str], dtype: str, interpret: bool):
+    """--shapes given: those shapes in --dtype; else the held-out set (tiny shapes with --interpret)."""
+    if shapes is None and not interpret:
+        from normtune.tuner.heldout import heldout_problems
+
+        return heldout_problems(norms, dtype)
+    return _problems(norms, dtype, None, _shapes(shapes, interpret), bias=None, zero_centered=False, save="input")
+
+
+def _table_for_device(table: Path | None, info):
+    from normtune.kernels.tables import load_table, table_for
+
+    if table is not None:
+        return load_table(str(table))
+    cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+    return table_for(None if info.interpret else info.name, cc)
+
+
+def _validate_progress(console):
+    """Prints one line per reference problem finished and per head-to-head, so a long validation shows it runs."""
+    def on_event(kind, data):
+        if kind == "start":
+            console.print(f"reference sweep: {data['problems']} problems, {data['trials']} trials each (unseeded)")
+        elif kind == "problem_done":
+            ps = data["summary"]
+            console.print(f"  reference {ps.problem.key}: {ps.trials} trials")
+        elif kind == "signal":
+            console.print(f"[yellow]{data['message']}[/]")
+        elif kind == "validated":
+            from normtune.tuner.render import ratio_cell
+
+            row = data["row"]
+            console.print(f"head to head {data['index'] + 1}/{data['total']} {row.problem.key}: regret "
+                          f"{ratio_cell(row.regret)}, default ÷ table {ratio_cell(row.speedup_vs_default)}")
+
+    return on_event
+
+
 @app.command()
 def validate(
     gpu: Gpu = "auto",
-    shapes: Shapes = None,
+    shapes: Annotated[Optional[str], typer.Option(
+        "--shapes", help="Shapes in --dtype (as for sweep) [default: the held-out set of shapes and dtypes on a "
+                         "GPU, tiny with --interpret]")] = None,
     norm: Norms = "layer_norm,rms_norm",
     dtype: Dtype = "bf16",
     table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
     = None,
-    trials: Annotated[int, typer.Option(help="Trials of the short fresh sweep per shape")] = 20,
+    trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
+    rounds: Annotated[int, typer.Option(help="Interleaved head-to-head rounds per shape")] = 5,
     db: Storage = DEFAULT_DB,
     out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
     compile_workers: Annotated[int, typer.Option(help="CPU processes compiling ahead")] = 8,
     interpret: Interpret = False,
 ):
-    """Regret of a heuristic table on shapes it was not fitted on (table ÷ best of a short fresh sweep)."""
+    """Regret of a heuristic table on shapes it was not fitted on: table ÷ the fastest of the table's config, the
+    best of an unseeded sweep and the analytic default, timed head to head."""
     _run(_use_interpreter, interpret)
     import json as _json
 
     from rich.console import Console
-    from rich.table import Table as RTable
 
     from normtune.kernels.config import NORMS
-    from normtune.kernels.tables import load_table, table_for
     from normtune.tuner import validate as V
+    from normtune.tuner.render import validation_summary, validation_table
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
     norms = _run(_split, norm, NORMS, "--norm")
     dt = _run(_dtype, dtype)
-    shape_list = _run(_shapes, shapes or ("tiny" if interpret else "heldout"), interpret)
-    problems = _run(_problems, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    if trials < 1:
+        _run(_raise, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
+    if rounds < 1:
+        _run(_raise, f"--rounds {rounds}: need at least 1 round")
+    problems = _run(_validation_problems, shapes, norms, dt, interpret)
     info = _run(_device_info, gpu, interpret)
-    if table is not None:
-        tab = _run(load_table, str(table))
-    else:
-        cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
-        tab = _run(table_for, None if interpret else info.name, cc)
+    tab = _run(_table_for_device, table, info)
+    if out is not None:
+        _run(_check_out_folder, out)
+    if interpret:
+        console.print(_INTERPRETER_BANNER)
     store = _run(Store, db)
-    rows = _run(V.run_validate, store, info, info.key, problems, tab, trials=trials, storage_url=db,
-                compile_workers=compile_workers)
+    try:
+        rows = _run(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
+                    rounds=rounds, compile_workers=compile_workers, command_line=_command_line(),
+                    progress=_validate_progress(console))
+    finally:
+        store.close()
     summary = V.summarize(rows)
-    t = RTable(title=f"validate — {info.name}" + (" (interpreter: not GPU times)" if interpret else ""))
-    for col in ("problem", "table µs", "best µs", "default µs", "regret", "vs default"):
-        t.add_column(col, justify="left" if col == "problem" else "right")
-
-    def f(x, d=1):
-        return "–" if x is None else f"{x:.{d}f}"
-
-    for r in rows:
-        t.add_row(f"{r.problem.norm} {r.problem.M}×{r.problem.N}", f(r.table_us), f(r.best_us), f(r.default_us),
-                  f(r.regret, 3), f(r.speedup_vs_default, 3))
-    console.print(t)
-    console.print(f"geometric-mean regret {f(summary['geomean_regret'], 3)}, worst {f(summary['worst_regret'], 3)};"
-                  f" speedup over defaults {f(summary['geomean_speedup_vs_default'], 3)}×")
+    typer.echo("\n".join(validation_table(rows) + ["", validation_summary(summary)]))
     if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validate.json").write_text(_json.dumps({"device": info.to_dict(), "table": tab.path if tab else None,
-                                                        "summary": summary, "rows": [r.to_dict() for r in rows]},
-                                                       indent=1, sort_keys=True))
-        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None))
+        (out / "validate.json").write_text(_json.dumps(
+            {"device": info.to_dict(), "table": tab.path if tab else None, "reference_trials": trials,
+             "rounds": rounds, "summary": summary, "rows": [r.to_dict() for r in rows]}, indent=1, sort_keys=True))
+        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None, trials))
         console.print(f"wrote {out / 'validate.json'}, {out / 'validate.md'}")
-    store.close()
+
+
+def _check_out_folder(out: Path) -> None:
+    """Before measuring: the output folder exists or can be made, and takes files."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".normtune-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CLIError(f"--out {out}: cannot write there ({err.strerror or err}); pass a writable folder") from None
+
+
+# ----------------------------------------------------------------------------------------------- compare
+
+
+@app.command()
+def compare(
+    old: Annotated[Path, typer.Argument(help="The table in use (JSON)")],
+    new: Annotated[Path, typer.Argument(help="The candidate table (JSON)")],
+    gpu: Gpu = "auto",
+    shapes: Shapes = None,
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
+                                                  "(and beyond the spread)")] = 0.03,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,
+    interpret: Interpret = False,
+):
+    """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape."""
+    _run(_use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS
+    from normtune.kernels.tables import load_table
+    from normtune.tuner import compare as C
+
+    console = Console(stderr=True)
+    if not 0 <= threshold < 1:
+        _run(_raise, f"--threshold {threshold}: give a fraction in [0, 1), e.g. 0.03 for 3 %")
+    if rounds < 1:
+        _run(_raise, f"--rounds {rounds}: need at least 1 round")
+    tables = [_run(load_table, str(path)) for path in (old, new)]
+    norms = _run(_split, norm, NORMS, "--norm")
+    dt = _run(_dtype, dtype)
+    problems = _run(_problems, norms, dt, None, _run(_shapes, shapes, interpret), bias=None, zero_centered=False,
+                    save="input")
+    info = _run(_device_info, gpu, interpret)
+    if interpret:
+        console.print(_INTERPRETER_BANNER)
+
+    def progress(i, row):
+        console.print(f"{i + 1}/{len(problems)} {row.problem.key}: {row.verdict(threshold)}")
+
+    rows = _run(C.compare_tables, *tables, problems, C.Stopwatch(info), rounds=rounds, progress=progress)
+    typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret)))
+    if any(r.fails(threshold) for r in rows):
+        raise typer.Exit(1)
 
 
 # ------------------------------------------------------------------------------------------------ report

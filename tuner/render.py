@@ -52,3 +52,33 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> lis
 def problem_label(norm: str, M: int, N: int, dtype: str | None = None) -> str:
     """'layer_norm 4096×8192' (with ' bf16' when the dtype is given)."""
     return f"{norm} {M}×{N}" + (f" {dtype}" if dtype else "")
+
+
+def timing_cell(timing, digits: int = 1) -> str:
+    """A pooled time (`spread.Timing`) as its median, or MISSING."""
+    return MISSING if timing is None else num(timing.median, digits)
+
+
+def ratio_cell(r, digits: int = 3) -> str:
+    """A `spread.Ratio` as 'value [low–high]', or MISSING."""
+    return MISSING if r is None else interval(r.value, r.low, r.high, digits)
+
+
+def validation_table(rows) -> list[str]:
+    """The head-to-head table of `validate` (rows: `validate.ValidationRow`), as validate.md, the command's
+    output and the report show it."""
+    body = [[problem_label(r.problem.norm, r.problem.M, r.problem.N, r.problem.dtype),
+             timing_cell(r.times.get("table")), timing_cell(r.times.get("reference")),
+             timing_cell(r.times.get("default")), ratio_cell(r.regret), ratio_cell(r.speedup_vs_default)]
+            for r in rows]
+    return markdown_table(["problem", "table µs", "reference µs", "default µs", "regret [bounds]",
+                           "default ÷ table [bounds]"], body)
+
+
+def validation_summary(summary: dict) -> str:
+    """One sentence from `validate.summarize`."""
+    slower = summary["slower_than_default"]
+    return (f"Geometric-mean regret {num(summary['geomean_regret'], 3)}, worst {num(summary['worst_regret'], 3)} "
+            f"over {summary['shapes']} shapes; geometric-mean speedup over the analytic default "
+            f"{num(summary['geomean_speedup_vs_default'], 3)}×; slower than the default beyond the spread on "
+            + (", ".join(slower) if slower else "no shape") + ".")

@@ -1,7 +1,8 @@
 """Times with their spread, and the one rule for "slower beyond the spread" that emit, validate and compare share.
 
 Every measurement stores its median and its p10/p90 over repetitions. Repeated measurements of one config are
-pooled by the median of each figure. A is slower than B *beyond the spread* when its median is higher and even
+pooled: the median of their medians, and a range that holds both the spread within each measurement (the median
+of their p10s and p90s) and the spread between them (the 10th and 90th percentiles of their medians). A is slower than B *beyond the spread* when its median is higher and even
 A's fast end (p10) is slower than B's slow end (p90): the two ranges do not overlap. Ratios come with bounds
 from the same ranges: A/B lies in [A.p10/B.p90, A.p90/B.p10].
 """
@@ -32,8 +33,9 @@ class Timing:
         # A measurement without a stored spread counts as its median (no spread known).
         p10 = [r.p10_us if r.p10_us else r.median_us for r in ok]
         p90 = [r.p90_us if r.p90_us else r.median_us for r in ok]
-        return cls(statistics.median(medians), min(statistics.median(p10), statistics.median(medians)),
-                   max(statistics.median(p90), statistics.median(medians)), len(ok))
+        between = statistics.quantiles(medians, n=10, method="inclusive") if len(medians) > 1 else medians * 9
+        return cls(statistics.median(medians), min(statistics.median(p10), between[0]),
+                   max(statistics.median(p90), between[-1]), len(ok))
 
 
 @dataclass(frozen=True)
