@@ -705,18 +705,16 @@ def report(
     emitted rules, validation regret, normtune vs peers."""
     from rich.console import Console
 
-    from normtune.kernels.tables import TableError
     from normtune.tuner.report import write_report
-    from normtune.tuner.store import Store
 
     console = Console(stderr=True)
     if db == DEFAULT_DB and not Path("results.db").exists():
         _run(_raise, "results.db not found here: run from the repository root or pass --db sqlite:///PATH")
-    store = _run(Store, db)
+    store = _run(_read_only_store, db)
     try:
         paths = write_report(store, gpu.strip().lower(), out, heatmap_problem=problem,
                              table_path=str(table) if table else None)
-    except (ValueError, TableError, OSError) as err:
+    except _known_errors() + (OSError,) as err:  # TableError is a ValueError; StoreError for a corrupt database
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     finally:
