@@ -379,16 +379,86 @@ def _sweep_with_progress(console, sw, opts):
 # -------------------------------------------------------------------------------------------------- emit
 
 
+def _read_only_store(db: str):
+    """The results database for a command that only reads it (`emit` without --remeasure, `report`)."""
+    import inspect
+
+    from normtune.tuner.store import Store
+
+    if "read_only" in inspect.signature(Store).parameters:
+        return Store(db, read_only=True)
+    # TEMPORARY (remove when Store(url, read_only=True) is merged): this branch's Store has no read-only mode;
+    # refuse at least a missing SQLite file here, before opening it would create one.
+    from sqlalchemy.engine import make_url
+
+    from normtune.tuner.store import normalize_url
+
+    url = make_url(normalize_url(db))
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
+            and not Path(url.database).is_file():
+        raise CLIError(f"--db {db}: no such database file; pass the path of an existing results database "
+                       "(e.g. --db results.db)")
+    return Store(db)
+
+
+def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise CLIError(f"{option} {text!r}: use a comma list of run ids, e.g. 1,2,5")
+    return values
+
+
+def _names(text: str | None, option: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise CLIError(f"{option} {text!r}: give a comma list")
+    return values
+
+
+def _selection(runs: str | None, runs_of: Path | None, kind: str, git_revision: str | None):
+    import json as _json
+
+    from normtune.tuner import emit as E
+
+    if runs is not None and runs_of is not None:
+        raise CLIError("--runs and --runs-of both name the runs to fit on: give one of them")
+    run_ids = _ints(runs, "--runs")
+    if runs_of is not None:
+        try:
+            run_ids = E.recorded_runs(_json.loads(runs_of.read_text()))
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+    return E.Selection(kinds=_names(kind, "--kind"), run_ids=run_ids,
+                       git_revisions=_names(git_revision, "--git-revision"))
+
+
 @app.command()
 def emit(
     gpu: Gpu = "auto",
     db: Storage = DEFAULT_DB,
     out: Annotated[Optional[Path], typer.Option(help="Output file [default: configs/<gpu>.json]")] = None,
+    runs: Annotated[Optional[str], typer.Option(help="Fit on exactly these run ids (comma list) [default: every "
+                                                     "run of --kind]")] = None,
+    runs_of: Annotated[Optional[Path], typer.Option(help="Fit on the runs a table records (re-emit it)")] = None,
+    kind: Annotated[str, typer.Option(help="Run kinds to fit on; validate and bench runs never are")]
+    = "sweep,emit",
+    git_revision: Annotated[Optional[str], typer.Option(help="Only runs of these git revisions (prefixes, comma "
+                                                             "list)")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Write nothing: exit 1 unless the file at --out has "
+                                                        "exactly the bytes this emission gives")] = False,
     remeasure: Annotated[bool, typer.Option(help="First time each problem's top configs on its neighbours "
                                                  "(needs the GPU) to complete the config x shape matrix")] = False,
     interpret: Interpret = False,
 ):
-    """Fit a frozen launch-heuristic table from the stored measurements and write configs/<gpu>.json."""
+    """Fit a frozen launch-heuristic table from the selected runs' measurements and write configs/<gpu>.json.
+    The same command on the same database writes the same bytes."""
     _run(_use_interpreter, interpret)
     from rich.console import Console
 
@@ -396,92 +466,226 @@ def emit(
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
-    store = _run(Store, db)
+    if gpu.strip().lower() == "interpret" and not interpret:
+        _run(_raise, "--gpu interpret names the Triton interpreter's results: add --interpret")
+    if remeasure and check:
+        _run(_raise, "--check re-emits from the database as it is: it cannot be combined with --remeasure")
+    selection = _run(_selection, runs, runs_of, kind, git_revision)
     if interpret:
         key = "interpret"
     elif gpu == "auto" or remeasure:
         key = _run(_device_info, gpu, False).key
     else:
-        key = gpu
-    if remeasure:
-        info = _run(_device_info, gpu, interpret)
-        n = _run(E.remeasure_neighbours, store, key, info, interpret=interpret)
-        console.print(f"re-measured {n} (problem, config) pairs on neighbouring shapes")
-    table = _run(E.build_table, store, key, interpret=interpret)
+        key = gpu.strip().lower()
     path = out or Path("configs") / f"{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(E.dumps(table))
+    store = _run(Store, db) if remeasure else _run(_read_only_store, db)
+    try:
+        if remeasure:
+            info = _run(_device_info, gpu, interpret)
+            if interpret:
+                console.print(_INTERPRETER_BANNER)
+            run_id, n = _run(E.remeasure_neighbours, store, key, info, selection=selection,
+                             command_line=_command_line())
+            if selection.run_ids is not None:
+                selection = E.Selection(selection.kinds, selection.run_ids + (run_id,), selection.git_revisions)
+            console.print(f"re-measured {n} (problem, config) pairs on neighbouring shapes (run {run_id})")
+        table = _run(E.build_table, store, key, interpret=interpret, selection=selection)
+    finally:
+        store.close()
+    text = E.dumps(table)
+    for line in E.dropped_summary(table):
+        console.print(f"[yellow]{line}[/]")
+    prov = table["provenance"]
+    if check:
+        same = path.is_file() and path.read_text() == text
+        console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "
+                      f"(inputs {prov['fingerprint'][:19]}…)")
+        raise typer.Exit(0 if same else 1)
+    _run(_write_text, path, text)
     fams = table["families"]
     console.print(f"wrote {path}: {len(fams)} families, {sum(len(f['rules']) for f in fams.values())} rules, "
-                  f"from {table['provenance']['configs_measured']} measured configs "
-                  f"(GPU {table['gpu']['name']})")
+                  f"from {prov['configs_measured']} measured configs of runs {_span(prov['runs'])} "
+                  f"(GPU {table['gpu']['name']}; inputs {prov['fingerprint'][:19]}…)")
+
+
+def _span(ids) -> str:
+    return ",".join(map(str, ids))
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as err:
+        raise CLIError(f"--out {path}: cannot be written ({err.strerror or err})") from None
+
+
+def _command_line() -> str:
+    """The command as typed (program name without its folder), for a run's provenance."""
+    return " ".join([Path(sys.argv[0]).name] + sys.argv[1:])
+
+
+_INTERPRETER_BANNER = ("[yellow]--interpret: kernels run on CPU in the Triton interpreter; times are host "
+                       "wall-clock, not GPU timings[/]")
 
 
 # ---------------------------------------------------------------------------------------------- validate
 
 
+def _validation_problems(shapes: str | None, norms: list[str], dtype: str, interpret: bool):
+    """--shapes given: those shapes in --dtype; else the held-out set (tiny shapes with --interpret)."""
+    if shapes is None and not interpret:
+        from normtune.tuner.heldout import heldout_problems
+
+        return heldout_problems(norms, dtype)
+    return _problems(norms, dtype, None, _shapes(shapes, interpret), bias=None, zero_centered=False, save="input")
+
+
+def _table_for_device(table: Path | None, info):
+    from normtune.kernels.tables import load_table, table_for
+
+    if table is not None:
+        return load_table(str(table))
+    cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+    return table_for(None if info.interpret else info.name, cc)
+
+
+def _validate_progress(console):
+    """Prints one line per reference problem finished and per head-to-head, so a long validation shows it runs."""
+    def on_event(kind, data):
+        if kind == "start":
+            console.print(f"reference sweep: {data['problems']} problems, {data['trials']} trials each (unseeded)")
+        elif kind == "problem_done":
+            ps = data["summary"]
+            console.print(f"  reference {ps.problem.key}: {ps.trials} trials")
+        elif kind == "signal":
+            console.print(f"[yellow]{data['message']}[/]")
+        elif kind == "validated":
+            from normtune.tuner.render import ratio_cell
+
+            row = data["row"]
+            console.print(f"head to head {data['index'] + 1}/{data['total']} {row.problem.key}: regret "
+                          f"{ratio_cell(row.regret)}, default ÷ table {ratio_cell(row.speedup_vs_default)}")
+
+    return on_event
+
+
 @app.command()
 def validate(
     gpu: Gpu = "auto",
-    shapes: Shapes = None,
+    shapes: Annotated[Optional[str], typer.Option(
+        "--shapes", help="Shapes in --dtype (as for sweep) [default: the held-out set of shapes and dtypes on a "
+                         "GPU, tiny with --interpret]")] = None,
     norm: Norms = "layer_norm,rms_norm",
     dtype: Dtype = "bf16",
     table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
     = None,
-    trials: Annotated[int, typer.Option(help="Trials of the short fresh sweep per shape")] = 20,
+    trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
+    rounds: Annotated[int, typer.Option(help="Interleaved head-to-head rounds per shape")] = 5,
     db: Storage = DEFAULT_DB,
     out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
     compile_workers: Annotated[int, typer.Option(help="CPU processes compiling ahead")] = 8,
     interpret: Interpret = False,
 ):
-    """Regret of a heuristic table on shapes it was not fitted on (table ÷ best of a short fresh sweep)."""
+    """Regret of a heuristic table on shapes it was not fitted on: table ÷ the fastest of the table's config, the
+    best of an unseeded sweep and the analytic default, timed head to head."""
     _run(_use_interpreter, interpret)
     import json as _json
 
     from rich.console import Console
-    from rich.table import Table as RTable
 
     from normtune.kernels.config import NORMS
-    from normtune.kernels.tables import load_table, table_for
     from normtune.tuner import validate as V
+    from normtune.tuner.render import validation_summary, validation_table
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
     norms = _run(_split, norm, NORMS, "--norm")
     dt = _run(_dtype, dtype)
-    shape_list = _run(_shapes, shapes or ("tiny" if interpret else "heldout"), interpret)
-    problems = _run(_problems, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    if trials < 1:
+        _run(_raise, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
+    if rounds < 1:
+        _run(_raise, f"--rounds {rounds}: need at least 1 round")
+    problems = _run(_validation_problems, shapes, norms, dt, interpret)
     info = _run(_device_info, gpu, interpret)
-    if table is not None:
-        tab = _run(load_table, str(table))
-    else:
-        cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
-        tab = _run(table_for, None if interpret else info.name, cc)
+    tab = _run(_table_for_device, table, info)
+    if out is not None:
+        _run(_check_out_folder, out)
+    if interpret:
+        console.print(_INTERPRETER_BANNER)
     store = _run(Store, db)
-    rows = _run(V.run_validate, store, info, info.key, problems, tab, trials=trials, storage_url=db,
-                compile_workers=compile_workers)
+    try:
+        rows = _run(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
+                    rounds=rounds, compile_workers=compile_workers, command_line=_command_line(),
+                    progress=_validate_progress(console))
+    finally:
+        store.close()
     summary = V.summarize(rows)
-    t = RTable(title=f"validate — {info.name}" + (" (interpreter: not GPU times)" if interpret else ""))
-    for col in ("problem", "table µs", "best µs", "default µs", "regret", "vs default"):
-        t.add_column(col, justify="left" if col == "problem" else "right")
-
-    def f(x, d=1):
-        return "–" if x is None else f"{x:.{d}f}"
-
-    for r in rows:
-        t.add_row(f"{r.problem.norm} {r.problem.M}×{r.problem.N}", f(r.table_us), f(r.best_us), f(r.default_us),
-                  f(r.regret, 3), f(r.speedup_vs_default, 3))
-    console.print(t)
-    console.print(f"geometric-mean regret {f(summary['geomean_regret'], 3)}, worst {f(summary['worst_regret'], 3)};"
-                  f" speedup over defaults {f(summary['geomean_speedup_vs_default'], 3)}×")
+    typer.echo("\n".join(validation_table(rows) + ["", validation_summary(summary)]))
     if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "validate.json").write_text(_json.dumps({"device": info.to_dict(), "table": tab.path if tab else None,
-                                                        "summary": summary, "rows": [r.to_dict() for r in rows]},
-                                                       indent=1, sort_keys=True))
-        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None))
+        (out / "validate.json").write_text(_json.dumps(
+            {"device": info.to_dict(), "table": tab.path if tab else None, "reference_trials": trials,
+             "rounds": rounds, "summary": summary, "rows": [r.to_dict() for r in rows]}, indent=1, sort_keys=True))
+        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None, trials))
         console.print(f"wrote {out / 'validate.json'}, {out / 'validate.md'}")
-    store.close()
+
+
+def _check_out_folder(out: Path) -> None:
+    """Before measuring: the output folder exists or can be made, and takes files."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".normtune-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CLIError(f"--out {out}: cannot write there ({err.strerror or err}); pass a writable folder") from None
+
+
+# ----------------------------------------------------------------------------------------------- compare
+
+
+@app.command()
+def compare(
+    old: Annotated[Path, typer.Argument(help="The table in use (JSON)")],
+    new: Annotated[Path, typer.Argument(help="The candidate table (JSON)")],
+    gpu: Gpu = "auto",
+    shapes: Shapes = None,
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
+                                                  "(and beyond the spread)")] = 0.03,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,
+    interpret: Interpret = False,
+):
+    """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape."""
+    _run(_use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS
+    from normtune.kernels.tables import load_table
+    from normtune.tuner import compare as C
+
+    console = Console(stderr=True)
+    if not 0 <= threshold < 1:
+        _run(_raise, f"--threshold {threshold}: give a fraction in [0, 1), e.g. 0.03 for 3 %")
+    if rounds < 1:
+        _run(_raise, f"--rounds {rounds}: need at least 1 round")
+    tables = [_run(load_table, str(path)) for path in (old, new)]
+    norms = _run(_split, norm, NORMS, "--norm")
+    dt = _run(_dtype, dtype)
+    problems = _run(_problems, norms, dt, None, _run(_shapes, shapes, interpret), bias=None, zero_centered=False,
+                    save="input")
+    info = _run(_device_info, gpu, interpret)
+    if interpret:
+        console.print(_INTERPRETER_BANNER)
+
+    def progress(i, row):
+        console.print(f"{i + 1}/{len(problems)} {row.problem.key}: {row.verdict(threshold)}")
+
+    rows = _run(C.compare_tables, *tables, problems, C.Stopwatch(info), rounds=rounds, progress=progress)
+    typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret)))
+    if any(r.fails(threshold) for r in rows):
+        raise typer.Exit(1)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -501,18 +705,16 @@ def report(
     emitted rules, validation regret, normtune vs peers."""
     from rich.console import Console
 
-    from normtune.kernels.tables import TableError
     from normtune.tuner.report import write_report
-    from normtune.tuner.store import Store
 
     console = Console(stderr=True)
     if db == DEFAULT_DB and not Path("results.db").exists():
         _run(_raise, "results.db not found here: run from the repository root or pass --db sqlite:///PATH")
-    store = _run(Store, db)
+    store = _run(_read_only_store, db)
     try:
         paths = write_report(store, gpu.strip().lower(), out, heatmap_problem=problem,
                              table_path=str(table) if table else None)
-    except (ValueError, TableError, OSError) as err:
+    except _known_errors() + (OSError,) as err:  # TableError is a ValueError; StoreError for a corrupt database
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     finally:

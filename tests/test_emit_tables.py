@@ -30,6 +30,7 @@ from normtune.kernels.tables import ENV_VAR, SCHEMA_VERSION, TableError, adapt, 
 from normtune.tuner import emit
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
+from normtune.tuner.spread import Timing
 from normtune.tuner.store import Store
 
 CONFIGS = Path(str(resources.files("normtune.configs")))
@@ -172,6 +173,8 @@ def test_emitted_table_parses_with_schema_gpu_and_provenance(db, table):
     assert len(prov["date"]) == 10 and prov["date"][4] == "-"
     # distinct (problem, config) pairs that measured ok: 3 candidates x 9 shapes x 2 families
     assert prov["configs_measured"] == 3 * 9 * 2
+    # ok measurements fitted on: 5 per (family, shape) (A three times, B, C), never the incorrect one
+    assert prov["measurements"] == 5 * 9 * 2 and prov["fingerprint"].startswith("sha256:")
     parsed = parse_table(json.loads(emit.dumps(table)), "emitted.json")
     assert parsed.gpu_name == GPU.name and parsed.gpu_key == GPU.key and parsed.sm_count == 8
     assert set(parsed.families) == {LN.key, RMS.key}
@@ -217,20 +220,25 @@ def test_two_rules_where_m_splits_clearly(table, family):
     assert got.kernel_1 == dataclasses.replace(candidates(256)["A"].kernel_1, block_col=256)
 
 
+def T(median: float, spread: float = 0.01) -> Timing:
+    """A pooled time with a ±`spread` (relative) p10-p90 range."""
+    return Timing(median, median * (1 - spread), median * (1 + spread))
+
+
 def test_split_needs_a_real_gain():
     """A split that gains less than SPLIT_GAIN keeps one rule: rules that generalize beat rules that memorize."""
     probs = [RMS.problem(M, 1024) for M in MS]
     a, b = candidates(1024)["A"], candidates(1024)["B"]
-    close = {p: {a: 10.0, b: 10.0 + (0.04 if p.M < 4096 else -0.04)} for p in probs}
+    close = {p: {a: T(10.0), b: T(10.0 + (0.04 if p.M < 4096 else -0.04))} for p in probs}
     assert len(emit.fit_family(RMS, close).rules) == 1
-    far = {p: {a: 10.0, b: 15.0 if p.M < 4096 else 5.0} for p in probs}
+    far = {p: {a: T(10.0), b: T(15.0 if p.M < 4096 else 5.0)} for p in probs}
     rules = emit.fit_family(RMS, far).rules
     assert [r["m_max"] for r in rules] == [512, None]
 
 
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
     a, b = candidates(512)["A"], candidates(512)["B"]
-    data = {RMS.problem(64, 512): {a: 3.0}, RMS.problem(4096, 512): {b: 9.0}}
+    data = {RMS.problem(64, 512): {a: T(3.0)}, RMS.problem(4096, 512): {b: T(9.0)}}
     fitted = emit.fit_family(RMS, data)
     assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(64, a), (None, b)]
 
@@ -238,7 +246,8 @@ def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
 def test_build_table_without_measurements_says_what_to_run(db):
     store = Store(db[0])
     try:
-        with pytest.raises(ValueError, match="no successful measurements for h100.*normtune sweep --gpu h100"):
+        with pytest.raises(ValueError, match="no successful measurements for h100 in the selected runs.*normtune sweep "
+                                             "--gpu h100"):
             emit.build_table(store, "h100")
         interp = emit.build_table(store, "interpret", interpret=True)  # only the interpreter's measurements
         assert interp["interpret"] is True and set(interp["families"]) == {LN.key}

@@ -119,8 +119,8 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     paths = write_report(full_store, "testgpu", tmp_path)
     names = [p.name for p in paths]
     assert names[0] == "report.md"
-    assert set(names) == {"report.md", "kernels_layer_norm.png", "kernels_rms_norm.png",
-                          "best_vs_default_layer_norm.png", "best_vs_default_rms_norm.png",
+    assert set(names) == {"report.md", "kernels_layer_norm_bf16.png", "kernels_rms_norm_bf16.png",
+                          "best_vs_default_layer_norm_bf16.png", "best_vs_default_rms_norm_bf16.png",
                           "heatmap_k1_block_row_k1_num_warps.png", "heatmap_k2_block_m_k2_block_n.png",
                           "heatmap_k1_programs_per_sm_k2_block_m.png", "validation.png", "peers_layer_norm.png",
                           "peers_rms_norm.png"}
@@ -136,24 +136,32 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     assert "NVIDIA Test GPU" in text and "compute capability 9.0" in text and "8 SMs" in text
     assert "driver 560.35.03" in text and "torch 2.6.0" in text and "git revisions abc1234" in text
     assert "| sweep |" in text and "| validate |" in text and "| bench |" in text
-    # Best LN: 9.37 µs (7 measurements: 6 of the sweep, 1 of the bench), kernel split 80/20, floor 4.685 µs -> 50%;
-    # the default measured at 15.0 -> 1.60x. GB/s, derived as no bytes were stored: 16 programs (2 per SM x 8 SMs)
-    # move 1572864 (floor) + 2048 (mean, rstd) + 2048 (weight) + 262144 (fp32 partials of dw and db, written and
-    # read) + 4096 (dw, db) = 1843200 B in 9.37 µs = 197 GB/s.
+    # Best LN: 9.37 µs of sweep run 1 (7 measurements: 6 of the sweep, 1 of the bench), kernel split 80/20; the
+    # sweep run stored no copy bandwidth, so % floor is n/a (the measurement's own floor_us is not used); the
+    # default timed in the same run at 15.0 -> 1.60x. GB/s, derived as no bytes were stored: 16 programs (2 per
+    # SM x 8 SMs) move 1572864 (floor) + 2048 (mean, rstd) + 2048 (weight) + 262144 (fp32 partials of dw and db,
+    # written and read) + 4096 (dw, db) = 1843200 B in 9.37 µs = 197 GB/s.
     best_ln = config(LN, 1, 8)
-    assert f"| 256×1024 | `{best_ln}` | 9.4 | 7.5 | 1.9 | 197 | 50 | 15.0 | 1.60× | 7 | incorrect 1 |" in text
-    assert f"| 512×2048 | `{config(RMS, 1, 8)}` | 18.3 |" in text and "out_of_resources 1" in text
+    assert f"| 256×1024 | `{best_ln}` | 9.4 | 7.5 | 1.9 | 197 | n/a | 1 | 15.0 | 1.60× | 7 | incorrect 1 |" in text
+    # RMS: the default was never timed in the best's run: no default figure, no best-vs-default plot.
+    assert f"| 512×2048 | `{config(RMS, 1, 8)}` | 18.3 | 14.6 | 3.7 | 359 | n/a | 1 | – | – | 4 |" in text
+    assert "out_of_resources 1" in text
+    # RMS 700x3000's best is the validation run's reference (16.0), where that run timed the default (25.0).
+    assert "| 700×3000 |" in text and "| 2 | 25.0 | 1.56× |" in text
     # Heatmaps: the problem with most measurements, 9 validation rounds each for both held-out problems; the tie
     # goes to the first key.
     assert f"layer_norm 300×1536 (`{LN_HELDOUT.key}`, 9 measurements)" in text
     # No table file for this GPU: fitted from the store.
     assert "rules fitted now from the stored results" in text and "Learned single-pass threshold" in text
     # Validation and peers, as worked out beside the fixture.
-    assert "| layer_norm 300×1536 | 11.5 | 10.0 | 13.0 | 1.150 | 1.130 |" in text
-    assert "Geometric-mean regret 1.199, worst 1.250 (rms_norm 700×3000)" in text
-    assert "analytic defaults 1.189×" in text and "2 of 2 shapes exceed a regret of 1.10" in text
-    assert "| layer_norm 256×1024 | 5.0 | 12.5 | 20.0 | 15.0 | quack | 1.20× |" in text
-    assert "| rms_norm 512×2048 | 10.0 | 20.0 | 30.0 | unavailable | torch | 1.50× |" in text
+    assert "| layer_norm 300×1536 bf16 | 11.5 | 10.0 | 13.0 | 1.150 [" in text
+    assert "Geometric-mean regret 1.199, worst 1.250 over 2 shapes" in text
+    assert "analytic default 1.189×" in text and "2 of 2 shapes exceed a regret of 1.10" in text
+    assert "not an independent reference" in text  # the fixture's run stored validate-best (an older validate)
+    # Floors at the bench run's stored 2900 GB/s (not the made-up floor_us of its measurements): LN 3 * 256 *
+    # 1024 * 2 B = 0.54 µs, RMS 3 * 512 * 2048 * 2 B = 2.17 µs.
+    assert "| layer_norm 256×1024 | 0.5 | 12.5 | 20.0 | 15.0 | quack | 1.20× |" in text
+    assert "| rms_norm 512×2048 | 2.2 | 20.0 | 30.0 | unavailable | torch | 1.50× |" in text
     assert "normtune beats the best peer on 2/2 shapes; geometric-mean speedup 1.342×" in text
     assert "2900 GB/s (run 3)" in text
 
@@ -190,8 +198,8 @@ def test_missing_validation_and_bench_are_sentences(tmp_path):
     text = paths[0].read_text()
     assert "No validation run for this GPU" in text and "No bench run for this GPU" in text
     assert not {"validation.png", "peers_layer_norm.png"} & {p.name for p in paths}
-    # Only LN's best stored a floor: 3 * 256 * 1024 * 2 B in 4.685 µs = 336 GB/s.
-    assert "copy bandwidth behind the memory floor: 336 GB/s (median implied by the stored floors)" in text
+    # No run stored its copy bandwidth: no floor is derived from another run's number or a measurement's floor.
+    assert "as stored with each run: not recorded by any run (% floor is n/a)" in text
     assert_valid_pngs(paths)
 
 
@@ -223,5 +231,48 @@ def test_report_from_the_committed_results_db(tmp_path):
     text = paths[0].read_text()
     assert "NVIDIA H100 80GB HBM3" in text
     assert "## Validation on held-out shapes" in text and "## normtune vs peers" in text
-    assert {"validation.png", "peers_layer_norm.png", "kernels_rms_norm.png"} <= {p.name for p in paths}
+    assert {"validation.png", "peers_layer_norm.png", "kernels_rms_norm_bf16.png"} <= {p.name for p in paths}
     assert_valid_pngs(paths)
+
+
+def test_stacked_kernel_bars_never_exceed_the_total():
+    """The split is timed apart from the total: a split summing above the total is scaled to it, one below it
+    leaves the rest as its own segment, so each stack is exactly the total."""
+    from normtune.tuner.report.plots import kernel_split_bars
+
+    totals, k1, k2 = [10.0, 10.0, 10.0], [9.0, 6.0, None], [3.0, 2.0, None]
+    fig = kernel_split_bars(["a", "b", "c"], totals, k1, k2, title="t", ylabel="µs")
+    ax = fig.axes[0]
+    stacks = [0.0, 0.0, 0.0]
+    for container in ax.containers:
+        for i, bar in enumerate(container):
+            stacks[i] += bar.get_height()
+    assert stacks == pytest.approx(totals)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[:2] == ["kernel_1 (dx + partials)", "kernel_2 (reduce partials)"] and "rest" in labels[2]
+    assert ax.get_xlabel() and ax.get_ylabel() == "µs"
+
+
+def test_cli_report_on_a_missing_database_creates_nothing(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from normtune.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["report", "--gpu", "h100", "--db", "missing.db", "--out", "out"])
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "missing.db" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_cli_report_names_a_broken_table(full_store, tmp_path):
+    from typer.testing import CliRunner
+
+    from normtune.cli import app
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = CliRunner().invoke(app, ["report", "--gpu", "testgpu", "--db", full_store.url, "--table", str(broken),
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and f"heuristic table {broken}" in result.stderr and "Traceback" not in result.output

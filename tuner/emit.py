@@ -1,32 +1,80 @@
 """`normtune emit`: turn stored measurements into a frozen launch-heuristic table (configs/<gpu>.json).
 
+Inputs (`Selection`): by default the correct measurements of this GPU's sweep runs and of emit's own neighbour
+re-measurements. Validation and bench measurements are never fitted on, whatever is selected (a table fitted on
+its held-out shapes would validate itself); runs can be narrowed by id, kind or git revision. The table records
+the runs it was fitted on and a fingerprint of every input measurement, so anyone can re-emit it from the same
+database and get the same bytes (`emit_inputs` + `dumps`, with the provenance taken from the database, never
+from the clock).
+
 Fitting, per problem family (norm, dtypes, flags):
 1. N buckets: each measured N closes a bucket (previous N, N]; the last bucket is unbounded above.
 2. A config x problem matrix of measured times within each bucket: every config measured on a problem (the
    sweep's trials, plus "neighbor" re-measurements: `remeasure` times each problem's top configs on the other
    problems of its bucket, and the adjacent buckets' top configs adapted to this N).
 3. Rules: for a group of problems, the config minimizing the geometric-mean regret (time / that problem's
-   best) over the group, among configs measured on all of them. A bucket is split on M (at most into three
-   M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN: rules that generalize beat
-   rules that memorize.
-The file is deterministic (sorted keys, provenance taken from the database, never from the clock): the same
-database gives the same bytes.
+   best) over the group, among configs measured on all of them and *never slower than the analytic default*
+   beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
+   loses to the default is recorded under the family's "dropped". A bucket is split on M (at most into three M
+   ranges) only when a split lowers the mean regret by more than SPLIT_GAIN: rules that generalize beat rules
+   that memorize.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
+from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
+
+from .render import geomean
+from .spread import Timing, slower_beyond_spread
 
 TOP_K = 3  # configs per problem carried into the matrix and re-measured on neighbours
 SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than 1%
 MAX_GROUPS = 3
+FIT_KINDS = ("sweep", "emit")  # run kinds fitted on by default (emit's runs hold the neighbour re-measurements)
+NEVER_FIT = ("validate", "bench")  # run kinds, and measurement-source prefixes, that a table never learns from
+
+Data = dict[Problem, dict[BackwardConfig, Timing]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which runs a table is fitted on: `run_ids` (exactly these), else every run of `kinds`; either narrowed to
+    `git_revisions` (prefixes) when given."""
+
+    kinds: tuple[str, ...] = FIT_KINDS
+    run_ids: tuple[int, ...] | None = None
+    git_revisions: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        bad = [k for k in self.kinds if k in NEVER_FIT]
+        if bad:
+            raise ValueError(f"--kind {','.join(bad)}: a table is never fitted on {' or '.join(NEVER_FIT)} runs "
+                             f"(held-out and bench shapes must stay unseen); use {', '.join(FIT_KINDS)}")
+        if not self.kinds:
+            raise ValueError(f"--kind is empty: use a comma list of run kinds, e.g. {','.join(FIT_KINDS)}")
+
+
+@dataclass
+class Inputs:
+    """The measurements a table is fitted on, and where they come from."""
+
+    runs: list  # RunRecord of every run that contributed a measurement, oldest first
+    measurements: list  # MeasurementRecord, by id
+    fingerprint: str = ""
+
+    def __post_init__(self):
+        digest = hashlib.sha256()
+        for m in self.measurements:
+            digest.update(f"{m.id}|{m.run_id}|{m.problem.key}|{m.config_hash}|{m.median_us!r}|{m.p10_us!r}|"
+                          f"{m.p90_us!r}\n".encode())
+        self.fingerprint = "sha256:" + digest.hexdigest()
 
 
 @dataclass
@@ -35,29 +83,71 @@ class Fitted:
     rules: list[dict]
     expected_us: dict[str, float]
     regret: dict[str, float]
+    dropped: list[dict] = field(default_factory=list)
+    default_unmeasured: list[str] = field(default_factory=list)
 
 
-def _geomean(xs) -> float:
-    xs = list(xs)
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.inf
+def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection()) -> Inputs:
+    """The selected runs' correct measurements of `gpu_key` (never validate or bench ones). Raises ValueError
+    for run ids that are not this GPU's, or that are validate/bench runs."""
+    runs = [r for r in store.runs(gpu_key=None if interpret else gpu_key)
+            if r.interpret == interpret and (interpret or r.gpu_key == gpu_key)]
+    if selection.run_ids is not None:
+        known = {r.id: r for r in runs}
+        missing = sorted(set(selection.run_ids) - set(known))
+        if missing:
+            raise ValueError(f"--runs {','.join(map(str, missing))}: no such {gpu_key} run in {store.display_url} "
+                             f"(its runs: {','.join(map(str, sorted(known))) or 'none'})")
+        refused = sorted(i for i in selection.run_ids if known[i].kind in NEVER_FIT)
+        if refused:
+            raise ValueError(f"--runs {','.join(map(str, refused))}: {known[refused[0]].kind} runs are never "
+                             "fitted on (held-out and bench shapes must stay unseen)")
+        runs = [r for r in runs if r.id in set(selection.run_ids)]
+    else:
+        runs = [r for r in runs if r.kind in selection.kinds]
+    if selection.git_revisions is not None:
+        runs = [r for r in runs if r.git_revision and r.git_revision.startswith(tuple(selection.git_revisions))]
+    run_ids = {r.id for r in runs}
+    measurements = [m for m in store.measurements(gpu_key=gpu_key, status="ok", interpret=interpret)
+                    if m.run_id in run_ids and m.median_us and m.median_us > 0
+                    and not m.source.startswith(NEVER_FIT)]
+    used = {m.run_id for m in measurements}
+    return Inputs([r for r in runs if r.id in used], measurements)
 
 
-def collect(store, gpu_key: str, interpret: bool) -> dict[ProblemFamily, dict[Problem, dict[BackwardConfig, float]]]:
-    """family → problem → config → median µs (median over repeated measurements of the same config)."""
-    times: dict[ProblemFamily, dict[Problem, dict[BackwardConfig, list[float]]]] = \
+def collect(inputs: Inputs) -> dict[ProblemFamily, Data]:
+    """family → problem → config → its measurements pooled (`Timing`)."""
+    grouped: dict[ProblemFamily, dict[Problem, dict[BackwardConfig, list]]] = \
         defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for m in store.measurements(gpu_key=gpu_key, status="ok", interpret=interpret):
-        if m.median_us is not None and m.median_us > 0:
-            times[m.problem.family][m.problem][m.config].append(m.median_us)
-    return {fam: {p: {c: statistics.median(v) for c, v in cfgs.items()} for p, cfgs in probs.items()}
-            for fam, probs in times.items()}
+    for m in inputs.measurements:
+        grouped[m.problem.family][m.problem][m.config].append(m)
+    return {fam: {p: {c: Timing.pool(v) for c, v in cfgs.items()} for p, cfgs in probs.items()}
+            for fam, probs in grouped.items()}
 
 
-def top_configs(cfgs: dict[BackwardConfig, float], k: int = TOP_K) -> list[BackwardConfig]:
-    return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1], kv[0].to_json()))[:k]]
+def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig]:
+    """Problem → the measured config that is today's analytic default (as `default_config` returns it, or in
+    the canonical form the sweep seeds it), for the problems where it was measured."""
+    from .space import Space
+
+    out = {}
+    for p, cfgs in data.items():
+        try:
+            default = default_config(p)
+        except ConfigError:
+            continue
+        forms = [default] + ([Space(p, sm_count).canonical(default)] if sm_count else [])
+        found = [c for c in forms if c in cfgs]
+        if found:
+            out[p] = found[0]
+    return out
 
 
-def neighbour_plan(data: dict[Problem, dict[BackwardConfig, float]]) -> list[tuple[Problem, BackwardConfig]]:
+def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[BackwardConfig]:
+    return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
+
+
+def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
     problems of its N bucket, and the adjacent buckets' top configs adapted to this N. Already measured pairs
     are skipped."""
@@ -82,32 +172,56 @@ def neighbour_plan(data: dict[Problem, dict[BackwardConfig, float]]) -> list[tup
     return list(dict.fromkeys(plan))
 
 
-def _best_config(group: list[Problem], data, best) -> tuple[BackwardConfig | None, float]:
-    """The config with the lowest geometric-mean regret over `group` (measured on all of it)."""
-    common = set(data[group[0]])
-    for p in group[1:]:
-        common &= set(data[p])
-    if not common:
-        return None, math.inf
-    scored = sorted(((_geomean(data[p][c] / best[p] for p in group), c.to_json(), c) for c in common))
-    return scored[0][2], scored[0][0]
+class _Fit:
+    """Rule choice for one family: `data`, each problem's best median and its measured default."""
 
+    def __init__(self, data: Data, defaults: dict[Problem, BackwardConfig]):
+        self.data, self.defaults = data, defaults
+        self.best = {p: min(t.median for t in cfgs.values()) for p, cfgs in data.items()}
 
-def _fit_bucket(problems: list[Problem], data, best) -> list[tuple[list[Problem], BackwardConfig]]:
-    """Groups of problems (contiguous in M) and their configs."""
-    problems = sorted(problems, key=lambda p: p.M)
-    whole, whole_regret = _best_config(problems, data, best)
-    if whole is None:  # no config measured on all: one rule per problem (its own best)
-        return [([p], min(data[p], key=lambda c: (data[p][c], c.to_json()))) for p in problems]
-    best_split = ([(problems, whole)], whole_regret)
-    for groups in _partitions(problems, MAX_GROUPS):
-        fitted = [(g, _best_config(g, data, best)) for g in groups]
-        if any(cfg is None for _, (cfg, _r) in fitted):
-            continue
-        regret = _geomean(data[p][cfg] / best[p] for g, (cfg, _r) in fitted for p in g)
-        if regret < best_split[1] * (1 - SPLIT_GAIN * (len(groups) - 1)):
-            best_split = ([(g, cfg) for g, (cfg, _r) in fitted], regret)
-    return best_split[0]
+    def losses_to_default(self, group: list[Problem], cfg: BackwardConfig) -> dict[str, dict]:
+        """Problems of `group` where `cfg` is slower than the measured default beyond the spread."""
+        out = {}
+        for p in group:
+            d = self.defaults.get(p)
+            if d is not None and d != cfg and slower_beyond_spread(self.data[p][cfg], self.data[p][d]):
+                out[f"{p.M}x{p.N}"] = {"us": round(self.data[p][cfg].median, 2),
+                                       "default_us": round(self.data[p][d].median, 2)}
+        return out
+
+    def config_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
+        """(config, geometric-mean regret, the better-scoring config dropped for losing to the default)."""
+        common = set(self.data[group[0]])
+        for p in group[1:]:
+            common &= set(self.data[p])
+        scored = sorted((geomean(self.data[p][c].median / self.best[p] for p in group), c.to_json(), c)
+                        for c in common)
+        dropped = None
+        for regret, _, cfg in scored:
+            losses = self.losses_to_default(group, cfg)
+            if not losses:
+                return cfg, regret, dropped
+            if dropped is None:
+                dropped = {"config": cfg.to_dict(), "fit_regret": round(regret, 4), "slower_than_default": losses,
+                           "fitted_on": [f"{p.M}x{p.N}" for p in group]}
+        return None, math.inf, dropped
+
+    def bucket(self, problems: list[Problem]) -> tuple[list[tuple[list[Problem], BackwardConfig]], list[dict]]:
+        """Groups of problems (contiguous in M) with their configs, and what was dropped on the way."""
+        problems = sorted(problems, key=lambda p: p.M)
+        whole, whole_regret, dropped = self.config_for(problems)
+        if whole is None:  # nothing measured on all (or safe on all): each problem its own best
+            own = [([p], min(self.data[p], key=lambda c: (self.data[p][c].median, c.to_json()))) for p in problems]
+            return own, [dropped] if dropped else []
+        choice = ([(problems, whole)], whole_regret, [dropped] if dropped else [])
+        for groups in _partitions(problems, MAX_GROUPS):
+            fitted = [(g, self.config_for(g)) for g in groups]
+            if any(cfg is None for _, (cfg, _r, _d) in fitted):
+                continue
+            regret = geomean(self.data[p][cfg].median / self.best[p] for g, (cfg, _r, _d) in fitted for p in g)
+            if regret < choice[1] * (1 - SPLIT_GAIN * (len(groups) - 1)):
+                choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], regret, [d for _, (_c, _r, d) in fitted if d])
+        return choice[0], choice[2]
 
 
 def _partitions(items: list, max_groups: int):
@@ -124,24 +238,28 @@ def _partitions(items: list, max_groups: int):
         yield from rec(0, k)
 
 
-def fit_family(family: ProblemFamily, data: dict[Problem, dict[BackwardConfig, float]]) -> Fitted:
-    best = {p: min(cfgs.values()) for p, cfgs in data.items()}
+def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, BackwardConfig] | None = None) -> Fitted:
+    """Rules for one family; `defaults` maps a problem to its measured analytic default (see `default_in`)."""
+    fit = _Fit(data, defaults or {})
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
         by_n[p.N].append(p)
     ns = sorted(by_n)
-    rules, expected, regret = [], {}, {}
+    out = Fitted(family, [], {}, {})
     for i, n in enumerate(ns):
         n_max = n if i < len(ns) - 1 else None
-        groups = _fit_bucket(by_n[n], data, best)
+        groups, dropped = fit.bucket(by_n[n])
+        out.dropped += dropped
         for gi, (group, cfg) in enumerate(groups):
             m_max = max(p.M for p in group) if gi < len(groups) - 1 else None
-            rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
-                          "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
+            out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
+                              "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
             for p in group:
-                expected[f"{p.M}x{p.N}"] = round(data[p][cfg], 2)
-                regret[f"{p.M}x{p.N}"] = round(data[p][cfg] / best[p], 4)
-    return Fitted(family, rules, expected, regret)
+                out.expected_us[f"{p.M}x{p.N}"] = round(data[p][cfg].median, 2)
+                out.regret[f"{p.M}x{p.N}"] = round(data[p][cfg].median / fit.best[p], 4)
+    out.default_unmeasured = [f"{p.M}x{p.N}" for p in sorted(data, key=lambda p: (p.N, p.M))
+                              if p not in fit.defaults]
+    return out
 
 
 def single_pass_threshold(rules: list[dict]) -> int | None:
@@ -154,41 +272,45 @@ def single_pass_threshold(rules: list[dict]) -> int | None:
     return out
 
 
-def build_table(store, gpu_key: str, *, interpret: bool = False) -> dict:
-    """The table for `gpu_key` from everything stored (ok measurements of non-interpreter runs unless
-    `interpret`). Raises ValueError when there is nothing to fit."""
-    data = collect(store, gpu_key, interpret)
-    if not data:
+def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection()) -> dict:
+    """The table for `gpu_key` from the selected inputs (see `select_inputs`). Raises ValueError when there is
+    nothing to fit."""
+    inputs = select_inputs(store, gpu_key, interpret=interpret, selection=selection)
+    if not inputs.measurements:
         what = "interpreter" if interpret else gpu_key
-        raise ValueError(f"no successful measurements for {what} in the database: run `normtune sweep --gpu "
-                         f"{gpu_key}` first" + (" (interpreter runs need --interpret)" if not interpret else ""))
-    runs = [r for r in store.runs(gpu_key=None if interpret else gpu_key) if r.interpret == interpret
-            and (interpret or r.gpu_key == gpu_key)]
-    latest = max(runs, key=lambda r: (r.started_at, r.id))
+        raise ValueError(f"no successful measurements for {what} in the selected runs of {store.display_url}: "
+                         f"run `normtune sweep --gpu {gpu_key}` first"
+                         + (" (interpreter runs need --interpret)" if not interpret else ""))
+    latest = max(inputs.runs, key=lambda r: (r.started_at, r.id))
     families = {}
     n_measured = 0
-    for family in sorted(data, key=lambda f: f.key):
-        fitted = fit_family(family, data[family])
-        n_measured += sum(len(v) for v in data[family].values())
+    for family, data in sorted(collect(inputs).items(), key=lambda kv: kv[0].key):
+        fitted = fit_family(family, data, default_in(data, latest.sm_count))
+        n_measured += sum(len(v) for v in data.values())
         families[family.key] = {
             "rules": fitted.rules,
             "single_pass_max_n": single_pass_threshold(fitted.rules),
             "expected_us": dict(sorted(fitted.expected_us.items())),
             "fit_regret": dict(sorted(fitted.regret.items())),
+            "dropped": fitted.dropped,
+            "default_unmeasured": fitted.default_unmeasured,
         }
+    runs = inputs.runs
     table = {
         "schema_version": SCHEMA_VERSION,
         "interpret": interpret,
         "gpu": {"name": latest.gpu_name, "key": gpu_key, "compute_capability": latest.compute_capability,
                 "sm_count": latest.sm_count},
         "provenance": {
-            "runs": sorted(r.id for r in runs), "torch": sorted({r.torch for r in runs}),
+            "runs": [r.id for r in runs], "measurements": len(inputs.measurements),
+            "fingerprint": inputs.fingerprint, "torch": sorted({r.torch for r in runs}),
             "triton": sorted({r.triton for r in runs}), "normtune": sorted({r.normtune_version for r in runs}),
             "git_revision": sorted({r.git_revision for r in runs if r.git_revision}),
             "driver": sorted({r.driver for r in runs if r.driver}),
             "date": max(r.ended_at or r.started_at for r in runs).strftime("%Y-%m-%d"),
             "configs_measured": n_measured,
-            "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS},
+            "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS,
+                    "never_slower_than_default": "beyond the p10-p90 spread"},
         },
         "families": families,
     }
@@ -200,38 +322,47 @@ def dumps(table: dict) -> str:
     return json.dumps(table, indent=1, sort_keys=True) + "\n"
 
 
-def remeasure_neighbours(store, gpu_key: str, info, *, interpret: bool = False, progress=None) -> int:
-    """Measure each family's neighbour plan (see `neighbour_plan`) and store it as source "neighbor"."""
-    import torch
+def recorded_runs(table: dict) -> tuple[int, ...]:
+    """The runs a table says it was fitted on (to re-emit it: `Selection(run_ids=recorded_runs(table))`)."""
+    runs = table.get("provenance", {}).get("runs")
+    if not runs or not all(isinstance(r, int) for r in runs):
+        raise ValueError("the table records no fitted runs (provenance.runs): it cannot be re-emitted")
+    return tuple(runs)
 
-    from . import measure
 
-    device = torch.device("cpu" if interpret else "cuda")
-    bandwidth = math.nan if interpret else measure.copy_bandwidth(device)
-    flusher = None if interpret else measure.L2Flusher(device, info.l2_bytes)
-    timing = dict(min_reps=1, max_reps=2, budget_s=0.0, warmup=0) if interpret else \
-        dict(min_reps=20, max_reps=100, budget_s=0.2)
-    run_id = store.start_run(info, kind="emit", command_line="remeasure neighbours")
+def dropped_summary(table: dict) -> list[str]:
+    """One line per config dropped for losing to the analytic default (for the command's output)."""
+    lines = []
+    for key, fam in sorted(table["families"].items()):
+        for d in fam.get("dropped", []):
+            losses = ", ".join(f"{shape} {v['us']} vs {v['default_us']} µs"
+                               for shape, v in d["slower_than_default"].items())
+            lines.append(f"{key} {'+'.join(d['fitted_on'])}: dropped `{BackwardConfig.from_dict(d['config'])}` "
+                         f"(slower than the analytic default beyond the spread on {losses})")
+    return lines
+
+
+def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Selection(), command_line: str,
+                         progress=None) -> tuple[int, int]:
+    """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
+    the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
+    from .compare import Stopwatch
+
+    families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
+    stopwatch = Stopwatch(info)
+    run_id = store.start_run(info, kind="emit", command_line=command_line,
+                             copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
     count = 0
     try:
-        for family, data in sorted(collect(store, gpu_key, interpret).items(), key=lambda kv: kv[0].key):
-            plan = neighbour_plan(data)
-            by_problem: dict[Problem, list[BackwardConfig]] = defaultdict(list)
-            for p, c in plan:
-                by_problem[p].append(c)
-            for p, cfgs in sorted(by_problem.items(), key=lambda kv: kv[0].key):
-                case = measure.make_case(p, device)
-                ref = case.reference()
-                for c in cfgs:
-                    r = measure.measure_config(case, c, flusher=flusher, bandwidth_gbps=bandwidth,
-                                               reference_grads=ref, **timing)
-                    store.add_measurement(run_id, p, c, r, source="neighbor")
-                    count += 1
-                    if progress:
-                        progress(p, c, r)
-                del case, ref
+        for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
+            for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
+                r = stopwatch.measure(p, c)
+                store.add_measurement(run_id, p, c, r, source="neighbor")
+                count += 1
+                if progress:
+                    progress(p, c, r)
         store.end_run(run_id)
     except BaseException:
         store.end_run(run_id, status="interrupted")
         raise
-    return count
+    return run_id, count

@@ -1,110 +1,160 @@
-"""`normtune validate`: how much a heuristic table loses on shapes it was not fitted on.
+"""`normtune validate`: how much a heuristic table loses on shapes it was not fitted on, against a reference
+that owes the table nothing.
 
-For each shape: a short fresh sweep (its own studies, seeded with the default config, its neighbours and the
-table's config) finds a best config; then the table's config, that best config and the analytic default are
-timed head to head, interleaved over several rounds in one process (the same conditions for all three), and
-the regret is table ÷ best (1.0 = the table found the best; below 1 the table beat the short sweep), plus the
-speedup of the table over the defaults.
+Per shape:
+1. Reference: an *unseeded* sweep (its own Optuna studies, `REFERENCE_TRIALS` trials; neither the table's config
+   nor the analytic default is enqueued, so the search cannot start from the answer it is judged against). Its
+   measurements are stored as source "validate-sweep", which `emit` never fits on.
+2. Head to head: the table's config, the reference sweep's best config and the analytic default, timed
+   interleaved over `ROUNDS` rounds in one process (`compare.head_to_head`), each with its p10-p90 spread, stored
+   as validate-table / validate-reference / validate-default in a "validate" run.
+3. Regret = table ÷ the fastest of the three (≥ 1; 1.0: the table's config was the fastest), with bounds from
+   the spreads (a lower bound below 1 means the difference is within the noise); speedup = default ÷ table.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
+import sys
 from dataclasses import dataclass
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
-from normtune.kernels.tables import Table
 
+from .compare import ROUNDS, Stopwatch, config_for, head_to_head
 from .device import DeviceInfo
+from .render import geomean
+from .spread import Ratio, Timing, slower_beyond_spread
 
-HEAD_TO_HEAD_ROUNDS = 3
+REFERENCE_TRIALS = 40
+REFERENCE_PREFIX = "normtune-validate-unseeded"  # the reference sweeps' own studies
+REFERENCE_SOURCE = "validate-sweep"
+CANDIDATES = ("table", "reference", "default")  # head-to-head names, stored as validate-<name>
+LEGACY_NAMES = {"best": "reference"}  # runs before the unseeded reference stored its best as validate-best
 
 
 @dataclass
 class ValidationRow:
     problem: Problem
-    table_config: BackwardConfig
-    best_config: BackwardConfig
-    table_us: float | None
-    best_us: float | None
-    default_us: float | None
+    configs: dict[str, BackwardConfig | None]  # by CANDIDATES name
+    times: dict[str, Timing | None]
+    reference_trials: int | None = None
+
+    def fastest(self) -> Timing | None:
+        return min((t for t in self.times.values() if t is not None), key=lambda t: t.median, default=None)
 
     @property
-    def regret(self) -> float | None:
-        if self.table_us and self.best_us:
-            return self.table_us / self.best_us
-        return None
+    def regret(self) -> Ratio | None:
+        """Table ÷ the fastest candidate, with bounds."""
+        return Ratio.of(self.times.get("table"), self.fastest())
 
     @property
-    def speedup_vs_default(self) -> float | None:
-        if self.table_us and self.default_us:
-            return self.default_us / self.table_us
-        return None
+    def speedup_vs_default(self) -> Ratio | None:
+        """Default ÷ table (above 1: the table is faster)."""
+        return Ratio.of(self.times.get("default"), self.times.get("table"))
+
+    @property
+    def slower_than_default(self) -> bool:
+        table, default = self.times.get("table"), self.times.get("default")
+        return bool(table and default and slower_beyond_spread(table, default))
 
     def to_dict(self) -> dict:
-        return {"norm": self.problem.norm, "M": self.problem.M, "N": self.problem.N, "problem": self.problem.key,
-                "table_us": self.table_us, "best_us": self.best_us, "default_us": self.default_us,
-                "regret": self.regret, "speedup_vs_default": self.speedup_vs_default,
-                "table_config": self.table_config.to_dict(), "best_config": self.best_config.to_dict()}
+        def ratio(r):
+            return None if r is None else {"value": r.value, "low": r.low, "high": r.high}
+
+        return {"norm": self.problem.norm, "M": self.problem.M, "N": self.problem.N, "dtype": self.problem.dtype,
+                "problem": self.problem.key, "reference_trials": self.reference_trials,
+                "times_us": {k: None if t is None else {"median": t.median, "p10": t.p10, "p90": t.p90,
+                                                        "rounds": t.count} for k, t in self.times.items()},
+                "regret": ratio(self.regret), "speedup_vs_default": ratio(self.speedup_vs_default),
+                "slower_than_default": self.slower_than_default,
+                "configs": {k: None if c is None else c.to_dict() for k, c in self.configs.items()}}
 
 
-def geomean(xs) -> float | None:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+# ---------------------------------------------------------------------------------------- the reference
 
 
-def head_to_head(store, run_id: int, info: DeviceInfo, problem: Problem, configs: dict[str, BackwardConfig],
-                 *, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict[str, float | None]:
-    """Median µs of each named config over `rounds` interleaved measurements (stored as validate-<name>)."""
-    import torch
+def _prepare_unseeded_studies(storage_url: str, names: dict[str, str], gpu_key: str, problems: list[Problem]):
+    """Create the reference studies marked as already seeded, so that the sweep enqueues no seed config.
+    TEMPORARY coupling to the sweep's seeding marks (seeded / seed_version): replace with a sweep option for an
+    unseeded study once the sweep has one. `check_unseeded` guards against the marks going out of date."""
+    import optuna
 
-    from . import measure
+    from .store import optuna_storage_url
 
-    device = torch.device("cpu" if info.interpret else "cuda")
-    bandwidth = math.nan if info.interpret else measure.copy_bandwidth(device, nbytes=2**28, reps=5)
-    flusher = None if info.interpret else measure.L2Flusher(device, info.l2_bytes)
-    timing = dict(min_reps=1, max_reps=2, budget_s=0.0, warmup=0) if info.interpret else \
-        dict(min_reps=20, max_reps=100, budget_s=0.25)
-    case = measure.make_case(problem, device)
-    ref = case.reference()
-    times: dict[str, list[float]] = {k: [] for k in configs}
-    for _ in range(rounds if not info.interpret else 1):
-        for name, cfg in configs.items():
-            r = measure.measure_config(case, cfg, flusher=flusher, bandwidth_gbps=bandwidth, reference_grads=ref,
-                                       **timing)
-            store.add_measurement(run_id, problem, cfg, r, source=f"validate-{name}")
-            if r.status == "ok":
-                times[name].append(r.median_us)
-    return {k: (statistics.median(v) if v else None) for k, v in times.items()}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = optuna.storages.RDBStorage(optuna_storage_url(storage_url))
+    for problem in problems:
+        study = optuna.create_study(study_name=names[problem.key], storage=storage, direction="minimize",
+                                    load_if_exists=True)
+        if not study.user_attrs.get("unseeded"):
+            for key, value in (("seeded", True), ("seed_version", 2**31 - 1), ("unseeded", True),
+                               ("problem", problem.to_dict()), ("gpu_key", gpu_key)):
+                study.set_user_attr(key, value)
 
 
-def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], table: Table | None, *,
-                 trials: int, storage_url: str, compile_workers: int = 8, progress=None) -> list[ValidationRow]:
-    from .sweep import Sweep, SweepOptions
+def check_unseeded(storage_url: str, names: list[str]) -> None:
+    """Raise RuntimeError when any reference trial was enqueued (a seed) rather than sampled."""
+    import optuna
 
-    def table_config(p: Problem) -> BackwardConfig:
-        cfg = table.lookup(p) if table is not None else None
-        return cfg if cfg is not None else default_config(p)
+    from .store import optuna_storage_url
 
-    seeds = {p.key: [table_config(p).to_dict()] for p in problems}
+    storage = optuna.storages.RDBStorage(optuna_storage_url(storage_url))
+    for name in names:
+        study = optuna.load_study(study_name=name, storage=storage)
+        seeded = [t.number for t in study.get_trials(deepcopy=False) if "fixed_params" in t.system_attrs]
+        if seeded:
+            raise RuntimeError(f"reference study {name} holds enqueued (seed) trials {seeded[:5]}: the reference "
+                               "must be unseeded; the sweep's seeding changed, update validate's reference setup")
+
+
+def reference_sweep(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], *, trials: int,
+                    storage_url: str, compile_workers: int, progress=None) -> dict[str, tuple]:
+    """problem key → (best config or None, trials measured) of an unseeded sweep of `trials` trials."""
+    from .sweep import Sweep, SweepOptions, study_name
+
+    names = {p.key: study_name(gpu_key, p, info.interpret, REFERENCE_PREFIX) for p in problems}
+    _prepare_unseeded_studies(storage_url, names, gpu_key, problems)
     opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, storage_url=storage_url,
-                        interpret=info.interpret, compile_workers=compile_workers, study_prefix="normtune-validate",
-                        source="validate-sweep", extra_seeds=seeds)
-    summary = Sweep(opts, store, info, on_event=progress).run()
-    best = {ps.problem.key: ps.best_config for ps in summary.problems}
-    run_id = store.start_run(info, kind="validate", command_line="validate head-to-head")
+                        interpret=info.interpret, compile_workers=compile_workers, study_prefix=REFERENCE_PREFIX,
+                        source=REFERENCE_SOURCE)
+    Sweep(opts, store, info, on_event=progress).run()
+    check_unseeded(storage_url, list(names.values()))
+    out = {}
+    for p in problems:
+        measured = store.measurements(study_name=names[p.key])
+        ok = [m for m in measured if m.status == "ok" and m.median_us]
+        best = min(ok, key=lambda m: (m.median_us, m.id), default=None)
+        out[p.key] = (best.config if best else None, len(measured))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- validate
+
+
+def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], table, *, storage_url: str,
+                 trials: int = REFERENCE_TRIALS, rounds: int = ROUNDS, compile_workers: int = 8,
+                 command_line: str | None = None, progress=None) -> list[ValidationRow]:
+    """Reference sweep, then the head-to-head per problem (see the module docstring). `progress(kind, data)`
+    receives the sweep's events and ("validated", {"index", "total", "row"})."""
+    reference = reference_sweep(store, info, gpu_key, problems, trials=trials, storage_url=storage_url,
+                                compile_workers=compile_workers, progress=progress)
+    stopwatch = Stopwatch(info)
+    run_id = store.start_run(info, kind="validate", command_line=command_line or " ".join(sys.argv),
+                             copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
     rows = []
     try:
-        for p in problems:
-            t_cfg = table_config(p)
-            b_cfg = best.get(p.key) or t_cfg
-            d_cfg = default_config(p)
-            res = head_to_head(store, run_id, info, p, {"table": t_cfg, "best": b_cfg, "default": d_cfg})
-            row = ValidationRow(p, t_cfg, b_cfg, res["table"], res["best"], res["default"])
+        for i, p in enumerate(problems):
+            best, measured = reference[p.key]
+            configs = {"table": config_for(table, p), "reference": best, "default": default_config(p)}
+            timed = {k: c for k, c in configs.items() if c is not None}
+
+            def store_result(name, config, result, p=p):
+                store.add_measurement(run_id, p, config, result, source=f"validate-{name}")
+
+            times = head_to_head(stopwatch, p, timed, rounds=rounds, on_result=store_result)
+            row = ValidationRow(p, configs, {k: times.get(k) for k in CANDIDATES}, measured)
             rows.append(row)
             if progress:
-                progress("validated", {"row": row})
+                progress("validated", {"index": i, "total": len(problems), "row": row})
         store.end_run(run_id)
     except BaseException:
         store.end_run(run_id, status="interrupted")
@@ -112,26 +162,38 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
     return rows
 
 
+def rows_from_measurements(measurements) -> list[ValidationRow]:
+    """A validate run's rows from its stored head-to-head measurements (in the order measured)."""
+    results: dict[Problem, dict[str, list]] = {}
+    configs: dict[Problem, dict[str, BackwardConfig]] = {}
+    for m in measurements:
+        name = m.source.removeprefix("validate-")
+        name = LEGACY_NAMES.get(name, name)
+        if name in CANDIDATES:
+            results.setdefault(m.problem, {}).setdefault(name, []).append(m)
+            configs.setdefault(m.problem, {}).setdefault(name, m.config)
+    return [ValidationRow(p, {k: configs[p].get(k) for k in CANDIDATES},
+                          {k: Timing.pool(results[p].get(k, [])) for k in CANDIDATES}) for p in results]
+
+
 def summarize(rows: list[ValidationRow]) -> dict:
-    regrets = [r.regret for r in rows if r.regret]
-    speedups = [r.speedup_vs_default for r in rows if r.speedup_vs_default]
+    regrets = [r.regret.value for r in rows if r.regret]
+    speedups = [r.speedup_vs_default.value for r in rows if r.speedup_vs_default]
     return {"shapes": len(rows), "geomean_regret": geomean(regrets), "worst_regret": max(regrets, default=None),
-            "geomean_speedup_vs_default": geomean(speedups)}
+            "geomean_speedup_vs_default": geomean(speedups),
+            "slower_than_default": [r.problem.key for r in rows if r.slower_than_default]}
 
 
-def markdown(rows: list[ValidationRow], info: DeviceInfo, table_path: str | None) -> str:
-    s = summarize(rows)
+def markdown(rows: list[ValidationRow], info: DeviceInfo, table_path: str | None, trials: int) -> str:
+    """validate.md."""
+    from .render import validation_summary, validation_table
 
-    def f(x, d=1):
-        return "–" if x is None else f"{x:.{d}f}"
-
-    lines = [f"# normtune validate — {info.name}", "",
-             f"Table: `{table_path or 'none (analytic defaults)'}`. Regret = table µs ÷ best µs of a short fresh "
-             "sweep, timed head to head (median of interleaved rounds, cold L2).", "",
-             "| problem | table µs | best µs | default µs | regret | speedup vs default |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.problem.norm} {r.problem.M}×{r.problem.N} | {f(r.table_us)} | {f(r.best_us)} | "
-                     f"{f(r.default_us)} | {f(r.regret, 3)} | {f(r.speedup_vs_default, 3)} |")
-    lines += ["", f"Geometric-mean regret {f(s['geomean_regret'], 3)}, worst {f(s['worst_regret'], 3)}; "
-                  f"geometric-mean speedup over the analytic defaults {f(s['geomean_speedup_vs_default'], 3)}.", ""]
-    return "\n".join(lines)
+    timing = ("Triton-interpreter timings: host wall-clock on CPU, not GPU time" if info.interpret else
+              "median µs of cold-L2 repetitions, pooled over interleaved rounds")
+    return "\n".join(
+        [f"# normtune validate — {info.name}", "",
+         f"Table: `{table_path or 'none (analytic defaults)'}`. Reference: the best config of an unseeded sweep of "
+         f"{trials} trials per shape. The table's config, the reference and the analytic default were timed head "
+         f"to head ({timing}). Regret = table ÷ the fastest of the three (1.000: the table's config was the "
+         "fastest); bounds from the p10–p90 spreads.", ""]
+        + validation_table(rows) + ["", validation_summary(summarize(rows)), ""])

@@ -1,0 +1,161 @@
+"""`normtune compare` (the regression gate for tables) and `normtune validate` (regret against an unseeded
+reference), run end to end on CPU through the Triton interpreter on tiny shapes; plus the spread arithmetic they
+share with emit.
+
+In the interpreter a backward's cost grows with the number of program instances it runs: the BAD config (one row
+per program, 16 programs, kernel_2 tiles of 32x8 on one warp) takes about 4-5x the GOOD one (16-row tiles, one
+128x16 kernel_2 tile) on 64x256, far beyond the timing noise, so the gate's verdicts are stable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
+from normtune.kernels.device import interpret_mode
+from normtune.tuner.spread import Ratio, Timing, slower_beyond_spread
+from normtune.tuner.store import Store
+
+runner = CliRunner()
+GOOD = BackwardConfig(Kernel1Config(block_row=16, block_col=256, num_warps=4, prefetch=True,
+                                    eviction_policy="evict_first"), Kernel2Config(128, 16, 4))
+BAD = BackwardConfig(Kernel1Config(block_row=1, block_col=256, num_warps=4, programs_per_sm=4),
+                     Kernel2Config(block_m=32, block_n=8, num_warps=1))
+FAMILIES = ("rms_norm/bf16/wbf16/nobias/save-input", "layer_norm/bf16/wbf16/bias/save-input")
+
+
+def write_table(path, config: BackwardConfig) -> str:
+    """An interpreter table with one rule per family: `config` for every shape."""
+    rules = [{"n_max": None, "m_max": None, "config": config.to_dict(), "fitted_on": ["64x256"]}]
+    path.write_text(json.dumps({"schema_version": 1, "interpret": True,
+                                "gpu": {"name": "cpu (triton interpreter)", "key": "interpret",
+                                        "compute_capability": None, "sm_count": 4},
+                                "families": {key: {"rules": rules} for key in FAMILIES}}))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter():
+    if not interpret_mode():
+        pytest.skip("runs the kernels through --interpret: set TRITON_INTERPRET=1")
+
+
+# ------------------------------------------------------------------------------------------------- spread
+
+
+def test_pooled_timing_holds_the_spread_within_and_between_measurements():
+    class M:
+        def __init__(self, median, p10=None, p90=None, status="ok"):
+            self.median_us, self.p10_us, self.p90_us, self.status = median, p10, p90, status
+
+    t = Timing.pool([M(10.0, 9.5, 10.5), M(12.0, 11.5, 12.5), M(11.0, 10.5, 11.5), M(1.0, status="incorrect")])
+    assert (t.median, t.count) == (11.0, 3)
+    # within: median p10 10.5, p90 11.5; between: the medians' 10th/90th percentiles 10.2 and 11.8
+    assert t.p10 == pytest.approx(10.2) and t.p90 == pytest.approx(11.8)
+    assert Timing.pool([M(5.0, status="timeout")]) is None
+    a, b = Timing(12.0, 11.5, 12.5), Timing(10.0, 9.5, 10.5)
+    assert slower_beyond_spread(a, b) and not slower_beyond_spread(b, a)
+    assert not slower_beyond_spread(a, b, threshold=0.25)  # 20 % slower is within a 25 % threshold
+    assert not slower_beyond_spread(Timing(12.0, 10.0, 13.0), b)  # overlapping ranges: within the noise
+    r = Ratio.of(a, b)
+    assert (r.value, r.low, r.high) == pytest.approx((1.2, 11.5 / 10.5, 12.5 / 9.5)) and r.beyond_spread
+
+
+# ------------------------------------------------------------------------------------------------ compare
+
+
+def compare(tmp_path, old: BackwardConfig, new: BackwardConfig, *more: str):
+    # Files named by their config: kernels.tables caches a loaded table by its path.
+    args = ["compare", write_table(tmp_path / f"old-{old.to_json().__hash__()}.json", old),
+            write_table(tmp_path / f"new-{new.to_json().__hash__()}.json", new),
+            "--interpret", "--norm", "rms_norm", "--shapes", "64x256", "--rounds", "2", *more]
+    return runner.invoke(app, args)
+
+
+def test_compare_passes_identical_tables_without_timing(tmp_path):
+    result = compare(tmp_path, GOOD, GOOD)
+    assert result.exit_code == 0, result.output
+    assert "| rms_norm 64×256 bf16 | – | – | – | same config |" in result.stdout
+    assert "0 of 1 shapes slower" in result.stdout and "PASS" in result.stdout
+    assert "Triton interpreter" in result.stderr  # the banner
+
+
+def test_compare_fails_when_new_is_slower_and_passes_the_other_way(tmp_path):
+    worse = compare(tmp_path, GOOD, BAD, "--threshold", "0.5")
+    assert worse.exit_code == 1, worse.output
+    assert "SLOWER" in worse.stdout and "1 of 1 shapes slower" in worse.stdout and "FAIL" in worse.stdout
+    assert "interpreter µs (host wall-clock, not GPU time)" in worse.stdout
+    better = compare(tmp_path, BAD, GOOD, "--threshold", "0.5")
+    assert better.exit_code == 0, better.output
+    assert "| ok |" in better.stdout and "PASS" in better.stdout
+
+
+@pytest.mark.parametrize("args, needle", [(["--threshold", "-0.1"], "--threshold -0.1"),
+                                          (["--rounds", "0"], "--rounds 0")])
+def test_compare_bad_options_are_one_line(tmp_path, args, needle):
+    result = compare(tmp_path, GOOD, BAD, *args)
+    assert result.exit_code == 1
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {needle}"), lines
+
+
+def test_compare_names_a_broken_table(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    result = runner.invoke(app, ["compare", str(broken), write_table(tmp_path / "new.json", GOOD), "--interpret"])
+    assert result.exit_code == 1 and str(broken) in result.stderr and "Traceback" not in result.output
+
+
+# ----------------------------------------------------------------------------------------------- validate
+
+
+def test_validate_uses_an_unseeded_reference_that_emit_never_fits_on(tmp_path, monkeypatch):
+    import optuna
+
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    out = tmp_path / "validate"
+    args = ["validate", "--interpret", "--norm", "rms_norm", "--shapes", "24x200", "--trials", "3", "--rounds", "2",
+            "--table", write_table(tmp_path / "t.json", GOOD), "--db", url, "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["/any/folder/bin/normtune", *args])  # as the console script sees it
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    # progress while it runs, and the interpreter's banner
+    assert "Triton interpreter" in result.stderr and "reference sweep: 1 problems, 3 trials each" in result.stderr
+    assert "head to head 1/1" in result.stderr
+    data = json.loads((out / "validate.json").read_text())
+    (row,) = data["rows"]
+    assert row["reference_trials"] == 3 and data["reference_trials"] == 3
+    # the table's rule adapted to 24x200: single pass on 256 columns, the tile no larger than the rule's
+    assert BackwardConfig.from_dict(row["configs"]["table"]).kernel_2 == GOOD.kernel_2
+    regret = row["regret"]
+    assert regret["value"] >= 1.0 and regret["low"] <= regret["value"] <= regret["high"]
+    assert all(row["times_us"][k]["rounds"] == 2 for k in ("table", "reference", "default"))
+    assert "| rms_norm 24×200 bf16 |" in (out / "validate.md").read_text()
+    # The reference study holds no enqueued (seed) trial: neither the table's config nor the default.
+    storage = optuna.storages.RDBStorage(url)
+    (study,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.startswith("normtune-validate")]
+    trials = optuna.load_study(study_name=study.study_name, storage=storage).get_trials()
+    assert len(trials) >= 3 and not any("fixed_params" in t.system_attrs for t in trials)
+    with Store(url) as store:
+        kinds = {r.kind: r for r in store.runs()}
+        assert kinds["validate"].command_line == " ".join(["normtune", *args])
+        sources = {m.source for m in store.measurements()}
+    assert sources == {"validate-sweep", "validate-table", "validate-reference", "validate-default"}
+    # Nothing of a validation is fitted on: emit finds no input at all.
+    emitted = runner.invoke(app, ["emit", "--interpret", "--db", url, "--out", str(tmp_path / "e.json")])
+    assert emitted.exit_code == 1 and "no successful measurements" in emitted.stderr
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_validate_refuses_bad_options_before_measuring(tmp_path):
+    for args, needle in ((["--trials", "0"], "--trials 0"), (["--rounds", "0"], "--rounds 0")):
+        result = runner.invoke(app, ["validate", "--interpret", "--db", str(tmp_path / "v.db"), *args])
+        assert result.exit_code == 1
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: {needle}"), lines
+    assert not (tmp_path / "v.db").exists()

@@ -1,0 +1,243 @@
+"""What a table is fitted on, and what it refuses to learn: `normtune emit` fits only the selected runs (sweep and
+emit runs by default, never validate or bench ones), records them with a fingerprint of its inputs, reproduces
+itself byte for byte from the same database (the committed results.db included, no re-measurement), and never
+ships a rule slower than the analytic default beyond the measured spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
+from normtune.tuner import emit
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.spread import Timing
+from normtune.tuner.store import Store
+
+REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
+CONFIGS = Path(str(resources.files("normtune.configs")))
+GPU = DeviceInfo(name="NVIDIA Test GPU", key="testgpu", compute_capability="9.0", sm_count=8, l2_bytes=50 * 2**20,
+                 memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0", triton="3.2.0",
+                 normtune="0.1.0", git_revision="aaaa111", host="node-1", python="3.11.9", interpret=False)
+RMS = ProblemFamily("rms_norm", "bf16", "bf16", True, False, False, "input")
+runner = CliRunner()
+
+
+def cfg(N: int, warps: int = 4, block_m: int = 64) -> BackwardConfig:
+    return BackwardConfig(Kernel1Config(block_row=1, block_col=N, num_warps=warps),
+                          Kernel2Config(block_m=block_m, block_n=16))
+
+
+def ok(median: float, spread: float = 0.01) -> MeasureResult:
+    return MeasureResult(status="ok", median_us=median, p10_us=median * (1 - spread), p90_us=median * (1 + spread),
+                         reps=20)
+
+
+def sweep_store(path: Path) -> Store:
+    """Two sweep runs (revisions aaaa111, bbbb222) on RMS 256x1024 and 2048x1024: config A best everywhere."""
+    store = Store(f"sqlite:///{path}")
+    for revision, scale in (("aaaa111", 1.0), ("bbbb222", 1.0)):
+        run = store.start_run(dataclasses.replace(GPU, git_revision=revision), kind="sweep", command_line="sweep")
+        for M in (256, 2048):
+            p = RMS.problem(M, 1024)
+            store.add_measurement(run, p, cfg(1024, 4), ok(10.0 * scale * M / 256), source="sweep")
+            store.add_measurement(run, p, cfg(1024, 8), ok(12.0 * scale * M / 256), source="sweep")
+        store.end_run(run)
+    return store
+
+
+def add_fast_run(store: Store, kind: str, source: str) -> int:
+    """A run whose config is 100x faster than anything swept: a table that saw it would pick it."""
+    run = store.start_run(GPU, kind=kind, command_line=f"normtune {kind}")
+    for M in (256, 2048):
+        store.add_measurement(run, RMS.problem(M, 1024), cfg(1024, 2, 32), ok(0.1), source=source)
+    store.end_run(run)
+    return run
+
+
+def test_validate_and_bench_runs_never_change_the_table(tmp_path):
+    store = sweep_store(tmp_path / "r.db")
+    try:
+        before = emit.dumps(emit.build_table(store, GPU.key))
+        # validate's head-to-head, validate's own sweep (a "sweep" run of source validate-sweep), a bench run
+        for kind, source in (("validate", "validate-table"), ("sweep", "validate-sweep"), ("bench", "bench-table")):
+            add_fast_run(store, kind, source)
+            assert emit.dumps(emit.build_table(store, GPU.key)) == before, (kind, source)
+        table = json.loads(before)
+        assert table["provenance"]["runs"] == [1, 2] and table["provenance"]["measurements"] == 8
+        rule = table["families"][RMS.key]["rules"][0]
+        assert BackwardConfig.from_dict(rule["config"]) == cfg(1024, 4)
+    finally:
+        store.close()
+
+
+def test_selection_by_run_kind_and_revision(tmp_path):
+    store = sweep_store(tmp_path / "r.db")
+    try:
+        def runs(**kw):
+            return emit.build_table(store, GPU.key, selection=emit.Selection(**kw))["provenance"]["runs"]
+
+        assert runs(run_ids=(2,)) == [2]
+        assert runs(git_revisions=("bbbb",)) == [2] and runs(git_revisions=("aaaa", "bbbb")) == [1, 2]
+        with pytest.raises(ValueError, match="no successful measurements"):
+            emit.build_table(store, GPU.key, selection=emit.Selection(kinds=("emit",)))
+        validate_run = add_fast_run(store, "validate", "validate-table")
+        with pytest.raises(ValueError, match=f"--runs {validate_run}: validate runs are never fitted on"):
+            emit.build_table(store, GPU.key, selection=emit.Selection(run_ids=(1, validate_run)))
+        with pytest.raises(ValueError, match="--runs 99: no such testgpu run"):
+            emit.build_table(store, GPU.key, selection=emit.Selection(run_ids=(99,)))
+    finally:
+        store.close()
+    with pytest.raises(ValueError, match="--kind bench: a table is never fitted on validate or bench runs"):
+        emit.Selection(kinds=("sweep", "bench"))
+
+
+def test_fingerprint_changes_with_the_inputs_only(tmp_path):
+    store = sweep_store(tmp_path / "r.db")
+    try:
+        first = emit.build_table(store, GPU.key)["provenance"]["fingerprint"]
+        add_fast_run(store, "validate", "validate-default")
+        assert emit.build_table(store, GPU.key)["provenance"]["fingerprint"] == first
+        run = store.start_run(GPU, kind="sweep", command_line="sweep")
+        store.add_measurement(run, RMS.problem(256, 1024), cfg(1024, 8), ok(11.0), source="sweep")
+        store.end_run(run)
+        assert emit.build_table(store, GPU.key)["provenance"]["fingerprint"] != first
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------ never slower than the default
+
+
+def T(median: float, spread: float = 0.01) -> Timing:
+    return Timing(median, median * (1 - spread), median * (1 + spread))
+
+
+def test_a_rule_slower_than_the_default_beyond_the_spread_is_dropped():
+    """X has the best geometric-mean regret over the bucket (1.0083) but is 2.5 % slower than the default on the
+    small problem, beyond the ±1 % spread; Y (1.0093) never loses to the default, and splitting the bucket on M
+    gains less than SPLIT_GAIN: Y is the rule, X is reported as dropped."""
+    small, mid, large = (RMS.problem(M, 1024) for M in (256, 1024, 4096))
+    default = default_config(small)
+    x, y = cfg(1024, 4, 32), cfg(1024, 8, 32)
+    data = {small: {default: T(10.0), x: T(10.25), y: T(10.0)},
+            mid: {default: T(20.0), x: T(10.0), y: T(10.14)},
+            large: {default: T(40.0), x: T(20.0), y: T(20.28)}}
+    defaults = {p: default for p in data}
+    fitted = emit.fit_family(RMS, data, defaults)
+    assert [BackwardConfig.from_dict(r["config"]) for r in fitted.rules] == [y]
+    (dropped,) = fitted.dropped
+    assert BackwardConfig.from_dict(dropped["config"]) == x
+    assert dropped["slower_than_default"] == {"256x1024": {"us": 10.25, "default_us": 10.0}}
+    assert dropped["fitted_on"] == ["256x1024", "1024x1024", "4096x1024"] and fitted.default_unmeasured == []
+    # Within the spread (±5 %: 10.25 and 10.0 overlap), X is kept: noise is no reason to drop a rule.
+    noisy = {p: {c: T(t.median, 0.05) for c, t in cfgs.items()} for p, cfgs in data.items()}
+    kept = emit.fit_family(RMS, noisy, defaults)
+    assert [BackwardConfig.from_dict(r["config"]) for r in kept.rules] == [x] and kept.dropped == []
+    # Without the default measured there is nothing to check against: said so, not silently passed.
+    unchecked = emit.fit_family(RMS, data, {})
+    assert unchecked.default_unmeasured == ["256x1024", "1024x1024", "4096x1024"]
+
+
+def test_when_no_config_is_safe_on_the_whole_bucket_each_problem_gets_its_own_best():
+    small, large = RMS.problem(256, 1024), RMS.problem(4096, 1024)
+    default = default_config(small)
+    x = cfg(1024, 4, 32)
+    # The default itself was measured only on the small problem, so it cannot be the bucket's rule.
+    data = {small: {default: T(10.0), x: T(14.0)}, large: {x: T(50.0)}}
+    fitted = emit.fit_family(RMS, data, {small: default})
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(256, default),
+                                                                                         (None, x)]
+    assert len(fitted.dropped) == 1 and fitted.default_unmeasured == ["4096x1024"]
+    table = {"families": {RMS.key: {"dropped": fitted.dropped}}}
+    (line,) = emit.dropped_summary(table)
+    assert "256x1024 14.0 vs 10.0 µs" in line and "slower than the analytic default" in line
+
+
+# ------------------------------------------------------------------------------------- committed results.db
+
+
+@pytest.fixture(scope="module")
+def repo_db(tmp_path_factory):
+    if not REPO_DB.is_file():
+        pytest.skip("no committed results.db")
+    # A copy: until the store opens read-only, opening a SQLite file may switch its journal mode.
+    path = tmp_path_factory.mktemp("repo") / "results.db"
+    shutil.copy(REPO_DB, path)
+    return path
+
+
+@pytest.mark.parametrize("key", ["h100", "h200"])
+def test_committed_results_db_emits_the_same_bytes_twice(repo_db, key, tmp_path):
+    outs = []
+    for name in ("a.json", "b.json"):
+        result = runner.invoke(app, ["emit", "--gpu", key, "--db", str(repo_db), "--out", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        outs.append((tmp_path / name).read_bytes())
+    assert outs[0] == outs[1]
+    table = json.loads(outs[0])
+    with Store(f"sqlite:///{repo_db}") as store:
+        kinds = {r.id: r.kind for r in store.runs()}
+    assert table["provenance"]["runs"] and {kinds[r] for r in table["provenance"]["runs"]} <= {"sweep", "emit"}
+    result = runner.invoke(app, ["emit", "--gpu", key, "--db", str(repo_db), "--out", str(tmp_path / "a.json"),
+                                 "--check"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("name", ["h100.json", "h200.json"])
+def test_committed_table_reproduces_from_its_recorded_runs(repo_db, name, tmp_path):
+    """A shipped table re-emitted from the runs it records gives its rules and expected times exactly, and
+    its bytes exactly once it records the fingerprint of its inputs."""
+    shipped = json.loads((CONFIGS / name).read_text())
+    runs = emit.recorded_runs(shipped)
+    with Store(f"sqlite:///{repo_db}") as store:
+        refused = [r.id for r in store.runs() if r.id in runs and r.kind in emit.NEVER_FIT]
+        if refused:
+            pytest.skip(f"configs/{name} was fitted on run(s) {refused} of kind validate/bench, before emit "
+                        "excluded them: re-emit it (`normtune emit --gpu ...`) to make it reproducible")
+        again = emit.build_table(store, shipped["gpu"]["key"], selection=emit.Selection(run_ids=runs))
+    for key, fam in shipped["families"].items():
+        for field in ("rules", "expected_us", "fit_regret"):
+            assert again["families"][key][field] == fam[field], (key, field)
+    if "fingerprint" in shipped["provenance"]:
+        out = tmp_path / name
+        result = runner.invoke(app, ["emit", "--gpu", shipped["gpu"]["key"], "--db", str(repo_db),
+                                     "--runs-of", str(CONFIGS / name), "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert out.read_bytes() == (CONFIGS / name).read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_emit_refusals_are_one_line_and_write_nothing(tmp_path):
+    store = sweep_store(tmp_path / "r.db")
+    add_fast_run(store, "bench", "bench-table")
+    store.close()
+    db = str(tmp_path / "r.db")
+    out = tmp_path / "t.json"
+    cases = [(["--runs", "3"], "--runs 3: bench runs are never fitted on"),
+             (["--kind", "validate"], "--kind validate: a table is never fitted on"),
+             (["--runs", "x"], "--runs 'x': use a comma list of run ids"),
+             (["--runs", "1", "--runs-of", str(out)], "--runs and --runs-of"),
+             (["--db", str(tmp_path / "missing.db")], "no such database file")]
+    for args, needle in cases:
+        result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(out)] + args)
+        assert result.exit_code == 1, (args, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, lines)
+        assert not out.exists()
+    assert not (tmp_path / "missing.db").exists()
+    # --check against a file that differs: exit 1, the file untouched.
+    out.write_text("{}\n")
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(out), "--check"])
+    assert result.exit_code == 1 and out.read_text() == "{}\n"

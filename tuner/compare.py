@@ -1,0 +1,144 @@
+"""Configs timed head to head, and `normtune compare OLD.json NEW.json`: the regression gate for tables.
+
+Head to head means the same process, the same inputs, cold L2 (as `measure` times everything), interleaved:
+each round times every candidate once, in an order rotated from round to round, so that clock drift and
+thermal state fall on all of them alike. A candidate's time is its rounds pooled (`spread.Timing`).
+
+`compare` resolves each shape's config as the runtime would with each table (its rule, adapted; the analytic
+default where no rule applies), times OLD and NEW head to head and fails a shape where NEW is slower than OLD
+by more than the threshold *and* beyond the measured spread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from normtune.kernels.config import BackwardConfig, Problem, default_config
+
+from .render import MISSING, geomean, interval, markdown_table, num
+from .spread import Ratio, Timing, slower_beyond_spread
+
+ROUNDS = 5  # interleaved rounds per head-to-head (each round is itself a median over cold-L2 repetitions)
+THRESHOLD = 0.03  # compare: NEW may be up to 3 % slower than OLD before the gate fails
+
+# Repetitions per measurement: on a GPU like a validation sweep's trial; in the interpreter the figures only
+# need to exist (host wall-clock, not GPU time).
+GPU_TIMING = dict(min_reps=20, max_reps=100, budget_s=0.25)
+INTERPRET_TIMING = dict(warmup=0, min_reps=1, max_reps=2, budget_s=0.0)
+
+
+class Stopwatch:
+    """The device side of a head-to-head, set up once: the copy bandwidth (stored with the run, for the memory
+    floor), the L2 flush buffer, the timing preset, and one problem's inputs and reference at a time.
+    The interpreter (CPU) has no bandwidth and no flush, and its times are host wall-clock."""
+
+    def __init__(self, info):
+        import torch
+
+        from . import measure
+
+        self._measure = measure
+        self.interpret = info.interpret
+        self.device = torch.device("cpu" if info.interpret else "cuda")
+        self.bandwidth_gbps = None if info.interpret else measure.copy_bandwidth(self.device)
+        self.flusher = None if info.interpret else measure.L2Flusher(self.device, info.l2_bytes)
+        self.timing = INTERPRET_TIMING if info.interpret else GPU_TIMING
+        self._case = self._reference = None
+
+    def measure(self, problem: Problem, config: BackwardConfig):
+        """A `measure.MeasureResult` of `config` on `problem` (inputs and reference reused per problem)."""
+        if self._case is None or self._case.problem != problem:
+            self._case = self._reference = None
+            self._case = self._measure.make_case(problem, self.device)
+            self._reference = self._case.reference()
+        bandwidth = self.bandwidth_gbps if self.bandwidth_gbps else float("nan")
+        return self._measure.measure_config(self._case, config, flusher=self.flusher, bandwidth_gbps=bandwidth,
+                                            reference_grads=self._reference, **self.timing)
+
+
+def head_to_head(stopwatch: Stopwatch, problem: Problem, configs: dict[str, BackwardConfig], *,
+                 rounds: int = ROUNDS, on_result: Callable | None = None) -> dict[str, Timing | None]:
+    """Each named config's pooled time over `rounds` interleaved rounds (None: it never ran correctly).
+    `on_result(name, config, result)` sees every measurement (validate stores them)."""
+    names = list(configs)
+    results: dict[str, list] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            result = stopwatch.measure(problem, configs[name])
+            results[name].append(result)
+            if on_result is not None:
+                on_result(name, configs[name], result)
+    return {name: Timing.pool(rs) for name, rs in results.items()}
+
+
+def config_for(table, problem: Problem) -> BackwardConfig:
+    """What the runtime would run with `table` (None: no table): its rule adapted, else the analytic default."""
+    config = table.lookup(problem) if table is not None else None
+    return config if config is not None else default_config(problem)
+
+
+@dataclass
+class Comparison:
+    problem: Problem
+    old_config: BackwardConfig
+    new_config: BackwardConfig
+    old: Timing | None = None
+    new: Timing | None = None
+
+    @property
+    def same_config(self) -> bool:
+        return self.old_config == self.new_config
+
+    @property
+    def ratio(self) -> Ratio | None:
+        """NEW ÷ OLD (above 1: NEW is slower)."""
+        return Ratio.of(self.new, self.old)
+
+    def verdict(self, threshold: float) -> str:
+        if self.same_config:
+            return "same config"
+        if self.new is None:
+            return "NEW failed"
+        if self.old is None:
+            return "ok (OLD failed)"
+        return "SLOWER" if slower_beyond_spread(self.new, self.old, threshold) else "ok"
+
+    def fails(self, threshold: float) -> bool:
+        return self.verdict(threshold) in ("SLOWER", "NEW failed")
+
+
+def compare_tables(old, new, problems: list[Problem], stopwatch: Stopwatch, *, rounds: int = ROUNDS,
+                   progress: Callable[[int, Comparison], None] | None = None) -> list[Comparison]:
+    """One `Comparison` per problem; shapes where both tables pick the same config are not timed."""
+    out = []
+    for i, problem in enumerate(problems):
+        row = Comparison(problem, config_for(old, problem), config_for(new, problem))
+        if not row.same_config:
+            times = head_to_head(stopwatch, problem, {"old": row.old_config, "new": row.new_config}, rounds=rounds)
+            row.old, row.new = times["old"], times["new"]
+        out.append(row)
+        if progress is not None:
+            progress(i, row)
+    return out
+
+
+def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: bool) -> list[str]:
+    """The gate's table and its one-line verdict."""
+    unit = "interpreter µs (host wall-clock, not GPU time)" if interpret else "µs (cold L2, median [p10–p90])"
+
+    def cell(t: Timing | None) -> str:
+        return MISSING if t is None else f"{num(t.median)} [{num(t.p10)}–{num(t.p90)}]"
+
+    body = []
+    for r in rows:
+        ratio = r.ratio
+        body.append([f"{r.problem.norm} {r.problem.M}×{r.problem.N} {r.problem.dtype}", cell(r.old), cell(r.new),
+                     interval(ratio.value, ratio.low, ratio.high) if ratio else MISSING, r.verdict(threshold)])
+    failed = sum(r.fails(threshold) for r in rows)
+    g = geomean(r.ratio.value for r in rows if r.ratio)
+    return ([f"OLD vs NEW, {unit}; NEW ÷ OLD with bounds from the spread; a shape fails when NEW is more than "
+             f"{threshold:.1%} slower beyond the spread.", ""]
+            + markdown_table(["problem", "OLD", "NEW", "NEW ÷ OLD", "verdict"], body)
+            + ["", f"{failed} of {len(rows)} shapes slower; geometric-mean NEW ÷ OLD over the timed shapes "
+                   f"{num(g, 3)}." + (" FAIL" if failed else " PASS")])
