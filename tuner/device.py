@@ -17,9 +17,13 @@ from normtune.kernels.device import gpu_key  # noqa: F401 - re-exported: the tun
 
 INTERPRET_KEY = "interpret"
 
+# The tuner's dtype names (kernels.config.DTYPES) as torch dtypes.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class NoGPUError(RuntimeError):
     """No CUDA device where one is needed."""
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
