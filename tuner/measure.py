@@ -59,7 +59,7 @@ class Timing:
 
 # Presets of the commands; every interpreter run uses "interpret" (its figures only need to exist).
 TIMING = {
-    "sweep": Timing(),
+    "sweep": Timing(max_reps=100, budget_s=0.2),
     "bench": Timing(budget_s=0.5),
     "validate": Timing(max_reps=100, budget_s=0.25),
     "remeasure": Timing(max_reps=100, budget_s=0.2),
@@ -86,8 +86,17 @@ class L2Flusher:
         self.buffer.zero_()
 
 
-def _event_pair() -> tuple[torch.cuda.Event, torch.cuda.Event]:
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _event_times_us(fn: Callable[[], object], reps: int) -> list[float]:
+    """Device time (µs) of `fn` between two events, `reps` times, each waited for."""
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return times
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**30, reps: int = 20) -> float:
@@ -98,31 +107,16 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30, reps: int = 20) ->
     for _ in range(3):
         dst.copy_(src)
     torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        a, b = _event_pair()
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3)
+    median_us = percentile(_event_times_us(lambda: dst.copy_(src), reps), 50)
     del src, dst
-    return 2 * n * 4 / percentile(times, 50) / 1e9
+    return 2 * n * 4 / (median_us * 1e3)
 
 
 def calibrate_spin(device: torch.device, cycles: int = 2_000_000, reps: int = 3) -> float:
     """Clock cycles per µs of the spin kernel on this device (median of `reps`): spins are sized in µs."""
     views.spin(cycles // 10)
     torch.cuda.synchronize(device)
-    rates = []
-    for _ in range(reps):
-        a, b = _event_pair()
-        a.record()
-        views.spin(cycles)
-        b.record()
-        b.synchronize()
-        rates.append(cycles / (a.elapsed_time(b) * 1e3))
-    return percentile(rates, 50)
+    return cycles / percentile(_event_times_us(lambda: views.spin(cycles), reps), 50)
 
 
 # ---------------------------------------------------------------------------------------- timing
