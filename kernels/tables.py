@@ -64,6 +64,21 @@ class Table:
     families: dict[str, tuple[Rule, ...]]
     raw: dict
 
+    @property
+    def label(self) -> str:
+        """The table's path as reports show it: a shipped table as configs/<file> (its place in the repository),
+        another relative to the working folder when it lies inside it, else as given."""
+        path = Path(self.path).resolve()
+        try:
+            shipped = Path(str(resources.files("normtune.configs"))).resolve()
+            return f"configs/{path.relative_to(shipped)}"
+        except (ValueError, TypeError, ModuleNotFoundError):
+            pass
+        try:
+            return str(path.relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return self.path
+
     def rules(self, family: ProblemFamily) -> tuple[Rule, ...] | None:
         """The family's rules, or those of the closest tuned family (same norm and dtype, most flags equal)."""
         if family.key in self.families:
@@ -262,13 +277,13 @@ def table_for(device_name: str | None, capability: tuple[int, int] | None = None
     key = gpu_key(device_name)
     same_key = [t for t in tables if t.gpu_key == key]
     if same_key:
-        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].path} (tuned on "
+        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].label} (tuned on "
                    f"{same_key[0].gpu_name!r}, same GPU family)")
         return same_key[0]
     cc = f"{capability[0]}.{capability[1]}" if capability else None
     same_cc = [t for t in tables if cc and t.compute_capability == cc]
     if same_cc:
-        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].path} (tuned on "
+        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].label} (tuned on "
                    f"{same_cc[0].gpu_name!r}, same compute capability {cc})")
         return same_cc[0]
     _warn_once(f"normtune: no heuristic table for {device_name!r}: using the analytic default configs "

@@ -434,3 +434,15 @@ def test_shape_file_errors(tmp_path):
 def test_shape_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_shapes(spec)
+
+
+def test_command_line_has_no_machine_paths(tmp_path, monkeypatch):
+    import os
+
+    from normtune.tuner.device import command_line
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/someone")
+    line = command_line(["/opt/env/bin/normtune", "bench", "--out", str(tmp_path / "bench"), "--db",
+                         f"sqlite:///{tmp_path / 'r.db'}", "--config", "/home/someone/cfg.json"])
+    assert line == f"normtune bench --out bench --db sqlite:///r.db --config ~{os.sep}cfg.json"

@@ -448,3 +448,15 @@ def test_opcheck(is_rms, has_weight, has_bias, zero_centered, save_output, dtype
     assert rstd.dtype == torch.float32 and mean.numel() == (0 if is_rms or save_output else x.shape[0])
     saved = y if save_output else x
     torch.library.opcheck(torch.ops.normtune.norm_backward.default, (g, saved, w, b, rstd, mean, *flags))
+
+
+def test_table_label_is_repository_relative(tmp_path, monkeypatch):
+    from normtune.kernels.tables import read_table, shipped_tables
+
+    assert sorted(t.label for t in shipped_tables()) == ["configs/h100.json", "configs/h200.json"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    import json
+
+    (tmp_path / "mine" / "t.json").write_text(json.dumps(_shipped_table_json()))
+    assert read_table(str(tmp_path / "mine" / "t.json")).label == "mine/t.json"
