@@ -8,7 +8,8 @@
 
 Commands are thin: they parse options and call library functions in `normtune.tuner`. Known errors print one
 line and exit with status 1. GPU work needs a CUDA device; `--interpret` runs the same pipeline on CPU through
-the Triton interpreter (tests, demos; its timings are host wall-clock and are labelled as such).
+the Triton interpreter (tests, demos; its timings are host wall-clock and are labelled as such). Its results are
+labelled `interpret`, so `--gpu` takes only `auto` or `interpret` with it; `--gpu interpret` needs `--interpret`.
 """
 
 from __future__ import annotations
@@ -20,20 +21,47 @@ from typing import Annotated, Optional
 
 import typer
 
+# Plain help (rich_markup_mode=None): "[default: …]" written in a help text stays (rich markup would take it for
+# a style tag and drop it), and flags show as --flag / --no-flag without a type placeholder.
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
-                  pretty_exceptions_enable=False, add_completion=False)
+                  pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
+
+
+def _fail(message: str):
+    """Print one error line and exit 1 (for option callbacks, which run outside `_run`)."""
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(1)
+
+
+def _check_gpu(ctx: typer.Context, value: str) -> str:
+    """--gpu against --interpret (an eager option, so already parsed): the interpreter's results are labelled
+    'interpret', never a GPU's."""
+    key = value.strip().lower()
+    interpret = bool(ctx.params.get("interpret"))
+    if interpret and key not in ("auto", "interpret"):
+        _fail(f"--gpu {value} cannot be combined with --interpret: interpreter results are labelled 'interpret'; "
+              "drop --gpu (or pass --gpu auto)")
+    if not interpret and key == "interpret":
+        _fail("--gpu interpret names the Triton interpreter's results: add --interpret, or name a GPU key such as "
+              "h100")
+    return value
+
 
 # ------------------------------------------------------------------------------------------ shared options
 
-Gpu = Annotated[str, typer.Option("--gpu", help="GPU key the results are for (h100, h200, …) or 'auto'. Must "
-                                                "match the detected device.")]
+Gpu = Annotated[str, typer.Option("--gpu", callback=_check_gpu,
+                                  help="GPU key the results are for (h100, h200, …) or 'auto'. Must match the "
+                                       "detected device; with --interpret only auto or interpret.")]
 Norms = Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32.")]
 Shapes = Annotated[Optional[str], typer.Option(
     "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... "
                      "[default: seed on a GPU, tiny with --interpret]")]
-Interpret = Annotated[bool, typer.Option("--interpret", help="Run on CPU through the Triton interpreter "
-                                                             "(no GPU; timings are not GPU timings).")]
+Interpret = Annotated[bool, typer.Option("--interpret", is_eager=True,
+                                         help="Run on CPU through the Triton interpreter (no GPU; timings are not "
+                                              "GPU timings).")]
+WeightDtype = Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype: bf16, fp16 or fp32 "
+                                                                           "[default: the activation dtype]")]
 Storage = Annotated[str, typer.Option("--db", "--storage", help="SQLAlchemy URL of the results database.")]
 Device = Annotated[int, typer.Option("--device", help="CUDA device index.")]
 
@@ -45,7 +73,7 @@ class CLIError(Exception):
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [CLIError, ValueError, FileNotFoundError, PermissionError]
+    errors: list[type[BaseException]] = [CLIError, ValueError, OSError]
     try:
         from normtune.tuner.store import StoreError
 
@@ -66,8 +94,13 @@ def _run(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except _known_errors() as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+        _fail(one_line(err))
+
+
+def one_line(err: BaseException) -> str:
+    """An error's message on one line (SQLAlchemy appends a 'Background on this error' link line)."""
+    lines = [line.strip() for line in str(err).splitlines()]
+    return " ".join(line for line in lines if line and not line.startswith("(Background on this error"))
 
 
 def _use_interpreter(interpret: bool) -> None:
@@ -118,16 +151,34 @@ def _shapes(spec: str | None, interpret: bool):
         raise CLIError(f"--shapes: {err}") from None
 
 
+def _positive_seconds(value: float, option: str) -> float:
+    """A time budget: a positive finite number of seconds."""
+    if not (value > 0 and value != float("inf")):  # also refuses NaN
+        raise CLIError(f"{option} {value}: give a positive number of seconds, e.g. {option} 0.5")
+    return value
+
+
+def normtune_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("normtune")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"normtune {normtune_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", help="Print normtune's version and exit.")] = False,
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print normtune's version and exit.")] = False,
 ):
     """Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels."""
-    if version:
-        from importlib.metadata import version as _v
-
-        typer.echo(f"normtune {_v('normtune')}")
-        raise typer.Exit()
 
 
 # ------------------------------------------------------------------------------------------------- bench
@@ -140,22 +191,28 @@ def bench(
     dtype: Dtype = "bf16",
     shapes: Shapes = None,
     peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, quack")] = "all",
-    config: Annotated[str, typer.Option(help="normtune's config: default | table | JSON text or file")] = "table",
-    weight_dtype: Annotated[Optional[str], typer.Option(help="Weight dtype (default: the activation dtype)")] = None,
+    config: Annotated[str, typer.Option(help="normtune's config: default | table | a JSON file | JSON text")]
+    = "table",
+    weight_dtype: WeightDtype = None,
     cold: Annotated[bool, typer.Option("--cold/--warm", help="Flush L2 before every repetition")] = True,
     out: Annotated[Path, typer.Option(help="Folder for bench.csv/.json/.md and PNG plots")] = Path("bench-out"),
-    db: Annotated[Optional[str], typer.Option("--db", help="Also store the results in this database")] = None,
+    db: Annotated[Optional[str], typer.Option("--db", help="Also store the results in this database (stored "
+                                                           "before the files are written)")] = None,
     budget: Annotated[float, typer.Option(help="Seconds of timing per implementation and shape")] = 0.5,
     interpret: Interpret = False,
     device: Device = 0,
 ):
-    """Time normtune's backward and its peers side by side (cold L2) and write a report."""
+    """Time normtune's backward and its peers side by side (cold L2) and write a report: GPU time with the host
+    hidden, the kernels' summed device time (profiler), and host µs per backward and forward call."""
     _run(_use_interpreter, interpret)
+    import dataclasses
+
     from rich.console import Console
 
     from normtune.kernels.config import NORMS
     from normtune.tuner import bench as B
     from normtune.tuner import bench_output
+    from normtune.tuner.measure import TIMING
     from normtune.tuner.peers import parse_peers
 
     console = Console(stderr=True)
@@ -164,14 +221,17 @@ def bench(
     wdt = _run(_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
     shape_list = _run(_shapes, shapes, interpret)
     peer_names = _run(parse_peers, peers)
+    _run(_positive_seconds, budget, "--budget")
+    _run(B.parse_config_option, config)  # refused now rather than after the first shape's peers
+    # Everything that can fail without measuring fails first: the device, the output folder, the database.
     info = _run(_device_info, gpu, interpret, device)
+    _run(bench_output.check_out_dir, out)
+    store = _open_store(db) if db else None
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; times are host "
                       "wall-clock, not GPU timings[/]")
-    opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config,
-                          weight_dtype=wdt, cold=cold, budget_s=budget,
-                          min_reps=2 if interpret else 20, max_reps=3 if interpret else 200,
-                          profile_reps=0 if interpret else 5)
+    opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config, weight_dtype=wdt,
+                          cold=cold, timing=dataclasses.replace(TIMING["bench"], budget_s=budget))
     total = len(norms) * len(shape_list) * (1 + len(peer_names))
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -185,40 +245,26 @@ def bench(
             progress.update(task, advance=1, description=f"{msg}: {status}")
 
         report = _run(B.run_bench, opts, info, progress=on_row)
-    paths = bench_output.write_all(report, out)
-    if db:
-        from normtune.tuner.bench import store_report
-        from normtune.tuner.store import Store
+    stored = ""
+    if store is not None:
+        run_id = _run(B.store_report, store, report, info)
+        store.close()
+        stored = f"stored as run {run_id} in {db}"
+    try:
+        paths = bench_output.write_all(report, out)
+    except OSError as err:
+        _run(_raise, f"writing {out} failed ({err}); " + (f"the results are {stored}" if stored else
+                                                         "pass --db to keep results when files cannot be written"))
+    console.print(bench_output.summary_table(report))
+    console.print(bench_output.summary_footer(report))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}" + (f"; {stored}" if stored else ""))
 
-        _run(store_report, _run(Store, db), report, info)
-    _print_summary(console, report)
-    console.print(f"wrote {', '.join(str(p) for p in paths)}")
 
+def _open_store(url: str):
+    """The results database, opened (and checked) before any work that would be lost if it cannot be."""
+    from normtune.tuner.store import Store
 
-def _print_summary(console, report) -> None:
-    from rich.table import Table
-
-    from normtune.tuner.bench import geomean, summary
-
-    table = Table(title=f"normtune vs best peer — {report.provenance['device']['name']}"
-                  + (" (interpreter: not GPU times)" if report.provenance["interpret"] else ""))
-    for col in ("norm", "M×N", "floor µs", "normtune µs", "k1", "k2", "best peer", "µs", "speedup", "% floor"):
-        table.add_column(col, justify="right" if col not in ("norm", "best peer") else "left")
-
-    def f(x, d=1):
-        return "–" if x is None else f"{x:.{d}f}"
-
-    rows = summary(report.rows)
-    for s in rows:
-        table.add_row(s["norm"], f"{s['M']}×{s['N']}", f(s["floor_us"]),
-                      f(s["normtune_us"]) if s["status"] == "ok" else s["status"], f(s["kernel_1_us"]),
-                      f(s["kernel_2_us"]), s["best_peer"] or "–", f(s["best_peer_us"]),
-                      (f(s["speedup"], 2) + "×") if s["speedup"] else "–",
-                      f(100 * s["floor_fraction"], 0) if s["floor_fraction"] else "–")
-    console.print(table)
-    g = geomean([s["speedup"] for s in rows if s["speedup"]])
-    if g:
-        console.print(f"geometric-mean speedup over the best peer: {g:.3f}×")
+    return _run(Store, url)
 
 
 # ------------------------------------------------------------------------------------------------- sweep

@@ -9,20 +9,45 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .functional import layer_norm, rms_norm
+from .functional import _SAVE_MODES, layer_norm, rms_norm
+
+
+def _is_int(d) -> bool:
+    return isinstance(d, int) and not isinstance(d, bool)
 
 
 def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not shape or any(not isinstance(d, int) or d < 1 for d in shape):
+    """torch's rule: an int or a sequence of ints (a float such as 64.0 is a TypeError, as in torch)."""
+    if _is_int(normalized_shape):
+        shape = (normalized_shape,)
+    elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str) \
+            and all(_is_int(d) for d in normalized_shape):
+        shape = tuple(normalized_shape)
+    else:
+        raise TypeError(f"normalized_shape must be an int or a tuple of ints (e.g. 4096 or (8, 512)), got "
+                        f"{normalized_shape!r} ({type(normalized_shape).__name__})")
+    if not shape or any(d < 1 for d in shape):
         raise ValueError(f"normalized_shape must be a positive int or a non-empty tuple of them, got {normalized_shape!r}")
     return shape
+
+
+def _check_options(eps, save: str, *, eps_may_be_none: bool) -> None:
+    """The functional API's rules for eps and save (RMSNorm's eps=None means the dtype's eps, as in torch),
+    checked when the module is built rather than at its first forward."""
+    if eps is None:
+        if not eps_may_be_none:
+            raise ValueError("eps must be a positive finite number (e.g. 1e-5), got None")
+    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
+    if save not in _SAVE_MODES:
+        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
 
 
 class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
+        _check_options(eps, save, eps_may_be_none=isinstance(self, RMSNorm))
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.zero_centered = zero_centered

@@ -61,6 +61,21 @@ class Table:
     families: dict[str, tuple[Rule, ...]]
     raw: dict
 
+    @property
+    def label(self) -> str:
+        """The table's path as reports show it: a shipped table as configs/<file> (its place in the repository),
+        another relative to the working folder when it lies inside it, else as given."""
+        path = Path(self.path).resolve()
+        try:
+            shipped = Path(str(resources.files("normtune.configs"))).resolve()
+            return f"configs/{path.relative_to(shipped)}"
+        except (ValueError, TypeError, ModuleNotFoundError):
+            pass
+        try:
+            return str(path.relative_to(Path.cwd().resolve()))
+        except ValueError:
+            return self.path
+
     def rules(self, family: ProblemFamily) -> tuple[Rule, ...] | None:
         """The family's rules, or those of the closest tuned family (same norm and dtype, most flags equal)."""
         if family.key in self.families:
@@ -129,6 +144,45 @@ def _fail(path: str, message: str):
     raise TableError(f"heuristic table {path}: {message}")
 
 
+def _is_positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+# Metadata fields a table may carry: (where, field) → (rule, what it must be). Checked at load, so that a bad
+# value is refused naming the file and the field instead of failing at the first backward that uses it.
+_METADATA_RULES = {
+    ("gpu", "key"): (lambda v: v is None or isinstance(v, str), "a string (e.g. \"h100\") or null"),
+    ("gpu", "compute_capability"): (
+        lambda v: v is None or (isinstance(v, str) and len(v.split(".")) == 2 and all(p.isdigit() for p in v.split("."))),
+        "a string major.minor (e.g. \"9.0\") or null"),
+    ("gpu", "sm_count"): (lambda v: v is None or _is_positive_int(v), "a positive integer (e.g. 132) or null"),
+    ("", "interpret"): (lambda v: isinstance(v, bool), "true or false"),
+    ("", "provenance"): (lambda v: isinstance(v, Mapping), "an object"),
+}
+
+
+def _check_metadata(path: str, gpu: Mapping, data: Mapping) -> None:
+    for (where, name), (ok, expected) in _METADATA_RULES.items():
+        section = gpu if where == "gpu" else data
+        if name in section and not ok(section[name]):
+            field = f"{where}.{name}" if where else name
+            _fail(path, f"{field}={section[name]!r} must be {expected}")
+
+
+def read_table(path: str) -> Table:
+    """Read and validate the table at `path` afresh (no cache: e.g. a report right after `emit`); every error is
+    a TableError naming the file: unreadable, not JSON, or not a valid table."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise TableError(f"heuristic table {path}: cannot be read ({err.strerror or err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise TableError(f"heuristic table {path}: not valid JSON ({err})") from None
+    return parse_table(data, path)
+
+
 def parse_table(data: Any, path: str = "<table>") -> Table:
     """Validate a table's JSON object and build the `Table`; every error names `path` and the problem."""
     if not isinstance(data, Mapping):
@@ -140,6 +194,7 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
     gpu = data.get("gpu")
     if not isinstance(gpu, Mapping) or not isinstance(gpu.get("name"), str):
         _fail(path, "has no gpu.name (the GPU it was tuned on)")
+    _check_metadata(path, gpu, data)
     fams = data.get("families")
     if not isinstance(fams, Mapping) or not fams:
         _fail(path, "has no families (rules per norm/dtype/flags)")
@@ -176,15 +231,8 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
 
 @functools.lru_cache(maxsize=None)
 def load_table(path: str) -> Table:
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise TableError(f"heuristic table {path}: cannot be read ({err.strerror or err})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TableError(f"heuristic table {path}: not valid JSON ({err})") from None
-    return parse_table(data, path)
+    """`read_table`, once per path (the runtime's tables do not change while it runs)."""
+    return read_table(path)
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,13 +274,13 @@ def table_for(device_name: str | None, capability: tuple[int, int] | None = None
     key = gpu_key(device_name)
     same_key = [t for t in tables if t.gpu_key == key]
     if same_key:
-        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].path} (tuned on "
+        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].label} (tuned on "
                    f"{same_key[0].gpu_name!r}, same GPU family)")
         return same_key[0]
     cc = f"{capability[0]}.{capability[1]}" if capability else None
     same_cc = [t for t in tables if cc and t.compute_capability == cc]
     if same_cc:
-        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].path} (tuned on "
+        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].label} (tuned on "
                    f"{same_cc[0].gpu_name!r}, same compute capability {cc})")
         return same_cc[0]
     _warn_once(f"normtune: no heuristic table for {device_name!r}: using the analytic default configs "

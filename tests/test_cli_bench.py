@@ -230,11 +230,164 @@ def test_bad_config(tmp_path, config, needles):
 
 
 @needs_interpreter
-def test_config_file_that_does_not_exist_is_taken_as_json(tmp_path):
-    result = invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--config",
-                    str(tmp_path / "missing.json"), "--out", tmp_path)
-    assert result.exit_code == 1
-    assert any("not valid JSON" in line for line in error_lines(result))
+def test_config_file_that_does_not_exist_is_no_such_file(tmp_path):
+    missing = tmp_path / "nosuchfile.json"
+    line = assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--config",
+                                        missing, "--out", tmp_path / "out"), "--config", str(missing), "no such file")
+    assert "JSON" not in line.split("no such file")[0]
+    assert not (tmp_path / "out").exists()  # refused before anything else
+
+
+@needs_interpreter
+def test_config_from_a_json_file(tmp_path):
+    path = tmp_path / "cfg.json"
+    path.write_text('{"kernel_1": {"block_row": 2, "block_col": 128, "num_warps": 1, "programs_per_sm": 1}, '
+                    '"kernel_2": {"block_m": 16, "block_n": 32, "num_warps": 1}}')
+    result = invoke("bench", "--interpret", "--norm", "rms_norm", "--shapes", "6x70", "--peers", "none", "--config",
+                    path, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    _, rows = read_csv(tmp_path / "out" / "bench.csv")
+    assert rows[0]["config_source"] == "explicit" and json.loads(rows[0]["config"])["kernel_2"]["block_n"] == 32
+
+
+# --------------------------------------------------------------------- bench: fail before measuring, store first
+
+
+def _no_measuring(monkeypatch):
+    """Make any measurement fail the test: the error paths below must stop before measuring."""
+    from normtune.tuner import bench as bench_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured although the command should have failed first")
+
+    monkeypatch.setattr(bench_module, "run_bench", refuse)
+
+
+@needs_interpreter
+def test_unwritable_out_fails_before_measuring(tmp_path, monkeypatch):
+    _no_measuring(monkeypatch)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--out",
+                                 blocker / "out"), "--out", str(blocker / "out"), "cannot write")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
+def test_bad_budget_is_refused(tmp_path, monkeypatch, budget):
+    _no_measuring(monkeypatch)
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--budget", budget, "--out", tmp_path),
+                          "--budget", "positive number of seconds")
+
+
+@needs_interpreter
+def test_unusable_database_fails_before_measuring(tmp_path, monkeypatch):
+    _no_measuring(monkeypatch)
+    url = f"sqlite:///{tmp_path / 'no-such-folder' / 'x.db'}"
+    line = assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--peers", "none", "--out",
+                                        tmp_path / "out", "--db", url))
+    assert "x.db" in line
+
+
+@needs_interpreter
+def test_store_error_is_one_line(tmp_path, monkeypatch):
+    from normtune.tuner import store as store_module
+
+    def broken(url, *args, **kwargs):
+        raise store_module.StoreError(f"unknown database scheme in {url!r}: use sqlite:/// or postgresql://")
+
+    monkeypatch.setattr(store_module, "Store", broken)
+    _no_measuring(monkeypatch)
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x96", "--out", tmp_path, "--db", "foo://bar"),
+                          "foo://bar", "unknown database scheme")
+
+
+@needs_interpreter
+def test_results_are_stored_before_files_are_written(tmp_path, monkeypatch):
+    def cannot_write(report, out_dir):
+        raise PermissionError(13, "Permission denied", str(out_dir))
+
+    monkeypatch.setattr(bench_output, "write_all", cannot_write)
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    result = invoke("bench", "--interpret", "--norm", "rms_norm", "--shapes", "8x96", "--peers", "none", "--out",
+                    tmp_path / "out", "--db", db)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in error_lines(result) if line.startswith("error: ")]
+    assert len(errors) == 1 and "Permission denied" in errors[0] and "stored as run" in errors[0], result.output
+    assert "Traceback" not in result.output
+    store = Store(db)
+    try:
+        (run,) = store.runs(kind="bench")
+        assert [m.status for m in store.measurements(run_id=run.id)] == ["ok"]
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------------------------------ CLI global options
+
+
+def test_version_prints_the_version():
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"normtune {version('normtune')}"
+
+
+@pytest.mark.parametrize("command", [[], ["bench"], ["sweep"], ["emit"], ["validate"], ["report"]])
+def test_help_keeps_written_defaults_and_has_no_bool_placeholder(command):
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())  # the help is wrapped to the terminal's width
+    assert "<bool>" not in text and "BOOLEAN" not in text
+    if command == ["bench"]:
+        assert "[default: seed on a GPU, tiny with --interpret]" in text  # written in the help text
+        assert "[default: the activation dtype]" in text
+        assert "--cold / --warm" in text and "[default: cold]" in text  # typer's own default
+        assert "[default: 0.5]" in text
+
+
+@needs_interpreter
+@pytest.mark.parametrize("command", ["bench", "sweep", "validate", "emit"])
+def test_gpu_with_interpret_is_an_error(tmp_path, command):
+    assert_one_line_error(invoke(command, "--gpu", "h100", "--interpret", "--db", f"sqlite:///{tmp_path / 'x.db'}"),
+                          "--gpu h100", "--interpret")
+    assert not (tmp_path / "x.db").exists()
+
+
+@pytest.mark.parametrize("command", ["emit", "bench"])
+def test_gpu_interpret_without_interpret_names_the_flag(tmp_path, command):
+    line = assert_one_line_error(invoke(command, "--gpu", "interpret", "--db", f"sqlite:///{tmp_path / 'x.db'}"),
+                                 "--gpu interpret", "add --interpret")
+    assert "no measurements" not in line
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shapes", ["everything", "4096x", "seeds"])
+def test_shapes_errors_name_the_option_once(tmp_path, shapes):
+    line = assert_one_line_error(invoke("bench", "--interpret", "--shapes", shapes, "--out", tmp_path), "--shapes")
+    assert line.count("--shapes") == 1, line
+
+
+# ------------------------------------------------------------------------------------------- three views
+
+
+@needs_interpreter
+def test_bench_reports_the_three_views(torch_bench):
+    _, out, _ = torch_bench
+    _, rows = read_csv(out / "bench.csv")
+    for r in rows:
+        # host µs per backward and per forward call, for every implementation
+        assert float(r["host_us"]) > 0 and float(r["forward_host_us"]) > 0, r
+        assert r["kernel_sum_us"] == ""  # no profiler kernels in the interpreter: no made-up figure
+        assert r["pdl"] in ("False", "")
+    data = json.loads((out / "bench.json").read_text())
+    assert {"host_us", "forward_host_us", "kernel_sum_speedup", "normtune_kernel_sum_us"} <= set(data["summary"][0])
+    assert data["provenance"]["timing"]["host_calls"] >= 1
+    md = (out / "bench.md").read_text()
+    for needle in ("GPU time, host hidden", "Kernel sum (µs, torch.profiler)", "Host µs per call (backward / forward)",
+                   "kernel sum counts that wait"):
+        assert needle in md, needle
 
 
 # --------------------------------------------------------------------------------------------- shapes parser
@@ -275,9 +428,21 @@ def test_shape_file_errors(tmp_path):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("", "empty"), ("   ", "empty"), ("seeds", "neither a preset"), ("4096x8192x2", "write MxN"),
+    ("", "no shapes given"), ("   ", "no shapes given"), ("seeds", "neither a preset"), ("4096x8192x2", "write MxN"),
     ("1.5x8", "integers"), ("-1x8", "M >= 0"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
 ])
 def test_shape_errors(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_shapes(spec)
+
+
+def test_command_line_has_no_machine_paths(tmp_path, monkeypatch):
+    import os
+
+    from normtune.tuner.device import command_line
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", "/home/someone")
+    line = command_line(["/opt/env/bin/normtune", "bench", "--out", str(tmp_path / "bench"), "--db",
+                         f"sqlite:///{tmp_path / 'r.db'}", "--config", "/home/someone/cfg.json"])
+    assert line == f"normtune bench --out bench --db sqlite:///r.db --config ~{os.sep}cfg.json"

@@ -279,6 +279,89 @@ def test_module_rejects_bad_arguments(make, needles):
         assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
 
 
+@pytest.mark.parametrize("make,error,needles", [
+    (lambda: RMSNorm(64.0), TypeError, ["normalized_shape", "64.0", "float"]),
+    (lambda: LayerNorm((4, 8.0)), TypeError, ["normalized_shape", "(4, 8.0)"]),
+    (lambda: LayerNorm("64"), TypeError, ["normalized_shape", "'64'"]),
+    (lambda: LayerNorm(True), TypeError, ["normalized_shape", "True"]),
+    (lambda: LayerNorm(N, eps=0.0), ValueError, ["eps", "0.0"]),
+    (lambda: LayerNorm(N, eps=None), ValueError, ["eps", "None"]),
+    (lambda: RMSNorm(N, eps=-1e-6), ValueError, ["eps", "-1e-06"]),
+    (lambda: RMSNorm(N, eps=float("nan")), ValueError, ["eps", "nan"]),
+    (lambda: LayerNorm(N, save="y"), ValueError, ["save='y'", "'input'", "'output'"]),
+    (lambda: RMSNorm(N, eps=None, save="both"), ValueError, ["save='both'"]),
+], ids=["float", "float-in-tuple", "str", "bool", "eps-zero", "ln-eps-none", "eps-negative", "eps-nan",
+        "save", "rms-save"])
+def test_module_checks_its_arguments_at_construction(make, error, needles):
+    """Bad arguments fail when the module is built (not at its first forward), naming the argument."""
+    with pytest.raises(error) as info:
+        make()
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
+
+
+def test_module_accepts_torch_sizes_and_lists():
+    assert LayerNorm(torch.Size([4, 50])).normalized_shape == (4, 50)
+    assert RMSNorm([N], eps=None).normalized_shape == (N,)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Heuristic tables: a malformed table is refused at load, naming the file and the field.
+# ---------------------------------------------------------------------------------------------------------------
+def _shipped_table_json() -> dict:
+    import json
+    from importlib import resources
+
+    return json.loads(resources.files("normtune.configs").joinpath("h100.json").read_text())
+
+
+@pytest.mark.parametrize("section, field, value", [
+    ("gpu", "sm_count", "132"), ("gpu", "sm_count", 0), ("gpu", "sm_count", 13.2), ("gpu", "sm_count", True),
+    ("gpu", "compute_capability", 9.0), ("gpu", "compute_capability", "nine"), ("gpu", "key", 100),
+    ("", "interpret", "no"), ("", "provenance", []),
+])
+def test_table_with_a_badly_typed_field_is_refused_at_load(tmp_path, section, field, value):
+    import json
+
+    from normtune.kernels.tables import TableError, read_table
+
+    data = _shipped_table_json()
+    (data[section] if section else data)[field] = value
+    path = tmp_path / "broken-meta.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TableError) as info:
+        read_table(str(path))
+    message = str(info.value)
+    assert str(path) in message and (f"{section}.{field}" if section else field) in message, message
+    assert repr(value) in message, message
+
+
+def test_read_table_names_the_file_for_bad_json_and_missing_files(tmp_path):
+    from normtune.kernels.tables import TableError, read_table
+
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(TableError, match=r"broken\.json: not valid JSON"):
+        read_table(str(broken))
+    with pytest.raises(TableError, match=r"absent\.json: cannot be read"):
+        read_table(str(tmp_path / "absent.json"))
+
+
+def test_read_table_reads_the_shipped_table_afresh(tmp_path):
+    import json
+
+    from normtune.kernels.tables import read_table
+
+    path = tmp_path / "h100.json"
+    path.write_text(json.dumps(_shipped_table_json()))
+    first = read_table(str(path))
+    assert first.sm_count == 132 and first.gpu_key == "h100"
+    data = _shipped_table_json()
+    data["gpu"]["sm_count"] = 114
+    path.write_text(json.dumps(data))
+    assert read_table(str(path)).sm_count == 114  # not cached: a file re-emitted since is seen
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Custom ops: torch.compile(fullgraph=True) traces through them; opcheck validates their registration.
 # ---------------------------------------------------------------------------------------------------------------
@@ -365,3 +448,15 @@ def test_opcheck(is_rms, has_weight, has_bias, zero_centered, save_output, dtype
     assert rstd.dtype == torch.float32 and mean.numel() == (0 if is_rms or save_output else x.shape[0])
     saved = y if save_output else x
     torch.library.opcheck(torch.ops.normtune.norm_backward.default, (g, saved, w, b, rstd, mean, *flags))
+
+
+def test_table_label_is_repository_relative(tmp_path, monkeypatch):
+    from normtune.kernels.tables import read_table, shipped_tables
+
+    assert sorted(t.label for t in shipped_tables()) == ["configs/h100.json", "configs/h200.json"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    import json
+
+    (tmp_path / "mine" / "t.json").write_text(json.dumps(_shipped_table_json()))
+    assert read_table(str(tmp_path / "mine" / "t.json")).label == "mine/t.json"

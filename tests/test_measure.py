@@ -466,9 +466,168 @@ def test_write_all(tmp_path):
 
     md = (tmp_path / "out" / "bench.md").read_text()
     assert md.startswith("# normtune bench — cpu (triton interpreter)")
-    assert "## layer_norm (µs, lower is better)" in md and "## rms_norm (µs, lower is better)" in md
+    assert "## layer_norm" in md and "## rms_norm" in md and "GPU time, host hidden (µs, lower is better)" in md
     assert "| 4093×1536 |" in md and "2.00×" in md and "0.80×" in md
     assert "normtune beats the best peer on 2/4" in md
     assert "liger unavailable: liger-kernel is not installed" in md
     # bench summary: what the Markdown is built from
     assert [s["speedup"] for s in summary(report.rows)] == pytest.approx([2.0, 0.8, 2.0, 0.8])
+
+
+# ------------------------------------------------------------------------------ the three views, the session
+
+
+def test_results_module_has_no_torch():
+    """Storage and reports read results without importing the stopwatch (or torch)."""
+    import normtune.tuner.results as results
+
+    tree = ast.parse(open(results.__file__).read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch" not in imported and "triton" not in imported
+
+
+def test_the_gpu_time_view_times_the_whole_backward_without_an_event_between_the_kernels(monkeypatch, device):
+    """With PDL an event between kernel_1 and kernel_2 would break their overlap: the headline figure must come
+    from one event pair around both launches."""
+    from normtune.tuner import measure
+
+    calls = []
+    real = measure.time_kernels
+
+    def spy(steps, **kwargs):
+        calls.append(([getattr(s, "__name__", "") for s in steps], kwargs["split"]))
+        return real(steps, **kwargs)
+
+    monkeypatch.setattr(measure, "time_kernels", spy)
+    r = _measure(device)
+    assert r.status == "ok"
+    assert calls[0] == (["kernel_1", "kernel_2"], False)  # the reported median: both kernels, no split
+    assert calls[1] == (["kernel_1", "kernel_2"], True)   # the per-kernel split, separately
+
+
+def test_pdl_split_reports_kernel_2_as_what_follows_kernel_1():
+    from normtune.tuner.measure import split_kernel_times
+
+    # Without PDL the event split stands; with PDL kernel_2 is the overlapped total minus kernel_1.
+    assert split_kernel_times(30.0, 20.0, 12.0, pdl=False) == (20.0, 12.0)
+    assert split_kernel_times(30.0, 20.0, 12.0, pdl=True) == (20.0, 10.0)
+    assert split_kernel_times(18.0, 20.0, 12.0, pdl=True) == (20.0, 0.0)  # never negative
+
+
+def test_measure_config_uses_the_pdl_split_when_the_launch_has_pdl(monkeypatch, device):
+    from normtune.tuner import measure
+
+    real_init = BackwardLaunch.__init__
+
+    def init_with_pdl(self, *args, **kwargs):  # the kernels launch as built; only the flag says PDL
+        real_init(self, *args, **kwargs)
+        self.pdl = True
+
+    monkeypatch.setattr(BackwardLaunch, "__init__", init_with_pdl)
+    totals = iter([[Stats(30.0, 29.0, 31.0, 2)], [Stats(20.0, 20.0, 20.0, 1), Stats(14.0, 14.0, 14.0, 1),
+                                                  Stats(34.0, 34.0, 34.0, 1)]])
+    monkeypatch.setattr(measure, "time_kernels", lambda steps, **kw: next(totals))
+    r = _measure(device)
+    assert r.status == "ok" and r.median_us == 30.0
+    assert (r.kernel_1_us, r.kernel_2_us) == (20.0, 10.0)
+
+
+def test_kernel_sum():
+    from normtune.tuner.views import kernel_sum
+
+    assert kernel_sum({"_kernel_1_single_pass": 30.5, "_kernel_2": 4.5}) == pytest.approx(35.0)
+    assert kernel_sum({}) is None
+    assert kernel_sum({"a": 1.0, "<profiler failed>": float("nan")}) is None  # never a partial sum
+
+
+def test_host_us_per_call_divides_by_the_number_of_calls(monkeypatch):
+    from normtune.tuner import views
+
+    clock = iter(range(0, 10**6, 1))  # perf_counter advances 1 s per reading
+    monkeypatch.setattr(views.time, "perf_counter", lambda: float(next(clock)))
+    issued = []
+    us = views.host_us_per_call(lambda: issued.append(1), device=torch.device("cpu"), calls=4, reps=3)
+    assert len(issued) == 1 + 4 * 3  # one warm-up call, then reps x calls
+    assert us == pytest.approx(1e6 / 4)  # each rep: 1 s of wall clock over 4 calls
+
+
+def test_session_on_cpu(device):
+    from normtune.tuner.measure import TIMING, MeasureSession
+
+    if device != "cpu":
+        pytest.skip("the CPU session")
+    session = MeasureSession.for_device(detect(interpret=True), timing=TIMING["bench"])
+    assert session.timing == TIMING["interpret"]  # the interpreter always uses its short preset
+    assert session.flusher is None and math.isnan(session.bandwidth_gbps) and session.spin_cycles == 0
+    prov = session.provenance()
+    assert prov["cold_l2"] is False and prov["flush_bytes"] == 0 and prov["copy_bandwidth_gbps"] is None
+    assert prov["timing"]["min_reps"] == TIMING["interpret"].min_reps
+    problem = Problem("rms_norm", 6, 40, "bf16")
+    case = session.case(problem)
+    r = session.measure(case, default_config(problem))
+    assert r.status == "ok" and r.median_us > 0 and r.reps == TIMING["interpret"].min_reps
+    assert session.kernel_times(case.launch(default_config(problem)).run) == {}  # no profiler on CPU
+    assert session.host_us(lambda: None) >= 0
+
+
+def _wide_report() -> BenchReport:
+    report = _report()
+    for r in report.rows:
+        r["M"], r["N"] = (131072, 16384) if r["N"] == 1536 else (r["M"], r["N"])
+        if r["impl"] == "torch":
+            r["impl"] = "compile"
+        r["kernel_sum_us"] = r["median_us"] * 0.9 if r["median_us"] else None
+        r["host_us"], r["forward_host_us"] = (512.25, 250.5) if r["median_us"] else (None, None)
+    return report
+
+
+def test_console_summary_fits_80_columns():
+    from rich.console import Console
+
+    report = _wide_report()
+    console = Console(width=80, record=True, file=open("/dev/null", "w"))
+    console.print(bench_output.summary_table(report))
+    text = console.export_text()
+    lines = text.splitlines()
+    assert lines and max(len(line) for line in lines) <= 80, text
+    assert "…" not in text, text  # no cell truncated
+    assert "RMS 131072×16384" in text and "compile" in text and "512" in text
+    console.print(bench_output.summary_footer(report))
+    assert max(len(line) for line in console.export_text().splitlines()) <= 80
+
+
+def test_markdown_shows_the_three_views_and_which_view_claims_rest_on():
+    report = _wide_report()
+    md = bench_output.markdown(report)
+    assert "GPU time, host hidden (µs, lower is better):" in md
+    assert "Kernel sum (µs, torch.profiler):" in md and "Host µs per call (backward / forward):" in md
+    assert "| 131072×16384 | 18.0 | 36.0 | unavailable |" in md  # kernel sum: normtune 20·0.9, compile 40·0.9, liger n/a
+    assert "| 131072×16384 | 512.2 / 250.5 | 512.2 / 250.5 | unavailable |" in md
+    assert "the view every speedup and win count rests on unless marked kernel-sum" in md
+    assert "Geometric-mean speedup over the best peer: 1.265× (GPU time), 1.265× (kernel sum)" in md
+    summ = summary(report.rows)
+    assert [s["kernel_sum_speedup"] for s in summ] == pytest.approx([2.0, 0.8, 2.0, 0.8])
+    assert all(s["host_us"] == 512.25 and s["forward_host_us"] == 250.5 for s in summ)
+
+
+def test_kernels_plot_stack_is_the_measured_total(tmp_path, monkeypatch):
+    """The stacked bars of the kernel plot add up to the measured backward, never more."""
+    import matplotlib.axes
+
+    report = _report()
+    for r in report.rows:
+        if r["impl"] == OURS:
+            r["kernel_1_us"], r["kernel_2_us"] = r["median_us"] * 0.8, r["median_us"] * 0.5  # split > total
+    stacks = []
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(self, x, height, *args, bottom=None, label=None, **kwargs):
+        if label and label.startswith("rest"):
+            stacks.append([b + h for b, h in zip(bottom, height)])
+        return real_bar(self, x, height, *args, bottom=bottom, label=label, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    bench_output.plot(report, tmp_path)
+    totals = [r["median_us"] for r in report.rows if r["impl"] == OURS]
+    assert [t for s in stacks for t in s] == pytest.approx(totals)

@@ -1,8 +1,15 @@
 """`normtune bench`: normtune's backward and its peers, side by side, cold L2, on one device in one run.
 
-Every implementation runs the backward of the same inputs (the forward once, untimed), timed with the protocol
-of `measure.py`; peers get a per-kernel breakdown from torch.profiler, normtune its kernel_1/kernel_2 split from
-events. Rows are plain dicts (one per problem x implementation) so writers and the store stay simple.
+Every implementation runs the backward of the same inputs (the forward once, untimed) and is reported in three
+views (see `views.py`):
+- `median_us`: GPU time with the host hidden: events around the whole backward behind a spin (`measure.py`).
+  Every speedup and every "beats" claim rests on this view unless it is labelled kernel-sum.
+- `kernel_sum_us`: the sum of the kernels' device times from torch.profiler (how peers usually report), with
+  the per-kernel breakdown in `kernels`. With programmatic dependent launch (`pdl`), kernel_2's wait for
+  kernel_1 is inside kernel_2's own time, so this view counts it; the GPU-time view spans the overlapped pair.
+- `host_us` / `forward_host_us`: CPU time of one backward / forward call through each implementation's public
+  API (normtune's `layer_norm`/`rms_norm` with autograd, like the peers').
+Rows are plain dicts (one per problem x implementation) so writers and the store stay simple.
 """
 
 from __future__ import annotations
@@ -19,11 +26,15 @@ import torch
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.select import select_config
 
-from . import measure
+from .cases import relative_error
 from .device import DeviceInfo, peer_versions
-from .peers import PeerUnavailable, make_peer
+from .measure import TIMING, MeasureSession, Timing
+from .peers import NormtuneAPI, PeerUnavailable, make_peer
+from .views import kernel_sum
 
 OURS = "normtune"
+PDL_NOTE = ("pdl: kernel_2 starts before kernel_1 ends and waits inside its own kernel time, so the kernel-sum "
+            "view counts that wait; GPU time spans both kernels")
 
 
 @dataclass
@@ -32,13 +43,10 @@ class BenchOptions:
     dtype: str
     shapes: list[tuple[int, int]]
     peers: list[str]
-    config: str = "default"  # "default" | "table" | BackwardConfig JSON
+    config: str = "default"  # "default" | "table" | a JSON file | BackwardConfig JSON text
     weight_dtype: str | None = None
     cold: bool = True
-    min_reps: int = 20
-    max_reps: int = 200
-    budget_s: float = 0.5
-    profile_reps: int = 5
+    timing: Timing = TIMING["bench"]
 
 
 @dataclass
@@ -52,33 +60,50 @@ def problem_for(norm: str, M: int, N: int, dtype: str, weight_dtype: str | None)
     return Problem(norm, M, N, dtype, weight_dtype, has_weight=True, has_bias=norm == "layer_norm")
 
 
-def resolve_bench_config(spec: str, problem: Problem, info: DeviceInfo) -> tuple[BackwardConfig, str]:
-    """(config, how it was chosen) for --config default|table|JSON."""
+def parse_config_option(spec: str) -> BackwardConfig | str:
+    """--config: 'default' | 'table' (kept as words) | JSON text (starts with '{') | a JSON file. Raises
+    FileNotFoundError for a file that does not exist and ConfigError for JSON that is not a config."""
+    if spec in ("default", "table"):
+        return spec
+    if spec.lstrip().startswith("{"):
+        return BackwardConfig.from_json(spec)
+    if not os.path.isfile(spec):
+        raise FileNotFoundError(f"--config {spec}: no such file (give default, table, a JSON file or JSON text "
+                                "such as '{\"kernel_1\": {...}, \"kernel_2\": {...}}')")
+    with open(spec) as fh:
+        return BackwardConfig.from_json(fh.read())
+
+
+def resolve_bench_config(spec: BackwardConfig | str, problem: Problem, info: DeviceInfo) -> tuple[BackwardConfig, str]:
+    """(config, how it was chosen) for a parsed --config."""
     if spec == "default":
         return default_config(problem), "default"
     if spec == "table":
         cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
         name = None if info.interpret else info.name
         return select_config(problem, name, cc), "table"
-    text = spec
-    if os.path.isfile(spec):
-        with open(spec) as fh:
-            text = fh.read()
-    return BackwardConfig.from_json(text).validate(problem), "explicit"
+    if isinstance(spec, str):
+        spec = parse_config_option(spec)
+    return spec.validate(problem), "explicit"
 
 
 def _nan_to_none(x):
     return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
 
 
-def run_bench(opts: BenchOptions, info: DeviceInfo, *, bandwidth_gbps: float | None = None,
+def _empty_row(base: dict, impl: str) -> dict:
+    return {**base, "impl": impl, "status": "ok", "error": None, "median_us": None, "p10_us": None,
+            "p90_us": None, "reps": 0, "kernel_1_us": None, "kernel_2_us": None, "kernel_sum_us": None,
+            "kernels": {}, "host_us": None, "forward_host_us": None, "pdl": False, "rel_err_dx": None,
+            "config": None, "config_source": None, "note": ""}
+
+
+def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
               progress: Callable[[str, dict | None], None] | None = None) -> BenchReport:
     """Run every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
-    device = torch.device("cpu" if info.interpret else "cuda")
     say = progress or (lambda msg, row=None: None)
-    if bandwidth_gbps is None:
-        bandwidth_gbps = math.nan if info.interpret else measure.copy_bandwidth(device)
-    flusher = measure.L2Flusher(device, info.l2_bytes) if (opts.cold and not info.interpret) else None
+    config_spec = parse_config_option(opts.config) if isinstance(opts.config, str) else opts.config
+    session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
     peers = {}
     for name in opts.peers:
         if info.interpret and name != "torch":
@@ -89,41 +114,26 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, bandwidth_gbps: float | N
         except Exception as err:  # noqa: BLE001
             peers[name] = err
     provenance = {
-        "device": info.to_dict(), "peers": peer_versions(), "copy_bandwidth_gbps": _nan_to_none(bandwidth_gbps),
-        "cold_l2": opts.cold, "flush_bytes": flusher.nbytes if flusher else 0, "dtype": opts.dtype,
-        "weight_dtype": opts.weight_dtype or opts.dtype, "config": opts.config,
-        "timing": {"min_reps": opts.min_reps, "max_reps": opts.max_reps, "budget_s": opts.budget_s,
-                   "spin_cycles": measure.SPIN_CYCLES},
-        "interpret": info.interpret, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
+        "weight_dtype": opts.weight_dtype or opts.dtype, "config": opts.config if isinstance(opts.config, str)
+        else opts.config.to_json(), "interpret": info.interpret, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "peer_descriptions": {n: (p.description if hasattr(p, "description") else None) for n, p in peers.items()},
     }
     report = BenchReport(provenance)
-    timing = dict(min_reps=opts.min_reps, max_reps=opts.max_reps, budget_s=opts.budget_s)
     for norm in opts.norms:
         for M, N in opts.shapes:
             problem = problem_for(norm, M, N, opts.dtype, opts.weight_dtype)
-            case = measure.make_case(problem, device)
+            case = session.case(problem)
             ref = case.reference()
-            floor = measure.floor_us(problem, bandwidth_gbps) if not info.interpret else math.nan
+            floor = session.floor_us(problem)
             base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
                     "floor_us": _nan_to_none(floor)}
-            # normtune
-            config, chosen = resolve_bench_config(opts.config, problem, info)
-            res = measure.measure_config(case, config, flusher=flusher, bandwidth_gbps=bandwidth_gbps,
-                                         reference_grads=ref, **timing)
-            row = {**base, "impl": OURS, "status": res.status, "error": res.error, "median_us": res.median_us,
-                   "p10_us": res.p10_us, "p90_us": res.p90_us, "reps": res.reps, "kernel_1_us": res.kernel_1_us,
-                   "kernel_2_us": res.kernel_2_us, "kernels": {"kernel_1": res.kernel_1_us,
-                                                               "kernel_2": res.kernel_2_us},
-                   "rel_err_dx": res.errors.get("dx"), "config": config.to_dict(), "config_source": chosen,
-                   "note": ""}
-            report.rows.append(_finish(row, floor))
+            config, chosen = resolve_bench_config(config_spec, problem, info)
+            report.rows.append(_finish(_time_ours(session, case, ref, config, chosen, _empty_row(base, OURS)),
+                                       floor))
             say(f"{norm} {M}x{N} normtune", report.rows[-1])
-            # peers
             for name, peer in peers.items():
-                row = {**base, "impl": name, "status": "ok", "error": None, "median_us": None, "p10_us": None,
-                       "p90_us": None, "reps": 0, "kernel_1_us": None, "kernel_2_us": None, "kernels": {},
-                       "rel_err_dx": None, "config": None, "config_source": None, "note": ""}
+                row = _empty_row(base, name)
                 if peer is None:
                     row.update(status="unavailable", error="the interpreter runs only normtune and torch eager")
                 elif isinstance(peer, Exception):
@@ -131,42 +141,64 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, bandwidth_gbps: float | N
                 elif (why := peer.supports(problem)) is not None:
                     row.update(status="unavailable", error=why)
                 else:
-                    row.update(_time_peer(peer, problem, case, ref, flusher, device, opts))
+                    row.update(_time_peer(session, peer, problem, case, ref))
                 report.rows.append(_finish(row, floor))
                 say(f"{norm} {M}x{N} {name}", report.rows[-1])
             del case, ref
-            if device.type == "cuda":
+            if session.on_gpu:
                 torch.cuda.empty_cache()
     report.provenance["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report
 
 
-def _time_peer(peer, problem, case, ref, flusher, device, opts) -> dict:
+def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chosen: str, row: dict) -> dict:
+    res = session.measure(case, config, reference_grads=ref)
+    row.update(status=res.status, error=res.error, median_us=res.median_us, p10_us=res.p10_us, p90_us=res.p90_us,
+               reps=res.reps, kernel_1_us=res.kernel_1_us, kernel_2_us=res.kernel_2_us,
+               kernels={"kernel_1": res.kernel_1_us, "kernel_2": res.kernel_2_us}, rel_err_dx=res.errors.get("dx"),
+               config=config.to_dict(), config_source=chosen)
+    if res.status != "ok":
+        return row
+    launch = case.launch(config)
+    row["pdl"] = bool(launch.pdl)
+    row["note"] = PDL_NOTE if launch.pdl else ""
+    row.update(_other_views(session, launch.run, row))
+    api = NormtuneAPI().prepare(case.problem, case.x, case.weight, case.bias, case.grad,
+                                None if chosen == "table" else config)
+    row["host_us"] = session.host_us(api.run)
+    row["forward_host_us"] = session.host_us(api.forward)
+    return row
+
+
+def _other_views(session: MeasureSession, backward: Callable[[], object], row: dict) -> dict:
+    """The kernel-sum view of `backward` (kernels replaced by the profiler's breakdown where there is one)."""
+    try:
+        kernels = session.kernel_times(backward)
+    except Exception as err:  # noqa: BLE001 - a breakdown failure must not lose the timing
+        return {"note": (row["note"] + "; " if row["note"] else "") + f"profiler failed: {err}"}
+    return {"kernels": kernels, "kernel_sum_us": kernel_sum(kernels)} if kernels else {}
+
+
+def _time_peer(session: MeasureSession, peer, problem, case, ref) -> dict:
     try:
         prepared = peer.prepare(problem, case.x, case.weight, case.bias, case.grad)
         got = prepared.run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        err_dx = measure.relative_error(got[0], ref[0])
-        stats = measure.time_callable(prepared.run, flusher=flusher, device=device, min_reps=opts.min_reps,
-                                      max_reps=opts.max_reps, budget_s=opts.budget_s)
-        kernels = {}
-        if device.type == "cuda" and opts.profile_reps > 0:
-            try:
-                kernels = measure.profile_kernels(prepared.run, flusher=flusher, device=device,
-                                                  reps=opts.profile_reps)
-            except Exception as err:  # noqa: BLE001 - a breakdown failure must not lose the timing
-                kernels = {"<profiler failed>": float("nan")}
-                prepared.note += f" (profiler: {err})"
-        return {"median_us": stats.median, "p10_us": stats.p10, "p90_us": stats.p90, "reps": stats.count,
-                "kernels": kernels, "rel_err_dx": err_dx, "note": prepared.note}
+        if session.on_gpu:
+            torch.cuda.synchronize(session.device)
+        out = {"rel_err_dx": relative_error(got[0], ref[0]), "note": prepared.note}
+        stats = session.time_callable(prepared.run)
+        out.update(median_us=stats.median, p10_us=stats.p10, p90_us=stats.p90, reps=stats.count)
+        out.update(_other_views(session, prepared.run, out))
+        out["host_us"] = session.host_us(prepared.run)
+        out["forward_host_us"] = session.host_us(prepared.forward) if prepared.forward else None
+        return out
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}
     except Exception as err:  # noqa: BLE001 - a failing peer is reported and the run goes on
         return {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"}
     finally:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        if session.on_gpu:
+            torch.cuda.synchronize(session.device)
 
 
 def _finish(row: dict, floor: float) -> dict:
@@ -178,33 +210,38 @@ def _finish(row: dict, floor: float) -> dict:
 # ------------------------------------------------------------------------------------------- summaries
 
 
-def best_peer_rows(rows: list[dict]) -> dict[tuple, dict]:
-    """(norm, M, N) → the fastest ok peer row."""
+def best_peer_rows(rows: list[dict], metric: str = "median_us") -> dict[tuple, dict]:
+    """(norm, M, N) → the ok peer row with the lowest `metric` (median_us: GPU time; kernel_sum_us)."""
     best: dict[tuple, dict] = {}
     for r in rows:
-        if r["impl"] == OURS or r["status"] != "ok" or r["median_us"] is None:
+        if r["impl"] == OURS or r["status"] != "ok" or r.get(metric) is None:
             continue
         key = (r["norm"], r["M"], r["N"])
-        if key not in best or r["median_us"] < best[key]["median_us"]:
+        if key not in best or r[metric] < best[key][metric]:
             best[key] = r
     return best
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """One line per problem: normtune vs best peer vs floor."""
-    best = best_peer_rows(rows)
+    """One line per problem: normtune vs the best peer in the GPU-time view and in the kernel-sum view."""
+    best, best_ks = best_peer_rows(rows), best_peer_rows(rows, "kernel_sum_us")
     out = []
     for r in rows:
         if r["impl"] != OURS:
             continue
         key = (r["norm"], r["M"], r["N"])
-        bp = best.get(key)
-        ours = r["median_us"] if r["status"] == "ok" else None
+        bp, bk = best.get(key), best_ks.get(key)
+        ok = r["status"] == "ok"
+        ours, ours_ks = (r["median_us"], r.get("kernel_sum_us")) if ok else (None, None)
         out.append({
             "norm": r["norm"], "M": r["M"], "N": r["N"], "normtune_us": ours, "kernel_1_us": r["kernel_1_us"],
             "kernel_2_us": r["kernel_2_us"], "best_peer": bp["impl"] if bp else None,
             "best_peer_us": bp["median_us"] if bp else None, "floor_us": r["floor_us"],
             "speedup": (bp["median_us"] / ours) if (bp and ours) else None,
+            "normtune_kernel_sum_us": ours_ks, "best_peer_kernel_sum": bk["impl"] if bk else None,
+            "best_peer_kernel_sum_us": bk["kernel_sum_us"] if bk else None,
+            "kernel_sum_speedup": (bk["kernel_sum_us"] / ours_ks) if (bk and ours_ks) else None,
+            "host_us": r.get("host_us"), "forward_host_us": r.get("forward_host_us"), "pdl": r.get("pdl", False),
             "floor_fraction": r["floor_fraction"], "status": r["status"],
         })
     return out
@@ -221,9 +258,10 @@ def to_json(report: BenchReport) -> str:
 
 
 def store_report(store, report: BenchReport, info: DeviceInfo) -> int:
-    """Record a bench run: normtune's rows as measurements (source "bench"), peers as peer results."""
+    """Record a bench run: normtune's rows as measurements (source "bench-<config source>"), peers as peer
+    results."""
     from .device import command_line
-    from .measure import MeasureResult
+    from .results import MeasureResult
 
     run_id = store.start_run(info, kind="bench", command_line=command_line(),
                              copy_bandwidth_gbps=report.provenance.get("copy_bandwidth_gbps"))

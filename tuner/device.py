@@ -17,9 +17,13 @@ from normtune.kernels.device import gpu_key  # noqa: F401 - re-exported: the tun
 
 INTERPRET_KEY = "interpret"
 
+# The tuner's dtype names (kernels.config.DTYPES) as torch dtypes.
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 class NoGPUError(RuntimeError):
     """No CUDA device where one is needed."""
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -121,5 +125,14 @@ def peer_versions() -> dict[str, str | None]:
              ("sqlalchemy", "sqlalchemy"))}
 
 
-def command_line() -> str:
-    return " ".join(sys.argv)
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that made a run, for its provenance, without the machine's paths: the program by its name,
+    paths under the working folder relative to it, and paths under the home folder as ~/…"""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return ""
+    cwd, home = os.getcwd().rstrip(os.sep) + os.sep, os.path.expanduser("~").rstrip(os.sep) + os.sep
+    args = [a.replace(cwd, "") for a in argv[1:]]
+    if home != os.sep:
+        args = [a.replace(home, "~" + os.sep) for a in args]
+    return " ".join([os.path.basename(argv[0])] + args)

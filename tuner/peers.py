@@ -2,7 +2,9 @@
 library (Liger, quack) is a message in the report, never an ImportError at start-up.
 
 A peer turns (problem, inputs) into a zero-argument callable that runs *only the backward* on the same inputs
-(the forward has run once, untimed), returning (dx, dw, db) so that its values can be checked too.
+(the forward has run once, untimed), returning (dx, dw, db) so that its values can be checked too, and a
+zero-argument forward call (for the host-µs view). `NormtuneAPI` does the same for normtune's public functions,
+so that normtune's host µs are those a user's call pays.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels.config import Problem
+from normtune.kernels.config import BackwardConfig, Problem
+
+from .cases import EPS
 
 Backward = Callable[[], tuple]
 
@@ -24,7 +28,8 @@ class PeerUnavailable(RuntimeError):
 
 @dataclass
 class PreparedPeer:
-    run: Backward
+    run: Backward  # the backward only
+    forward: Callable[[], object] | None = None  # one forward call (building the autograd graph)
     note: str = ""
 
 
@@ -47,20 +52,20 @@ def _autograd_backward(y: torch.Tensor, grad: torch.Tensor, leaves) -> Backward:
     return run
 
 
-# Every implementation's forward uses the same eps as normtune's measured inputs (measure.make_case).
-EPS = 1e-5
-
-
 class Peer:
     """A backward implementation to compare with. Subclasses set `name` and implement `prepare`."""
 
     name = "peer"
     description = ""
+    # What the peer's backward needs beyond the plain norm saving its input: (test, reason when it fails).
+    requirement: tuple[Callable[[Problem], bool], str] | None = None
 
     def supports(self, problem: Problem) -> str | None:
         """None when the peer can run `problem`, else why not."""
         if problem.save != "input" or problem.zero_centered:
             return "only the plain norm saving its input"
+        if self.requirement is not None and not self.requirement[0](problem):
+            return self.requirement[1]
         return None
 
     def prepare(self, problem: Problem, x, weight, bias, grad) -> PreparedPeer:
@@ -75,10 +80,12 @@ class TorchEager(Peer):
         xs, ws, bs = _leaves(x, weight, bias)
         N = problem.N
         if problem.norm == "layer_norm":
-            y = F.layer_norm(xs, (N,), ws, bs, EPS)
+            def forward():
+                return F.layer_norm(xs, (N,), ws, bs, EPS)
         else:
-            y = F.rms_norm(xs, (N,), ws, EPS)
-        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)))
+            def forward():
+                return F.rms_norm(xs, (N,), ws, EPS)
+        return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward)
 
 
 class TorchCompile(Peer):
@@ -105,21 +112,18 @@ class TorchCompile(Peer):
                 return F.rms_norm(a, (N,), w, EPS)
         compiled = torch.compile(fn, dynamic=False)
         xs, ws, bs = _leaves(x, weight, bias)
-        y = compiled(xs, ws, bs)
-        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)))
+
+        def forward():
+            return compiled(xs, ws, bs)
+
+        return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward)
 
 
 class Liger(Peer):
     name = "liger"
     description = "Liger-Kernel (LigerLayerNormFunction / LigerRMSNormFunction)"
-
-    def supports(self, problem):
-        reason = super().supports(problem)
-        if reason:
-            return reason
-        if not problem.has_weight or (problem.norm == "layer_norm" and not problem.has_bias):
-            return "Liger needs a weight (and a bias for LayerNorm)"
-        return None
+    requirement = (lambda p: p.has_weight and (p.norm != "layer_norm" or bool(p.has_bias)),
+                   "Liger needs a weight (and a bias for LayerNorm)")
 
     def prepare(self, problem, x, weight, bias, grad):
         try:
@@ -131,25 +135,20 @@ class Liger(Peer):
             raise PeerUnavailable(f"liger-kernel is not installed ({err}): pip install liger-kernel") from None
         xs, ws, bs = _leaves(x, weight, bias)
         if problem.norm == "layer_norm":
-            y = Fn.apply(xs, ws, bs, EPS)
+            def forward():
+                return Fn.apply(xs, ws, bs, EPS)
         else:
-            # in_place=False: Liger would otherwise write dx into the reused grad_output buffer.
-            y = Fn.apply(xs, ws, EPS, 0.0, "llama", False)
-        return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note="in_place=False" if
-                            problem.norm == "rms_norm" else "")
+            def forward():
+                # in_place=False: Liger would otherwise write dx into the reused grad_output buffer.
+                return Fn.apply(xs, ws, EPS, 0.0, "llama", False)
+        return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward,
+                            note="in_place=False" if problem.norm == "rms_norm" else "")
 
 
 class Quack(Peer):
     name = "quack"
     description = "quack (CuTe DSL), fp32 weights"
-
-    def supports(self, problem):
-        reason = super().supports(problem)
-        if reason:
-            return reason
-        if not problem.has_weight:
-            return "quack's backward needs a weight"
-        return None
+    requirement = (lambda p: p.has_weight, "quack's backward needs a weight")
 
     def prepare(self, problem, x, weight, bias, grad):
         try:
@@ -161,18 +160,46 @@ class Quack(Peer):
         note = "quack needs fp32 weights: weights (and bias) upcast to fp32" if weight.dtype != torch.float32 else ""
         if problem.norm == "rms_norm":
             xs, ws, bs = _leaves(x, weight, bias, torch.float32)
-            y = qr.rmsnorm(xs, ws, eps=EPS)
-            return PreparedPeer(_autograd_backward(y, grad, (xs, ws, bs)), note=note)
+
+            def forward():
+                return qr.rmsnorm(xs, ws, eps=EPS)
+
+            return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward, note=note)
         # quack 0.6.x has LayerNorm forward/backward functions but no autograd wrapper: call them directly.
         w32 = weight.detach().float()
         b32 = bias.detach().float() if bias is not None else None
-        _, rstd, mean = qr.layernorm_fwd(x, w32, b32, eps=EPS, return_rstd=True, return_mean=True)
+        def forward():
+            return qr.layernorm_fwd(x, w32, b32, eps=EPS, return_rstd=True, return_mean=True)
+
+        _, rstd, mean = forward()
 
         def run():
             dx, dw, db = qr.layernorm_bwd(x, w32, grad, rstd, mean, has_bias=b32 is not None)
             return dx, dw, db
 
-        return PreparedPeer(run, note=(note + "; " if note else "") + "LayerNorm via quack.rmsnorm.layernorm_bwd")
+        return PreparedPeer(run, forward,
+                            note=(note + "; " if note else "") + "LayerNorm via quack.rmsnorm.layernorm_bwd")
+
+
+class NormtuneAPI:
+    """normtune through its public functions (`layer_norm`, `rms_norm`, autograd), as a user calls it: the
+    host-µs view of normtune times these calls, config resolution and dispatch included. `config=None` lets the
+    runtime choose (the shipped table), as a user's call does."""
+
+    name = "normtune"
+
+    def prepare(self, problem: Problem, x, weight, bias, grad, config: BackwardConfig | None) -> PreparedPeer:
+        from normtune.kernels.functional import layer_norm, rms_norm
+
+        xs, ws, bs = _leaves(x, weight, bias)
+        kw = dict(zero_centered=problem.zero_centered, save=problem.save, config=config)
+        if problem.norm == "layer_norm":
+            def forward():
+                return layer_norm(xs, ws, bs, EPS, **kw)
+        else:
+            def forward():
+                return rms_norm(xs, ws, EPS, **kw)
+        return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward)
 
 
 PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchEager, TorchCompile, Liger, Quack)}

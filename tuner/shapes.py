@@ -6,7 +6,7 @@ import os
 
 from normtune.kernels.config import MAX_N
 
-# The 15 shapes of MISSION.md: three problem sizes (M·N = 2^25, 2^24, 2^23 elements) x five hidden sizes.
+# The 15 seed shapes (docs/seed-shapes.md): three problem sizes (M·N = 2^25, 2^24, 2^23 elements) x five hidden sizes.
 SEED = (
     (32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
     (16384, 1024), (8192, 2048), (4096, 4096), (2048, 8192), (1024, 16384),
@@ -69,8 +69,8 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
             raise ValueError(f"shape file {spec} lists no shapes (one MxN per line)")
         return shapes
     if not spec:
-        raise ValueError(f"--shapes is empty: use a preset ({', '.join(PRESETS)}), a file, or MxN,MxN")
+        raise ValueError(f"no shapes given: use a preset ({', '.join(PRESETS)}), a file, or MxN,MxN")
     if "x" not in spec.lower():
-        raise ValueError(f"--shapes {spec!r} is neither a preset ({', '.join(PRESETS)}), an existing file, "
+        raise ValueError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}), an existing file, "
                          "nor a list like 4096x8192,2048x4096")
     return [parse_shape(s) for s in spec.split(",") if s.strip()]

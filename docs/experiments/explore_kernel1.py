@@ -1,7 +1,7 @@
 """First look at the backward on a GPU: gate + cold-L2 timing of the default config and of one-knob variants
-around it, on the 15 seed shapes x both norms (bf16). Prints a table; writes JSON lines to $OUT/explore.jsonl.
+around it, on the 15 seed shapes x both norms (bf16). Prints a table; writes JSON lines to OUT_DIR/explore.jsonl.
 
-    python docs/experiments/explore_kernel1.py [--shapes 8192x1024,...] [--quick]
+    python docs/experiments/explore_kernel1.py OUT_DIR [--shapes 8192x1024,...] [--quick]
 """
 
 from __future__ import annotations
@@ -16,12 +16,9 @@ import time
 import torch
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.tuner import measure
 from normtune.tuner.device import detect
-
-SEED = [(32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
-        (16384, 1024), (8192, 2048), (4096, 4096), (2048, 8192), (1024, 16384),
-        (8192, 1024), (4096, 2048), (2048, 4096), (1024, 8192), (512, 16384)]
+from normtune.tuner.measure import MeasureSession, Timing
+from normtune.tuner.shapes import SEED, parse_shapes
 
 
 def variants(p: Problem):
@@ -49,32 +46,31 @@ def variants(p: Problem):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("out_dir", help="folder for explore.jsonl")
     ap.add_argument("--shapes", default="")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--min-n", type=int, default=0)
     args = ap.parse_args()
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SEED
+    shapes = parse_shapes(args.shapes) if args.shapes else list(SEED)
     if args.min_n:
         shapes = [s for s in shapes if s[1] >= args.min_n]
     info = detect()
-    dev = torch.device("cuda")
     print(json.dumps(info.to_dict()), flush=True)
-    bw = measure.copy_bandwidth(dev)
-    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
-    flusher = measure.L2Flusher(dev, info.l2_bytes)
-    out = open(os.path.join(os.environ.get("OUT", "."), "explore.jsonl"), "w")
+    session = MeasureSession.for_device(info, timing=Timing(min_reps=15, max_reps=60, budget_s=0.3))
+    print(f"copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    out = open(os.path.join(args.out_dir, "explore.jsonl"), "w")
     rows = []
     t_start = time.time()
     for norm in ("layer_norm", "rms_norm"):
         for M, N in shapes:
             p = Problem(norm, M, N, "bf16")
-            case = measure.make_case(p, dev)
+            case = session.case(p)
             ref = case.reference()
             vs = variants(p) if not args.quick else {"default": default_config(p)}
             best = None
             for name, cfg in vs.items():
-                r = measure.measure_config(case, cfg, flusher=flusher, bandwidth_gbps=bw, reference_grads=ref,
-                                           min_reps=15, max_reps=60, budget_s=0.3)
+                r = session.measure(case, cfg, reference_grads=ref)
                 rec = {"norm": norm, "M": M, "N": N, "variant": name, "config": cfg.to_dict(), **r.to_dict()}
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
@@ -84,7 +80,7 @@ def main() -> None:
                     default = r
                 if r.status != "ok":
                     print(f"  {norm} {M}x{N} {name}: {r.status} {str(r.error)[:300]}", flush=True)
-            floor = measure.floor_us(p, bw)
+            floor = session.floor_us(p)
             line = (f"{norm:10s} {M:6d}x{N:<6d} floor {floor:6.1f}  default {default.median_us or float('nan'):7.1f} "
                     f"(k1 {default.kernel_1_us or float('nan'):6.1f} k2 {default.kernel_2_us or float('nan'):5.1f}) "
                     f"best {best[0] if best else '-':12s} {best[1].median_us if best else float('nan'):7.1f} "

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# On the GPU host (after .whlq1/stage.sh): complete the config x shape matrix, emit the table, and bench it
-# against every peer, all on the copy of results.db under $OUT. Everything lands in $OUT (few files).
-set -u
-source .whl/install.sh
-export PYTHONUNBUFFERED=1 NORMTUNE_GIT_REVISION="${REV:-unknown}"
-cp results.db "$OUT/results.db"
-DB="sqlite:///$OUT/results.db"
-normtune emit --gpu h100 --db "$DB" --remeasure --out "$OUT/h100.json" 2>&1 | tail -3
-NORMTUNE_CONFIG="$OUT/h100.json" timeout "${BENCH_TIMEOUT:-420}" normtune bench --gpu h100 --shapes seed \
-  --peers all --config table --out "$OUT/bench" --db "$DB" --budget 0.3 2>&1 | grep -v "━" | tail -45
-tar czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+# On an H100 host: complete the config x shape matrix, emit the table, and bench it against every peer, all on
+# a copy of results.db in OUT_DIR (the table lands there too; copy it to configs/h100.json once checked).
+#   bash docs/experiments/h100_emit_bench.sh OUT_DIR
+set -euo pipefail
+OUT_DIR=${1:?usage: bash docs/experiments/h100_emit_bench.sh OUT_DIR}
+mkdir -p "$OUT_DIR"
+cp results.db "$OUT_DIR/results.db"
+DB="sqlite:///$OUT_DIR/results.db"
+normtune emit --gpu h100 --db "$DB" --remeasure --out "$OUT_DIR/h100.json"
+NORMTUNE_CONFIG="$OUT_DIR/h100.json" normtune bench --gpu h100 --shapes seed --peers all --config table \
+  --out "$OUT_DIR/bench" --db "$DB" --budget 0.3
