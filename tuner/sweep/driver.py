@@ -17,10 +17,9 @@ is `trials` finished trials: re-running adds only the difference. The loop uses 
   trials and reports what remains.
 """
 
+
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import multiprocessing as mp
@@ -29,91 +28,19 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
-from .device import DeviceInfo
-from .measure import MeasureResult
-from .space import Space
+from ..device import DeviceInfo
+from ..measure import MeasureResult
+from ..space import Space
+from .compiling import _compile_init, _compile_one
+from .measuring import MeasuringProcess
+from .options import FIRST_ROUND, MEASURED, SEED_VERSION, ProblemSummary, SweepOptions, SweepSummary, study_name
 
 log = logging.getLogger("normtune.sweep")
-
-SAMPLERS = ("tpe", "random", "grid")
-# Trials every problem gets before any is searched deeper (the default config and its first neighbours).
-FIRST_ROUND = 12
-# Version of Space.seeds(): 2 added the structural strategies for wide rows.
-SEED_VERSION = 2
-MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
-
-
-def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: str = "normtune") -> str:
-    """One study per (GPU, problem), named so that any worker on any host finds the same one."""
-    return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}"
-
-
-@dataclass
-class SweepOptions:
-    gpu_key: str
-    problems: list[Problem]
-    trials: int = 40
-    time_budget_s: float | None = None
-    sampler: str = "tpe"
-    storage_url: str = "sqlite:///results.db"
-    device: int = 0
-    interpret: bool = False
-    compile_workers: int = 8
-    lookahead: int = 6
-    trial_timeout_s: float = 180.0
-    seed: int = 0
-    min_reps: int = 20
-    max_reps: int = 100
-    budget_s: float = 0.2
-    heartbeat_interval: int = 20
-    grace_period: int = 60
-    study_prefix: str = "normtune"  # validation sweeps use their own studies
-    source: str = "sweep"  # measurement source recorded in the store
-    extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
-
-    def __post_init__(self):
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
-        if self.trials < 1:
-            raise ValueError(f"--trials {self.trials}: need at least 1 trial per problem")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds")
-        for option, value in (("--trial-timeout", self.trial_timeout_s), ("--heartbeat-interval",
-                                                                         self.heartbeat_interval),
-                              ("--grace-period", self.grace_period)):
-            if not value > 0:
-                raise ValueError(f"{option} {value}: give a positive number of seconds")
-        if self.grace_period <= self.heartbeat_interval:
-            raise ValueError(f"--grace-period {self.grace_period} must exceed --heartbeat-interval "
-                             f"{self.heartbeat_interval}: a live worker's trial would be failed as stale")
-
-
-@dataclass
-class ProblemSummary:
-    problem: Problem
-    study: str
-    trials: int = 0
-    measured_now: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    best_us: float | None = None
-    best_config: BackwardConfig | None = None
-    default_us: float | None = None
-
-
-@dataclass
-class SweepSummary:
-    problems: list[ProblemSummary] = field(default_factory=list)
-    wall_s: float = 0.0
-    measure_s: float = 0.0
-    compile_s: float = 0.0
-    compile_wait_s: float = 0.0
-    stopped: str | None = None  # "time budget", "interrupted", or None when everything finished
-    remaining: list[str] = field(default_factory=list)
 
 
 def _retry_callback():
@@ -127,129 +54,6 @@ def _retry_callback():
         from optuna.storages import RetryFailedTrialCallback
 
         return RetryFailedTrialCallback, "failed_trial_callback"
-
-
-# --------------------------------------------------------------------------------------- measuring process
-
-
-def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: dict) -> None:
-    """Body of the measuring process: owns the CUDA context, one problem's inputs at a time."""
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    from normtune.kernels.config import BackwardConfig as BC
-    from normtune.kernels.config import Problem as P
-
-    from . import measure
-
-    if interpret:
-        device, bandwidth, flusher = torch.device("cpu"), math.nan, None
-    else:
-        torch.cuda.set_device(device_index)
-        device = torch.device("cuda", device_index)
-        bandwidth = measure.copy_bandwidth(device)
-        flusher = measure.L2Flusher(device, l2_bytes)
-    conn.send(("ready", bandwidth))
-    case = ref = None
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            return
-        _, problem_dict, config_json = msg
-        problem = P.from_dict(problem_dict)
-        try:
-            if case is None or case.problem != problem:
-                case = ref = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                case = measure.make_case(problem, device)
-                ref = case.reference()
-            result = measure.measure_config(case, BC.from_json(config_json), flusher=flusher,
-                                            bandwidth_gbps=bandwidth, reference_grads=ref, **timing)
-        except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
-            result = MeasureResult(status=measure.classify_exception(err), error=f"{type(err).__name__}: {err}",
-                                   interpret=interpret)
-        conn.send(("result", result.to_dict()))
-
-
-class MeasuringProcess:
-    """The GPU side of the sweep, in its own process so that a hung kernel can be killed."""
-
-    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: dict):
-        self._args = (device_index, interpret, l2_bytes, timing)
-        self._proc = None
-        self._conn = None
-        self.bandwidth_gbps = math.nan
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_measure_loop, args=(child, *self._args), daemon=True)
-        self._proc.start()
-        self._conn = parent
-        if not parent.poll(600):
-            raise RuntimeError("the measuring process did not start within 600 s")
-        _, self.bandwidth_gbps = parent.recv()
-
-    def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
-        self._conn.send(("measure", problem.to_dict(), config.to_json()))
-        if not self._conn.poll(timeout_s):
-            self.kill()
-            return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
-                                 interpret=self._args[1])
-        try:
-            _, data = self._conn.recv()
-        except EOFError:
-            self.kill()
-            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
-                                 interpret=self._args[1])
-        return MeasureResult(**data)
-
-    def kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(10)
-        self._proc = self._conn = None
-
-    def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
-            try:
-                self._conn.send(("stop",))
-                self._proc.join(10)
-            except (OSError, BrokenPipeError):
-                pass
-        self.kill()
-
-
-# -------------------------------------------------------------------------------------- compile workers
-
-
-def _compile_init(device_index: int) -> None:
-    import torch
-
-    torch.cuda.set_device(device_index)
-
-
-def _compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
-    """(status, seconds, error) of compiling a config ahead of its measurement."""
-    from normtune.kernels.backward import precompile
-    from normtune.kernels.config import BackwardConfig as BC
-    from normtune.kernels.config import Problem as P
-
-    from .measure import classify_exception
-
-    t = time.perf_counter()
-    try:
-        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms)
-        return "ok", time.perf_counter() - t, None
-    except Exception as err:  # noqa: BLE001
-        return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"
-
-
-# ------------------------------------------------------------------------------------------ the sweep
 
 
 @dataclass
@@ -281,7 +85,7 @@ class Sweep:
         self._optuna = optuna
         url = opts.storage_url
         engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        from .store import optuna_storage_url
+        from ..store import optuna_storage_url
 
         retry, retry_keyword = _retry_callback()
         self.storage = optuna.storages.RDBStorage(
@@ -623,52 +427,3 @@ class Sweep:
             study.tell(trial, value)
         with self._lock:
             self._running.pop(trial._trial_id, None)
-
-
-# ------------------------------------------------------------------------------------------ many GPUs
-
-
-def _worker_main(opts_dict: dict, device: int, storage_url: str, log_path: str | None) -> None:
-    """One sweep worker per GPU (`--devices 0,1,…`): same studies, its own device."""
-    from .device import detect
-    from .store import Store
-
-    opts = SweepOptions(**{**opts_dict, "device": device,
-                           "problems": [Problem.from_dict(p) for p in opts_dict["problems"]]})
-    info = detect(device, interpret=opts.interpret)
-    store = Store(storage_url)
-    try:
-        Sweep(opts, store, info).run()
-    finally:
-        store.close()
-
-
-def run_on_devices(opts: SweepOptions, devices: list[int]) -> list[int]:
-    """Start one sweep process per device and wait; returns their exit codes."""
-    ctx = mp.get_context("spawn")
-    data = dataclasses.asdict(opts)
-    data["problems"] = [p.to_dict() for p in opts.problems]
-    procs = [ctx.Process(target=_worker_main, args=(data, d, opts.storage_url, None)) for d in devices]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join()
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGINT)
-        for p in procs:
-            p.join()
-    return [p.exitcode for p in procs]
-
-
-def summary_json(summary: SweepSummary) -> str:
-    return json.dumps({
-        "wall_s": summary.wall_s, "measure_s": summary.measure_s, "compile_s": summary.compile_s,
-        "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "remaining": summary.remaining,
-        "problems": [{"problem": ps.problem.key, "study": ps.study, "trials": ps.trials,
-                      "measured_now": ps.measured_now, "failures": ps.failures, "best_us": ps.best_us,
-                      "default_us": ps.default_us,
-                      "best_config": ps.best_config.to_dict() if ps.best_config else None}
-                     for ps in summary.problems]}, indent=1)
