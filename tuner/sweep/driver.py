@@ -83,14 +83,9 @@ class Sweep:
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self._optuna = optuna
-        url = opts.storage_url
-        engine_kwargs = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-        from ..store import optuna_storage_url
-
         retry, retry_keyword = _retry_callback()
-        self.storage = optuna.storages.RDBStorage(
-            optuna_storage_url(url), engine_kwargs=engine_kwargs, heartbeat_interval=opts.heartbeat_interval,
-            grace_period=opts.grace_period, **{retry_keyword: retry(max_retry=2)})
+        self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval,
+                                            grace_period=opts.grace_period, **{retry_keyword: retry(max_retry=2)})
         self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
         self._lock = threading.Lock()
 
