@@ -153,11 +153,11 @@ class WorkerCoordination:
                     for slot, run_id, number, measurement, status, started_at, beat_at, grace_s
                     in session.execute(query)}
 
-    def claim_slot(self, study_name: str, target: int, run_id: int,
-                   known: dict[int, SlotState] | None = None) -> int | None:
-        """Take the lowest free slot below `target` for `run_id`; None when every slot is measured or held by a
-        live worker. Atomic against any number of concurrent claimers, on SQLite and PostgreSQL."""
-        states = self.slots(study_name) if known is None else known
+    def claim_slot(self, study_name: str, target: int, run_id: int) -> tuple[int, int | None] | None:
+        """Take the lowest free slot below `target` for `run_id`: (slot, number of the unmeasured trial of a dead
+        run it takes over, if any); None when every slot is measured or held by a live worker. Atomic against any
+        number of concurrent claimers, on SQLite and PostgreSQL."""
+        states = self.slots(study_name)
         for slot in range(target):
             state = states.get(slot)
             if state is None:
@@ -165,7 +165,7 @@ class WorkerCoordination:
                     with self.session_scope() as session:
                         session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id,
                                                     claimed_at=_now()))
-                    return slot
+                    return slot, None
                 except StoreIntegrityError:  # another worker took it first
                     continue
             if state.free:
@@ -178,7 +178,7 @@ class WorkerCoordination:
                                                       TrialClaimModel.run_id == state.run_id, same_trial)
                         .values(run_id=run_id, trial_number=None, claimed_at=_now())).rowcount
                 if taken == 1:
-                    return slot
+                    return slot, state.trial_number
         return None
 
     def bind_slot(self, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:

@@ -88,7 +88,7 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
         return cfg if cfg is not None else default_config(p)
 
     seeds = {p.key: [table_config(p).to_dict()] for p in problems}
-    opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, storage_url=storage_url,
+    opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials,
                         interpret=info.interpret, compile_workers=compile_workers, study_prefix="normtune-validate",
                         source="validate-sweep", extra_seeds=seeds)
     summary = Sweep(opts, store, info, on_event=progress).run()

@@ -5,14 +5,23 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 
 from normtune.kernels.config import BackwardConfig, Problem
 
 from ..measure import MeasureResult
 
 
+def ignore_stop_signals() -> None:
+    """Helper processes leave Ctrl-C / SIGTERM to the sweep that owns them: a terminal's Ctrl-C reaches the whole
+    process group, and the sweep decides whether the trial in flight finishes (first signal) or is abandoned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: dict) -> None:
     """Body of the measuring process: owns the CUDA context, one problem's inputs at a time."""
+    ignore_stop_signals()
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -86,6 +95,15 @@ class MeasuringProcess:
             return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
                                  interpret=self._args[1])
         return MeasureResult(**data)
+
+    def interrupt(self) -> None:
+        """Stop the measurement in flight now (safe in a signal handler): `measure` then returns an error."""
+        proc = self._proc
+        if proc is not None and proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         if self._proc is not None:

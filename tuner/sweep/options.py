@@ -13,8 +13,8 @@ FIRST_ROUND = 12
 # Version of Space.seeds(): 2 added the structural strategies for wide rows.
 SEED_VERSION = 2
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
-
-
+# The objective as optuna-dashboard labels it.
+METRIC_NAME = "backward µs"
 
 def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: str = "normtune") -> str:
     """One study per (GPU, problem), named so that any worker on any host finds the same one."""
@@ -28,8 +28,9 @@ class SweepOptions:
     trials: int = 40
     time_budget_s: float | None = None
     sampler: str = "tpe"
-    storage_url: str = "sqlite:///results.db"
-    device: int = 0
+    device: int = 0  # CUDA index of this worker's GPU
+    worker_index: int = 0  # this worker's place among `workers` on the host: where it starts in the problem list
+    workers: int = 1
     interpret: bool = False
     compile_workers: int = 8
     lookahead: int = 6
@@ -81,14 +82,21 @@ class SweepSummary:
     compile_s: float = 0.0
     compile_wait_s: float = 0.0
     stopped: str | None = None  # "time budget", "interrupted", or None when everything finished
-    remaining: list[str] = field(default_factory=list)
+    signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped it
+    remaining: list[str] = field(default_factory=list)  # "problem key: N trials" still to measure
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), else 0."""
+        return {"SIGINT": 130, "SIGTERM": 143}.get(self.signal or "", 0)
 
 
 
 def summary_json(summary: SweepSummary) -> str:
     return json.dumps({
         "wall_s": summary.wall_s, "measure_s": summary.measure_s, "compile_s": summary.compile_s,
-        "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "remaining": summary.remaining,
+        "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "signal": summary.signal,
+        "remaining": summary.remaining,
         "problems": [{"problem": ps.problem.key, "study": ps.study, "trials": ps.trials,
                       "measured_now": ps.measured_now, "failures": ps.failures, "best_us": ps.best_us,
                       "default_us": ps.default_us,
