@@ -152,12 +152,17 @@ class Store(WorkerCoordination):
         return found
 
     def add_measurement(self, run_id: int, problem: Problem, config: BackwardConfig, result: MeasureResult, *,
-                        source: str, study_name: str | None = None, trial_number: int | None = None) -> int:
-        """Store one measurement. With (study_name, trial_number), a trial stored before returns its id."""
+                        source: str, study_name: str | None = None, trial_number: int | None = None,
+                        slot: int | None = None) -> int | None:
+        """Store one measurement. With (study_name, trial_number), a trial stored before returns its id. With the
+        `slot` the run claimed for the trial, it is stored only while the run still holds that slot (in the same
+        transaction that marks the slot measured); None when the slot was taken over meanwhile."""
         _check_choice("status", result.status, STATUSES)
         if trial_number is not None and study_name is None:
             raise ValueError("trial_number needs the study_name it belongs to")
-        if study_name is not None and trial_number is not None:
+        if slot is not None and trial_number is None:
+            raise ValueError("a claimed slot needs the trial_number that fills it")
+        if study_name is not None and trial_number is not None and slot is None:
             if (found := self._trial_measurement(study_name, trial_number)) is not None:
                 return found
         config_json = config.to_json()
@@ -171,6 +176,8 @@ class Store(WorkerCoordination):
             created_at=_now(), **{f: _figure(getattr(result, f)) for f in _FIGURES})
         try:
             with self.session_scope() as session:
+                if slot is not None and not self._mark_measured(session, study_name, slot, run_id, trial_number):
+                    return None
                 session.add(row)
                 session.flush()
                 return row.id

@@ -197,6 +197,9 @@ class TrialClaimModel(Base):
     slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
     trial_number: Mapped[int | None] = mapped_column(Integer)  # NULL between the claim and the ask
+    # Set in the transaction that stores the trial's measurement, and only while the run still holds the slot;
+    # a takeover requires it unset: so a slot is measured once, whatever the timing of a stalled worker.
+    measured: Mapped[bool] = mapped_column(Boolean, default=False)
     claimed_at: Mapped[dt.datetime] = mapped_column(DateTime)
 
 

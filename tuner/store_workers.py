@@ -16,7 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from sqlalchemy import and_, case, delete, func, select, update
+from sqlalchemy import case, delete, func, select, update
 
 from normtune.kernels.config import Problem
 
@@ -89,9 +89,9 @@ class WorkerCoordination:
 
     # ------------------------------------------------------------------------------------------ liveness
 
-    def beat(self, run_id: int, *, grace_s: float, device: int | None = None) -> bool:
-        """Record that `run_id` is alive. False when the run was declared dead meanwhile (its worker stalled past
-        its grace period and its claims may have been taken over): the worker should stop."""
+    def beat(self, run_id: int, *, grace_s: float, device: int | None = None) -> None:
+        """Record that `run_id` is alive. A run declared dead meanwhile (its worker stalled past its grace period)
+        is running again: the slots taken over from it are lost to it, which the claims make harmless."""
         with self.session_scope() as session:
             row = session.get(RunHeartbeatModel, run_id)
             if row is None:
@@ -99,7 +99,8 @@ class WorkerCoordination:
                                               device=device, grace_s=grace_s, beat_at=_now()))
             else:
                 row.beat_at = _now()
-            return session.get(RunModel, run_id).status != "dead"
+            session.execute(update(RunModel).where(RunModel.id == run_id, RunModel.status == "dead")
+                            .values(status="running", ended_at=None))
 
     def mark_dead_runs(self) -> list[int]:
         """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""
@@ -139,18 +140,16 @@ class WorkerCoordination:
     def slots(self, study_name: str) -> dict[int, SlotState]:
         """The study's claimed slots."""
         query = (select(TrialClaimModel.slot, TrialClaimModel.run_id, TrialClaimModel.trial_number,
-                        MeasurementModel.id, RunModel.status, RunModel.started_at, RunHeartbeatModel.beat_at,
+                        TrialClaimModel.measured, RunModel.status, RunModel.started_at, RunHeartbeatModel.beat_at,
                         RunHeartbeatModel.grace_s)
-                 .outerjoin(MeasurementModel, and_(MeasurementModel.study_name == TrialClaimModel.study_name,
-                                                   MeasurementModel.trial_number == TrialClaimModel.trial_number))
                  .join(RunModel, RunModel.id == TrialClaimModel.run_id)
                  .outerjoin(RunHeartbeatModel, RunHeartbeatModel.run_id == TrialClaimModel.run_id)
                  .where(TrialClaimModel.study_name == study_name))
         now = _now()
         with self.session_scope() as session:
-            return {slot: SlotState(slot, run_id, number, measurement is not None,
+            return {slot: SlotState(slot, run_id, number, bool(measured),
                                     _alive(status, beat_at, grace_s, started_at, now))
-                    for slot, run_id, number, measurement, status, started_at, beat_at, grace_s
+                    for slot, run_id, number, measured, status, started_at, beat_at, grace_s
                     in session.execute(query)}
 
     def claim_slot(self, study_name: str, target: int, run_id: int) -> tuple[int, int | None] | None:
@@ -164,7 +163,7 @@ class WorkerCoordination:
                 try:
                     with self.session_scope() as session:
                         session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id,
-                                                    claimed_at=_now()))
+                                                    measured=False, claimed_at=_now()))
                     return slot, None
                 except StoreIntegrityError:  # another worker took it first
                     continue
@@ -175,7 +174,8 @@ class WorkerCoordination:
                     taken = session.execute(
                         update(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
                                                       TrialClaimModel.slot == slot,
-                                                      TrialClaimModel.run_id == state.run_id, same_trial)
+                                                      TrialClaimModel.run_id == state.run_id, same_trial,
+                                                      TrialClaimModel.measured.is_(False))
                         .values(run_id=run_id, trial_number=None, claimed_at=_now())).rowcount
                 if taken == 1:
                     return slot, state.trial_number
@@ -194,7 +194,18 @@ class WorkerCoordination:
         with self.session_scope() as session:
             session.execute(delete(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
                                                           TrialClaimModel.slot == slot,
-                                                          TrialClaimModel.run_id == run_id))
+                                                          TrialClaimModel.run_id == run_id,
+                                                          TrialClaimModel.measured.is_(False)))
+
+    def _mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
+        """First statement of the transaction that stores a claimed trial's measurement (so that it takes the
+        write lock before reading anything): True when `run_id` still holds the slot with that trial."""
+        return session.execute(
+            update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
+                                          TrialClaimModel.run_id == run_id,
+                                          TrialClaimModel.trial_number == trial_number,
+                                          TrialClaimModel.measured.is_(False))
+            .values(measured=True)).rowcount == 1
 
     def adopt_measured_trials(self, study_name: str) -> int:
         """Give the measured trials of a study swept before claims existed (schema 1) their slots, once; how many."""
@@ -211,7 +222,8 @@ class WorkerCoordination:
         try:
             with self.session_scope() as session:
                 session.add_all(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id, trial_number=number,
-                                                claimed_at=_now()) for slot, (number, run_id) in enumerate(rows))
+                                                measured=True, claimed_at=_now())
+                                for slot, (number, run_id) in enumerate(rows))
         except StoreIntegrityError:  # a concurrent worker adopted them (or claimed) first
             return 0
         return len(rows)

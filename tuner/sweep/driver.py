@@ -59,7 +59,6 @@ class Sweep:
         self.emit = on_event or (lambda kind, data: None)
         self.stop_requested = 0  # signals received
         self._signal: str | None = None
-        self._declared_dead = False
         optuna.logging.set_verbosity(optuna.logging.ERROR)  # e.g. independent-sampling notes of conditional knobs
         # Heartbeats are recorded by this driver's own thread (ask/tell, not Study.optimize): expected.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
@@ -85,7 +84,7 @@ class Sweep:
                 self._measurer.interrupt()
 
     def _stopping(self, t0: float) -> str | None:
-        if self.stop_requested or self._declared_dead:
+        if self.stop_requested:
             return "interrupted"
         if self.opts.time_budget_s is not None and time.perf_counter() - t0 >= self.opts.time_budget_s:
             return "time budget"
@@ -100,8 +99,7 @@ class Sweep:
             try:
                 for tid in ids:
                     self.storage.record_heartbeat(tid)
-                if not self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device()):
-                    self._declared_dead = True  # stalled past the grace period: others took its slots over
+                self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device())
             except Exception as err:  # noqa: BLE001 - a missed heartbeat only risks a takeover
                 log.debug("heartbeat failed: %s", err)
 
@@ -171,6 +169,11 @@ class Sweep:
             if summary.stopped:
                 break
         summary.problems = [by_key[p.key] for p in problems if p.key in by_key]
+        # Leave the studies clean for whoever looks next: trials of workers that died after storing their
+        # measurement are told, and dead runs recorded.
+        self.store.mark_dead_runs()
+        for book in self._books.values():
+            book.repair(self.store)
 
     def _book(self, problem: Problem) -> StudyBook:
         if problem.key not in self._books:
@@ -250,8 +253,15 @@ class Sweep:
             return
         trial = item.trial
         # Commit the measurement first: a kill after this line loses nothing (the next worker tells the trial).
-        self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
-                                   study_name=book.name, trial_number=trial.number)
+        stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
+                                            study_name=book.name, trial_number=trial.number, slot=item.slot)
+        if stored is None:  # this worker stalled past its grace period and another one took the slot over
+            log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
+                        book.name, trial.number)
+            book.abandon(trial)
+            with self._lock:
+                self._running.pop(trial.trial_id, None)
+            return
         book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
         with self._lock:
             self._running.pop(trial.trial_id, None)
