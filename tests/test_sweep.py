@@ -434,3 +434,38 @@ def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeyp
         configs = [m.config for m in store.measurements(study_name=name)]
     assert sorted(configs, key=str) == sorted(grid, key=str), "the grid was not covered exactly once"
     assert len(load_study(url, name).get_trials()) == len(grid), "the grid sampler asked past the space"
+
+
+def test_double_interrupt_abandons_the_trial_exits_130_and_counts_what_remains(tmp_path):
+    """Ctrl-C twice while a (slow) trial is measured: the trial is abandoned at once, nothing is left RUNNING,
+    the exit status is 130 (128 + SIGINT) and the message counts, per problem, what the database still lacks."""
+    url = sqlite_url(tmp_path)
+    trials = 4
+    args = sweep_args(url, shapes="40x96,24x200", trials=trials)
+    rules = [{"match": knobs(Space(RMS_A, INTERPRET_SM_COUNT).seeds()[1]), "fault": "slow"}]
+    log, faults = tmp_path / "sweep.log", tmp_path / "faults.log"
+    proc = start_sweep(args, sweep_env(tmp_path, rules, NORMTUNE_TEST_SLOW_S="120"), tmp_path, log)
+    try:
+        wait_for(lambda: faults.exists() and " slow " in faults.read_text(), 180, "the slow trial", proc, log)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()
+    finally:
+        kill_group(proc)
+    output = " ".join(log.read_text().split())
+    rows = measurement_rows(url)
+    done = Counter(r["study_name"] for r in rows)
+    expected = "; ".join(f"{p.key}: {trials - done[n]} trials" for p, n in zip((RMS_A, RMS_B), names(RMS_A, RMS_B)))
+    assert f"stopped (interrupted); remaining: {expected}." in output, output
+    assert "abandoning the current trial" in output
+    for name in optuna.get_all_study_names(url):
+        study = load_study(url, name)
+        assert not study.get_trials(states=(TS.RUNNING, TS.WAITING)), name
+        abandoned = [t for t in study.get_trials(states=(TS.PRUNED,)) if t.user_attrs.get("status") == "abandoned"]
+        assert len(abandoned) == (1 if name == names(RMS_A)[0] else 0)
+    with Store(url) as store:
+        assert [r.status for r in store.runs()] == ["interrupted"]
+    again = run_sweep(args, sweep_env(tmp_path), tmp_path)  # the re-run measures the abandoned slot's seed
+    assert again.returncode == 0, again.stderr
+    check_studies(url, names(RMS_A, RMS_B), trials)
