@@ -310,8 +310,10 @@ def sweep(
     sampler: Annotated[str, typer.Option(help="tpe | random | grid")] = "tpe",
     storage: Storage = DEFAULT_DB,
     device: Device = 0,
-    devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices: one worker per GPU")] = None,
-    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs")] = 8,
+    devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices (0,1,…): one worker per GPU, "
+                                                        "sharing only the database")] = None,
+    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs (shared out among "
+                                                      "the --devices workers)")] = 8,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
     seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
     heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,
@@ -320,7 +322,9 @@ def sweep(
     summary: Annotated[Optional[Path], typer.Option(help="Also write a JSON summary here")] = None,
     interpret: Interpret = False,
 ):
-    """Search kernel_1/kernel_2 launch configs with Optuna, measured cold-L2, stored in the results database."""
+    """Search kernel_1/kernel_2 launch configs with Optuna, measured cold-L2, stored in the results database.
+    Any number of sweeps (GPUs of this host with --devices, other hosts on the same PostgreSQL --db) may share the
+    work: together they end each problem with exactly --trials trials. Exit code 130/143 after SIGINT/SIGTERM."""
     _run(_use_interpreter, interpret)
     from rich.console import Console
 
@@ -339,87 +343,82 @@ def sweep(
     device_list = _run(_parse_devices, devices)
     if device_list and interpret:
         _run(_raise, "--devices needs GPUs; --interpret runs one worker on CPU")
+    if compile_workers < 0:
+        _run(_raise, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
     info = _run(_device_info, gpu, interpret, device_list[0] if device_list else device)
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = _run(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
-                sampler=sampler, storage_url=storage, device=device, interpret=interpret,
+                sampler=sampler, device=device_list[0] if device_list else device, interpret=interpret,
                 compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed,
                 heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     store = _run(Store, storage)
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
                       "interpreter timings and are never emitted as a GPU table[/]")
-    if device_list:
+    targets = {S.study_name(key, p, interpret): trials for p in problems}
+    if device_list and len(device_list) > 1:
         store.close()
-        console.print(f"sweeping {len(problems)} problems on devices {device_list} ({storage})")
-        codes = S.run_on_devices(opts, device_list)
-        if any(codes):
-            raise typer.Exit(1)
-        return
-    result = _sweep_with_progress(console, _run(S.Sweep, opts, store, info, on_event=None), opts)
+        console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
+        with S.LiveView(console, store.url, targets):
+            code = S.run_on_devices(opts, device_list, store.url)
+        raise typer.Exit(code)
+    sw = _run(S.Sweep, opts, store, info)
+    with S.LiveView(console, store.url, targets) as view:
+        sw.emit = _sweep_events(view.console)
+        result = _run(sw.run)
     store.close()
+    console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
+                  f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
     if summary:
         summary.write_text(S.summary_json(result))
     if result.stopped:
         console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
                       "Re-run the same command to continue.[/]")
+    raise typer.Exit(result.exit_code)
 
 
 def _raise(message: str):
     raise CLIError(message)
 
 
-def _sweep_with_progress(console, sw, opts):
-    from rich.live import Live
-    from rich.table import Table
+def _sweep_events(console):
+    """Lines worth keeping above the live view: each problem's result, and what a signal does."""
+    def on_event(kind, data):
+        if kind == "problem_done":
+            ps = data["summary"]
+            console.print(f"{ps.problem.key}: {ps.trials} trials, best {ps.best_us and f'{ps.best_us:.1f} µs'}"
+                          + (f" (default {ps.default_us:.1f} µs)" if ps.default_us else "")
+                          + (f", failures {ps.failures}" if ps.failures else ""))
+        elif kind == "signal":
+            console.print(f"[yellow]{data['message']}[/]")
+    return on_event
 
-    state = {"problem": "", "done": 0, "target": 0, "best": None, "default": None, "pdone": 0, "ptotal": 0,
-             "t0": None, "trials": 0, "last": ""}
-    import time as _t
 
-    def render():
-        t = Table.grid(padding=(0, 2))
-        elapsed = _t.perf_counter() - state["t0"] if state["t0"] else 0.0
-        rate = elapsed / state["trials"] if state["trials"] else None
-        left = (state["ptotal"] - state["pdone"]) * opts.trials - state["done"]
-        eta = f"{rate * max(0, left) / 60:.1f} min" if rate else "–"
-        best = f"{state['best']:.1f} µs" if state["best"] else "–"
-        dflt = f"{state['default']:.1f} µs" if state["default"] else "–"
-        t.add_row("problems", f"{state['pdone']}/{state['ptotal']}", "ETA", eta)
-        t.add_row("problem", state["problem"], "trials", f"{state['done']}/{state['target']}")
-        t.add_row("best", best, "default config", dflt)
-        t.add_row("last", state["last"], "", "")
-        return t
+@app.command()
+def status(
+    db: Storage = DEFAULT_DB,
+    prefix: Annotated[str, typer.Option(help="Study-name prefix: normtune: for sweeps, normtune-validate: for "
+                                             "validation sweeps")] = "normtune:",
+):
+    """State of a running or finished sweep from the database alone: per problem the finished, failed and
+    running trials and the best time vs the default config's; the workers and whether they are alive."""
+    from rich.console import Console
 
-    with Live(render(), console=console, refresh_per_second=4) as live:
-        def on_event(kind, data):
-            if kind == "start":
-                state.update(ptotal=data["problems"], t0=_t.perf_counter())
-            elif kind == "problem":
-                state.update(problem=data["problem"].key, done=data["done"], target=data["target"], best=None,
-                             default=None)
-            elif kind == "trial":
-                r = data["result"]
-                state["done"] += 1
-                state["trials"] += 1
-                state.update(best=data["best_us"], default=data["default_us"])
-                state["last"] = (f"{r.median_us:.1f} µs" if r.status == "ok" else r.status) + f"  {data['config']}"
-            elif kind == "problem_done":
-                state["pdone"] += 1
-                ps = data["summary"]
-                live.console.print(f"{ps.problem.key}: {ps.trials} trials, best "
-                                   f"{ps.best_us and f'{ps.best_us:.1f} µs'}"
-                                   + (f" (default {ps.default_us:.1f} µs)" if ps.default_us else "")
-                                   + (f", failures {ps.failures}" if ps.failures else ""))
-            elif kind == "signal":
-                live.console.print(f"[yellow]{data['message']}[/]")
-            live.update(render())
+    from normtune.tuner.store import Store
+    from normtune.tuner.sweep.progress import render_table, snapshot, worker_lines
 
-        sw.emit = on_event
-        result = _run(sw.run)
-    console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
-                  f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
-    return result
+    console = Console()
+    with _run(Store, db, read_only=True) as store:
+        snap = _run(snapshot, store, prefix)
+        if not snap.problems:
+            console.print(f"no sweep studies named {prefix}… in {store.display_url}")
+            return
+        console.print(render_table(snap, f"sweep status — {store.display_url}"))
+        lines = worker_lines(snap)
+        alive = sum(w.alive for w in snap.workers)
+        console.print(f"workers: {alive} alive of {len(lines)}" + ("" if lines else " (none recorded heartbeats)"))
+        for line in lines:
+            console.print("  " + line)
 
 
 # -------------------------------------------------------------------------------------------------- emit

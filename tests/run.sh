@@ -3,10 +3,19 @@
 #   bash tests/run.sh [extra pytest args]
 # Installs normtune with its test extras (torch pinned to 2.13.0: on the project's machines that is the local
 # CPU build; an unpinned torch would pull several GB of CUDA wheels), starts a loopback PostgreSQL server for
-# the storage and multi-worker tests, and runs pytest on 2 workers.
+# the storage and multi-worker tests, runs pytest on 2 workers, and stops that server again on exit (whether
+# pytest passed, failed or was interrupted). A server that was already running before is left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0 -e ".[dev]"
+DIR="${NORMTUNE_PG_DIR:-/tmp/normtune-pg-$(id -un)}"
+if [ -f "$DIR/postmaster.pid" ] && kill -0 "$(head -n 1 "$DIR/postmaster.pid")" 2>/dev/null; then
+    started_here=0
+else
+    started_here=1
+fi
+stop_postgres() { if [ "$started_here" = 1 ]; then bash tests/postgres.sh --stop || true; fi; }
+trap stop_postgres EXIT
 eval "$(bash tests/postgres.sh)"
-exec "$PY" -m pytest -n 2 -q "$@"
+"$PY" -m pytest -n 2 -q "$@"

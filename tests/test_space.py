@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.kernels.heuristics import next_power_of_two, num_programs, slice_width
+from normtune.kernels.heuristics import next_power_of_two, num_programs, row_block_col, slice_width
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
@@ -111,8 +111,8 @@ def test_larger_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
         cfg.validate(s.problem)
         assert cfg.kernel_1.tile() <= MAX_SPACE_TILE
         assert not (cfg.kernel_1.prefetch and cfg.kernel_1.num_stages > 1)
-        if not cfg.kernel_1.two_pass:
-            assert cfg.kernel_1.block_col == next_power_of_two(N)
+        if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
+            assert cfg.kernel_1.block_col == row_block_col(N, cfg.kernel_1.row_split)
 
 
 @pytest.mark.parametrize("norm, M, N, sms", LARGER)
@@ -129,7 +129,8 @@ def test_random_points_of_the_space_are_valid_or_explained(norm, M, N, sms):
         why = s.why_not(cfg)
         if why is not None:
             assert isinstance(why, str) and why
-            assert not cfg.is_valid(s.problem) or any(w in why for w in ("tile", "num_warps", "prefetch"))
+            assert not cfg.is_valid(s.problem) or any(w in why for w in ("tile", "num_warps", "prefetch",
+                                                                         "two-pass chunks", "columns strategy"))
             continue
         kept += 1
         cfg.validate(s.problem)
@@ -174,7 +175,7 @@ def test_params_config_round_trip(norm, M, N, sms):
         params = s.params(cfg)
         assert set(params) == set(d)
         assert s.config(params) == cfg
-        if not cfg.kernel_1.two_pass:
+        if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
             assert params["k1.block_col"] == d["k1.block_col"][0]
 
 
@@ -233,8 +234,18 @@ def test_seeds_include_two_pass_strategies_for_wide_rows():
         assert all(c.kernel_1.block_col < next_power_of_two(N) for c in two_pass)
         strategies = s.strategies()
         assert strategies and all(c in seeds for c in strategies)
-    # Narrow rows have no structural alternatives.
-    assert space("rms_norm", 4096, 1024, 132).strategies() == []
+    # Narrow rows of many rows: only the fused reduction is a structural alternative.
+    assert all(c.kernel_2.fused and c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1
+               for c in space("rms_norm", 4096, 1024, 132).strategies())
+
+
+def test_seeds_include_the_v2_strategies():
+    wide = space("layer_norm", 2048, 16384, 132).seeds()
+    assert {c.kernel_1.row_split for c in wide} >= {1, 2, 4}
+    assert any(c.kernel_2.fused for c in wide)
+    few = space("rms_norm", 100, 8192, 132).seeds()
+    assert any(c.kernel_1.strategy == "columns" for c in few)
+    assert not any(c.kernel_1.strategy == "columns" for c in space("rms_norm", 65536, 1024, 132).seeds())
 
 
 def test_seeds_move_each_knob_one_step():
@@ -248,6 +259,8 @@ def test_seeds_move_each_knob_one_step():
         moved = {k for k, v in s.params(cfg).items() if v != bp[k]}
         if moved == {"k1.programs_per_sm"}:
             continue
+        if "k2.fused" in moved:  # fused: kernel_2's warps and PDL take their canonical values too
+            moved -= {"k2.num_warps", "k2.pdl"}
         assert len(moved) == 1, (cfg, moved)
         (key,) = moved
         assert abs(d[key].index(s.params(cfg)[key]) - d[key].index(bp[key])) == 1

@@ -26,7 +26,7 @@ from normtune.tuner import store as store_module
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import STATUSES, MeasureResult
 from normtune.tuner.store import (CONFIG_COLUMNS, SCHEMA_VERSION, MeasurementModel, MetaModel, SchemaVersionError,
-                                  Store, StoreError, StoreIntegrityError, optuna_storage_url)
+                                  Store, StoreError, StoreIntegrityError)
 
 POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
 
@@ -405,7 +405,7 @@ def _snapshot(url: str) -> object:
     return snapshot
 
 
-@pytest.mark.parametrize("found, advice", [("0", "release that wrote it"), ("2", "upgrade normtune")])
+@pytest.mark.parametrize("found, advice", [("0", "release that wrote it"), (str(SCHEMA_VERSION + 1), "upgrade normtune")])
 def test_schema_version_mismatch_leaves_the_database_untouched(url, found, advice):
     with Store(url) as s:
         run_id = s.start_run(H100, kind="sweep", command_line="x")
@@ -446,7 +446,7 @@ def test_old_sqlite_file_is_byte_identical_after_refusal(tmp_path):
     con.commit()
     con.close()
     before = path.read_bytes()
-    with pytest.raises(SchemaVersionError, match="database schema 0, this normtune expects 1"):
+    with pytest.raises(SchemaVersionError, match=f"database schema 0, this normtune expects {SCHEMA_VERSION}"):
         Store(f"sqlite:///{path}")
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["old.db"]  # no -wal/-shm left behind either
@@ -467,7 +467,7 @@ def test_optuna_study_shares_the_database(url):
     optuna = pytest.importorskip("optuna")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Optuna first: a database with only Optuna's tables gets ours created beside them.
-    study = optuna.create_study(storage=optuna_storage_url(url), study_name="rms-bf16",
+    study = optuna.create_study(storage=store_module.normalize_url(url), study_name="rms-bf16",
                                 sampler=optuna.samplers.RandomSampler(seed=0))
     study.optimize(lambda trial: trial.suggest_int("block_row", 1, 8), n_trials=3)
     with Store(url) as s:
@@ -476,7 +476,7 @@ def test_optuna_study_shares_the_database(url):
             s.add_measurement(run_id, RMS, CONFIG, ok(trial.value * 10.0), source="sweep",
                               study_name=study.study_name, trial_number=trial.number)
         # Then Optuna keeps working in a database that holds ours too.
-        study = optuna.load_study(storage=optuna_storage_url(url), study_name="rms-bf16",
+        study = optuna.load_study(storage=s.optuna_storage(), study_name="rms-bf16",
                                   sampler=optuna.samplers.RandomSampler(seed=1))
         study.optimize(lambda trial: trial.suggest_int("block_row", 1, 8), n_trials=2)
         assert len(study.trials) == 5
@@ -495,6 +495,11 @@ def test_sqlite_settings(tmp_path):
             assert session.execute(text("PRAGMA journal_mode")).scalar() == "wal"
             assert session.execute(text("PRAGMA foreign_keys")).scalar() == 1
             assert session.execute(text("PRAGMA busy_timeout")).scalar() == int(store_module.BUSY_TIMEOUT_S * 1000)
-    assert optuna_storage_url(str(path)) == f"sqlite:///{path}"
-    assert optuna_storage_url("postgres://u@h/db") in ("postgresql://u@h/db", "postgresql+psycopg2://u@h/db")
-    assert optuna_storage_url("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"  # explicit driver kept
+        # Optuna's storage is handed over by the store: same file, same busy timeout.
+        storage = s.optuna_storage()
+        assert storage.engine.url.database == str(path)
+        with storage.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == int(store_module.BUSY_TIMEOUT_S * 1000)
+    normalize = store_module.normalize_url
+    assert normalize("postgres://u@h/db") in ("postgresql://u@h/db", "postgresql+psycopg2://u@h/db")
+    assert normalize("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"  # explicit driver kept

@@ -181,7 +181,7 @@ def test_time_budget_stops_early_and_reports_what_remains(tmp_path):
     # Stopping left nothing RUNNING: asked-but-unmeasured trials were abandoned (pruned), not left to go stale.
     for name in optuna.get_all_study_names(url):
         study = load_study(url, name)
-        assert not study.get_trials(states=(TS.RUNNING,)), name  # (WAITING ones are queued seeds)
+        assert not study.get_trials(states=(TS.RUNNING, TS.WAITING)), name
         for t in study.get_trials(states=(TS.PRUNED,)):
             assert t.user_attrs.get("status") in ("abandoned", "invalid")
     with Store(url) as store:
@@ -365,20 +365,20 @@ def test_resume_after_sigkill_loses_nothing_and_ends_at_the_target(tmp_path, kil
     rows = {r["id"]: r for r in measurement_rows(url)}
     for row in committed:
         assert rows.get(row["id"]) == row, f"measurement {row['id']} changed or vanished after the re-run"
-    # The killed trial ended FAIL (stale, never measured) and was re-queued once with its params. The retry
-    # waits behind the seeds not yet measured, so it runs only if the target leaves room for it.
+    # The killed trial ended FAIL (its run dead, never measured); its slot was taken over and its seed config
+    # measured once by a new trial.
     trials = {t.number: t for t in load_study(url, name_a).get_trials()}
     assert trials[2].state == TS.FAIL, (
         f"the killed trial 2 ({killed[0][2]} heartbeats stored when it was killed) is {trials[2].state.name} after "
-        "the re-run: it was never failed as stale nor re-queued, and it holds a place of the target")
+        "the re-run: it was never failed nor its slot taken over")
     assert "status" not in trials[2].user_attrs
-    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == 2]
-    assert len(retries) == 1 and retries[0].params == trials[2].params
-    assert retries[0].state in (TS.WAITING, TS.COMPLETE, TS.FAIL)
+    retries = [t for t in trials.values() if t.number != 2 and t.params == trials[2].params]
+    assert len(retries) == 1 and retries[0].state in (TS.COMPLETE, TS.FAIL)
+    assert not load_study(url, name_a).get_trials(states=(TS.WAITING,))
     check_studies(url, names(RMS_A, RMS_B), target)
     with Store(url) as store:
         statuses = [r.status for r in store.runs()]
-    assert statuses == ["running", "finished"]  # the killed run never ended; the re-run did
+    assert statuses == ["dead", "finished"]  # the killed run is marked dead by the re-run; the re-run ended
 
 
 def test_sigterm_finishes_the_current_trial_and_stops(tmp_path):
@@ -389,7 +389,7 @@ def test_sigterm_finishes_the_current_trial_and_stops(tmp_path):
     try:
         wait_for(lambda: len(measurement_rows(url)) >= 1, 180, "a committed measurement", proc, log)
         os.kill(proc.pid, signal.SIGTERM)  # the sweep only: it stops its measuring process itself
-        assert proc.wait(60) == 0, log.read_text()
+        assert proc.wait(60) == 143, log.read_text()  # 128 + SIGTERM, after saving
     finally:
         kill_group(proc)
     output = log.read_text()
@@ -434,3 +434,38 @@ def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeyp
         configs = [m.config for m in store.measurements(study_name=name)]
     assert sorted(configs, key=str) == sorted(grid, key=str), "the grid was not covered exactly once"
     assert len(load_study(url, name).get_trials()) == len(grid), "the grid sampler asked past the space"
+
+
+def test_double_interrupt_abandons_the_trial_exits_130_and_counts_what_remains(tmp_path):
+    """Ctrl-C twice while a (slow) trial is measured: the trial is abandoned at once, nothing is left RUNNING,
+    the exit status is 130 (128 + SIGINT) and the message counts, per problem, what the database still lacks."""
+    url = sqlite_url(tmp_path)
+    trials = 4
+    args = sweep_args(url, shapes="40x96,24x200", trials=trials)
+    rules = [{"match": knobs(Space(RMS_A, INTERPRET_SM_COUNT).seeds()[1]), "fault": "slow"}]
+    log, faults = tmp_path / "sweep.log", tmp_path / "faults.log"
+    proc = start_sweep(args, sweep_env(tmp_path, rules, NORMTUNE_TEST_SLOW_S="120"), tmp_path, log)
+    try:
+        wait_for(lambda: faults.exists() and " slow " in faults.read_text(), 180, "the slow trial", proc, log)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 130, log.read_text()
+    finally:
+        kill_group(proc)
+    output = " ".join(log.read_text().split())
+    rows = measurement_rows(url)
+    done = Counter(r["study_name"] for r in rows)
+    expected = "; ".join(f"{p.key}: {trials - done[n]} trials" for p, n in zip((RMS_A, RMS_B), names(RMS_A, RMS_B)))
+    assert f"stopped (interrupted); remaining: {expected}." in output, output
+    assert "abandoning the current trial" in output
+    for name in optuna.get_all_study_names(url):
+        study = load_study(url, name)
+        assert not study.get_trials(states=(TS.RUNNING, TS.WAITING)), name
+        abandoned = [t for t in study.get_trials(states=(TS.PRUNED,)) if t.user_attrs.get("status") == "abandoned"]
+        assert len(abandoned) == (1 if name == names(RMS_A)[0] else 0)
+    with Store(url) as store:
+        assert [r.status for r in store.runs()] == ["interrupted"]
+    again = run_sweep(args, sweep_env(tmp_path), tmp_path)  # the re-run measures the abandoned slot's seed
+    assert again.returncode == 0, again.stderr
+    check_studies(url, names(RMS_A, RMS_B), trials)

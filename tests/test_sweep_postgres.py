@@ -1,7 +1,7 @@
 """Two `normtune sweep` workers sharing one PostgreSQL database (the way a sweep outgrows one machine), one of
 them SIGKILLed in the middle of a trial: the study must still end with exactly `--trials` finished trials per
-problem, nothing measured may be lost or stored twice, and the dead worker's trial must be failed as stale (its
-heartbeat stopped) and re-queued.
+problem, nothing measured may be lost or stored twice, the dead worker's trial must be failed and its slot taken
+over, and its run marked dead.
 
 Needs a PostgreSQL server whose role may create databases (each test gets a fresh one):
 
@@ -70,7 +70,8 @@ def committed_by(url: str, marker: str) -> int:
 
 def trial_config(name: str, params: dict) -> BackwardConfig:
     space = Space(NAMES[name], INTERPRET_SM_COUNT)
-    return space.canonical(space.config(params))
+    # Knobs a config does not use (block_col of a single pass, recompute of two passes) are not trial params.
+    return space.canonical(space.config({k: params.get(k, dom[0]) for k, dom in space.domains().items()}))
 
 
 def test_two_workers_one_killed_mid_trial_end_with_exactly_the_target(pg_url, tmp_path):
@@ -119,12 +120,10 @@ def test_two_workers_one_killed_mid_trial_end_with_exactly_the_target(pg_url, tm
     killed = trials[killed_number]
     assert killed.state == TS.FAIL, (
         f"worker A's trial {killed_number} of {killed_study} is {killed.state.name} after worker B finished: "
-        "B never failed it as stale (heartbeat older than the grace period) nor re-queued it")
+        "B never failed it nor took its slot over")
     assert "status" not in killed.user_attrs and not any(
         r["study_name"] == killed_study and r["trial_number"] == killed_number for r in rows.values())
-    retries = [t for t in trials.values() if t.system_attrs.get("failed_trial") == killed_number]
-    assert len(retries) == 1 and retries[0].params == killed.params, "the stale trial was not re-queued once"
-    assert retries[0].state in (TS.WAITING, TS.COMPLETE, TS.FAIL)
+    assert not [t for t in trials.values() if t.state == TS.WAITING]
 
     # Exactly TRIALS finished trials per problem, each backed by one stored measurement, every measurement
     # backing one finished trial, no (study_name, trial_number) stored twice, nothing left RUNNING.
@@ -135,5 +134,5 @@ def test_two_workers_one_killed_mid_trial_end_with_exactly_the_target(pg_url, tm
     with Store(pg_url) as store:
         runs = {("a.json" in r.command_line): r for r in store.runs()}
         a_rows = store.measurements(run_id=runs[True].id)
-    assert len(runs) == 2 and runs[True].status == "running" and runs[False].status == "finished"
+    assert len(runs) == 2 and runs[True].status == "dead" and runs[False].status == "finished"
     assert a_rows, "worker A committed nothing before it was killed"

@@ -52,8 +52,6 @@ K2_DOMAINS: dict[str, tuple] = {
 }
 # Largest tile (elements) the space offers: past it, registers spill on every Hopper config we measured.
 MAX_SPACE_TILE = 16384
-# The columns strategy runs no kernel_2: its configs all carry this one (the first value of each domain).
-COLUMNS_KERNEL_2 = Kernel2Config(**{k: v[0] for k, v in K2_DOMAINS.items()})
 # Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
 MIN_TWO_PASS_CHUNK = 512
 
@@ -83,6 +81,10 @@ class Space:
         d["k2.block_n"] = tuple(b for b in K2_DOMAINS["block_n"] if b <= n_pow2) or (n_pow2,)
         return d
 
+    def columns_kernel_2(self) -> Kernel2Config:
+        """The columns strategy runs no kernel_2: its configs all carry this one (each domain's first value)."""
+        return Kernel2Config(**{k[3:]: v[0] for k, v in self.domains().items() if k.startswith("k2.")})
+
     def config(self, params: Mapping[str, Any]) -> BackwardConfig:
         """Params (as sampled: 'k1.block_row', …) → a config. Single pass derives block_col from N and
         row_split; the columns strategy ignores the rows strategy's knobs and kernel_2 (first domain values)."""
@@ -100,7 +102,7 @@ class Space:
             row_split=row_split, strategy="columns" if columns else "rows",
         )
         if columns:
-            return BackwardConfig(k1, COLUMNS_KERNEL_2)
+            return BackwardConfig(k1, self.columns_kernel_2())
         fused = bool(params.get("k2.fused", False))
         k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
                            num_warps=K2_DOMAINS["num_warps"][0] if fused else params["k2.num_warps"],
@@ -120,7 +122,7 @@ class Space:
         if k1.strategy == "columns":
             out["k1.two_pass"] = d["k1.two_pass"][0]
             out["k1.programs_per_sm"] = d["k1.programs_per_sm"][0]
-            out.update({f"k2.{k}": v[0] for k, v in K2_DOMAINS.items()})
+            out.update({k: v[0] for k, v in d.items() if k.startswith("k2.")})
         if k1.strategy == "columns" or k1.two_pass:
             out["k1.row_split"] = d["k1.row_split"][0]
         return out
@@ -158,7 +160,7 @@ class Space:
             k1 = dataclasses.replace(k1, num_warps=min(k1.num_warps, max_warps(k1.tile())))
             config = dataclasses.replace(config, kernel_1=k1)
         if config.kernel_1.strategy == "columns":  # no grid knob, no kernel_2: one spelling of each
-            return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), COLUMNS_KERNEL_2)
+            return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), self.columns_kernel_2())
         if config.kernel_2.fused:  # kernel_1's warps run the fused reduction; nothing to overlap
             config = dataclasses.replace(config, kernel_2=dataclasses.replace(
                 config.kernel_2, num_warps=K2_DOMAINS["num_warps"][0], pdl=False))
@@ -189,7 +191,7 @@ class Space:
                     sub["k1.block_col"] = d["k1.block_col"][:1]
                 if strategy == "columns":
                     sub["k1.programs_per_sm"] = d["k1.programs_per_sm"][:1]
-                    sub.update({f"k2.{k}": v[:1] for k, v in K2_DOMAINS.items()})
+                    sub.update({k: v[:1] for k, v in d.items() if k.startswith("k2.")})
                 keys = list(sub)
                 for values in itertools.product(*(sub[k] for k in keys)):
                     params = dict(zip(keys, values))
@@ -240,6 +242,8 @@ class Space:
                         programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
         if p.M <= MAX_COLUMNS_ROWS:
             for block_row, block_col in ((32, 64), (16, 128), (32, 128)):
+                if block_col not in self.domains()["k1.block_col"]:
+                    continue
                 alts.append(BackwardConfig(Kernel1Config(
                     strategy="columns", block_row=block_row, block_col=block_col, num_warps=4, programs_per_sm=1,
                     eviction_policy="evict_first", prefetch=True), Kernel2Config()))

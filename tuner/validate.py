@@ -72,52 +72,16 @@ class ValidationRow:
 # ---------------------------------------------------------------------------------------- the reference
 
 
-def _prepare_unseeded_studies(storage_url: str, names: dict[str, str], gpu_key: str, problems: list[Problem]):
-    """Create the reference studies marked as already seeded, so that the sweep enqueues no seed config.
-    TEMPORARY coupling to the sweep's seeding marks (seeded / seed_version): replace with a sweep option for an
-    unseeded study once the sweep has one. `check_unseeded` guards against the marks going out of date."""
-    import optuna
-
-    from .store import optuna_storage_url
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.RDBStorage(optuna_storage_url(storage_url))
-    for problem in problems:
-        study = optuna.create_study(study_name=names[problem.key], storage=storage, direction="minimize",
-                                    load_if_exists=True)
-        if not study.user_attrs.get("unseeded"):
-            for key, value in (("seeded", True), ("seed_version", 2**31 - 1), ("unseeded", True),
-                               ("problem", problem.to_dict()), ("gpu_key", gpu_key)):
-                study.set_user_attr(key, value)
-
-
-def check_unseeded(storage_url: str, names: list[str]) -> None:
-    """Raise RuntimeError when any reference trial was enqueued (a seed) rather than sampled."""
-    import optuna
-
-    from .store import optuna_storage_url
-
-    storage = optuna.storages.RDBStorage(optuna_storage_url(storage_url))
-    for name in names:
-        study = optuna.load_study(study_name=name, storage=storage)
-        seeded = [t.number for t in study.get_trials(deepcopy=False) if "fixed_params" in t.system_attrs]
-        if seeded:
-            raise RuntimeError(f"reference study {name} holds enqueued (seed) trials {seeded[:5]}: the reference "
-                               "must be unseeded; the sweep's seeding changed, update validate's reference setup")
-
-
 def reference_sweep(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], *, trials: int,
                     storage_url: str, compile_workers: int, progress=None) -> dict[str, tuple]:
     """problem key → (best config or None, trials measured) of an unseeded sweep of `trials` trials."""
     from .sweep import Sweep, SweepOptions, study_name
 
     names = {p.key: study_name(gpu_key, p, info.interpret, REFERENCE_PREFIX) for p in problems}
-    _prepare_unseeded_studies(storage_url, names, gpu_key, problems)
-    opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, storage_url=storage_url,
-                        interpret=info.interpret, compile_workers=compile_workers, study_prefix=REFERENCE_PREFIX,
-                        source=REFERENCE_SOURCE)
+    opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, interpret=info.interpret,
+                        compile_workers=compile_workers, study_prefix=REFERENCE_PREFIX, source=REFERENCE_SOURCE,
+                        seeded=False)
     Sweep(opts, store, info, on_event=progress).run()
-    check_unseeded(storage_url, list(names.values()))
     out = {}
     for p in problems:
         measured = store.measurements(study_name=names[p.key])

@@ -16,7 +16,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from normtune.kernels.backward import num_programs
+from normtune.kernels.heuristics import partial_rows
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 
 from ..bench import OURS
@@ -100,7 +100,7 @@ def _gbps(m: MeasurementRecord, sm_count: int | None) -> float | None:
     derived as `measure.measure_config` derives it, from the grid the config launches on the run's SMs."""
     if m.gbps is not None:
         return m.gbps
-    moved = m.bytes_moved or (sm_count and bytes_moved(m.problem, num_programs(m.problem.M, m.config, sm_count)))
+    moved = m.bytes_moved or (sm_count and bytes_moved(m.problem, partial_rows(m.problem.M, m.config, sm_count)))
     return moved / (m.median_us * 1e3) if moved else None  # B / µs / 1e3 = GB/s
 
 

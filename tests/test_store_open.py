@@ -1,0 +1,153 @@
+"""Opening a results database: read-only opens, foreign and missing databases, damaged files, unknown schemes
+and drivers, the upgrade of schema-1 files, and one-line errors (never a statement with its parameters)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.tuner.store import SCHEMA_VERSION, Store, StoreError
+from test_store import CONFIG, H100, RMS, ok
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _filled(path: Path) -> str:
+    url = f"sqlite:///{path}"
+    with Store(url) as s:
+        run_id = s.start_run(H100, kind="sweep", command_line="x")
+        s.add_measurement(run_id, RMS, CONFIG, ok(80.0), source="sweep")
+        s.end_run(run_id)
+    return url
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """The folder's files and bytes, without the -wal/-shm files SQLite itself keeps beside a WAL-mode database
+    (a reader of such a database needs them; the database file is what must not change)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if not p.name.endswith(("-wal", "-shm"))}
+
+
+def test_read_only_open_reads_and_never_writes(tmp_path):
+    url = _filled(tmp_path / "results.db")
+    before = _files(tmp_path)
+    with Store(url, read_only=True) as s:
+        assert [m.median_us for m in s.measurements()] == [80.0]
+        with pytest.raises(StoreError) as err:
+            s.start_run(H100, kind="sweep", command_line="y")
+    message = str(err.value)
+    assert "\n" not in message and "INSERT" not in message and "read-only" in message
+    assert _files(tmp_path) == before
+
+
+def test_read_only_open_of_a_missing_file_is_an_error_and_creates_nothing(tmp_path):
+    with pytest.raises(StoreError, match="no such database file"):
+        Store(f"sqlite:///{tmp_path / 'missing.db'}", read_only=True)
+    assert list(tmp_path.iterdir()) == []
+    result = CliRunner().invoke(app, ["status", "--db", str(tmp_path / "missing.db")])
+    assert result.exit_code == 1 and result.output.startswith("error: --db ") and "no such" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_database_of_somebody_else_is_refused_untouched(tmp_path, read_only):
+    path = tmp_path / "shop.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO customers VALUES (1, 'Ada')")
+    con.commit()
+    con.close()
+    before = _files(tmp_path)
+    with pytest.raises(StoreError, match=r"holds other tables \(customers\) and no normtune results; it was left "
+                                         "untouched"):
+        Store(f"sqlite:///{path}", read_only=read_only)
+    assert _files(tmp_path) == before  # no normtune or Optuna table, no WAL switch
+    assert sorted(os.listdir(tmp_path)) == ["shop.db"]  # not even SQLite's -wal/-shm: it never became WAL
+
+
+@pytest.mark.parametrize("url, words", [
+    ("foo://bar", "unknown database scheme 'foo'"),
+    ("mysql://user@localhost/db", "driver is not installed"),
+])
+def test_unusable_urls_are_one_line_errors_naming_the_url_and_the_fix(url, words):
+    if "mysql" in url:
+        pytest.importorskip("sqlalchemy")
+        if any(__import__("importlib").util.find_spec(m) for m in ("MySQLdb",)):
+            pytest.skip("a MySQL driver is installed here")
+    with pytest.raises(StoreError) as err:
+        Store(url)
+    message = str(err.value)
+    assert words in message and url.split("://")[0] in message and "\n" not in message
+    result = CliRunner().invoke(app, ["status", "--db", url])
+    assert result.exit_code == 1 and result.output.count("\n") == 1 and result.output.startswith("error: --db")
+
+
+def test_a_damaged_file_is_a_one_line_error(tmp_path):
+    path = tmp_path / "results.db"
+    url = _filled(path)
+    with Store(url) as s:  # checkpoint the WAL into the file, so that the damage below is what SQLite reads
+        with s.session_scope() as session:
+            session.connection().exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(path.read_bytes())
+    page = 4096
+    for start in range(page, len(data), page):  # every page but the first (the schema) gets garbage
+        data[start:start + page] = bytes([0xA5]) * page
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError) as err:
+        with Store(url, read_only=True) as s:
+            s.measurements()
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message
+    assert "malformed" in message or "not a database" in message
+    assert "restore" in message
+
+
+def test_a_schema_1_database_is_read_as_it_is_and_upgraded_when_written(tmp_path):
+    shipped = REPO / "results.db"
+    con = sqlite3.connect(f"file:{shipped}?mode=ro", uri=True)
+    version = con.execute("SELECT value FROM normtune_meta WHERE key = 'schema_version'").fetchone()
+    con.close()
+    if version != ("1",):
+        pytest.skip("the repository's results.db is not a schema-1 database any more")
+    old = tmp_path / "old.db"
+    shutil.copy(shipped, old)
+    before = old.read_bytes()
+    with Store(f"sqlite:///{old}", read_only=True) as s:
+        runs = s.runs()
+        assert runs and s.schema_version == "1"
+    assert old.read_bytes() == before
+    with Store(f"sqlite:///{old}") as s:
+        assert [r.id for r in s.runs()] == [r.id for r in runs]
+        run_id = s.start_run(H100, kind="sweep", command_line="after the upgrade")
+        s.beat(run_id, grace_s=0.0)
+        assert run_id in s.mark_dead_runs()  # 'dead' is a run status now
+        assert s.runs()[-1].status == "dead"
+        assert s.count_measurements() > 0
+    con = sqlite3.connect(old)
+    assert con.execute("SELECT value FROM normtune_meta").fetchone() == (str(SCHEMA_VERSION),)
+    assert con.execute("PRAGMA foreign_key_check").fetchall() == []
+    assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    con.close()
+
+
+def test_status_reads_a_database_without_changing_it(tmp_path):
+    url = _filled(tmp_path / "results.db")
+    with Store(url) as s:
+        run_id = s.start_run(H100, kind="sweep", command_line="a worker that died")
+        s.beat(run_id, grace_s=0.0, device=1)
+        s.claim_slot("normtune:h100:" + RMS.key, 3, run_id)
+        s.add_measurement(run_id, RMS, CONFIG, ok(70.0), source="sweep", study_name="normtune:h100:" + RMS.key,
+                          trial_number=0)
+    before = _files(tmp_path)
+    result = CliRunner().invoke(app, ["status", "--db", url], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert f"{RMS.norm} {RMS.M}x{RMS.N} {RMS.dtype}" in result.output
+    assert "workers: 0 alive of 1" in result.output and "GPU 1" in result.output and "dead" in result.output
+    assert _files(tmp_path) == before
+    with Store(url, read_only=True) as s:
+        assert [r.status for r in s.runs()] == ["finished", "running"]  # status only reads; a sweep marks it

@@ -1,0 +1,353 @@
+"""What the results store holds: one model class per table (constraints declared in the class, Enum columns for
+states), and the frozen records callers get back instead of ORM objects.
+
+Our tables carry the `normtune_` prefix, so Optuna's study tables live beside them in the same database.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, MetaData, String,
+                        Text, UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import STATUSES, MeasureResult
+
+# 2: runs may end "dead" (a worker whose heartbeat stopped), and sweep workers record heartbeats and trial claims.
+# 3: the kernel family v2 knobs (k1_row_split, k1_strategy, k2_fused), with their values for older rows.
+SCHEMA_VERSION = 3
+# Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
+READABLE_VERSIONS = ("1", "2", "3")
+# Columns schema 3 added to normtune_measurements, with the value rows measured before them take.
+V3_COLUMNS = {"k1_row_split": "INTEGER NOT NULL DEFAULT 1", "k1_strategy": "VARCHAR(16) NOT NULL DEFAULT 'rows'",
+              "k2_fused": "BOOLEAN NOT NULL DEFAULT FALSE"}
+RUN_STATUSES = ("running", "finished", "interrupted", "failed", "dead")
+PEER_STATUSES = ("ok", "error", "unavailable")
+
+# Config field -> column, for both kernels. tests/test_store.py checks these columns exist on the table, so a
+# new Kernel1Config/Kernel2Config field without a column fails CI instead of silently going unstored. A new
+# column is a schema change: bump SCHEMA_VERSION (databases of the old layout are then refused, not corrupted).
+CONFIG_COLUMNS = {("kernel_1", f.name): f"k1_{f.name}" for f in dataclasses.fields(Kernel1Config)}
+CONFIG_COLUMNS |= {("kernel_2", f.name): f"k2_{f.name}" for f in dataclasses.fields(Kernel2Config)}
+
+
+class StoreError(Exception):
+    """A database operation failed; the message says which database and why."""
+
+
+class StoreIntegrityError(StoreError):
+    """A constraint (unique key, foreign key, enum check) rejected a write."""
+
+
+class SchemaVersionError(StoreError):
+    """The database was written by a normtune with another `SCHEMA_VERSION`."""
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+class Base(DeclarativeBase):
+    # Explicit constraint names: the same DDL on SQLite and PostgreSQL, and migrations can name what they change.
+    metadata = MetaData(naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s", "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s", "fk": "fk_%(table_name)s_%(column_0_name)s",
+        "pk": "pk_%(table_name)s"})
+
+
+def _enum(name: str, values: tuple[str, ...]) -> Enum:
+    # A VARCHAR with a CHECK constraint rather than a PostgreSQL ENUM type: same DDL everywhere, no type objects.
+    return Enum(*values, name=name, native_enum=False, create_constraint=True, length=32)
+
+
+class MetaModel(Base):
+    __tablename__ = "normtune_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(255))
+
+
+class RunModel(Base):
+    __tablename__ = "normtune_runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    gpu_name: Mapped[str] = mapped_column(String(255))
+    gpu_key: Mapped[str] = mapped_column(String(64), index=True)
+    compute_capability: Mapped[str | None] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    l2_bytes: Mapped[int] = mapped_column(BigInteger)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger)
+    driver: Mapped[str | None] = mapped_column(String(64))
+    cuda: Mapped[str | None] = mapped_column(String(64))
+    torch: Mapped[str] = mapped_column(String(64))
+    triton: Mapped[str] = mapped_column(String(64))
+    normtune_version: Mapped[str] = mapped_column(String(64))
+    git_revision: Mapped[str | None] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(255))
+    python: Mapped[str] = mapped_column(String(32))
+    command_line: Mapped[str] = mapped_column(Text)
+    interpret: Mapped[bool] = mapped_column(Boolean)
+    copy_bandwidth_gbps: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime)
+    ended_at: Mapped[dt.datetime | None] = mapped_column(DateTime)
+    status: Mapped[str] = mapped_column(_enum("run_status", RUN_STATUSES))
+
+
+class ProblemModel(Base):
+    __tablename__ = "normtune_problems"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), unique=True)
+    family_key: Mapped[str] = mapped_column(String(255), index=True)
+    norm: Mapped[str] = mapped_column(String(32))
+    M: Mapped[int] = mapped_column(BigInteger)
+    N: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(16))
+    weight_dtype: Mapped[str] = mapped_column(String(16))
+    has_weight: Mapped[bool] = mapped_column(Boolean)
+    has_bias: Mapped[bool] = mapped_column(Boolean)
+    zero_centered: Mapped[bool] = mapped_column(Boolean)
+    save: Mapped[str] = mapped_column(String(16))
+
+
+class MeasurementModel(Base):
+    __tablename__ = "normtune_measurements"
+    # One Optuna trial is stored at most once; rows without a trial (NULLs) never collide.
+    __table_args__ = (UniqueConstraint("study_name", "trial_number"), Index(None, "problem_id", "status"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
+    problem_id: Mapped[int] = mapped_column(ForeignKey("normtune_problems.id"), index=True)
+    config_json: Mapped[str] = mapped_column(Text)
+    config_hash: Mapped[str] = mapped_column(String(40), index=True)
+    k1_block_row: Mapped[int] = mapped_column(Integer, index=True)
+    k1_block_col: Mapped[int] = mapped_column(Integer, index=True)
+    k1_num_warps: Mapped[int] = mapped_column(Integer, index=True)
+    k1_num_stages: Mapped[int] = mapped_column(Integer, index=True)
+    k1_programs_per_sm: Mapped[float] = mapped_column(Float, index=True)  # fractions (0.5) leave SMs idle
+    k1_two_pass: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_eviction_policy: Mapped[str] = mapped_column(String(32), index=True)
+    k1_prefetch: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_recompute: Mapped[bool] = mapped_column(Boolean, index=True)
+    k1_row_split: Mapped[int] = mapped_column(Integer, index=True, default=1)
+    k1_strategy: Mapped[str] = mapped_column(String(16), index=True, default="rows")
+    k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
+    k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
+    k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)
+    k2_num_stages: Mapped[int] = mapped_column(Integer, index=True)
+    k2_pdl: Mapped[bool] = mapped_column(Boolean, index=True)
+    k2_fused: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
+    status: Mapped[str] = mapped_column(_enum("measurement_status", STATUSES))
+    error: Mapped[str | None] = mapped_column(Text)
+    median_us: Mapped[float | None] = mapped_column(Float)
+    p10_us: Mapped[float | None] = mapped_column(Float)
+    p90_us: Mapped[float | None] = mapped_column(Float)
+    reps: Mapped[int] = mapped_column(Integer)
+    kernel_1_us: Mapped[float | None] = mapped_column(Float)
+    kernel_2_us: Mapped[float | None] = mapped_column(Float)
+    compile_s: Mapped[float | None] = mapped_column(Float)
+    bytes_moved: Mapped[int | None] = mapped_column(BigInteger)
+    gbps: Mapped[float | None] = mapped_column(Float)
+    floor_us: Mapped[float | None] = mapped_column(Float)
+    floor_fraction: Mapped[float | None] = mapped_column(Float)
+    programs: Mapped[int | None] = mapped_column(Integer)
+    errors_json: Mapped[str] = mapped_column(Text)
+    interpret: Mapped[bool] = mapped_column(Boolean, index=True)
+    source: Mapped[str] = mapped_column(String(64), index=True)
+    study_name: Mapped[str | None] = mapped_column(String(512))
+    trial_number: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime)
+
+
+class PeerResultModel(Base):
+    __tablename__ = "normtune_peer_results"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
+    problem_id: Mapped[int] = mapped_column(ForeignKey("normtune_problems.id"), index=True)
+    peer: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(_enum("peer_status", PEER_STATUSES))
+    error: Mapped[str | None] = mapped_column(Text)
+    median_us: Mapped[float | None] = mapped_column(Float)
+    p10_us: Mapped[float | None] = mapped_column(Float)
+    p90_us: Mapped[float | None] = mapped_column(Float)
+    reps: Mapped[int] = mapped_column(Integer)
+    kernels_json: Mapped[str] = mapped_column(Text)  # per-kernel breakdown {kernel name: µs}
+    note: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime)
+
+
+
+
+class RunHeartbeatModel(Base):
+    """Liveness of a run that records heartbeats (a sweep worker). A `running` run whose last beat is older than
+    its grace period is dead: its process was killed or its host lost, and nobody will end it."""
+
+    __tablename__ = "normtune_run_heartbeats"
+    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), primary_key=True)
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    device: Mapped[int | None] = mapped_column(Integer)  # CUDA index; NULL for the interpreter
+    grace_s: Mapped[float] = mapped_column(Float)
+    beat_at: Mapped[dt.datetime] = mapped_column(DateTime)
+
+
+class TrialClaimModel(Base):
+    """One place of a study's trial budget: slot k (0 <= k < --trials) is held by at most one run at a time,
+    which is what keeps several workers from measuring more trials than asked (the primary key is the lock)."""
+
+    __tablename__ = "normtune_trial_claims"
+    study_name: Mapped[str] = mapped_column(String(512), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
+    trial_number: Mapped[int | None] = mapped_column(Integer)  # NULL between the claim and the ask
+    # Set in the transaction that stores the trial's measurement, and only while the run still holds the slot;
+    # a takeover requires it unset: so a slot is measured once, whatever the timing of a stalled worker.
+    measured: Mapped[bool] = mapped_column(Boolean, default=False)
+    claimed_at: Mapped[dt.datetime] = mapped_column(DateTime)
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: int
+    kind: str
+    gpu_name: str
+    gpu_key: str
+    compute_capability: str | None
+    sm_count: int
+    l2_bytes: int
+    memory_bytes: int
+    driver: str | None
+    cuda: str | None
+    torch: str
+    triton: str
+    normtune_version: str
+    git_revision: str | None
+    host: str
+    python: str
+    command_line: str
+    interpret: bool
+    copy_bandwidth_gbps: float | None
+    started_at: dt.datetime
+    ended_at: dt.datetime | None
+    status: str
+
+    @property
+    def device(self) -> DeviceInfo:
+        """The provenance as the `DeviceInfo` it was recorded from."""
+        return DeviceInfo(name=self.gpu_name, key=self.gpu_key, normtune=self.normtune_version,
+                          **{f: getattr(self, f) for f in _DEVICE_FIELDS})
+
+
+@dataclass(frozen=True)
+class MeasurementRecord:
+    id: int
+    run_id: int
+    problem: Problem
+    config: BackwardConfig
+    config_hash: str
+    status: str
+    error: str | None
+    median_us: float | None
+    p10_us: float | None
+    p90_us: float | None
+    reps: int
+    kernel_1_us: float | None
+    kernel_2_us: float | None
+    compile_s: float | None
+    bytes_moved: int | None
+    gbps: float | None
+    floor_us: float | None
+    floor_fraction: float | None
+    programs: int | None
+    errors: dict[str, float]
+    interpret: bool
+    source: str
+    study_name: str | None
+    trial_number: int | None
+    created_at: dt.datetime
+    gpu_key: str  # of the run that measured it
+    gpu_name: str
+
+    def to_result(self) -> MeasureResult:
+        return MeasureResult(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MeasureResult)})
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    id: int
+    run_id: int
+    problem: Problem
+    peer: str
+    status: str
+    error: str | None
+    median_us: float | None
+    p10_us: float | None
+    p90_us: float | None
+    reps: int
+    kernels: dict[str, float]
+    note: str | None
+    created_at: dt.datetime
+    gpu_key: str
+    gpu_name: str
+
+
+_DEVICE_FIELDS = ("compute_capability", "sm_count", "l2_bytes", "memory_bytes", "driver", "cuda", "torch",
+                  "triton", "git_revision", "host", "python", "interpret")
+_FIGURES = ("median_us", "p10_us", "p90_us", "kernel_1_us", "kernel_2_us", "compile_s", "gbps", "floor_us",
+            "floor_fraction")
+
+
+def _now() -> dt.datetime:
+    # Stored naive in UTC (SQLite has no time zones); records carry the zone again.
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+
+
+def _utc(value: dt.datetime | None) -> dt.datetime | None:
+    return None if value is None else value.replace(tzinfo=dt.timezone.utc)
+
+
+def _figure(value: float | None) -> float | None:
+    # NaN means "no figure": SQLite would store it as NULL anyway, so every backend does.
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def _config_hash(config_json: str) -> str:
+    return hashlib.sha1(config_json.encode()).hexdigest()
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
+
+
+def _problem(row: ProblemModel) -> Problem:
+    return Problem(row.norm, row.M, row.N, row.dtype, row.weight_dtype, row.has_weight, row.has_bias,
+                   row.zero_centered, row.save)
+
+
+def _run_record(row: RunModel) -> RunRecord:
+    values = {f.name: getattr(row, f.name) for f in dataclasses.fields(RunRecord)}
+    return RunRecord(**values | {"started_at": _utc(row.started_at), "ended_at": _utc(row.ended_at)})
+
+
+def _measurement_record(row: MeasurementModel, problem: ProblemModel, run: RunModel) -> MeasurementRecord:
+    skip = {"problem", "config", "errors", "created_at", "gpu_key", "gpu_name"}
+    values = {f.name: getattr(row, f.name) for f in dataclasses.fields(MeasurementRecord) if f.name not in skip}
+    return MeasurementRecord(**values, problem=_problem(problem), config=BackwardConfig.from_json(row.config_json),
+                             errors=json.loads(row.errors_json), created_at=_utc(row.created_at),
+                             gpu_key=run.gpu_key, gpu_name=run.gpu_name)
+
+
+def _peer_record(row: PeerResultModel, problem: ProblemModel, run: RunModel) -> PeerRecord:
+    skip = {"problem", "kernels", "created_at", "gpu_key", "gpu_name"}
+    values = {f.name: getattr(row, f.name) for f in dataclasses.fields(PeerRecord) if f.name not in skip}
+    return PeerRecord(**values, problem=_problem(problem), kernels=json.loads(row.kernels_json),
+                      created_at=_utc(row.created_at), gpu_key=run.gpu_key, gpu_name=run.gpu_name)
+

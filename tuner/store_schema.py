@@ -1,0 +1,330 @@
+"""Opening a results database: its URL, its engine (read-write or read-only), the schema check, the schema's
+creation and upgrade, and the one-line errors all of that may end in.
+
+Rules, whatever the backend:
+- A database that holds tables of somebody else and no normtune schema is refused and never touched.
+- A database of a schema version this normtune cannot read is refused with both versions and never touched.
+- Read-only opens never write: SQLite is opened as a `mode=ro` URI (no WAL switch, no table, a missing file is
+  an error), PostgreSQL sessions are read-only transactions.
+- Several processes may open a fresh database at once: creation steps that race (SQLite's journal-mode switch,
+  `CREATE TABLE` checks, Optuna's version rows) are retried until the other opener is done.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sqlite3
+import time
+from typing import Any, Callable
+
+from sqlalchemy import create_engine, event, inspect, select, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
+                            ProgrammingError, SQLAlchemyError)
+
+from .store_models import (V3_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MetaModel, RunModel,
+                           SchemaVersionError, StoreError)
+
+# How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
+# Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
+BUSY_TIMEOUT_S = 60.0
+# Tables Optuna's RDB storage creates: they may share a database with ours (they are not "foreign").
+OPTUNA_TABLES = frozenset({
+    "studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials", "trial_params",
+    "trial_values", "trial_intermediate_values", "trial_user_attributes", "trial_system_attributes",
+    "trial_heartbeats", "version_info", "alembic_version"})
+DRIVER_HINTS = {"postgresql": "pip install 'normtune[postgres]' (psycopg2)", "mysql": "pip install mysqlclient",
+                "mssql": "pip install pyodbc"}
+_TRANSIENT = ("locked", "busy", "already exists", "duplicate key", "unique constraint")
+
+
+def normalize_url(url: str) -> str:
+    """A database URL; a bare path ('results.db') means the SQLite file at that path.
+
+    A PostgreSQL URL without a driver gets psycopg2 when it is installed (the `postgres` extra): SQLAlchemy 2.1
+    otherwise defaults to psycopg 3, and 'postgres://' (what many hosting services print) is accepted too.
+    """
+    url = str(url)
+    if "://" not in url:
+        return f"sqlite:///{url}"
+    scheme, rest = url.split("://", 1)
+    if scheme in ("postgres", "postgresql") and importlib.util.find_spec("psycopg2") is not None:
+        return f"postgresql+psycopg2://{rest}"
+    return f"postgresql://{rest}" if scheme == "postgres" else url
+
+
+def display_url(url: str) -> str:
+    """The URL as it may be printed: without its password."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def short_reason(err: BaseException) -> str:
+    """The driver's own message, first line only: never the SQL statement or its parameters."""
+    reason = str(getattr(err, "orig", None) or err).strip().splitlines()
+    return reason[0][:300] if reason else type(err).__name__
+
+
+def sqlite_path(url: str) -> str | None:
+    """The file of a SQLite URL; None for other backends and in-memory databases."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    return u.database
+
+
+def create(url: str, *, read_only: bool) -> Engine:
+    """The engine of `url` (normalized), with our connection settings; StoreError for an unusable URL."""
+    shown = display_url(url)
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        raise StoreError(f"--db {shown}: not a database URL; use a file path, sqlite:///PATH or "
+                         "postgresql://USER:PASSWORD@HOST/DATABASE") from None
+    backend = u.get_backend_name()
+    path = sqlite_path(url)
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if backend == "sqlite":
+        kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
+        if read_only and path is not None:
+            if not os.path.isfile(path):
+                raise StoreError(f"--db {shown}: no such database file; pass the path of an existing results "
+                                 "database (e.g. --db results.db)")
+            url = f"sqlite:///file:{os.path.abspath(path)}?mode=ro&uri=true"
+    elif read_only and backend == "postgresql":
+        kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on"}
+    try:
+        engine = create_engine(url, **kwargs)
+    except NoSuchModuleError:
+        raise StoreError(f"--db {shown}: unknown database scheme {u.drivername!r}; use a file path, "
+                         "sqlite:///PATH or postgresql://USER:PASSWORD@HOST/DATABASE") from None
+    except ImportError as err:
+        hint = DRIVER_HINTS.get(backend, f"install the Python driver of {backend}")
+        raise StoreError(f"--db {shown}: the {backend} driver is not installed ({err}); {hint}") from None
+    _install_connection_hooks(engine, backend == "sqlite")
+    return engine
+
+
+def _install_connection_hooks(engine: Engine, is_sqlite: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, connection_record):
+        connection_record.info["pid"] = os.getpid()
+        if is_sqlite:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}")
+            cursor.close()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection, connection_record, connection_proxy):
+        # A pooled connection inherited through fork belongs to the parent: drop it and connect afresh
+        # (SQLAlchemy's recipe for engines used across os.fork()).
+        if connection_record.info["pid"] != os.getpid():
+            connection_record.dbapi_connection = connection_proxy.dbapi_connection = None
+            raise DisconnectionError(f"connection belongs to pid {connection_record.info['pid']}")
+
+
+# ------------------------------------------------------------------------------------------------- checks
+
+
+def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
+    """Refuse what must not be opened (foreign tables, another schema version, missing columns), before anything
+    writes. Returns the schema version found (None: no normtune schema yet)."""
+    try:
+        with engine.connect() as conn:
+            inspector = inspect(conn)
+            tables = set(inspector.get_table_names())
+            found = None
+            if MetaModel.__tablename__ in tables:
+                found = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")).scalar()
+            missing = [f"{table.name}.{column}" for table in Base.metadata.sorted_tables if table.name in tables
+                       for column in sorted(set(table.c.keys()) - {c["name"] for c in
+                                                                   inspector.get_columns(table.name)})]
+    except SQLAlchemyError as err:
+        raise StoreError(f"--db {shown}: cannot read it ({short_reason(err)}); pass a normtune results database, "
+                         "or restore this one from a copy if it is damaged") from None
+    ours = {t.name for t in Base.metadata.sorted_tables}
+    foreign = sorted(tables - ours - OPTUNA_TABLES)
+    if found is None and MetaModel.__tablename__ not in tables and foreign:
+        listed = ", ".join(foreign[:5]) + (", …" if len(foreign) > 5 else "")
+        raise StoreError(f"--db {shown}: holds other tables ({listed}) and no normtune results; it was left "
+                         "untouched. Pass a new file or a database that normtune created.")
+    if read_only and MetaModel.__tablename__ not in tables:
+        raise StoreError(f"--db {shown}: holds no normtune results; pass the database a sweep or bench wrote")
+    if found is not None and found not in READABLE_VERSIONS:
+        newer = found.isdigit() and int(found) > SCHEMA_VERSION
+        advice = ("upgrade normtune to read it" if newer else
+                  f"open it with the normtune release that wrote it (schema {found})")
+        raise SchemaVersionError(
+            f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by "
+            f"{'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to start "
+            f"afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
+    if found in ("1", "2"):
+        if read_only:
+            raise SchemaVersionError(
+                f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by an older "
+                "normtune and was left unchanged; a writing command (e.g. normtune sweep) upgrades it in place.")
+        missing = [m for m in missing if m.split(".", 1)[1] not in V3_COLUMNS]
+    if missing:
+        # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
+        raise SchemaVersionError(
+            f"database schema {found}, this normtune expects {SCHEMA_VERSION} with column(s) {', '.join(missing)} "
+            f"that {shown} lacks: it was written by a normtune of the same schema version but an older table "
+            "layout (a change that should have bumped SCHEMA_VERSION), and was left unchanged. Open it with the "
+            "normtune that wrote it, or pass another database.")
+    return found
+
+
+# ----------------------------------------------------------------------------------------- creation, upgrade
+
+
+def create_schema(engine: Engine, url: str, shown: str) -> None:
+    """Our tables (only the missing ones), the recorded version, and the upgrade of a version-1 database."""
+    try:
+        with engine.connect() as conn:
+            if sqlite_path(url) is not None:
+                retry_while_busy(conn, _enable_wal)
+            retry_while_busy(conn, Base.metadata.create_all)
+            retry_while_busy(conn, _record_version)
+    except SQLAlchemyError as err:
+        raise StoreError(f"--db {shown}: cannot create the normtune tables ({short_reason(err)})") from None
+    found = check(engine, shown, read_only=False)
+    if found == "1":
+        _upgrade_from_1(engine, url, shown)
+    if found in ("1", "2"):
+        _upgrade_to_3(engine, shown)
+
+
+def _upgrade_to_3(engine: Engine, shown: str) -> None:
+    """Schema 2 -> 3: the v2 kernel knobs' columns (those missing), then the version; one transaction."""
+    try:
+        with engine.begin() as conn:
+            have = {c["name"] for c in inspect(conn).get_columns("normtune_measurements")}
+            for column, ddl in V3_COLUMNS.items():
+                if column not in have:
+                    conn.exec_driver_sql(f"ALTER TABLE normtune_measurements ADD COLUMN {column} {ddl}")
+            conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
+                         .values(value=str(SCHEMA_VERSION)))
+    except SQLAlchemyError as err:
+        raise StoreError(f"--db {shown}: cannot upgrade its schema to {SCHEMA_VERSION} ({short_reason(err)})") from None
+
+
+def _enable_wal(conn) -> None:
+    # WAL is a property of the file: once any opener has switched it, everyone's connections use it.
+    if conn.exec_driver_sql("PRAGMA journal_mode").scalar() != "wal":
+        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+
+
+def _record_version(conn) -> None:
+    if conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")).scalar() is None:
+        conn.execute(MetaModel.__table__.insert().values(key="schema_version", value=str(SCHEMA_VERSION)))
+
+
+def retry_while_busy(conn, step: Callable[[Any], None]) -> None:
+    """Run `step(conn)` and commit, retrying while another opener holds the lock it needs or races it to create
+    the same table or row. Switching the journal mode fails at once when locked (SQLite's busy timeout does not
+    cover it), and creating tables checks for each one before creating it, so two fresh openers collide there."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            step(conn)
+            conn.commit()
+            return
+        except (OperationalError, IntegrityError, ProgrammingError) as err:
+            conn.rollback()
+            transient = any(word in str(err.orig).lower() for word in _TRANSIENT)
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _status_check_sql() -> str:
+    return "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")"
+
+
+def _upgrade_from_1(engine: Engine, url: str, shown: str) -> None:
+    """Schema 1 -> 2: the new tables exist already (create_all); the run-status CHECK gains 'dead'. One
+    transaction that re-reads the version first, so concurrent openers upgrade once."""
+    check_name = f"ck_{RunModel.__tablename__}_run_status"
+    path = sqlite_path(url)
+    try:
+        if path is None:
+            with engine.begin() as conn:
+                version = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")
+                                       .with_for_update()).scalar()
+                if version != "1":
+                    return
+                conn.execute(text(f"ALTER TABLE normtune_runs DROP CONSTRAINT IF EXISTS {check_name}"))
+                conn.execute(text(f"ALTER TABLE normtune_runs ADD CONSTRAINT {check_name} CHECK "
+                                  f"({_status_check_sql()})"))
+                conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
+                             .values(value=str(SCHEMA_VERSION)))
+            return
+        _upgrade_sqlite_from_1(path)
+    except (SQLAlchemyError, sqlite3.Error) as err:
+        raise StoreError(f"--db {shown}: cannot upgrade its schema from 1 to {SCHEMA_VERSION} "
+                         f"({short_reason(err)})") from None
+
+
+def _upgrade_sqlite_from_1(path: str) -> None:
+    """SQLite cannot alter a CHECK constraint: rebuild normtune_runs with the new one (SQLite's documented
+    12-step procedure), under BEGIN IMMEDIATE so that no other process writes meanwhile."""
+    con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+    try:
+        con.execute("PRAGMA foreign_keys=OFF")
+        con.execute("BEGIN IMMEDIATE")
+        version = con.execute("SELECT value FROM normtune_meta WHERE key = 'schema_version'").fetchone()
+        if version is None or version[0] != "1":
+            con.execute("ROLLBACK")
+            return
+        (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'normtune_runs'")\
+            .fetchone()
+        old_check = "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES if s != "dead") + ")"
+        if old_check not in sql:
+            raise sqlite3.DatabaseError(f"unexpected normtune_runs layout: {sql[:200]}")
+        indexes = [row[0] for row in con.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'normtune_runs' AND sql IS NOT NULL")]
+        new_sql = sql.replace(old_check, _status_check_sql()).replace("normtune_runs", "normtune_runs_new", 1)
+        con.execute(new_sql)
+        con.execute("INSERT INTO normtune_runs_new SELECT * FROM normtune_runs")
+        con.execute("DROP TABLE normtune_runs")
+        con.execute("ALTER TABLE normtune_runs_new RENAME TO normtune_runs")
+        for index in indexes:
+            con.execute(index)
+        con.execute(f"UPDATE normtune_meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'")
+        if con.execute("PRAGMA foreign_key_check").fetchall():
+            raise sqlite3.DatabaseError("foreign keys broken by the rebuild of normtune_runs")
+        con.execute("COMMIT")
+    except BaseException:
+        if con.in_transaction:
+            con.execute("ROLLBACK")
+        raise
+    finally:
+        con.close()
+
+
+# --------------------------------------------------------------------------------------------------- optuna
+
+
+def optuna_storage(url: str, shown: str, **kwargs):
+    """Optuna's RDB storage on the same database and with our busy timeout, created while other processes may
+    be creating Optuna's tables and version rows at the same moment (retried until they are done)."""
+    import optuna
+
+    engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if make_url(url).get_backend_name() == "sqlite":
+        engine_kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        except (OperationalError, IntegrityError, ProgrammingError) as err:
+            transient = any(word in str(err.orig).lower() for word in _TRANSIENT)
+            if not transient or time.monotonic() > deadline:
+                raise StoreError(f"--db {shown}: cannot open Optuna's study tables ({short_reason(err)})") from None
+            time.sleep(0.05)
+        except SQLAlchemyError as err:
+            raise StoreError(f"--db {shown}: cannot open Optuna's study tables ({short_reason(err)})") from None

@@ -1,0 +1,262 @@
+"""What sweep workers coordinate through, beside Optuna's studies: run liveness and trial claims.
+
+- Liveness: a sweep worker's run records a heartbeat (`beat`) every few seconds. A `running` run whose last beat
+  is older than its grace period is dead; any worker (or `normtune status`) sees it so, and `mark_dead_runs`
+  records it, so a killed run never stays `running`.
+- Claims: a study's budget of `--trials` is `--trials` numbered slots. A worker measures a trial only while it
+  holds a slot: a new slot is taken by INSERT (the primary key makes it atomic on every backend), a slot of a
+  dead run that was never measured is taken over by a compare-and-swap UPDATE. So however many workers share a
+  study, it ends with exactly `--trials` measured trials, each measured once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from dataclasses import dataclass
+
+from sqlalchemy import case, delete, func, select, update
+
+from normtune.kernels.config import Problem
+
+from .store_models import (MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
+                           TrialClaimModel, _now, _problem, _utc)
+
+# Grace of a run that recorded no heartbeat yet (the seconds between its start and its first beat).
+FIRST_BEAT_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class SlotState:
+    slot: int
+    run_id: int
+    trial_number: int | None
+    measured: bool
+    alive: bool  # its run is running and beats
+
+    @property
+    def free(self) -> bool:
+        return not self.measured and not self.alive
+
+
+@dataclass(frozen=True)
+class StudyProgress:
+    """A study's state from the database alone."""
+    study_name: str
+    problem: Problem | None
+    finished: int  # measured trials (any status)
+    failed: int  # measured trials whose status is not ok
+    running: int  # slots held by live workers, not measured yet
+    best_us: float | None
+    best_run_id: int | None
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A run that records heartbeats (a sweep worker), with what it measured."""
+    run_id: int
+    host: str
+    pid: int
+    device: int | None
+    gpu_name: str
+    status: str  # as stored: running, finished, interrupted, failed, dead
+    alive: bool
+    beat_age_s: float
+    started_at: dt.datetime
+    measured: int
+    first_measured_at: dt.datetime | None
+    last_measured_at: dt.datetime | None
+
+    @property
+    def trials_per_s(self) -> float | None:
+        if self.measured < 2 or self.first_measured_at is None or self.last_measured_at is None:
+            return None
+        span = (self.last_measured_at - self.first_measured_at).total_seconds()
+        return (self.measured - 1) / span if span > 0 else None
+
+
+def _alive(status: str, beat_at: dt.datetime | None, grace_s: float | None, started_at: dt.datetime,
+           now: dt.datetime) -> bool:
+    if status != "running":
+        return False
+    last, grace = (beat_at, grace_s) if beat_at is not None else (started_at, FIRST_BEAT_GRACE_S)
+    return (now - last).total_seconds() <= grace
+
+
+class WorkerCoordination:
+    """Mixed into `Store` (which provides `session_scope`)."""
+
+    # ------------------------------------------------------------------------------------------ liveness
+
+    def beat(self, run_id: int, *, grace_s: float, device: int | None = None) -> None:
+        """Record that `run_id` is alive. A run declared dead meanwhile (its worker stalled past its grace period)
+        is running again: the slots taken over from it are lost to it, which the claims make harmless."""
+        with self.session_scope() as session:
+            row = session.get(RunHeartbeatModel, run_id)
+            if row is None:
+                session.add(RunHeartbeatModel(run_id=run_id, host=socket.gethostname(), pid=os.getpid(),
+                                              device=device, grace_s=grace_s, beat_at=_now()))
+            else:
+                row.beat_at = _now()
+            session.execute(update(RunModel).where(RunModel.id == run_id, RunModel.status == "dead")
+                            .values(status="running", ended_at=None))
+
+    def mark_dead_runs(self) -> list[int]:
+        """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""
+        now = _now()
+        with self.session_scope() as session:
+            rows = session.execute(select(RunModel.id, RunHeartbeatModel.beat_at, RunHeartbeatModel.grace_s)
+                                   .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
+                                   .where(RunModel.status == "running")).all()
+            dead = [(run_id, beat_at) for run_id, beat_at, grace_s in rows
+                    if (now - beat_at).total_seconds() > grace_s]
+            for run_id, beat_at in dead:
+                session.execute(update(RunModel).where(RunModel.id == run_id, RunModel.status == "running")
+                                .values(status="dead", ended_at=beat_at))
+        return [run_id for run_id, _ in dead]
+
+    def workers(self) -> list[WorkerState]:
+        """Every run that recorded heartbeats, oldest first, with its measurement count and time span."""
+        if "normtune_run_heartbeats" not in self._table_names():
+            return []
+        counts = (select(MeasurementModel.run_id, func.count(MeasurementModel.id).label("n"),
+                         func.min(MeasurementModel.created_at).label("first"),
+                         func.max(MeasurementModel.created_at).label("last"))
+                  .group_by(MeasurementModel.run_id).subquery())
+        query = (select(RunModel, RunHeartbeatModel, counts.c.n, counts.c.first, counts.c.last)
+                 .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
+                 .outerjoin(counts, counts.c.run_id == RunModel.id).order_by(RunModel.id))
+        now = _now()
+        with self.session_scope() as session:
+            return [WorkerState(run.id, hb.host, hb.pid, hb.device, run.gpu_name, run.status,
+                                _alive(run.status, hb.beat_at, hb.grace_s, run.started_at, now),
+                                (now - hb.beat_at).total_seconds(), _utc(run.started_at), n or 0, _utc(first),
+                                _utc(last))
+                    for run, hb, n, first, last in session.execute(query)]
+
+    # -------------------------------------------------------------------------------------------- claims
+
+    def slots(self, study_name: str) -> dict[int, SlotState]:
+        """The study's claimed slots."""
+        query = (select(TrialClaimModel.slot, TrialClaimModel.run_id, TrialClaimModel.trial_number,
+                        TrialClaimModel.measured, RunModel.status, RunModel.started_at, RunHeartbeatModel.beat_at,
+                        RunHeartbeatModel.grace_s)
+                 .join(RunModel, RunModel.id == TrialClaimModel.run_id)
+                 .outerjoin(RunHeartbeatModel, RunHeartbeatModel.run_id == TrialClaimModel.run_id)
+                 .where(TrialClaimModel.study_name == study_name))
+        now = _now()
+        with self.session_scope() as session:
+            return {slot: SlotState(slot, run_id, number, bool(measured),
+                                    _alive(status, beat_at, grace_s, started_at, now))
+                    for slot, run_id, number, measured, status, started_at, beat_at, grace_s
+                    in session.execute(query)}
+
+    def claim_slot(self, study_name: str, target: int, run_id: int) -> tuple[int, int | None] | None:
+        """Take the lowest free slot below `target` for `run_id`: (slot, number of the unmeasured trial of a dead
+        run it takes over, if any); None when every slot is measured or held by a live worker. Atomic against any
+        number of concurrent claimers, on SQLite and PostgreSQL."""
+        states = self.slots(study_name)
+        for slot in range(target):
+            state = states.get(slot)
+            if state is None:
+                try:
+                    with self.session_scope() as session:
+                        session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id,
+                                                    measured=False, claimed_at=_now()))
+                    return slot, None
+                except StoreIntegrityError:  # another worker took it first
+                    continue
+            if state.free:
+                same_trial = (TrialClaimModel.trial_number.is_(None) if state.trial_number is None
+                              else TrialClaimModel.trial_number == state.trial_number)
+                with self.session_scope() as session:
+                    taken = session.execute(
+                        update(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
+                                                      TrialClaimModel.slot == slot,
+                                                      TrialClaimModel.run_id == state.run_id, same_trial,
+                                                      TrialClaimModel.measured.is_(False))
+                        .values(run_id=run_id, trial_number=None, claimed_at=_now())).rowcount
+                if taken == 1:
+                    return slot, state.trial_number
+        return None
+
+    def bind_slot(self, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
+        """Record which trial fills a slot `run_id` holds. False when the slot is no longer this run's."""
+        with self.session_scope() as session:
+            return session.execute(
+                update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
+                                              TrialClaimModel.run_id == run_id)
+                .values(trial_number=trial_number)).rowcount == 1
+
+    def release_slot(self, study_name: str, slot: int, run_id: int) -> None:
+        """Give a slot back (its trial was abandoned unmeasured): another worker, or a re-run, takes it."""
+        with self.session_scope() as session:
+            session.execute(delete(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
+                                                          TrialClaimModel.slot == slot,
+                                                          TrialClaimModel.run_id == run_id,
+                                                          TrialClaimModel.measured.is_(False)))
+
+    def _mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
+        """First statement of the transaction that stores a claimed trial's measurement (so that it takes the
+        write lock before reading anything): True when `run_id` still holds the slot with that trial."""
+        return session.execute(
+            update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
+                                          TrialClaimModel.run_id == run_id,
+                                          TrialClaimModel.trial_number == trial_number,
+                                          TrialClaimModel.measured.is_(False))
+            .values(measured=True)).rowcount == 1
+
+    def adopt_measured_trials(self, study_name: str) -> int:
+        """Give the measured trials of a study swept before claims existed (schema 1) their slots, once; how many."""
+        with self.session_scope() as session:
+            if session.execute(select(TrialClaimModel.slot).where(TrialClaimModel.study_name == study_name)
+                               .limit(1)).first() is not None:
+                return 0
+            rows = session.execute(select(MeasurementModel.trial_number, MeasurementModel.run_id)
+                                   .where(MeasurementModel.study_name == study_name,
+                                          MeasurementModel.trial_number.is_not(None))
+                                   .order_by(MeasurementModel.trial_number)).all()
+        if not rows:
+            return 0
+        try:
+            with self.session_scope() as session:
+                session.add_all(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id, trial_number=number,
+                                                measured=True, claimed_at=_now())
+                                for slot, (number, run_id) in enumerate(rows))
+        except StoreIntegrityError:  # a concurrent worker adopted them (or claimed) first
+            return 0
+        return len(rows)
+
+    # -------------------------------------------------------------------------------------------- status
+
+    def study_progress(self, prefix: str = "normtune:") -> list[StudyProgress]:
+        """Every study whose name starts with `prefix` that has measurements or claims, by name."""
+        ok = MeasurementModel.status == "ok"
+        measured = (select(MeasurementModel.study_name, func.count(MeasurementModel.id),
+                           func.sum(case((ok, 0), else_=1)), func.min(case((ok, MeasurementModel.median_us))),
+                           func.min(MeasurementModel.problem_id))
+                    .where(MeasurementModel.study_name.like(f"{prefix}%")).group_by(MeasurementModel.study_name))
+        out: dict[str, dict] = {}
+        with self.session_scope() as session:
+            problems = {row.id: _problem(row) for row in session.scalars(select(ProblemModel))}
+            for name, n, failed, best, problem_id in session.execute(measured):
+                out[name] = dict(problem=problems.get(problem_id), finished=n, failed=int(failed or 0), best_us=best)
+                out[name]["best_run_id"] = session.execute(
+                    select(MeasurementModel.run_id).where(MeasurementModel.study_name == name,
+                                                          MeasurementModel.median_us == best,
+                                                          MeasurementModel.status == "ok").limit(1)).scalar()
+        running: dict[str, int] = {}
+        if "normtune_trial_claims" in self._table_names():
+            names = {r[0] for r in self._select(select(TrialClaimModel.study_name).distinct()
+                                                .where(TrialClaimModel.study_name.like(f"{prefix}%")))}
+            for name in names:
+                running[name] = sum(not s.measured and s.alive for s in self.slots(name).values())
+        return [StudyProgress(name, out.get(name, {}).get("problem"), out.get(name, {}).get("finished", 0),
+                              out.get(name, {}).get("failed", 0), running.get(name, 0),
+                              out.get(name, {}).get("best_us"), out.get(name, {}).get("best_run_id"))
+                for name in sorted(set(out) | set(running))]
+
+    def _select(self, query) -> list:
+        with self.session_scope() as session:
+            return list(session.execute(query))

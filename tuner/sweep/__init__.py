@@ -1,0 +1,15 @@
+"""`normtune sweep`: an Optuna search over both kernels' launch knobs, per problem, measured cold-L2, stored.
+
+One job per module: `options` (what to do, names, summaries), `measuring` (the GPU process), `compiling` (the
+compile-ahead workers), `sampling` (sampler and seeds), `trials` (one problem's study), `driver` (the ask/tell
+loop of one worker), `launcher` (one worker per GPU), `progress` (live view and status, from the database).
+"""
+
+from .driver import Sweep
+from .launcher import run_on_devices
+from .measuring import MeasuringProcess
+from .options import SAMPLERS, ProblemSummary, SweepOptions, SweepSummary, study_name, summary_json
+from .progress import LiveView
+
+__all__ = ["SAMPLERS", "LiveView", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
+           "run_on_devices", "study_name", "summary_json"]

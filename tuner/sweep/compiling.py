@@ -1,0 +1,72 @@
+"""Compile-ahead workers: CPU processes that compile upcoming configs so that Triton's on-disk cache serves the
+measuring process (the GPU never waits on a compiler)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
+
+log = logging.getLogger("normtune.sweep")
+
+
+def compile_pool(workers: int, device_index: int) -> ProcessPoolExecutor | None:
+    """`workers` compiling processes for the GPU `device_index` (None: compile in the measuring process)."""
+    if workers <= 0:
+        return None
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_compile_init,
+                               initargs=(device_index,))
+
+
+def share_of(total: int, workers: int, index: int) -> int:
+    """Worker `index`'s share of `total` compile processes on a host running `workers` sweep workers: the
+    host's cores are divided, not multiplied by the number of GPUs (at least one each when total > 0)."""
+    if total <= 0:
+        return 0
+    return max(1, total // workers + (1 if index < total % workers else 0))
+
+
+def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool]):
+    """(status, seconds, error) of a compile-ahead job; None when `abandoned()` turns true while waiting. A broken
+    pool or a compile past `timeout_s` yields ("ok", None, None): the measuring process compiles it itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except FutureTimeout:
+            if abandoned():
+                future.cancel()
+                return None
+            if time.monotonic() > deadline:
+                return "ok", None, None
+        except Exception as err:  # noqa: BLE001 - a broken pool: measure (and compile) in the measurer
+            log.debug("compile-ahead failed: %s", err)
+            return "ok", None, None
+
+
+def _compile_init(device_index: int) -> None:
+    import torch
+
+    from .measuring import ignore_stop_signals
+
+    ignore_stop_signals()
+    torch.cuda.set_device(device_index)
+
+
+def _compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
+    """(status, seconds, error) of compiling a config ahead of its measurement."""
+    from normtune.kernels.backward import precompile
+    from normtune.kernels.config import BackwardConfig as BC
+    from normtune.kernels.config import Problem as P
+
+    from ..measure import classify_exception
+
+    t = time.perf_counter()
+    try:
+        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms)
+        return "ok", time.perf_counter() - t, None
+    except Exception as err:  # noqa: BLE001
+        return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"

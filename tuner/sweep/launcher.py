@@ -1,0 +1,83 @@
+"""Many GPUs of one host: one sweep worker process per device (`--devices 0,1,…`), sharing only the database.
+
+Each worker is a whole `Sweep` (its own measuring process, its own share of the compile-ahead processes, its
+own place to start in the problem list); they coordinate through the store's trial claims only, so the same
+command on another host against the same PostgreSQL database simply adds workers.
+
+Signals: the workers run in their own process group, so a terminal's Ctrl-C reaches this launcher only, which
+passes every SIGINT/SIGTERM on to each worker once (first: finish the trial in flight; second: abandon it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Callable
+
+from normtune.kernels.config import Problem
+
+from .compiling import share_of
+from .options import SweepOptions
+
+
+def _worker_main(opts_dict: dict, url: str) -> None:
+    os.setpgid(0, 0)
+    from ..device import detect
+    from ..store import Store
+    from .driver import Sweep
+
+    opts = SweepOptions(**{**opts_dict, "problems": [Problem.from_dict(p) for p in opts_dict["problems"]]})
+    info = detect(opts.device, interpret=opts.interpret)
+    with Store(url) as store:
+        summary = Sweep(opts, store, info).run()
+    raise SystemExit(summary.exit_code)
+
+
+def worker_options(opts: SweepOptions, devices: list[int]) -> list[SweepOptions]:
+    """The options of each device's worker: its device, its place, its share of the compile processes."""
+    return [dataclasses.replace(opts, device=device, worker_index=i, workers=len(devices),
+                                compile_workers=share_of(opts.compile_workers, len(devices), i))
+            for i, device in enumerate(devices)]
+
+
+def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
+                   on_tick: Callable[[], None] | None = None) -> int:
+    """Run one sweep worker per device on the database `url` and wait; returns the exit code the command should
+    end with: 130/143 when a signal stopped it, 1 when a worker failed, else 0."""
+    ctx = mp.get_context("spawn")
+    procs = []
+    for worker in worker_options(opts, devices):
+        data = dataclasses.asdict(worker)
+        data["problems"] = [p.to_dict() for p in worker.problems]
+        procs.append(ctx.Process(target=_worker_main, args=(data, url)))
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            if on_tick is not None:
+                on_tick()
+            time.sleep(1.0)
+            for p in procs:
+                p.join(0)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    codes = [p.exitcode for p in procs]
+    if received:
+        return 128 + received[0]
+    signalled = [c for c in codes if c in (130, 143)]
+    if signalled:
+        return signalled[0]
+    return 1 if any(codes) else 0

@@ -1,0 +1,121 @@
+"""The measuring process: the sweep's GPU side, in its own process so that a hung kernel can be killed."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import signal
+
+from normtune.kernels.config import BackwardConfig, Problem
+
+from ..measure import MeasureResult
+
+
+def ignore_stop_signals() -> None:
+    """Helper processes leave Ctrl-C / SIGTERM to the sweep that owns them: a terminal's Ctrl-C reaches the whole
+    process group, and the sweep decides whether the trial in flight finishes (first signal) or is abandoned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: dict) -> None:
+    """Body of the measuring process: owns the CUDA context, one problem's inputs at a time."""
+    ignore_stop_signals()
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from normtune.kernels.config import BackwardConfig as BC
+    from normtune.kernels.config import Problem as P
+
+    from .. import measure
+
+    if interpret:
+        device, bandwidth, flusher = torch.device("cpu"), math.nan, None
+    else:
+        torch.cuda.set_device(device_index)
+        device = torch.device("cuda", device_index)
+        bandwidth = measure.copy_bandwidth(device)
+        flusher = measure.L2Flusher(device, l2_bytes)
+    conn.send(("ready", bandwidth))
+    case = ref = None
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            return
+        _, problem_dict, config_json = msg
+        problem = P.from_dict(problem_dict)
+        try:
+            if case is None or case.problem != problem:
+                case = ref = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                case = measure.make_case(problem, device)
+                ref = case.reference()
+            result = measure.measure_config(case, BC.from_json(config_json), flusher=flusher,
+                                            bandwidth_gbps=bandwidth, reference_grads=ref, **timing)
+        except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
+            result = MeasureResult(status=measure.classify_exception(err), error=f"{type(err).__name__}: {err}",
+                                   interpret=interpret)
+        conn.send(("result", result.to_dict()))
+
+
+class MeasuringProcess:
+    """The GPU side of the sweep, in its own process so that a hung kernel can be killed."""
+
+    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: dict):
+        self._args = (device_index, interpret, l2_bytes, timing)
+        self._proc = None
+        self._conn = None
+        self.bandwidth_gbps = math.nan
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_measure_loop, args=(child, *self._args), daemon=True)
+        self._proc.start()
+        self._conn = parent
+        if not parent.poll(600):
+            raise RuntimeError("the measuring process did not start within 600 s")
+        _, self.bandwidth_gbps = parent.recv()
+
+    def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send(("measure", problem.to_dict(), config.to_json()))
+        if not self._conn.poll(timeout_s):
+            self.kill()
+            return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
+                                 interpret=self._args[1])
+        try:
+            _, data = self._conn.recv()
+        except EOFError:
+            self.kill()
+            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
+                                 interpret=self._args[1])
+        return MeasureResult(**data)
+
+    def interrupt(self) -> None:
+        """Stop the measurement in flight now (safe in a signal handler): `measure` then returns an error."""
+        proc = self._proc
+        if proc is not None and proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(10)
+        self._proc = self._conn = None
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+                self._proc.join(10)
+            except (OSError, BrokenPipeError):
+                pass
+        self.kill()

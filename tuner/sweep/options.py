@@ -1,0 +1,105 @@
+"""What a sweep is asked to do (`SweepOptions`), how its studies are named, and what it reports back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from normtune.kernels.config import BackwardConfig, Problem
+
+SAMPLERS = ("tpe", "random", "grid")
+# Trials every problem gets before any is searched deeper (the default config and its first neighbours).
+FIRST_ROUND = 12
+# Version of Space.seeds(): 2 added the structural strategies for wide rows.
+SEED_VERSION = 3  # 3: kernel family v2 strategies (row_split, columns strategy, fused reduction)
+MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
+# The objective as optuna-dashboard labels it.
+METRIC_NAME = "backward µs"
+
+def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: str = "normtune") -> str:
+    """One study per (GPU, problem), named so that any worker on any host finds the same one."""
+    return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}"
+
+
+@dataclass
+class SweepOptions:
+    gpu_key: str
+    problems: list[Problem]
+    trials: int = 40
+    time_budget_s: float | None = None
+    sampler: str = "tpe"
+    device: int = 0  # CUDA index of this worker's GPU
+    worker_index: int = 0  # this worker's place among `workers` on the host: where it starts in the problem list
+    workers: int = 1
+    interpret: bool = False
+    compile_workers: int = 8
+    lookahead: int = 6
+    trial_timeout_s: float = 180.0
+    seed: int = 0
+    min_reps: int = 20
+    max_reps: int = 100
+    budget_s: float = 0.2
+    heartbeat_interval: int = 20
+    grace_period: int = 60
+    study_prefix: str = "normtune"  # validation sweeps use their own studies
+    source: str = "sweep"  # measurement source recorded in the store
+    extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
+    seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
+        if self.trials < 1:
+            raise ValueError(f"--trials {self.trials}: need at least 1 trial per problem")
+        if self.time_budget_s is not None and self.time_budget_s <= 0:
+            raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds")
+        for option, value in (("--trial-timeout", self.trial_timeout_s), ("--heartbeat-interval",
+                                                                         self.heartbeat_interval),
+                              ("--grace-period", self.grace_period)):
+            if not value > 0:
+                raise ValueError(f"{option} {value}: give a positive number of seconds")
+        if self.grace_period <= self.heartbeat_interval:
+            raise ValueError(f"--grace-period {self.grace_period} must exceed --heartbeat-interval "
+                             f"{self.heartbeat_interval}: a live worker's trial would be failed as stale")
+
+
+@dataclass
+class ProblemSummary:
+    problem: Problem
+    study: str
+    trials: int = 0
+    measured_now: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    best_us: float | None = None
+    best_config: BackwardConfig | None = None
+    default_us: float | None = None
+
+
+@dataclass
+class SweepSummary:
+    problems: list[ProblemSummary] = field(default_factory=list)
+    wall_s: float = 0.0
+    measure_s: float = 0.0
+    compile_s: float = 0.0
+    compile_wait_s: float = 0.0
+    stopped: str | None = None  # "time budget", "interrupted", or None when everything finished
+    signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped it
+    remaining: list[str] = field(default_factory=list)  # "problem key: N trials" still to measure
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal that stopped the sweep (130 SIGINT, 143 SIGTERM), else 0."""
+        return {"SIGINT": 130, "SIGTERM": 143}.get(self.signal or "", 0)
+
+
+
+def summary_json(summary: SweepSummary) -> str:
+    return json.dumps({
+        "wall_s": summary.wall_s, "measure_s": summary.measure_s, "compile_s": summary.compile_s,
+        "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "signal": summary.signal,
+        "remaining": summary.remaining,
+        "problems": [{"problem": ps.problem.key, "study": ps.study, "trials": ps.trials,
+                      "measured_now": ps.measured_now, "failures": ps.failures, "best_us": ps.best_us,
+                      "default_us": ps.default_us,
+                      "best_config": ps.best_config.to_dict() if ps.best_config else None}
+                     for ps in summary.problems]}, indent=1)

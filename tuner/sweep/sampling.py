@@ -1,0 +1,80 @@
+"""How a trial gets its config: Optuna's sampler (TPE, random or grid) over the space's declared domains, or a
+seed config (the default and its neighbours) given to the trial as it is created."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from normtune.kernels.config import BackwardConfig
+
+from ..space import Space
+
+
+class Sampling:
+    """The sampler of one problem's study and the matching way to turn a trial's params into a config."""
+
+    def __init__(self, kind: str, space: Space, seed: int):
+        import optuna
+
+        self.kind, self.space = kind, space
+        self._grid = list(space) if kind == "grid" else None
+        if kind == "random":
+            self.sampler = optuna.samplers.RandomSampler(seed=seed)
+        elif kind == "grid":
+            self.sampler = _ask_tell_grid_sampler(optuna)({"config": list(range(len(self._grid)))}, seed=seed)
+        else:
+            self.sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
+                                                      n_startup_trials=8)
+
+    @property
+    def size(self) -> int | None:
+        """How many configs the sampler can give (the grid's size), None when unbounded."""
+        return None if self._grid is None else len(self._grid)
+
+    def suggest(self, trial) -> BackwardConfig:
+        """The config of an asked trial, suggested knob by knob (conditional knobs fixed where they do not apply)."""
+        if self._grid is not None:
+            return self._grid[trial.suggest_categorical("config", list(range(len(self._grid))))]
+        d = self.space.domains()
+        params: dict[str, Any] = {"k1.two_pass": trial.suggest_categorical("k1.two_pass", list(d["k1.two_pass"]))}
+        for key, dom in d.items():
+            if key == "k1.two_pass":
+                continue
+            if key == "k1.block_col" and not params["k1.two_pass"]:
+                params[key] = dom[0]
+            elif key == "k1.recompute" and params["k1.two_pass"]:
+                params[key] = False
+            else:
+                params[key] = trial.suggest_categorical(key, list(dom))
+        return self.space.config(params)
+
+    def seed_trial(self, config: BackwardConfig):
+        """A RUNNING trial template holding a seed config's params, with the distributions `suggest` uses (so
+        the sampler learns from it as from its own trials); None when the space cannot express the config."""
+        import optuna
+        from optuna.distributions import CategoricalDistribution
+
+        if self._grid is not None or self.space.why_not(config) is not None:
+            return None
+        domains = self.space.domains()
+        params = self.space.params(config)
+        if not all(key in domains and value in domains[key] for key, value in params.items()):
+            return None
+        two_pass = params.get("k1.two_pass", True)
+        used = {k: v for k, v in params.items()
+                if not (k == "k1.block_col" and not two_pass) and not (k == "k1.recompute" and two_pass)}
+        return optuna.trial.create_trial(
+            state=optuna.trial.TrialState.RUNNING, params=used,
+            distributions={k: CategoricalDistribution(list(domains[k])) for k in used},
+            user_attrs={"source": "seed"})
+
+
+def _ask_tell_grid_sampler(optuna):
+    class AskTellGridSampler(optuna.samplers.GridSampler):
+        """Exhausting the grid calls study.stop(), which only works inside Study.optimize; the sweep asks and
+        tells, and stops by itself once the grid's trials are finished."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            return None
+
+    return AskTellGridSampler

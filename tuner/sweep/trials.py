@@ -1,0 +1,158 @@
+"""One problem's Optuna study as the sweep uses it: opened once per worker, trials created for claimed slots,
+told from measurements, repaired after a dead worker.
+
+Every trial exists because a worker holds one of the study's slots (`Store.claim_slot`): slot k below the
+number of seeds gets seed k (created RUNNING with its params, never queued as WAITING), the others ask the
+sampler. A config the space rejects is told PRUNED with `status=invalid` and the reason in `rejected`, and the
+slot asks again: such trials are never measured and never count. Trials abandoned by an interrupt are PRUNED
+with `status=abandoned` and their slot is given back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+
+from normtune.kernels.config import BackwardConfig, Problem, default_config
+
+from ..space import Space
+from .options import METRIC_NAME, SEED_VERSION, SweepOptions, study_name
+from .sampling import Sampling
+
+log = logging.getLogger("normtune.sweep")
+# Invalid configs asked in a row before a problem's space counts as exhausted.
+INVALID_STREAK_LIMIT = 500
+
+
+@dataclass
+class NewTrial:
+    trial_id: int
+    number: int
+    config: BackwardConfig
+    source: str  # "seed" or the sweep's source
+
+
+class StudyBook:
+    """The study of one problem, and the seeds its first slots get."""
+
+    def __init__(self, opts: SweepOptions, problem: Problem, sm_count: int, interpret: bool, storage):
+        import optuna
+
+        self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
+        self.space = Space(problem, sm_count)
+        self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
+        self.sampling = Sampling(opts.sampler, self.space, opts.seed)
+        self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=self.sampling.sampler,
+                                         direction="minimize", load_if_exists=True)
+        extra = [self.space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
+        self.seeds = (list(dict.fromkeys(extra + self.space.seeds())) if opts.sampler != "grid" and opts.seeded
+                      else [])
+        self.default = self.space.canonical(default_config(problem))
+        self._describe()
+        self._discard_waiting()
+
+    def target(self, trials: int) -> int:
+        return trials if self.sampling.size is None else min(trials, self.sampling.size)
+
+    def _describe(self) -> None:
+        """Attributes optuna-dashboard shows: the objective's name and what the study is (set once)."""
+        attrs = self.study.user_attrs
+        if attrs.get("seed_version") == SEED_VERSION and attrs.get("problem"):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # set_metric_names is marked experimental
+            self.study.set_metric_names([METRIC_NAME])
+        for key, value in (("problem", self.problem.to_dict()), ("gpu_key", self.opts.gpu_key),
+                           ("seed_version", SEED_VERSION), ("seeded", True),
+                           ("pruned_trials", "never measured: status=invalid (the space's constraints rejected the "
+                                             "config, reason in `rejected`) or status=abandoned (interrupted)")):
+            self.study.set_user_attr(key, value)
+
+    def _discard_waiting(self) -> None:
+        """Seeds queued as WAITING trials by normtune before schema 2 are not how trials start any more: each
+        is claimed atomically and pruned (its config comes back as a seed of a slot when still unmeasured)."""
+        TS = self._optuna.trial.TrialState
+        for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING,)):
+            try:
+                if self.storage.set_trial_state_values(t._trial_id, state=TS.RUNNING):
+                    self.storage.set_trial_user_attr(t._trial_id, "status", "abandoned")
+                    self.storage.set_trial_state_values(t._trial_id, state=TS.PRUNED)
+            except self._optuna.exceptions.UpdateFinishedTrialError:
+                continue
+
+    # ------------------------------------------------------------------------------------------- trials
+
+    def new_trial(self, slot: int) -> NewTrial | None:
+        """A RUNNING trial for `slot`: its seed when it has one, else the sampler's next valid config. None when
+        the sampler gave nothing but invalid configs INVALID_STREAK_LIMIT times in a row."""
+        if slot < len(self.seeds):
+            template = self.sampling.seed_trial(self.seeds[slot])
+            if template is not None:
+                trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
+                self.storage.record_heartbeat(trial_id)
+                number = self.storage.get_trial_number_from_id(trial_id)
+                source = "seed" if self.opts.source == "sweep" else self.opts.source
+                return NewTrial(trial_id, number, self.seeds[slot], source)
+        for _ in range(INVALID_STREAK_LIMIT):
+            trial = self.study.ask()
+            # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
+            # otherwise leave a RUNNING trial that Optuna never considers stale.
+            self.storage.record_heartbeat(trial._trial_id)
+            config = self.sampling.suggest(trial)
+            why = self.space.why_not(config)
+            if why is None:
+                return NewTrial(trial._trial_id, trial.number, self.space.canonical(config), self.opts.source)
+            trial.set_user_attr("status", "invalid")
+            trial.set_user_attr("rejected", why[:500])
+            self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
+        return None
+
+    def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
+        """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
+        grace period) keeps its measurement in the store, which is what counts."""
+        TS = self._optuna.trial.TrialState
+        try:
+            self.storage.set_trial_user_attr(trial.trial_id, "status", status)
+            self.storage.set_trial_user_attr(trial.trial_id, "config", trial.config.to_json())
+            if error:
+                self.storage.set_trial_user_attr(trial.trial_id, "error", error[:1000])
+            if value is None or not math.isfinite(value):
+                self.study.tell(trial.number, state=TS.FAIL)
+            else:
+                self.study.tell(trial.number, value)
+        except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
+            log.warning("trial %s of %s was finished by another worker: %s", trial.number, self.name, err)
+
+    def abandon(self, trial: NewTrial) -> None:
+        """An unmeasured trial given up (interrupt, time budget): PRUNED, marked, never left RUNNING."""
+        try:
+            self.storage.set_trial_user_attr(trial.trial_id, "status", "abandoned")
+            self.study.tell(trial.number, state=self._optuna.trial.TrialState.PRUNED)
+        except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
+            log.debug("abandoning trial %s: %s", trial.number, err)
+
+    def fail_orphan(self, number: int) -> None:
+        """The unmeasured trial of a dead worker whose slot this worker took over: FAIL, not left RUNNING."""
+        TS = self._optuna.trial.TrialState
+        try:
+            trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+            if self.storage.get_trial(trial_id).state == TS.RUNNING:
+                self.storage.set_trial_state_values(trial_id, state=TS.FAIL)
+        except (self._optuna.exceptions.UpdateFinishedTrialError, KeyError) as err:
+            log.debug("trial %s of %s already finished: %s", number, self.name, err)
+
+    def repair(self, store) -> None:
+        """Trials measured (stored) but never told -- their worker died in between -- are told from the store;
+        then trials whose worker's heartbeat stopped are failed as stale (their slots are taken over)."""
+        TS = self._optuna.trial.TrialState
+        running = self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
+        if running:
+            stored = {m.trial_number: m for m in store.measurements(study_name=self.name)}
+            for t in running:
+                m = stored.get(t.number)
+                if m is not None:
+                    self.tell(NewTrial(t._trial_id, t.number, m.config, m.source), m.status,
+                              m.median_us if m.status == "ok" else None, m.error)
+        self._optuna.storages.fail_stale_trials(self.study)
