@@ -108,11 +108,11 @@ def _use_interpreter(interpret: bool) -> None:
     if not interpret:
         return
     os.environ["TRITON_INTERPRET"] = "1"
-    mod = sys.modules.get("normtune.kernels.backward")
+    mod = sys.modules.get("normtune.kernels.backward.reduce")
     if mod is not None:
         from triton.runtime.interpreter import InterpretedFunction
 
-        if not isinstance(mod._kernel_2, InterpretedFunction):
+        if not isinstance(mod.kernel_2, InterpretedFunction):
             raise CLIError("--interpret was given after the kernels were compiled for a GPU in this process: "
                            "set TRITON_INTERPRET=1 before starting Python")
 

@@ -233,6 +233,11 @@ class BackwardLaunch:
         return self.plan.programs
 
     @property
+    def pdl(self) -> bool:
+        """kernel_2 is launched with programmatic dependent launch (it then waits inside its own time)."""
+        return bool(self.plan.k2_kwargs and self.plan.k2_kwargs.get("PDL"))
+
+    @property
     def partial_rows(self) -> int:
         """Rows of the fp32 partial buffers kernel_1 writes and kernel_2 reads (0: none, columns strategy)."""
         return self.plan.groups
