@@ -8,17 +8,17 @@
 # installed (`pip install -e ".[tune]"`); the figures to record in docs/perf-notes.md are the trials/s column
 # and the speedup over one GPU (target: >= 1.8x on 2 GPUs, >= 3.4x on 4).
 set -euo pipefail
-OUT=${1:?usage: bash docs/experiments/sweep_scaling.sh OUTDIR [SHAPES] [TRIALS] [GPU_KEY]}
+OUTDIR=${1:?usage: bash docs/experiments/sweep_scaling.sh OUTDIR [SHAPES] [TRIALS] [GPU_KEY]}
 SHAPES=${2:-seed}
 TRIALS=${3:-20}
 GPU=${4:-auto}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 [ "$NGPU" -ge 1 ] || { echo "sweep_scaling.sh: no CUDA GPU visible" >&2; exit 1; }
 
-TABLE="$OUT/sweep_scaling.md"
+TABLE="$OUTDIR/sweep_scaling.md"
 {
     echo "# Sweep scaling: trials per second on 1 vs several GPUs of one host"
     echo
@@ -33,11 +33,11 @@ BASE=""
 for n in 1 2 4; do
     [ "$n" -le "$NGPU" ] || continue
     devices=$(seq -s, 0 $((n - 1)))
-    db="$OUT/scaling-${n}gpu.db"
+    db="$OUTDIR/scaling-${n}gpu.db"
     rm -f "$db" "$db-wal" "$db-shm"
     start=$(date +%s.%N)
     normtune sweep --gpu "$GPU" --shapes "$SHAPES" --trials "$TRIALS" --devices "$devices" --db "$db" \
-        >"$OUT/scaling-${n}gpu.log" 2>&1 || { echo "sweep on $n GPU(s) failed: see $OUT/scaling-${n}gpu.log" >&2; exit 1; }
+        >"$OUTDIR/scaling-${n}gpu.log" 2>&1 || { echo "sweep on $n GPU(s) failed: see $OUTDIR/scaling-${n}gpu.log" >&2; exit 1; }
     end=$(date +%s.%N)
     measured=$("$PY" -c "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute(
         'SELECT COUNT(*) FROM normtune_measurements').fetchone()[0])" "$db")
