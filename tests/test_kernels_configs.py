@@ -26,7 +26,7 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.heuristics import num_programs
+from normtune.kernels.heuristics import num_programs, row_block_col
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 
@@ -199,6 +199,8 @@ K1_VARIATIONS = {
     "eviction_policy": ["evict_first", "evict_last"],
     "prefetch": [True],
     "recompute": [True],
+    "strategy": ["columns"],  # with its column slice: block_col 16..256 (see _variations)
+    "row_split": [2, 4, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
 }
 K2_VARIATIONS = {
     "block_m": [1, 2, 16, 32],
@@ -206,12 +208,19 @@ K2_VARIATIONS = {
     "num_warps": [1, 4, 8],
     "num_stages": [2, 3, 4],
     "pdl": [True],
+    "fused": [True],
 }
+
+
+def _k1(**fields) -> BackwardConfig:
+    return dataclasses.replace(BASE, kernel_1=dataclasses.replace(BASE.kernel_1, **fields))
 
 
 def _variations():
     out = [("base", BASE)]
     for name, values in K1_VARIATIONS.items():
+        if name in ("strategy", "row_split"):
+            continue
         out += [(f"k1.{name}={v}", dataclasses.replace(BASE, kernel_1=dataclasses.replace(BASE.kernel_1, **{name: v})))
                 for v in values]
     for name, values in K2_VARIATIONS.items():
@@ -230,16 +239,53 @@ def _variations():
                     ("eviction_policy", "evict_first")]:
         out.append((f"k1.two_pass+block_col=64+{name}={v}",
                     dataclasses.replace(BASE, kernel_1=dataclasses.replace(two, **{name: v}))))
+    # Columns strategy: slices narrower than, equal to and wider than N's remainder; its row tile and warps.
+    for block_col, block_row, warps in [(16, 2, 1), (64, 1, 1), (64, 8, 4), (256, 4, 8)]:
+        out.append((f"k1.strategy=columns+block_col={block_col}+block_row={block_row}+w{warps}",
+                    _k1(strategy="columns", block_col=block_col, block_row=block_row, num_warps=warps,
+                        programs_per_sm=1)))
+    # Fused reduction: the grid barrier with one to many programs, single and two-pass, other kernel_2 tiles.
+    fused = dataclasses.replace(BASE.kernel_2, fused=True)
+    for k1_fields, block_m in [({}, 4), ({"programs_per_sm": 0.25}, 4), ({"programs_per_sm": 32}, 1),
+                               ({"two_pass": True, "block_col": 64}, 16), ({"block_row": 1}, 32)]:
+        label = "+".join(f"{k}={v}" for k, v in k1_fields.items()) or "base"
+        out.append((f"k2.fused+block_m={block_m}+{label}", BackwardConfig(
+            dataclasses.replace(BASE.kernel_1, **k1_fields), dataclasses.replace(fused, block_m=block_m))))
     return out
 
 
 VARIATIONS = _variations()
+# row_split needs slices of >= 256 columns: a wide row (N not a power of two) and few rows keep it fast.
+M_WIDE, N_WIDE = 21, 2100
+
+
+def _split_variations():
+    out = []
+    for split in K1_VARIATIONS["row_split"]:
+        block_col = row_block_col(N_WIDE, split)
+        base = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=block_col, num_warps=4)
+        out.append((f"k1.row_split={split}", BackwardConfig(base, BASE.kernel_2)))
+        for fields in ({"block_row": 1}, {"block_row": 4, "num_warps": 8, "prefetch": True}, {"recompute": True},
+                       {"programs_per_sm": 32}):
+            label = "+".join(f"{k}={v}" for k, v in fields.items())
+            out.append((f"k1.row_split={split}+{label}",
+                        BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))
+        out.append((f"k1.row_split={split}+k2.fused", BackwardConfig(
+            base, dataclasses.replace(BASE.kernel_2, fused=True))))
+    return out
+
+
+SPLIT_VARIATIONS = _split_variations()
 # LayerNorm with weight and bias (every partial buffer), and zero-centered RMSNorm (no bias): both saving modes.
 VARIATION_PROBLEMS = [
     Problem("layer_norm", M_VAR, N_VAR, "bf16", has_bias=True, save="input"),
     Problem("layer_norm", M_VAR, N_VAR, "bf16", has_bias=True, save="output"),
     Problem("rms_norm", M_VAR, N_VAR, "fp16", weight_dtype="fp32", zero_centered=True, save="input"),
     Problem("rms_norm", M_VAR, N_VAR, "fp16", weight_dtype="fp32", zero_centered=True, save="output"),
+]
+WIDE_PROBLEMS = [
+    Problem("layer_norm", M_WIDE, N_WIDE, "bf16", has_bias=True, save="input"),
+    Problem("rms_norm", M_WIDE, N_WIDE, "fp16", weight_dtype="fp32", zero_centered=True, save="output"),
 ]
 TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -250,6 +296,13 @@ def test_every_field_is_varied():
         assert set(table) == {f.name for f in dataclasses.fields(cls)}
     for name, cfg in VARIATIONS:
         cfg.validate(VARIATION_PROBLEMS[0])  # the variations must be valid configs to test anything
+    for name, cfg in SPLIT_VARIATIONS:
+        cfg.validate(WIDE_PROBLEMS[0])
+    varied = {n.split("=")[0].split("+")[0] for n, _ in VARIATIONS + SPLIT_VARIATIONS}
+    expected = {f"k1.{f.name}" for f in dataclasses.fields(Kernel1Config)} | {
+        f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
+    assert expected <= varied | {"k2.fused"}, expected - varied
+    assert any(c.kernel_2.fused for _, c in VARIATIONS) and any(c.kernel_2.fused for _, c in SPLIT_VARIATIONS)
 
 
 def saved_inputs(problem: Problem, device, reference_norm, make_norm_inputs, shape=None):
@@ -279,24 +332,52 @@ def poisoned_run(problem, config, args) -> BackwardLaunch:
 @pytest.mark.parametrize("name,config", VARIATIONS, ids=[n for n, _ in VARIATIONS])
 def test_config_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
                                      make_norm_inputs):
+    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+
+
+@pytest.mark.parametrize("problem", WIDE_PROBLEMS, ids=lambda p: p.family.key.replace("/", "-"))
+@pytest.mark.parametrize("name,config", SPLIT_VARIATIONS, ids=[n for n, _ in SPLIT_VARIATIONS])
+def test_row_split_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
+                                        make_norm_inputs):
+    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+
+
+def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs):
+    """Poisoned outputs against the float64 reference, the grid the heuristics promise, each row group's
+    partial rows, and a bitwise-identical rerun."""
     inputs, ref, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
     launch = poisoned_run(problem, config, args)
     k1 = config.kernel_1
-    tiles = -(-problem.M // k1.block_row)
-    assert launch.programs == max(1, min(round(k1.programs_per_sm * sm_count(torch.device(device))), tiles))
+    sms = sm_count(torch.device(device))
+    waits = k1.row_split > 1 or config.kernel_2.fused  # such grids are capped at what the GPU holds at once
+    promised = num_programs(problem.M, problem.N, config, sms)
+    assert launch.programs == promised or (waits and k1.row_split <= launch.programs < promised)
+    if k1.strategy == "columns":
+        assert launch.programs == -(-problem.N // k1.block_col) and launch.partial_rows == 0
+    else:
+        tiles = -(-problem.M // k1.block_row)
+        assert launch.partial_rows == launch.programs // k1.row_split
+        assert 1 <= launch.partial_rows <= min(tiles, max(1, round(k1.programs_per_sm * sms)))
     tol = tolerance(TORCH_DTYPE[problem.dtype], problem.save)
     scale = ref["scale"]
     assert_close(launch.dx, ref["dx"], tol, "dx", floor=scale["dx"])
     assert_close(launch.dw, ref["dw"], tol, "dw", floor=scale["dw"])
     assert_close(launch.db, ref["db"], tol, "db", floor=scale["db"])
-    # Each program's partial row holds exactly the rows of its tiles (tile t → program t mod programs).
-    owner = (torch.arange(problem.M, device=device) // k1.block_row) % launch.programs
-    g64 = inputs["grad"].double()
-    want_dw = torch.zeros((launch.programs, problem.N), dtype=torch.float64, device=device)
-    assert_close(launch.partial_dw, want_dw.index_add(0, owner, g64 * ref["xhat"]), tol, "partial_dw",
-                 floor=scale["dw"])
-    if problem.has_bias:
-        assert_close(launch.partial_db, want_dw.index_add(0, owner, g64), tol, "partial_db", floor=scale["db"])
+    if launch.partial_rows:
+        # Each row group's partial row holds exactly the rows of its tiles (tile t → group t mod groups).
+        groups = launch.partial_rows
+        owner = (torch.arange(problem.M, device=device) // k1.block_row) % groups
+        g64 = inputs["grad"].double()
+        want_dw = torch.zeros((groups, problem.N), dtype=torch.float64, device=device)
+        assert_close(launch.partial_dw, want_dw.index_add(0, owner, g64 * ref["xhat"]), tol, "partial_dw",
+                     floor=scale["dw"])
+        if problem.has_bias:
+            assert_close(launch.partial_db, want_dw.index_add(0, owner, g64), tol, "partial_db",
+                         floor=scale["db"])
+    first = [t.clone() for t in (launch.dx, launch.dw, launch.db) if t is not None]
+    again = poisoned_run(problem, config, args)
+    for a, b in zip(first, [t for t in (again.dx, again.dw, again.db) if t is not None]):
+        assert torch.equal(a, b), "a rerun must be bitwise identical"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, Problem, layer_norm, rms_norm
 from normtune.kernels import backward as backward_module
 from normtune.kernels import forward as forward_module
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.backward import TORCH_DTYPES, BackwardLaunch
 from normtune.kernels.config import NUM_WARPS
 from normtune.kernels.heuristics import next_power_of_two
 from normtune.kernels.forward import forward
@@ -106,12 +106,12 @@ def poisoned_launch(problem: Problem, config: BackwardConfig, grad2d, saved, wei
     return launch
 
 
-def expected_partials(rows64: torch.Tensor, programs: int, block_row: int) -> torch.Tensor:
-    """Program p's partial row: the sum of its rows, where row tile t = row // block_row belongs to program
-    t mod programs (the persistent grid-stride)."""
+def expected_partials(rows64: torch.Tensor, groups: int, block_row: int) -> torch.Tensor:
+    """Row group g's partial row: the sum of its rows, where row tile t = row // block_row belongs to group
+    t mod groups (the persistent grid-stride; a group is row_split programs sharing the row's columns)."""
     M, N = rows64.shape
-    owner = (torch.arange(M, device=rows64.device) // block_row) % max(programs, 1)
-    return torch.zeros((programs, N), dtype=torch.float64, device=rows64.device).index_add_(0, owner, rows64)
+    owner = (torch.arange(M, device=rows64.device) // block_row) % max(groups, 1)
+    return torch.zeros((groups, N), dtype=torch.float64, device=rows64.device).index_add_(0, owner, rows64)
 
 
 def check_backward(launch: BackwardLaunch, ref: dict, grad2d, tol: float, assert_close) -> None:
@@ -122,16 +122,16 @@ def check_backward(launch: BackwardLaunch, ref: dict, grad2d, tol: float, assert
     assert_close(launch.dw, ref["dw"], tol, "dw", floor=scale["dw"])
     assert_close(launch.db, ref["db"], tol, "db", floor=scale["db"])
     if p.has_weight:
-        assert launch.dw.dtype == launch.weight.dtype, "dw must come back in the weight's dtype"
-    # Every program's partial row was written (no NaN left) and holds exactly its rows' sums.
+        assert launch.dw.dtype == TORCH_DTYPES[p.weight_dtype], "dw must come back in the weight's dtype"
+    # Every row group's partial row was written (no NaN left) and holds exactly its rows' sums.
     g64 = grad2d.double()
     k1 = launch.config.kernel_1
-    if p.has_weight:
-        want = expected_partials(g64 * ref["xhat"].reshape(-1, N), launch.programs, k1.block_row)
+    if p.has_weight and launch.partial_rows:
+        want = expected_partials(g64 * ref["xhat"].reshape(-1, N), launch.partial_rows, k1.block_row)
         assert_close(launch.partial_dw, want, tol, "partial_dw", floor=scale["dw"])
-    if p.has_bias:
-        assert_close(launch.partial_db, expected_partials(g64, launch.programs, k1.block_row), tol, "partial_db",
-                     floor=scale["db"])
+    if p.has_bias and launch.partial_rows:
+        assert_close(launch.partial_db, expected_partials(g64, launch.partial_rows, k1.block_row), tol,
+                     "partial_db", floor=scale["db"])
 
 
 def run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm, eps=None):

@@ -19,9 +19,10 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from normtune.kernels import backward as kbackward
-from normtune.kernels.backward import BackwardLaunch, num_programs
+from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.kernels.device import sm_count
+from normtune.kernels.heuristics import num_programs, partial_rows
 from normtune.tuner import bench_output
 from normtune.tuner.bench import OURS, BenchReport, summary
 from normtune.tuner.device import detect
@@ -243,8 +244,9 @@ def test_measure_config(problem, device):
     assert r.p10_us <= r.median_us <= r.p90_us
     assert r.reps == FAST["min_reps"]
     assert r.compile_s is not None and r.compile_s >= 0
-    assert r.programs == num_programs(problem.M, config, sm_count(torch.device(device)))
-    assert r.bytes_moved == bytes_moved(problem, r.programs)
+    sms = sm_count(torch.device(device))
+    assert r.programs == num_programs(problem.M, problem.N, config, sms)
+    assert r.bytes_moved == bytes_moved(problem, partial_rows(problem.M, config, sms))
     assert r.gbps == pytest.approx(r.bytes_moved / (r.median_us * 1e3))
     assert r.floor_us == pytest.approx(floor_us(problem, BANDWIDTH))
     assert r.floor_fraction == pytest.approx(r.floor_us / r.median_us)
@@ -518,13 +520,8 @@ def test_pdl_split_reports_kernel_2_as_what_follows_kernel_1():
 def test_measure_config_uses_the_pdl_split_when_the_launch_has_pdl(monkeypatch, device):
     from normtune.tuner import measure
 
-    real_init = BackwardLaunch.__init__
-
-    def init_with_pdl(self, *args, **kwargs):  # the kernels launch as built; only the flag says PDL
-        real_init(self, *args, **kwargs)
-        self.pdl = True
-
-    monkeypatch.setattr(BackwardLaunch, "__init__", init_with_pdl)
+    # The kernels launch as built; only the flag says PDL.
+    monkeypatch.setattr(BackwardLaunch, "pdl", property(lambda self: True))
     totals = iter([[Stats(30.0, 29.0, 31.0, 2)], [Stats(20.0, 20.0, 20.0, 1), Stats(14.0, 14.0, 14.0, 1),
                                                   Stats(34.0, 34.0, 34.0, 1)]])
     monkeypatch.setattr(measure, "time_kernels", lambda steps, **kw: next(totals))

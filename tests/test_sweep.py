@@ -206,6 +206,11 @@ def test_gpu_without_a_gpu_is_a_clear_error_and_interpret_works(tmp_path):
 
     result = invoke(["sweep", "--gpu", "h100", "--interpret", "--norm", "rms_norm", "--shapes", "40x96",
                      "--trials", "1", "--db", url])
+    assert result.exit_code == 1 and "--gpu" in result.output and "--interpret" in result.output, result.output
+    assert "Traceback" not in result.output and not db.exists()  # refused before anything is opened
+
+    result = invoke(["sweep", "--interpret", "--norm", "rms_norm", "--shapes", "40x96", "--trials", "1",
+                     "--db", url])
     assert result.exit_code == 0, result.output
     with Store(url) as store:
         (run,) = store.runs()
@@ -248,14 +253,20 @@ def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, option, val
 # ------------------------------------------------------------------------------------------ failure injection
 
 
-def fault_rules(problem: Problem, faults: list[str]) -> list[dict]:
-    """One rule per fault, on the knob by which the problem's seed 1, 2, … differs from its default (seed 0):
-    the first trials measure the seeds, so each fault hits an early trial and the default stays correct."""
-    seeds = Space(problem, INTERPRET_SM_COUNT).seeds()
+def fault_rules(problem: Problem, faults: list[str], trials: int = 6) -> list[dict]:
+    """One rule per fault, each on a knob value that exactly one of the first `trials` seeds has (the first
+    trials measure the seeds in order, so each fault hits one early trial and the default stays correct)."""
+    seeds = Space(problem, INTERPRET_SM_COUNT).seeds()[:trials]
     rules = []
-    for seed, fault in zip(seeds[1:], faults):
-        key, value = next((key, value) for key, value in knobs(seed).items() if knobs(seeds[0])[key] != value)
-        rules.append({"match": {key: value}, "fault": fault})
+    for seed in seeds[1:]:
+        if len(rules) == len(faults):
+            break
+        only_here = [(key, value) for key, value in knobs(seed).items()
+                     if sum(knobs(other)[key] == value for other in seeds) == 1]
+        if only_here:
+            key, value = only_here[0]
+            rules.append({"match": {key: value}, "fault": faults[len(rules)]})
+    assert len(rules) == len(faults), "too few distinct seeds to inject every fault"
     return rules
 
 
@@ -415,9 +426,11 @@ def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeyp
     monkeypatch.setattr(space_module, "K1_DOMAINS", {**K1_DOMAINS, "block_row": (8, 16), "num_warps": (4,),
                                                      "num_stages": (1,), "programs_per_sm": (1,),
                                                      "eviction_policy": ("",), "prefetch": (False,),
-                                                     "recompute": (False,)})
+                                                     "recompute": (False,), "strategy": ("rows",),
+                                                     "row_split": (1,), "two_pass": (False,)})
     monkeypatch.setattr(space_module, "K2_DOMAINS", {**K2_DOMAINS, "block_m": (64, 128), "block_n": (16,),
-                                                     "num_warps": (4,), "num_stages": (1,), "pdl": (False,)})
+                                                     "num_warps": (4,), "num_stages": (1,), "pdl": (False,),
+                                                     "fused": (False,)})
     grid = list(Space(RMS_A, INTERPRET_SM_COUNT))
     assert len(grid) == 4
     url = sqlite_url(tmp_path)

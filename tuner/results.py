@@ -44,7 +44,7 @@ def floor_bytes(problem: Problem) -> int:
     return 3 * problem.M * problem.N * problem.itemsize
 
 
-def bytes_moved(problem: Problem, programs: int) -> int:
+def bytes_moved(problem: Problem, partial_rows: int) -> int:
     """Every byte the two kernels move: the floor's bytes, the per-row stats, the weight (and bias when
     recovering x̂ from y), the fp32 partials written by kernel_1 and read by kernel_2, and dw/db."""
     M, N = problem.M, problem.N
@@ -52,7 +52,7 @@ def bytes_moved(problem: Problem, programs: int) -> int:
     stats = 4 * M * (1 if problem.norm == "rms_norm" or problem.save == "output" else 2)
     params = N * wsize * (int(problem.has_weight) + int(bool(problem.has_bias) and problem.save == "output"))
     n_partials = int(problem.has_weight) + int(bool(problem.has_bias))
-    partials = 2 * 4 * programs * N * n_partials
+    partials = 2 * 4 * partial_rows * N * n_partials
     outputs = N * wsize * n_partials
     return floor_bytes(problem) + stats + params + partials + outputs
 

@@ -69,11 +69,11 @@ class Space:
         n_pow2 = next_power_of_two(p.N)
         d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
         d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
-        d["k1.strategy"] = ("rows", "columns") if p.M <= MAX_COLUMNS_ROWS else ("rows",)
+        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s == "rows" or p.M <= MAX_COLUMNS_ROWS)
         splits = tuple(s for s in K1_DOMAINS["row_split"]
                        if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256))
         d["k1.row_split"] = splits or (1,)
-        modes = tuple(m for m in (False, True) if (m or splits) and (not m or n_pow2 > 1024))
+        modes = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.two_pass"] = modes
         d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
         rows_needed = next_power_of_two(max(1, p.M))
