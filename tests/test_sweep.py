@@ -37,6 +37,7 @@ from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, Space
 from normtune.tuner.store import Store
 from normtune.tuner.sweep import study_name
+from normtune.tuner.sweep.options import space_tag
 
 pytestmark = INTERPRETER_ONLY
 
@@ -72,14 +73,20 @@ def matches(config: BackwardConfig, match: dict) -> bool:
 # ----------------------------------------------------------------------------------- CLI, provenance, names
 
 
-def test_study_names_are_deterministic():
-    assert study_name("h100", RMS_A) == f"normtune:h100:{RMS_A.key}" == study_name("h100", Problem(
+def test_study_names_are_deterministic(monkeypatch):
+    from normtune.tuner import space as space_module
+
+    tag = space_tag(RMS_A)
+    assert study_name("h100", RMS_A) == f"normtune:h100:{RMS_A.key}:space-{tag}" == study_name("h100", Problem(
         "rms_norm", 40, 96, "bfloat16", "bf16"))
     # Interpreted results get their own studies whatever --gpu says: they must never mix with GPU timings.
     assert study_name("h100", RMS_A, interpret=True) == study_name("h200", RMS_A, interpret=True) \
-        == f"normtune:interpret:{RMS_A.key}"
-    assert study_name("h100", RMS_A, prefix="validate") == f"validate:h100:{RMS_A.key}"
+        == f"normtune:interpret:{RMS_A.key}:space-{tag}"
+    assert study_name("h100", RMS_A, prefix="validate") == f"validate:h100:{RMS_A.key}:space-{tag}"
     assert len({study_name("h100", p) for p in (RMS_A, RMS_B, Problem("layer_norm", 40, 96))}) == 3
+    # A grown search space opens a new study (Optuna cannot change a parameter's choices within one).
+    monkeypatch.setattr(space_module, "K1_DOMAINS", {**K1_DOMAINS, "num_stages": (1, 2, 3, 4)})
+    assert space_tag(RMS_A) != tag and study_name("h100", RMS_A) != f"normtune:h100:{RMS_A.key}:space-{tag}"
 
 
 def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -16,9 +17,19 @@ MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "
 # The objective as optuna-dashboard labels it.
 METRIC_NAME = "backward µs"
 
+def space_tag(problem: Problem) -> str:
+    """A digest of the problem's search space (its knobs and their values). An Optuna study cannot change a
+    parameter's choices, so a space that grew (a new knob or value) opens a new study; the measurements of the
+    old one stay in the normtune tables, where emission finds them."""
+    from ..space import Space  # the space imports the kernels' heuristics; options stay light to import
+
+    domains = {k: [str(v) for v in values] for k, values in sorted(Space(problem, 0).domains().items())}
+    return hashlib.sha1(json.dumps(domains, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: str = "normtune") -> str:
-    """One study per (GPU, problem), named so that any worker on any host finds the same one."""
-    return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}"
+    """One study per (GPU, problem, search space), named so that any worker on any host finds the same one."""
+    return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}:space-{space_tag(problem)}"
 
 
 @dataclass
