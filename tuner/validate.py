@@ -14,13 +14,13 @@ Per shape:
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from .compare import ROUNDS, Stopwatch, config_for, head_to_head
 from .device import DeviceInfo
+from .device import command_line as device_command_line
 from .render import geomean
 from .spread import Ratio, Timing, slower_beyond_spread
 
@@ -102,7 +102,7 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
     reference = reference_sweep(store, info, gpu_key, problems, trials=trials, storage_url=storage_url,
                                 compile_workers=compile_workers, progress=progress)
     stopwatch = Stopwatch(info)
-    run_id = store.start_run(info, kind="validate", command_line=command_line or " ".join(sys.argv),
+    run_id = store.start_run(info, kind="validate", command_line=command_line or device_command_line(),
                              copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
     rows = []
     try:

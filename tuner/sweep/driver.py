@@ -31,7 +31,7 @@ from typing import Callable
 
 from normtune.kernels.config import Problem
 
-from ..device import DeviceInfo
+from ..device import DeviceInfo, command_line
 from ..measure import MeasureResult
 from .compiling import _compile_one, compile_pool, wait_compiled
 from .measuring import MeasuringProcess
@@ -119,7 +119,7 @@ class Sweep:
             timing = dict(min_reps=1, max_reps=2, budget_s=0.0, warmup=0)
         self._measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, timing)
         pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
-        run_id = self.store.start_run(self.info, kind="sweep", command_line=" ".join(os.sys.argv))
+        run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.mark_dead_runs()
         stop_hb = threading.Event()
