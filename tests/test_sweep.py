@@ -91,10 +91,10 @@ def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     with Store(url) as store:
         (run,) = store.runs()
         assert (run.kind, run.status, run.gpu_key, run.interpret) == ("sweep", "finished", "interpret", True)
-        assert run.gpu_name == "cpu (triton interpreter)" and run.sm_count == INTERPRET_SM_COUNT
-        assert (run.torch, run.triton) == (torch.__version__, triton.__version__)
-        assert (run.host, run.python) == (socket.gethostname(), platform.python_version())
-        assert run.normtune_version == metadata.version("normtune")
+        assert run.gpu_name == "cpu (triton interpreter)" and run.device.sm_count == INTERPRET_SM_COUNT
+        assert (run.device.torch, run.device.triton) == (torch.__version__, triton.__version__)
+        assert (run.device.host, run.device.python) == (socket.gethostname(), platform.python_version())
+        assert run.device.normtune == metadata.version("normtune")
         assert run.command_line and run.ended_at is not None and run.ended_at >= run.started_at
         for problem, name in zip((RMS_A, RMS_B), names(RMS_A, RMS_B)):
             rows = store.measurements(study_name=name)
@@ -139,7 +139,7 @@ def test_subprocess_sweep_rerun_adds_only_the_difference(tmp_path):
         runs = store.runs()
     assert [(r.kind, r.status, r.interpret, r.gpu_key) for r in runs] == [("sweep", "finished", True, "interpret")] * 2
     assert "sweep --interpret" in runs[0].command_line and "--trials 3" in runs[0].command_line
-    assert "--trials 5" in runs[1].command_line and runs[1].host == socket.gethostname()
+    assert "--trials 5" in runs[1].command_line and runs[1].device.host == socket.gethostname()
     new = after[6:]
     assert sorted((r["study_name"], r["trial_number"]) for r in new) == sorted(
         (name, n) for name in names(RMS_A, RMS_B) for n in (3, 4)), "the re-run measured more than the difference"

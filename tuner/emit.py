@@ -106,7 +106,7 @@ def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Se
     else:
         runs = [r for r in runs if r.kind in selection.kinds]
     if selection.git_revisions is not None:
-        runs = [r for r in runs if r.git_revision and r.git_revision.startswith(tuple(selection.git_revisions))]
+        runs = [r for r in runs if r.device.git_revision and r.device.git_revision.startswith(tuple(selection.git_revisions))]
     run_ids = {r.id for r in runs}
     measurements = [m for m in store.measurements(gpu_key=gpu_key, status="ok", interpret=interpret)
                     if m.run_id in run_ids and m.median_us and m.median_us > 0
@@ -285,7 +285,7 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     families = {}
     n_measured = 0
     for family, data in sorted(collect(inputs).items(), key=lambda kv: kv[0].key):
-        fitted = fit_family(family, data, default_in(data, latest.sm_count))
+        fitted = fit_family(family, data, default_in(data, latest.device.sm_count))
         n_measured += sum(len(v) for v in data.values())
         families[family.key] = {
             "rules": fitted.rules,
@@ -299,14 +299,14 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     table = {
         "schema_version": SCHEMA_VERSION,
         "interpret": interpret,
-        "gpu": {"name": latest.gpu_name, "key": gpu_key, "compute_capability": latest.compute_capability,
-                "sm_count": latest.sm_count},
+        "gpu": {"name": latest.gpu_name, "key": gpu_key, "compute_capability": latest.device.compute_capability,
+                "sm_count": latest.device.sm_count},
         "provenance": {
             "runs": [r.id for r in runs], "measurements": len(inputs.measurements),
-            "fingerprint": inputs.fingerprint, "torch": sorted({r.torch for r in runs}),
-            "triton": sorted({r.triton for r in runs}), "normtune": sorted({r.normtune_version for r in runs}),
-            "git_revision": sorted({r.git_revision for r in runs if r.git_revision}),
-            "driver": sorted({r.driver for r in runs if r.driver}),
+            "fingerprint": inputs.fingerprint, "torch": sorted({r.device.torch for r in runs}),
+            "triton": sorted({r.device.triton for r in runs}), "normtune": sorted({r.device.normtune for r in runs}),
+            "git_revision": sorted({r.device.git_revision for r in runs if r.device.git_revision}),
+            "driver": sorted({r.device.driver for r in runs if r.device.driver}),
             "date": max(r.ended_at or r.started_at for r in runs).strftime("%Y-%m-%d"),
             "configs_measured": n_measured,
             "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS,
