@@ -709,6 +709,7 @@ def compare(
     from normtune.kernels.config import NORMS
     from normtune.kernels.tables import load_table
     from normtune.tuner import compare as C
+    from normtune.tuner.measure import TIMING, MeasureSession
 
     console = Console(stderr=True)
     if not 0 <= threshold < 1:
@@ -727,7 +728,8 @@ def compare(
     def progress(i, row):
         console.print(f"{i + 1}/{len(problems)} {row.problem.key}: {row.verdict(threshold)}")
 
-    rows = _run(C.compare_tables, *tables, problems, C.Stopwatch(info), rounds=rounds, progress=progress)
+    session = _run(MeasureSession.for_device, info, timing=TIMING["compare"])
+    rows = _run(C.compare_tables, *tables, problems, session, rounds=rounds, progress=progress)
     typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret)))
     if any(r.fails(threshold) for r in rows):
         raise typer.Exit(1)

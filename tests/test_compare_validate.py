@@ -95,6 +95,31 @@ def test_compare_fails_when_new_is_slower_and_passes_the_other_way(tmp_path):
     assert "| ok |" in better.stdout and "PASS" in better.stdout
 
 
+def test_compare_times_through_one_measure_session_with_its_preset(tmp_path, monkeypatch):
+    """The device setup and timing of a head-to-head are measure.MeasureSession's (one place for bandwidth, L2
+    flush, spin and repetitions), built once per command with the command's preset."""
+    from normtune.tuner import measure
+
+    made, measured = [], []
+    for_device = measure.MeasureSession.for_device.__func__
+    measure_problem = measure.MeasureSession.measure_problem
+
+    def spy_for_device(cls, info, *args, **kwargs):
+        made.append(kwargs.get("timing"))
+        return for_device(cls, info, *args, **kwargs)
+
+    def spy_measure_problem(self, problem, config):
+        measured.append((problem.key, config))
+        return measure_problem(self, problem, config)
+
+    monkeypatch.setattr(measure.MeasureSession, "for_device", classmethod(spy_for_device))
+    monkeypatch.setattr(measure.MeasureSession, "measure_problem", spy_measure_problem)
+    result = compare(tmp_path, BAD, GOOD, "--threshold", "0.5")
+    assert result.exit_code == 0, result.output
+    assert made == [measure.TIMING["compare"]]
+    assert len(measured) == 4 and len({config for _, config in measured}) == 2  # 2 rounds x OLD and NEW
+
+
 @pytest.mark.parametrize("args, needle", [(["--threshold", "-0.1"], "--threshold -0.1"),
                                           (["--rounds", "0"], "--rounds 0")])
 def test_compare_bad_options_are_one_line(tmp_path, args, needle):

@@ -82,6 +82,19 @@ def test_study_names_are_deterministic():
     assert len({study_name("h100", p) for p in (RMS_A, RMS_B, Problem("layer_norm", 40, 96))}) == 3
 
 
+def test_worker_options_travel_to_a_spawned_worker_unchanged():
+    """A multi-GPU worker gets its options as plain data: problems and the timing preset come back as values."""
+    from normtune.tuner.measure import Timing
+    from normtune.tuner.sweep.launcher import options_from_dict, options_to_dict, worker_options
+    from normtune.tuner.sweep.options import SweepOptions
+
+    opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 64, 512)], trials=5,
+                        timing=Timing(min_reps=7, max_reps=9, budget_s=0.1))
+    for worker in worker_options(opts, [0, 1]):
+        back = options_from_dict(options_to_dict(worker))
+        assert back == worker and isinstance(back.timing, Timing) and back.timing.min_reps == 7
+
+
 def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     url = sqlite_url(tmp_path)
     summary_path = tmp_path / "summary.json"

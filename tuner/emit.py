@@ -346,17 +346,17 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
                          progress=None) -> tuple[int, int]:
     """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
     the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
-    from .compare import Stopwatch
+    from .measure import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
-    stopwatch = Stopwatch(info)
+    session = MeasureSession.for_device(info, timing=TIMING["remeasure"])
     run_id = store.start_run(info, kind="emit", command_line=command_line,
-                             copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
+                             copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
     count = 0
     try:
         for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
             for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
-                r = stopwatch.measure(p, c)
+                r = session.measure_problem(p, c)
                 store.add_measurement(run_id, p, c, r, source="neighbor")
                 count += 1
                 if progress:
