@@ -20,6 +20,7 @@ database holding somebody else's tables is refused untouched. `Store(url, read_o
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
@@ -114,9 +115,11 @@ class Store(WorkerCoordination):
     # ------------------------------------------------------------------------------------------------ writes
 
     def start_run(self, info: DeviceInfo, *, kind: str, command_line: str,
-                  copy_bandwidth_gbps: float | None = None) -> int:
+                  copy_bandwidth_gbps: float | None = None, started_at: dt.datetime | None = None) -> int:
+        """A new run, `running` until `end_run`. `started_at` (aware) records a run stored after it ran (bench)
+        with the time it really began; default: now."""
         row = RunModel(kind=kind, command_line=command_line, copy_bandwidth_gbps=_figure(copy_bandwidth_gbps),
-                       started_at=_now(), status="running", **device_columns(info))
+                       started_at=_now(started_at), status="running", **device_columns(info))
         with self.session_scope() as session:
             session.add(row)
             session.flush()

@@ -297,9 +297,10 @@ _FIGURES = ("median_us", "p10_us", "p90_us", "kernel_1_us", "kernel_2_us", "comp
             "floor_fraction")
 
 
-def _now() -> dt.datetime:
-    # Stored naive in UTC (SQLite has no time zones); records carry the zone again.
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+def _now(at: dt.datetime | None = None) -> dt.datetime:
+    """`at` (an aware time; default: now) as stored: naive in UTC (SQLite has no time zones); records carry the
+    zone again."""
+    return (at or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc).replace(tzinfo=None)
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:
