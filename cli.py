@@ -656,8 +656,10 @@ def validate(
     tab = _run(_table_for_device, table, info)
     if out is not None:
         _run(_check_out_folder, out)
+    label = tab.label if tab else None
     if interpret:
         console.print(_INTERPRETER_BANNER)
+    console.print(f"validating {label or 'no table (the analytic defaults)'}")
     store = _run(Store, db)
     try:
         rows = _run(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
@@ -669,9 +671,9 @@ def validate(
     typer.echo("\n".join(validation_table(rows) + ["", validation_summary(summary)]))
     if out:
         (out / "validate.json").write_text(_json.dumps(
-            {"device": info.to_dict(), "table": tab.path if tab else None, "reference_trials": trials,
+            {"device": info.to_dict(), "table": label, "reference_trials": trials,
              "rounds": rounds, "summary": summary, "rows": [r.to_dict() for r in rows]}, indent=1, sort_keys=True))
-        (out / "validate.md").write_text(V.markdown(rows, info, tab.path if tab else None, trials))
+        (out / "validate.md").write_text(V.markdown(rows, info, label, trials))
         console.print(f"wrote {out / 'validate.json'}, {out / 'validate.md'}")
 
 

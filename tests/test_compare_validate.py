@@ -177,6 +177,24 @@ def test_validate_uses_an_unseeded_reference_that_emit_never_fits_on(tmp_path, m
     assert not (tmp_path / "e.json").exists()
 
 
+def test_validate_names_the_table_by_its_label(tmp_path, monkeypatch):
+    """validate.json, validate.md and the console name the validated table as reports do (its label: relative to
+    the working folder), never by the machine's absolute path."""
+    work = tmp_path / "work"
+    (work / "tables").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    table = write_table(work / "tables" / "t.json", GOOD)
+    out = work / "validate"
+    result = runner.invoke(app, ["validate", "--interpret", "--norm", "rms_norm", "--shapes", "8x96", "--trials", "1",
+                                 "--rounds", "1", "--table", table, "--db", f"sqlite:///{tmp_path / 'v.db'}",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "validating tables/t.json" in result.stderr
+    assert json.loads((out / "validate.json").read_text())["table"] == "tables/t.json"
+    md = (out / "validate.md").read_text()
+    assert "Table: `tables/t.json`" in md and str(tmp_path) not in md
+
+
 def test_validate_refuses_bad_options_before_measuring(tmp_path):
     for args, needle in ((["--trials", "0"], "--trials 0"), (["--rounds", "0"], "--rounds 0")):
         result = runner.invoke(app, ["validate", "--interpret", "--db", str(tmp_path / "v.db"), *args])
