@@ -1,5 +1,6 @@
-"""The project describes itself: no file of the repository speaks of one particular environment's machines or
-holds an absolute path of a machine (a report, a log or a doc written on it)."""
+"""The repository as a reader meets it: no file speaks of one particular environment's machines or holds an
+absolute path of a machine (a report, a log or a doc written on it), and every module of the package stays a size
+one can hold in mind (one job each)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def test_no_file_describes_an_environment_or_holds_a_machine_path():
             if needle in text:
                 found.append(f"{path.relative_to(ROOT)}: {needle!r}")
     assert not found, found
+
+
+MAX_MODULE_LINES = 400
+PACKAGE_FOLDERS = ("kernels", "tuner", "commands", "configs")
+
+
+def test_every_module_of_the_package_stays_under_400_lines():
+    modules = [ROOT / "cli.py"] + [p for folder in PACKAGE_FOLDERS for p in (ROOT / folder).rglob("*.py")]
+    too_long = {str(p.relative_to(ROOT)): n for p in modules
+                if (n := len(p.read_text().splitlines())) >= MAX_MODULE_LINES}
+    assert not too_long, f"split these by job: {too_long}"
