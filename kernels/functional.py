@@ -16,11 +16,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import MAX_N, BackwardConfig, ConfigError, Problem, mapping_to_json
+from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
 from .ops import EagerNorm, norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SAVE_MODES = ("input", "output")
+
+
+def check_options(eps, save: str, *, eps_may_be_none: bool = False) -> None:
+    """The rules for eps and save: at each call of `layer_norm`/`rms_norm`, and when a module is built (where
+    RMSNorm's eps=None means the dtype's eps, as in torch)."""
+    if eps is None:
+        if not eps_may_be_none:
+            raise ValueError("eps must be a positive finite number (e.g. 1e-5), got None")
+    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
+    if save not in SAVE_MODES:
+        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
 
 
 def _check_tensor(name: str, t: Any, x: Tensor | None = None) -> None:
@@ -66,10 +77,7 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
         _check_tensor("weight", weight, x)
     if bias is not None:
         _check_tensor("bias", bias, x)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
-    if save not in _SAVE_MODES:
-        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
+    check_options(eps, save)
     if zero_centered and weight is None:
         raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
     config = _explicit_config(config)

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from .functional import _SAVE_MODES, layer_norm, rms_norm
+from .functional import check_options, layer_norm, rms_norm
 
 
 def _is_int(d) -> bool:
@@ -31,23 +31,11 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
-def _check_options(eps, save: str, *, eps_may_be_none: bool) -> None:
-    """The functional API's rules for eps and save (RMSNorm's eps=None means the dtype's eps, as in torch),
-    checked when the module is built rather than at its first forward."""
-    if eps is None:
-        if not eps_may_be_none:
-            raise ValueError("eps must be a positive finite number (e.g. 1e-5), got None")
-    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
-    if save not in _SAVE_MODES:
-        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
-
-
 class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
-        _check_options(eps, save, eps_may_be_none=isinstance(self, RMSNorm))
+        check_options(eps, save, eps_may_be_none=isinstance(self, RMSNorm))
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.zero_centered = zero_centered

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a CPU-only machine (the kernels run in Triton's interpreter):
 #   bash tests/run.sh [extra pytest args]
-# Installs normtune with its test extras (torch pinned to 2.13.0: on the project's machines that is the local
-# CPU build; an unpinned torch would pull several GB of CUDA wheels), starts a loopback PostgreSQL server for
-# the storage and multi-worker tests, runs pytest on 2 workers, and stops that server again on exit (whether
-# pytest passed, failed or was interrupted). A server that was already running before is left running.
+# Installs normtune with its test extras (torch pinned to 2.13.0, the version the CPU suite runs on, so that an
+# installed CPU build is kept; an unpinned torch would pull several GB of CUDA wheels), starts a loopback
+# PostgreSQL server for the storage and multi-worker tests, runs pytest on 2 workers, and stops that server again
+# on exit (whether pytest passed, failed or was interrupted). A server that was already running before is left running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -323,6 +323,36 @@ def test_results_are_stored_before_files_are_written(tmp_path, monkeypatch):
         store.close()
 
 
+@needs_interpreter
+def test_a_stored_bench_run_spans_the_bench(tmp_path, monkeypatch):
+    """The run row of a bench starts when the bench began (not when its results were stored) and ends after its
+    last measurement was stored."""
+    import datetime as dt
+
+    from normtune.tuner import bench as B
+
+    window = {}
+    run_bench = B.run_bench
+
+    def timed(*args, **kwargs):
+        window["start"] = dt.datetime.now(dt.timezone.utc)
+        report = run_bench(*args, **kwargs)
+        window["end"] = dt.datetime.now(dt.timezone.utc)
+        return report
+
+    monkeypatch.setattr(B, "run_bench", timed)
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    result = invoke("bench", "--interpret", "--norm", "rms_norm", "--shapes", "8x96", "--peers", "torch", "--out",
+                    tmp_path / "out", "--db", db)
+    assert result.exit_code == 0, result.output
+    with Store(db, read_only=True) as store:
+        (run,) = store.runs(kind="bench")
+        stored = [m.created_at for m in store.measurements(run_id=run.id)]
+        stored += [p.created_at for p in store.peer_results(run_id=run.id)]
+    assert window["start"] <= run.started_at < window["end"], (window, run.started_at)
+    assert run.status == "finished" and run.ended_at >= max(stored) >= window["end"]
+
+
 # ------------------------------------------------------------------------------------------ CLI global options
 
 

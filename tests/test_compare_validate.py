@@ -95,6 +95,31 @@ def test_compare_fails_when_new_is_slower_and_passes_the_other_way(tmp_path):
     assert "| ok |" in better.stdout and "PASS" in better.stdout
 
 
+def test_compare_times_through_one_measure_session_with_its_preset(tmp_path, monkeypatch):
+    """The device setup and timing of a head-to-head are measure.MeasureSession's (one place for bandwidth, L2
+    flush, spin and repetitions), built once per command with the command's preset."""
+    from normtune.tuner import measure
+
+    made, measured = [], []
+    for_device = measure.MeasureSession.for_device.__func__
+    measure_problem = measure.MeasureSession.measure_problem
+
+    def spy_for_device(cls, info, *args, **kwargs):
+        made.append(kwargs.get("timing"))
+        return for_device(cls, info, *args, **kwargs)
+
+    def spy_measure_problem(self, problem, config):
+        measured.append((problem.key, config))
+        return measure_problem(self, problem, config)
+
+    monkeypatch.setattr(measure.MeasureSession, "for_device", classmethod(spy_for_device))
+    monkeypatch.setattr(measure.MeasureSession, "measure_problem", spy_measure_problem)
+    result = compare(tmp_path, BAD, GOOD, "--threshold", "0.5")
+    assert result.exit_code == 0, result.output
+    assert made == [measure.TIMING["compare"]]
+    assert len(measured) == 4 and len({config for _, config in measured}) == 2  # 2 rounds x OLD and NEW
+
+
 @pytest.mark.parametrize("args, needle", [(["--threshold", "-0.1"], "--threshold -0.1"),
                                           (["--rounds", "0"], "--rounds 0")])
 def test_compare_bad_options_are_one_line(tmp_path, args, needle):
@@ -150,6 +175,24 @@ def test_validate_uses_an_unseeded_reference_that_emit_never_fits_on(tmp_path, m
     emitted = runner.invoke(app, ["emit", "--interpret", "--db", url, "--out", str(tmp_path / "e.json")])
     assert emitted.exit_code == 1 and "no successful measurements" in emitted.stderr
     assert not (tmp_path / "e.json").exists()
+
+
+def test_validate_names_the_table_by_its_label(tmp_path, monkeypatch):
+    """validate.json, validate.md and the console name the validated table as reports do (its label: relative to
+    the working folder), never by the machine's absolute path."""
+    work = tmp_path / "work"
+    (work / "tables").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    table = write_table(work / "tables" / "t.json", GOOD)
+    out = work / "validate"
+    result = runner.invoke(app, ["validate", "--interpret", "--norm", "rms_norm", "--shapes", "8x96", "--trials", "1",
+                                 "--rounds", "1", "--table", table, "--db", f"sqlite:///{tmp_path / 'v.db'}",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "validating tables/t.json" in result.stderr
+    assert json.loads((out / "validate.json").read_text())["table"] == "tables/t.json"
+    md = (out / "validate.md").read_text()
+    assert "Table: `tables/t.json`" in md and str(tmp_path) not in md
 
 
 def test_validate_refuses_bad_options_before_measuring(tmp_path):

@@ -300,6 +300,31 @@ def test_module_checks_its_arguments_at_construction(make, error, needles):
         assert needle in str(info.value), f"{needle!r} not in {str(info.value)!r}"
 
 
+def test_modules_and_functions_check_eps_and_save_in_one_place(monkeypatch, device):
+    """The modules (when built) and the functions (at each call) apply one rule for eps and save:
+    `functional.check_options`, so that the two can never disagree."""
+    import normtune.kernels.functional as functional
+    import normtune.kernels.modules as modules
+
+    seen = []
+    rule = functional.check_options
+
+    def spy(eps, save, **kwargs):
+        seen.append((eps, save))
+        return rule(eps, save, **kwargs)
+
+    monkeypatch.setattr(functional, "check_options", spy)
+    monkeypatch.setattr(modules, "check_options", spy)
+    with pytest.raises(ValueError, match="eps must be a positive finite number") as built:
+        LayerNorm(N, eps=-1.0)
+    x = torch.randn(2, N, device=device)
+    with pytest.raises(ValueError, match="eps must be a positive finite number") as called:
+        layer_norm(x, None, None, -1.0)
+    assert str(built.value) == str(called.value)
+    RMSNorm(N, eps=None, save="output")
+    assert seen == [(-1.0, "input"), (-1.0, "input"), (None, "output")]
+
+
 def test_module_accepts_torch_sizes_and_lists():
     assert LayerNorm(torch.Size([4, 50])).normalized_shape == (4, 50)
     assert RMSNorm([N], eps=None).normalized_shape == (N,)

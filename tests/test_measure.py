@@ -628,3 +628,24 @@ def test_kernels_plot_stack_is_the_measured_total(tmp_path, monkeypatch):
     bench_output.plot(report, tmp_path)
     totals = [r["median_us"] for r in report.rows if r["impl"] == OURS]
     assert [t for s in stacks for t in s] == pytest.approx(totals)
+
+
+def test_a_session_keeps_one_problems_inputs_and_reference_across_measurements(monkeypatch):
+    """measure_problem makes a problem's inputs and float64 reference once, and anew for the next problem."""
+    from normtune.tuner.measure import MeasureSession
+
+    session = MeasureSession.for_device(detect(interpret=True))
+    made = []
+    case = session.case
+
+    def spy(problem, seed=0):
+        made.append(problem.key)
+        return case(problem, seed)
+
+    monkeypatch.setattr(session, "case", spy)
+    first, second = Problem("rms_norm", 8, 96), Problem("rms_norm", 8, 128)
+    config = default_config(first)
+    results = [session.measure_problem(p, config if p == first else default_config(p))
+               for p in (first, first, second)]
+    assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
+    assert made == [first.key, second.key]

@@ -109,7 +109,7 @@ def test_run_round_trip_and_provenance(store):
     (run,) = store.runs()
     assert run.id == run_id and run.kind == "sweep" and run.status == "running" and run.ended_at is None
     assert run.device == H100  # every provenance field back as recorded
-    assert (run.gpu_name, run.gpu_key, run.normtune_version) == (H100.name, "h100", "0.1.0")
+    assert (run.gpu_name, run.gpu_key, run.device.normtune) == (H100.name, "h100", "0.1.0")
     assert run.command_line == "normtune sweep --gpu h100" and run.copy_bandwidth_gbps == 2931.5
     assert before - dt.timedelta(seconds=1) <= run.started_at <= dt.datetime.now(dt.timezone.utc)
 
@@ -503,3 +503,16 @@ def test_sqlite_settings(tmp_path):
     normalize = store_module.normalize_url
     assert normalize("postgres://u@h/db") in ("postgresql://u@h/db", "postgresql+psycopg2://u@h/db")
     assert normalize("postgresql+psycopg://u@h/db") == "postgresql+psycopg://u@h/db"  # explicit driver kept
+
+
+def test_the_store_imports_nothing_that_times():
+    """Storage sits below measuring: opening results must not import the stopwatch (torch timing, L2 flush)."""
+    import subprocess
+    import sys
+
+    timing = ("normtune.tuner.measure", "normtune.tuner.views", "normtune.tuner.cases")
+    code = ("import sys, normtune.tuner.store, normtune.tuner.store_models; "
+            f"print([m for m in {timing!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

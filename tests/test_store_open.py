@@ -87,17 +87,34 @@ def test_unusable_urls_are_one_line_errors_naming_the_url_and_the_fix(url, words
     assert result.exit_code == 1 and result.output.count("\n") == 1 and result.output.startswith("error: --db")
 
 
-def test_a_damaged_file_is_a_one_line_error(tmp_path):
-    path = tmp_path / "results.db"
+def _damaged(path: Path, first_page: int = 1) -> str:
+    """A filled database whose pages from `first_page` on (page 0 holds the schema) are garbage."""
     url = _filled(path)
     with Store(url) as s:  # checkpoint the WAL into the file, so that the damage below is what SQLite reads
         with s.session_scope() as session:
             session.connection().exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
     data = bytearray(path.read_bytes())
     page = 4096
-    for start in range(page, len(data), page):  # every page but the first (the schema) gets garbage
+    for start in range(first_page * page, len(data), page):
         data[start:start + page] = bytes([0xA5]) * page
     path.write_bytes(bytes(data))
+    return url
+
+
+@pytest.mark.parametrize("first_page", [1, 3])
+def test_report_on_a_damaged_file_is_one_error_line(tmp_path, first_page):
+    """`normtune report` on a damaged database: the store's StoreError becomes one `error:` line, exit code 1."""
+    url = _damaged(tmp_path / "results.db", first_page)
+    result = CliRunner().invoke(app, ["report", "--gpu", "h100", "--db", url, "--out", str(tmp_path / "report")])
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: --db {url}"), lines
+    assert "malformed" in lines[0] and "restore" in lines[0] and "Traceback" not in result.output
+
+
+def test_a_damaged_file_is_a_one_line_error(tmp_path):
+    path = tmp_path / "results.db"
+    url = _damaged(path)
     with pytest.raises(StoreError) as err:
         with Store(url, read_only=True) as s:
             s.measurements()

@@ -89,6 +89,19 @@ def test_study_names_are_deterministic(monkeypatch):
     assert space_tag(RMS_A) != tag and study_name("h100", RMS_A) != f"normtune:h100:{RMS_A.key}:space-{tag}"
 
 
+def test_worker_options_travel_to_a_spawned_worker_unchanged():
+    """A multi-GPU worker gets its options as plain data: problems and the timing preset come back as values."""
+    from normtune.tuner.measure import Timing
+    from normtune.tuner.sweep.launcher import options_from_dict, options_to_dict, worker_options
+    from normtune.tuner.sweep.options import SweepOptions
+
+    opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 64, 512)], trials=5,
+                        timing=Timing(min_reps=7, max_reps=9, budget_s=0.1))
+    for worker in worker_options(opts, [0, 1]):
+        back = options_from_dict(options_to_dict(worker))
+        assert back == worker and isinstance(back.timing, Timing) and back.timing.min_reps == 7
+
+
 def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     url = sqlite_url(tmp_path)
     summary_path = tmp_path / "summary.json"
@@ -98,10 +111,10 @@ def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     with Store(url) as store:
         (run,) = store.runs()
         assert (run.kind, run.status, run.gpu_key, run.interpret) == ("sweep", "finished", "interpret", True)
-        assert run.gpu_name == "cpu (triton interpreter)" and run.sm_count == INTERPRET_SM_COUNT
-        assert (run.torch, run.triton) == (torch.__version__, triton.__version__)
-        assert (run.host, run.python) == (socket.gethostname(), platform.python_version())
-        assert run.normtune_version == metadata.version("normtune")
+        assert run.gpu_name == "cpu (triton interpreter)" and run.device.sm_count == INTERPRET_SM_COUNT
+        assert (run.device.torch, run.device.triton) == (torch.__version__, triton.__version__)
+        assert (run.device.host, run.device.python) == (socket.gethostname(), platform.python_version())
+        assert run.device.normtune == metadata.version("normtune")
         assert run.command_line and run.ended_at is not None and run.ended_at >= run.started_at
         for problem, name in zip((RMS_A, RMS_B), names(RMS_A, RMS_B)):
             rows = store.measurements(study_name=name)
@@ -146,7 +159,7 @@ def test_subprocess_sweep_rerun_adds_only_the_difference(tmp_path):
         runs = store.runs()
     assert [(r.kind, r.status, r.interpret, r.gpu_key) for r in runs] == [("sweep", "finished", True, "interpret")] * 2
     assert "sweep --interpret" in runs[0].command_line and "--trials 3" in runs[0].command_line
-    assert "--trials 5" in runs[1].command_line and runs[1].host == socket.gethostname()
+    assert "--trials 5" in runs[1].command_line and runs[1].device.host == socket.gethostname()
     new = after[6:]
     assert sorted((r["study_name"], r["trial_number"]) for r in new) == sorted(
         (name, n) for name in names(RMS_A, RMS_B) for n in (3, 4)), "the re-run measured more than the difference"

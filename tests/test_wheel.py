@@ -50,19 +50,19 @@ def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("normtune/configs/h100.json", "normtune/configs/h200.json", "normtune/configs/__init__.py",
                      "normtune/cli.py", "normtune/kernels/__init__.py", "normtune/kernels/tables.py",
-                     "normtune/tuner/__init__.py", "normtune/tuner/store.py"):
+                     "normtune/tuner/__init__.py", "normtune/tuner/store.py", "normtune/commands/common.py"):
         assert required in names, required
     dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
     assert len(dist_info) == 1
     tops = {n.split("/")[0] for n in names} - dist_info
     assert tops == {"normtune"}, f"top-level entries besides normtune: {sorted(tops - {'normtune'})}"
-    # Nothing but the runtime, the tuner, the CLI and the tables: no tests, databases or docs inside normtune.
+    # Nothing but the runtime, the tuner, the CLI (and its commands) and the tables: no tests, databases or docs.
     subpackages = {n.split("/")[1] for n in names if n.startswith("normtune/") and n.count("/") >= 2}
-    assert subpackages == {"kernels", "tuner", "configs"}
+    assert subpackages == {"kernels", "tuner", "commands", "configs"}
     assert {n for n in names if n.startswith("normtune/") and n.count("/") == 1} == {"normtune/cli.py"}
     assert not [n for n in names if n.endswith((".db", ".png", ".md")) or "/tests/" in n or "/docs/" in n]
     # Every module of the source tree is in the wheel.
-    for pkg in ("kernels", "tuner", "configs"):
+    for pkg in ("kernels", "tuner", "commands", "configs"):
         for module in (ROOT / pkg).glob("*.py"):
             assert f"normtune/{pkg}/{module.name}" in names
 

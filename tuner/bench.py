@@ -14,10 +14,10 @@ Rows are plain dicts (one per problem x implementation) so writers and the store
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -53,6 +53,8 @@ class BenchOptions:
 class BenchReport:
     provenance: dict
     rows: list[dict] = field(default_factory=list)
+    started_at: dt.datetime | None = None  # aware; when the bench began (before the device setup)
+    finished_at: dt.datetime | None = None  # after its last measurement
 
 
 def problem_for(norm: str, M: int, N: int, dtype: str, weight_dtype: str | None) -> Problem:
@@ -102,6 +104,7 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
               progress: Callable[[str, dict | None], None] | None = None) -> BenchReport:
     """Run every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
     say = progress or (lambda msg, row=None: None)
+    started_at = dt.datetime.now(dt.timezone.utc)
     config_spec = parse_config_option(opts.config) if isinstance(opts.config, str) else opts.config
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
     peers = {}
@@ -116,10 +119,10 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
     provenance = {
         "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
         "weight_dtype": opts.weight_dtype or opts.dtype, "config": opts.config if isinstance(opts.config, str)
-        else opts.config.to_json(), "interpret": info.interpret, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        else opts.config.to_json(), "interpret": info.interpret, "started": _local_time(started_at),
         "peer_descriptions": {n: (p.description if hasattr(p, "description") else None) for n, p in peers.items()},
     }
-    report = BenchReport(provenance)
+    report = BenchReport(provenance, started_at=started_at)
     for norm in opts.norms:
         for M, N in opts.shapes:
             problem = problem_for(norm, M, N, opts.dtype, opts.weight_dtype)
@@ -147,8 +150,13 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
             del case, ref
             if session.on_gpu:
                 torch.cuda.empty_cache()
-    report.provenance["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    report.finished_at = dt.datetime.now(dt.timezone.utc)
+    report.provenance["finished"] = _local_time(report.finished_at)
     return report
+
+
+def _local_time(at: dt.datetime) -> str:
+    return at.astimezone().strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chosen: str, row: dict) -> dict:
@@ -259,12 +267,13 @@ def to_json(report: BenchReport) -> str:
 
 def store_report(store, report: BenchReport, info: DeviceInfo) -> int:
     """Record a bench run: normtune's rows as measurements (source "bench-<config source>"), peers as peer
-    results."""
+    results. The run row spans the bench: it starts when the bench began and ends once its rows are stored."""
     from .device import command_line
     from .results import MeasureResult
 
     run_id = store.start_run(info, kind="bench", command_line=command_line(),
-                             copy_bandwidth_gbps=report.provenance.get("copy_bandwidth_gbps"))
+                             copy_bandwidth_gbps=report.provenance.get("copy_bandwidth_gbps"),
+                             started_at=report.started_at)
     for r in report.rows:
         problem = problem_for(r["norm"], r["M"], r["N"], r["dtype"], r["weight_dtype"])
         if r["impl"] == OURS:

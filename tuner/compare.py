@@ -1,8 +1,8 @@
 """Configs timed head to head, and `normtune compare OLD.json NEW.json`: the regression gate for tables.
 
-Head to head means the same process, the same inputs, cold L2 (as `measure` times everything), interleaved:
-each round times every candidate once, in an order rotated from round to round, so that clock drift and
-thermal state fall on all of them alike. A candidate's time is its rounds pooled (`spread.Timing`).
+Head to head means the same process, the same inputs, cold L2 (one `measure.MeasureSession` times every
+candidate), interleaved: each round times every candidate once, in an order rotated from round to round, so that
+clock drift and thermal state fall on all of them alike. A candidate's time is its rounds pooled (`spread.Timing`).
 
 `compare` resolves each shape's config as the runtime would with each table (its rule, adapted; the analytic
 default where no rule applies), times OLD and NEW head to head and fails a shape where NEW is slower than OLD
@@ -12,52 +12,21 @@ by more than the threshold *and* beyond the measured spread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from .render import MISSING, geomean, interval, markdown_table, num
 from .spread import Ratio, Timing, slower_beyond_spread
 
+if TYPE_CHECKING:  # the session (torch) is made by the caller
+    from .measure import MeasureSession
+
 ROUNDS = 5  # interleaved rounds per head-to-head (each round is itself a median over cold-L2 repetitions)
 THRESHOLD = 0.03  # compare: NEW may be up to 3 % slower than OLD before the gate fails
 
-# Repetitions per measurement: on a GPU like a validation sweep's trial; in the interpreter the figures only
-# need to exist (host wall-clock, not GPU time).
-GPU_TIMING = dict(min_reps=20, max_reps=100, budget_s=0.25)
-INTERPRET_TIMING = dict(warmup=0, min_reps=1, max_reps=2, budget_s=0.0)
 
-
-class Stopwatch:
-    """The device side of a head-to-head, set up once: the copy bandwidth (stored with the run, for the memory
-    floor), the L2 flush buffer, the timing preset, and one problem's inputs and reference at a time.
-    The interpreter (CPU) has no bandwidth and no flush, and its times are host wall-clock."""
-
-    def __init__(self, info):
-        import torch
-
-        from . import measure
-
-        self._measure = measure
-        self.interpret = info.interpret
-        self.device = torch.device("cpu" if info.interpret else "cuda")
-        self.bandwidth_gbps = None if info.interpret else measure.copy_bandwidth(self.device)
-        self.flusher = None if info.interpret else measure.L2Flusher(self.device, info.l2_bytes)
-        self.timing = INTERPRET_TIMING if info.interpret else GPU_TIMING
-        self._case = self._reference = None
-
-    def measure(self, problem: Problem, config: BackwardConfig):
-        """A `measure.MeasureResult` of `config` on `problem` (inputs and reference reused per problem)."""
-        if self._case is None or self._case.problem != problem:
-            self._case = self._reference = None
-            self._case = self._measure.make_case(problem, self.device)
-            self._reference = self._case.reference()
-        bandwidth = self.bandwidth_gbps if self.bandwidth_gbps else float("nan")
-        return self._measure.measure_config(self._case, config, flusher=self.flusher, bandwidth_gbps=bandwidth,
-                                            reference_grads=self._reference, **self.timing)
-
-
-def head_to_head(stopwatch: Stopwatch, problem: Problem, configs: dict[str, BackwardConfig], *,
+def head_to_head(session: MeasureSession, problem: Problem, configs: dict[str, BackwardConfig], *,
                  rounds: int = ROUNDS, on_result: Callable | None = None) -> dict[str, Timing | None]:
     """Each named config's pooled time over `rounds` interleaved rounds (None: it never ran correctly).
     `on_result(name, config, result)` sees every measurement (validate stores them)."""
@@ -65,7 +34,7 @@ def head_to_head(stopwatch: Stopwatch, problem: Problem, configs: dict[str, Back
     results: dict[str, list] = {name: [] for name in names}
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            result = stopwatch.measure(problem, configs[name])
+            result = session.measure_problem(problem, configs[name])
             results[name].append(result)
             if on_result is not None:
                 on_result(name, configs[name], result)
@@ -108,14 +77,14 @@ class Comparison:
         return self.verdict(threshold) in ("SLOWER", "NEW failed")
 
 
-def compare_tables(old, new, problems: list[Problem], stopwatch: Stopwatch, *, rounds: int = ROUNDS,
+def compare_tables(old, new, problems: list[Problem], session: MeasureSession, *, rounds: int = ROUNDS,
                    progress: Callable[[int, Comparison], None] | None = None) -> list[Comparison]:
     """One `Comparison` per problem; shapes where both tables pick the same config are not timed."""
     out = []
     for i, problem in enumerate(problems):
         row = Comparison(problem, config_for(old, problem), config_for(new, problem))
         if not row.same_config:
-            times = head_to_head(stopwatch, problem, {"old": row.old_config, "new": row.new_config}, rounds=rounds)
+            times = head_to_head(session, problem, {"old": row.old_config, "new": row.new_config}, rounds=rounds)
             row.old, row.new = times["old"], times["new"]
         out.append(row)
         if progress is not None:

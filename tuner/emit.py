@@ -106,7 +106,7 @@ def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Se
     else:
         runs = [r for r in runs if r.kind in selection.kinds]
     if selection.git_revisions is not None:
-        runs = [r for r in runs if r.git_revision and r.git_revision.startswith(tuple(selection.git_revisions))]
+        runs = [r for r in runs if r.device.git_revision and r.device.git_revision.startswith(tuple(selection.git_revisions))]
     run_ids = {r.id for r in runs}
     measurements = [m for m in store.measurements(gpu_key=gpu_key, status="ok", interpret=interpret)
                     if m.run_id in run_ids and m.median_us and m.median_us > 0
@@ -285,7 +285,7 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     families = {}
     n_measured = 0
     for family, data in sorted(collect(inputs).items(), key=lambda kv: kv[0].key):
-        fitted = fit_family(family, data, default_in(data, latest.sm_count))
+        fitted = fit_family(family, data, default_in(data, latest.device.sm_count))
         n_measured += sum(len(v) for v in data.values())
         families[family.key] = {
             "rules": fitted.rules,
@@ -299,14 +299,14 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     table = {
         "schema_version": SCHEMA_VERSION,
         "interpret": interpret,
-        "gpu": {"name": latest.gpu_name, "key": gpu_key, "compute_capability": latest.compute_capability,
-                "sm_count": latest.sm_count},
+        "gpu": {"name": latest.gpu_name, "key": gpu_key, "compute_capability": latest.device.compute_capability,
+                "sm_count": latest.device.sm_count},
         "provenance": {
             "runs": [r.id for r in runs], "measurements": len(inputs.measurements),
-            "fingerprint": inputs.fingerprint, "torch": sorted({r.torch for r in runs}),
-            "triton": sorted({r.triton for r in runs}), "normtune": sorted({r.normtune_version for r in runs}),
-            "git_revision": sorted({r.git_revision for r in runs if r.git_revision}),
-            "driver": sorted({r.driver for r in runs if r.driver}),
+            "fingerprint": inputs.fingerprint, "torch": sorted({r.device.torch for r in runs}),
+            "triton": sorted({r.device.triton for r in runs}), "normtune": sorted({r.device.normtune for r in runs}),
+            "git_revision": sorted({r.device.git_revision for r in runs if r.device.git_revision}),
+            "driver": sorted({r.device.driver for r in runs if r.device.driver}),
             "date": max(r.ended_at or r.started_at for r in runs).strftime("%Y-%m-%d"),
             "configs_measured": n_measured,
             "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS,
@@ -346,17 +346,17 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
                          progress=None) -> tuple[int, int]:
     """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
     the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
-    from .compare import Stopwatch
+    from .measure import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
-    stopwatch = Stopwatch(info)
+    session = MeasureSession.for_device(info, timing=TIMING["remeasure"])
     run_id = store.start_run(info, kind="emit", command_line=command_line,
-                             copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
+                             copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
     count = 0
     try:
         for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
             for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
-                r = stopwatch.measure(p, c)
+                r = session.measure_problem(p, c)
                 store.add_measurement(run_id, p, c, r, source="neighbor")
                 count += 1
                 if progress:

@@ -62,6 +62,7 @@ TIMING = {
     "sweep": Timing(max_reps=100, budget_s=0.2),
     "bench": Timing(budget_s=0.5),
     "validate": Timing(max_reps=100, budget_s=0.25),
+    "compare": Timing(max_reps=100, budget_s=0.25),
     "remeasure": Timing(max_reps=100, budget_s=0.2),
     "interpret": Timing(warmup=0, min_reps=1, max_reps=2, budget_s=0.0, profile_reps=0, host_calls=1,
                         host_reps=1),
@@ -258,6 +259,7 @@ class MeasureSession:
         session = MeasureSession.for_device(info, timing=TIMING["bench"])
         case = session.case(problem)
         result = session.measure(case, config)            # GPU time (host hidden) + kernel_1/kernel_2 split
+        result = session.measure_problem(problem, config) # the same, inputs and reference kept per problem
         kernels = session.kernel_times(launch.run)        # kernel-sum view (profiler), {} on CPU
         host = session.host_us(fn)                        # host µs per call
     """
@@ -270,11 +272,14 @@ class MeasureSession:
         self.timing = TIMING["interpret"] if not self.on_gpu else (timing or TIMING["sweep"])
         if not self.on_gpu:
             self.bandwidth_gbps, self.flusher, self.cycles_per_us = math.nan, None, math.nan
+            self._case, self._reference = None, None
             return
         self.bandwidth_gbps = bandwidth_gbps if bandwidth_gbps is not None else \
             copy_bandwidth(self.device, nbytes=bandwidth_bytes)
         self.flusher = L2Flusher(self.device, l2_bytes) if cold else None
         self.cycles_per_us = calibrate_spin(self.device)
+        self._case: Case | None = None
+        self._reference = None
 
     @classmethod
     def for_device(cls, info, device_index: int | None = None, **kwargs) -> "MeasureSession":
@@ -309,6 +314,22 @@ class MeasureSession:
                               max_reps=t.max_reps, budget_s=t.budget_s, check=check,
                               spin_cycles=self.spin_cycles or SPIN_CYCLES)
 
+    def measure_problem(self, problem: Problem, config: BackwardConfig) -> MeasureResult:
+        """`measure` on `problem`'s inputs and float64 reference, made once and reused while the problem stays
+        the same (a sweep's trials, a head-to-head's rounds); the previous problem's tensors are freed first."""
+        if self._case is None or self._case.problem != problem:
+            self._case = self._reference = None
+            if self.on_gpu:
+                torch.cuda.empty_cache()
+            self._case = self.case(problem)
+            self._reference = self._case.reference()
+        return self.measure(self._case, config, reference_grads=self._reference)
+
+    @property
+    def recorded_bandwidth_gbps(self) -> float | None:
+        """The copy bandwidth as a run records it: None where there is none (the interpreter)."""
+        return self.bandwidth_gbps if math.isfinite(self.bandwidth_gbps) else None
+
     def host_us(self, fn: Callable[[], object], *, calls: int | None = None) -> float:
         """Host µs per call of `fn` (see `views.host_us_per_call`)."""
         t = self.timing
@@ -336,7 +357,7 @@ class MeasureSession:
 
     def provenance(self) -> dict:
         """How this session measures, for a report's provenance."""
-        return {"copy_bandwidth_gbps": self.bandwidth_gbps if math.isfinite(self.bandwidth_gbps) else None,
+        return {"copy_bandwidth_gbps": self.recorded_bandwidth_gbps,
                 "cold_l2": self.flusher is not None, "flush_bytes": self.flusher.nbytes if self.flusher else 0,
                 "spin_cycles": self.spin_cycles,
                 "cycles_per_us": self.cycles_per_us if math.isfinite(self.cycles_per_us) else None,

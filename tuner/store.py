@@ -20,6 +20,7 @@ database holding somebody else's tables is refused untouched. `Store(url, read_o
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
@@ -30,13 +31,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import STATUSES, MeasureResult
+from normtune.tuner.results import STATUSES, MeasureResult
 
 from . import store_schema
-from .store_models import (_DEVICE_FIELDS, _FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RUN_STATUSES, SCHEMA_VERSION,
+from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, PeerRecord, PeerResultModel, ProblemModel,
                            RunModel, RunRecord, SchemaVersionError, StoreError, StoreIntegrityError, _check_choice,
-                           _config_hash, _figure, _measurement_record, _now, _peer_record, _problem, _run_record)
+                           _config_hash, _figure, _measurement_record, _now, _peer_record, _problem, _run_record,
+                           device_columns)
 from .store_schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
 from .store_workers import WorkerCoordination
 
@@ -113,10 +115,11 @@ class Store(WorkerCoordination):
     # ------------------------------------------------------------------------------------------------ writes
 
     def start_run(self, info: DeviceInfo, *, kind: str, command_line: str,
-                  copy_bandwidth_gbps: float | None = None) -> int:
-        row = RunModel(kind=kind, gpu_name=info.name, gpu_key=info.key, normtune_version=info.normtune,
-                       command_line=command_line, copy_bandwidth_gbps=_figure(copy_bandwidth_gbps),
-                       started_at=_now(), status="running", **{f: getattr(info, f) for f in _DEVICE_FIELDS})
+                  copy_bandwidth_gbps: float | None = None, started_at: dt.datetime | None = None) -> int:
+        """A new run, `running` until `end_run`. `started_at` (aware) records a run stored after it ran (bench)
+        with the time it really began; default: now."""
+        row = RunModel(kind=kind, command_line=command_line, copy_bandwidth_gbps=_figure(copy_bandwidth_gbps),
+                       started_at=_now(started_at), status="running", **device_columns(info))
         with self.session_scope() as session:
             session.add(row)
             session.flush()

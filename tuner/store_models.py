@@ -19,7 +19,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import STATUSES, MeasureResult
+from normtune.tuner.results import STATUSES, MeasureResult
 
 # 2: runs may end "dead" (a worker whose heartbeat stopped), and sweep workers record heartbeats and trial claims.
 # 3: the kernel family v2 knobs (k1_row_split, k1_strategy, k2_fused), with their values for older rows.
@@ -115,13 +115,25 @@ class ProblemModel(Base):
     save: Mapped[str] = mapped_column(String(16))
 
 
-class MeasurementModel(Base):
-    __tablename__ = "normtune_measurements"
-    # One Optuna trial is stored at most once; rows without a trial (NULLs) never collide.
-    __table_args__ = (UniqueConstraint("study_name", "trial_number"), Index(None, "problem_id", "status"))
+class _TimedRowColumns:
+    """The columns a measurement of normtune's kernels and a peer's result share: which run timed which problem,
+    the timing figures (µs), and the error of a failure. Each table adds its own status enum and details."""
+
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
     problem_id: Mapped[int] = mapped_column(ForeignKey("normtune_problems.id"), index=True)
+    error: Mapped[str | None] = mapped_column(Text)
+    median_us: Mapped[float | None] = mapped_column(Float)
+    p10_us: Mapped[float | None] = mapped_column(Float)
+    p90_us: Mapped[float | None] = mapped_column(Float)
+    reps: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime)
+
+
+class MeasurementModel(_TimedRowColumns, Base):
+    __tablename__ = "normtune_measurements"
+    # One Optuna trial is stored at most once; rows without a trial (NULLs) never collide.
+    __table_args__ = (UniqueConstraint("study_name", "trial_number"), Index(None, "problem_id", "status"))
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(40), index=True)
     k1_block_row: Mapped[int] = mapped_column(Integer, index=True)
@@ -142,11 +154,6 @@ class MeasurementModel(Base):
     k2_pdl: Mapped[bool] = mapped_column(Boolean, index=True)
     k2_fused: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
     status: Mapped[str] = mapped_column(_enum("measurement_status", STATUSES))
-    error: Mapped[str | None] = mapped_column(Text)
-    median_us: Mapped[float | None] = mapped_column(Float)
-    p10_us: Mapped[float | None] = mapped_column(Float)
-    p90_us: Mapped[float | None] = mapped_column(Float)
-    reps: Mapped[int] = mapped_column(Integer)
     kernel_1_us: Mapped[float | None] = mapped_column(Float)
     kernel_2_us: Mapped[float | None] = mapped_column(Float)
     compile_s: Mapped[float | None] = mapped_column(Float)
@@ -160,24 +167,14 @@ class MeasurementModel(Base):
     source: Mapped[str] = mapped_column(String(64), index=True)
     study_name: Mapped[str | None] = mapped_column(String(512))
     trial_number: Mapped[int | None] = mapped_column(Integer)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime)
 
 
-class PeerResultModel(Base):
+class PeerResultModel(_TimedRowColumns, Base):
     __tablename__ = "normtune_peer_results"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), index=True)
-    problem_id: Mapped[int] = mapped_column(ForeignKey("normtune_problems.id"), index=True)
     peer: Mapped[str] = mapped_column(String(64), index=True)
     status: Mapped[str] = mapped_column(_enum("peer_status", PEER_STATUSES))
-    error: Mapped[str | None] = mapped_column(Text)
-    median_us: Mapped[float | None] = mapped_column(Float)
-    p10_us: Mapped[float | None] = mapped_column(Float)
-    p90_us: Mapped[float | None] = mapped_column(Float)
-    reps: Mapped[int] = mapped_column(Integer)
     kernels_json: Mapped[str] = mapped_column(Text)  # per-kernel breakdown {kernel name: µs}
     note: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[dt.datetime] = mapped_column(DateTime)
 
 
 
@@ -213,51 +210,64 @@ class TrialClaimModel(Base):
 # --------------------------------------------------------------------------------------------------- records
 
 
+# Run columns named after what they hold; the other DeviceInfo fields are columns of the same name.
+_DEVICE_COLUMNS = {f.name: {"name": "gpu_name", "key": "gpu_key", "normtune": "normtune_version"}.get(f.name, f.name)
+                   for f in dataclasses.fields(DeviceInfo)}
+
+
+def device_columns(info: DeviceInfo) -> dict:
+    """A run row's device columns from the `DeviceInfo` it is recorded from."""
+    return {column: getattr(info, field) for field, column in _DEVICE_COLUMNS.items()}
+
+
 @dataclass(frozen=True)
 class RunRecord:
+    """A stored run: what it was (kind, command), on which device (as recorded), when, and how it ended."""
+
     id: int
     kind: str
-    gpu_name: str
-    gpu_key: str
-    compute_capability: str | None
-    sm_count: int
-    l2_bytes: int
-    memory_bytes: int
-    driver: str | None
-    cuda: str | None
-    torch: str
-    triton: str
-    normtune_version: str
-    git_revision: str | None
-    host: str
-    python: str
+    device: DeviceInfo
     command_line: str
-    interpret: bool
     copy_bandwidth_gbps: float | None
     started_at: dt.datetime
     ended_at: dt.datetime | None
     status: str
 
     @property
-    def device(self) -> DeviceInfo:
-        """The provenance as the `DeviceInfo` it was recorded from."""
-        return DeviceInfo(name=self.gpu_name, key=self.gpu_key, normtune=self.normtune_version,
-                          **{f: getattr(self, f) for f in _DEVICE_FIELDS})
+    def gpu_key(self) -> str:
+        return self.device.key
+
+    @property
+    def gpu_name(self) -> str:
+        return self.device.name
+
+    @property
+    def interpret(self) -> bool:
+        return self.device.interpret
 
 
 @dataclass(frozen=True)
-class MeasurementRecord:
+class _TimedRecord:
+    """What a stored measurement and a stored peer result share (see `_TimedRowColumns`)."""
+
     id: int
     run_id: int
     problem: Problem
-    config: BackwardConfig
-    config_hash: str
     status: str
     error: str | None
     median_us: float | None
     p10_us: float | None
     p90_us: float | None
     reps: int
+    created_at: dt.datetime
+    gpu_key: str  # of the run that measured it
+    gpu_name: str
+
+
+@dataclass(frozen=True)
+class MeasurementRecord(_TimedRecord):
+    config: BackwardConfig
+    config_hash: str
     kernel_1_us: float | None
     kernel_2_us: float | None
     compile_s: float | None
@@ -271,42 +281,26 @@ class MeasurementRecord:
     source: str
     study_name: str | None
     trial_number: int | None
-    created_at: dt.datetime
-    gpu_key: str  # of the run that measured it
-    gpu_name: str
 
     def to_result(self) -> MeasureResult:
         return MeasureResult(**{f.name: getattr(self, f.name) for f in dataclasses.fields(MeasureResult)})
 
 
 @dataclass(frozen=True)
-class PeerRecord:
-    id: int
-    run_id: int
-    problem: Problem
+class PeerRecord(_TimedRecord):
     peer: str
-    status: str
-    error: str | None
-    median_us: float | None
-    p10_us: float | None
-    p90_us: float | None
-    reps: int
     kernels: dict[str, float]
     note: str | None
-    created_at: dt.datetime
-    gpu_key: str
-    gpu_name: str
 
 
-_DEVICE_FIELDS = ("compute_capability", "sm_count", "l2_bytes", "memory_bytes", "driver", "cuda", "torch",
-                  "triton", "git_revision", "host", "python", "interpret")
 _FIGURES = ("median_us", "p10_us", "p90_us", "kernel_1_us", "kernel_2_us", "compile_s", "gbps", "floor_us",
             "floor_fraction")
 
 
-def _now() -> dt.datetime:
-    # Stored naive in UTC (SQLite has no time zones); records carry the zone again.
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+def _now(at: dt.datetime | None = None) -> dt.datetime:
+    """`at` (an aware time; default: now) as stored: naive in UTC (SQLite has no time zones); records carry the
+    zone again."""
+    return (at or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc).replace(tzinfo=None)
 
 
 def _utc(value: dt.datetime | None) -> dt.datetime | None:
@@ -333,8 +327,10 @@ def _problem(row: ProblemModel) -> Problem:
 
 
 def _run_record(row: RunModel) -> RunRecord:
-    values = {f.name: getattr(row, f.name) for f in dataclasses.fields(RunRecord)}
-    return RunRecord(**values | {"started_at": _utc(row.started_at), "ended_at": _utc(row.ended_at)})
+    device = DeviceInfo(**{field: getattr(row, column) for field, column in _DEVICE_COLUMNS.items()})
+    return RunRecord(id=row.id, kind=row.kind, device=device, command_line=row.command_line,
+                     copy_bandwidth_gbps=row.copy_bandwidth_gbps, started_at=_utc(row.started_at),
+                     ended_at=_utc(row.ended_at), status=row.status)
 
 
 def _measurement_record(row: MeasurementModel, problem: ProblemModel, run: RunModel) -> MeasurementRecord:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
-from .compare import ROUNDS, Stopwatch, config_for, head_to_head
+from .compare import ROUNDS, config_for, head_to_head
 from .device import DeviceInfo
 from .device import command_line as device_command_line
 from .render import geomean
@@ -101,9 +101,11 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
     receives the sweep's events and ("validated", {"index", "total", "row"})."""
     reference = reference_sweep(store, info, gpu_key, problems, trials=trials, storage_url=storage_url,
                                 compile_workers=compile_workers, progress=progress)
-    stopwatch = Stopwatch(info)
+    from .measure import TIMING, MeasureSession
+
+    session = MeasureSession.for_device(info, timing=TIMING["validate"])
     run_id = store.start_run(info, kind="validate", command_line=command_line or device_command_line(),
-                             copy_bandwidth_gbps=stopwatch.bandwidth_gbps)
+                             copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
     rows = []
     try:
         for i, p in enumerate(problems):
@@ -114,7 +116,7 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
             def store_result(name, config, result, p=p):
                 store.add_measurement(run_id, p, config, result, source=f"validate-{name}")
 
-            times = head_to_head(stopwatch, p, timed, rounds=rounds, on_result=store_result)
+            times = head_to_head(session, p, timed, rounds=rounds, on_result=store_result)
             row = ValidationRow(p, configs, {k: times.get(k) for k in CANDIDATES}, measured)
             rows.append(row)
             if progress:

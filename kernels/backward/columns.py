@@ -10,7 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import effective_weight, grad_input, load_rows, normalized, scaled_normalized, store_rows
+from .common import (effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
+                     store_rows)
 
 
 @triton.jit
@@ -31,9 +32,7 @@ def row_sums(
         g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS, FROM_OUTPUT,
                                 "evict_last", INT64)
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-        b = tl.zeros((BLOCK_COL,), tl.float32)
-        if FROM_OUTPUT and HAS_BIAS:
-            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
         g = g.to(tl.float32)
         s = s.to(tl.float32)
         xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
@@ -56,9 +55,7 @@ def kernel_1_columns(
     cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-    b = tl.zeros((BLOCK_COL,), tl.float32)
-    if FROM_OUTPUT and HAS_BIAS:
-        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
     acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     rr = tl.arange(0, BLOCK_ROW)

@@ -72,6 +72,17 @@ def effective_weight(W, cols, mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.
 
 
 @triton.jit
+def recovery_bias(B, cols, mask, FROM_OUTPUT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """b (fp32) for the given columns where x̂ is recovered from the saved output (x̂ = (y − b)/w); zeros where
+    it is not needed (saved input, or no bias)."""
+    if FROM_OUTPUT and HAS_BIAS:
+        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        b = tl.zeros(cols.shape, tl.float32)
+    return b
+
+
+@triton.jit
 def normalized(s, w, b, r, mu, IS_RMS: tl.constexpr, FROM_OUTPUT: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, RECOVER_LIMIT: tl.constexpr):
     """x̂ from the saved activation s: the input x, or the output y when FROM_OUTPUT. From y, x̂ = (y − b)/w is

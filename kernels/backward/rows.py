@@ -20,6 +20,7 @@ from .common import (
     load_rows,
     load_weight_raw,
     normalized,
+    recovery_bias,
     scaled_normalized,
     store_rows,
     weight_from_raw,
@@ -87,9 +88,7 @@ def kernel_1_single_pass(
     col_mask = (cols < N) & (local < SLICE)
     if not RELOAD_WEIGHT:
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
-    b = tl.zeros((BLOCK_COL,), tl.float32)
-    if FROM_OUTPUT and HAS_BIAS:
-        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
     # dw/db accumulate as whole tiles and are summed over rows once at the end: no cross-warp reduction per tile.
     acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)

@@ -87,9 +87,9 @@ def summarize_problems(data: ReportData) -> list[ProblemSummary]:
         default_us = gbps = floor = None
         if best is not None:
             run = data.run(best.run_id)
-            defaults = [m.median_us for m in ok if m.run_id == best.run_id and is_default(m, run.sm_count)]
+            defaults = [m.median_us for m in ok if m.run_id == best.run_id and is_default(m, run.device.sm_count)]
             default_us = statistics.median(defaults) if defaults else None
-            gbps, floor = _gbps(best, run.sm_count), run_floor_us(problem, run)
+            gbps, floor = _gbps(best, run.device.sm_count), run_floor_us(problem, run)
         failures = dict(sorted(Counter(m.status for m in rows if m.status != "ok").items()))
         out.append(ProblemSummary(problem, best, gbps, floor, default_us, len(rows), failures))
     return out
@@ -151,7 +151,7 @@ def validation_rows(store, run: RunRecord | None) -> list[ValidationRow]:
     for row in rows:
         timed = next((m for m in measurements if m.problem == row.problem and m.config == row.configs["default"]),
                      None)
-        if timed is not None and not is_default(timed, run.sm_count):
+        if timed is not None and not is_default(timed, run.device.sm_count):
             row.times["default"] = row.configs["default"] = None
     return rows
 

@@ -47,18 +47,18 @@ def provenance_section(data: ReportData) -> list[str]:
     runs = data.runs
 
     def distinct(field):
-        values = list(dict.fromkeys(str(getattr(r, field)) for r in runs if getattr(r, field) is not None))
+        values = list(dict.fromkeys(str(getattr(r.device, field)) for r in runs if getattr(r.device, field) is not None))
         return ", ".join(values) if values else "unrecorded"
 
     rows = [[str(r.id), r.kind, f"{r.started_at:%Y-%m-%d %H:%M}",
              num((r.ended_at - r.started_at).total_seconds() / 60) if r.ended_at else MISSING, r.status,
-             r.git_revision or "unrecorded", num(r.copy_bandwidth_gbps, 0) if r.copy_bandwidth_gbps else "not stored",
+             r.device.git_revision or "unrecorded", num(r.copy_bandwidth_gbps, 0) if r.copy_bandwidth_gbps else "not stored",
              f"`{_command(r.command_line)}`"] for r in runs]
     return (["## Provenance", "",
-             f"- GPU: {distinct('gpu_name')}, compute capability {distinct('compute_capability')}, "
-             f"{distinct('sm_count')} SMs, L2 {runs[-1].l2_bytes / 2**20:.0f} MiB; driver {distinct('driver')}, "
+             f"- GPU: {distinct('name')}, compute capability {distinct('compute_capability')}, "
+             f"{distinct('sm_count')} SMs, L2 {runs[-1].device.l2_bytes / 2**20:.0f} MiB; driver {distinct('driver')}, "
              f"CUDA {distinct('cuda')}",
-             f"- torch {distinct('torch')}; triton {distinct('triton')}; normtune {distinct('normtune_version')}; "
+             f"- torch {distinct('torch')}; triton {distinct('triton')}; normtune {distinct('normtune')}; "
              f"git revisions {distinct('git_revision')}",
              f"- copy bandwidth behind the memory floor, as stored with each run: {_bandwidths(data)}",
              f"- runs: {len(runs)}; measurements: {len(data.measurements)}", ""]
@@ -210,7 +210,7 @@ def validation_section(data: ReportData, rows, pictures: plots.Pictures) -> list
                  "validate: not an independent reference)" if legacy else
                  "the best config of an unseeded sweep")
     over = sum(r.regret.value > REGRET_LIMIT for r in rated)
-    lines += [f"Validation run {run.id} ({run.started_at:%Y-%m-%d}, git {run.git_revision or 'unrecorded'}): the "
+    lines += [f"Validation run {run.id} ({run.started_at:%Y-%m-%d}, git {run.device.git_revision or 'unrecorded'}): the "
               f"table's config, the reference ({reference}) and the analytic default, timed head to head in "
               "interleaved rounds (default: – where the run timed an older default than today's). Regret = table ÷ the fastest of the three, bounds from the p10–p90 "
               "spreads.", ""] + validation_table(rows)
@@ -231,7 +231,7 @@ def peers_section(data: ReportData, rows: list[dict], pictures: plots.Pictures) 
     if run is None:
         return lines + ["No bench run for this GPU: run `normtune bench --peers all` to compare with the peers.", ""]
     peers = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != OURS]
-    lines += [f"Bench run {run.id} ({run.started_at:%Y-%m-%d}, git {run.git_revision or 'unrecorded'}, command "
+    lines += [f"Bench run {run.id} ({run.started_at:%Y-%m-%d}, git {run.device.git_revision or 'unrecorded'}, command "
               f"`{_command(run.command_line)}`). Speedup = best peer µs ÷ normtune µs; floor at the run's stored "
               f"bandwidth ({num(run.copy_bandwidth_gbps, 0) + ' GB/s' if run.copy_bandwidth_gbps else 'n/a'}).", ""]
     if not peers or not any(r["impl"] == OURS for r in rows):

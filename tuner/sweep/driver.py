@@ -114,10 +114,7 @@ class Sweep:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
-        timing = dict(min_reps=opts.min_reps, max_reps=opts.max_reps, budget_s=opts.budget_s)
-        if opts.interpret:
-            timing = dict(min_reps=1, max_reps=2, budget_s=0.0, warmup=0)
-        self._measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, timing)
+        self._measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, opts.timing)
         pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())

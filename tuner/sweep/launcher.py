@@ -19,8 +19,21 @@ from typing import Callable
 
 from normtune.kernels.config import Problem
 
+from ..measure import Timing
 from .compiling import share_of
 from .options import SweepOptions
+
+
+def options_to_dict(opts: SweepOptions) -> dict:
+    """A worker's options as plain data, to hand to a spawned process."""
+    data = dataclasses.asdict(opts)
+    data["problems"] = [p.to_dict() for p in opts.problems]
+    return data
+
+
+def options_from_dict(data: dict) -> SweepOptions:
+    return SweepOptions(**{**data, "problems": [Problem.from_dict(p) for p in data["problems"]],
+                           "timing": Timing(**data["timing"])})
 
 
 def _worker_main(opts_dict: dict, url: str) -> None:
@@ -29,7 +42,7 @@ def _worker_main(opts_dict: dict, url: str) -> None:
     from ..store import Store
     from .driver import Sweep
 
-    opts = SweepOptions(**{**opts_dict, "problems": [Problem.from_dict(p) for p in opts_dict["problems"]]})
+    opts = options_from_dict(opts_dict)
     info = detect(opts.device, interpret=opts.interpret)
     with Store(url) as store:
         summary = Sweep(opts, store, info).run()
@@ -50,9 +63,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     ctx = mp.get_context("spawn")
     procs = []
     for worker in worker_options(opts, devices):
-        data = dataclasses.asdict(worker)
-        data["problems"] = [p.to_dict() for p in worker.problems]
-        procs.append(ctx.Process(target=_worker_main, args=(data, url)))
+        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url)))
     received: list[int] = []
 
     def forward(signum, frame):

@@ -9,7 +9,7 @@ import signal
 
 from normtune.kernels.config import BackwardConfig, Problem
 
-from ..measure import MeasureResult
+from ..measure import MeasureResult, Timing
 
 
 def ignore_stop_signals() -> None:
@@ -19,8 +19,9 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: dict) -> None:
-    """Body of the measuring process: owns the CUDA context, one problem's inputs at a time."""
+def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
+    """Body of the measuring process: owns the CUDA context and one `MeasureSession` (bandwidth, L2 flush, spin,
+    timing), which keeps one problem's inputs at a time."""
     ignore_stop_signals()
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -29,34 +30,23 @@ def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timin
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P
 
-    from .. import measure
+    from ..measure import MeasureSession, classify_exception
 
     if interpret:
-        device, bandwidth, flusher = torch.device("cpu"), math.nan, None
+        session = MeasureSession("cpu")
     else:
         torch.cuda.set_device(device_index)
-        device = torch.device("cuda", device_index)
-        bandwidth = measure.copy_bandwidth(device)
-        flusher = measure.L2Flusher(device, l2_bytes)
-    conn.send(("ready", bandwidth))
-    case = ref = None
+        session = MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
+    conn.send(("ready", session.bandwidth_gbps))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
             return
         _, problem_dict, config_json = msg
-        problem = P.from_dict(problem_dict)
         try:
-            if case is None or case.problem != problem:
-                case = ref = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                case = measure.make_case(problem, device)
-                ref = case.reference()
-            result = measure.measure_config(case, BC.from_json(config_json), flusher=flusher,
-                                            bandwidth_gbps=bandwidth, reference_grads=ref, **timing)
+            result = session.measure_problem(P.from_dict(problem_dict), BC.from_json(config_json))
         except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
-            result = MeasureResult(status=measure.classify_exception(err), error=f"{type(err).__name__}: {err}",
+            result = MeasureResult(status=classify_exception(err), error=f"{type(err).__name__}: {err}",
                                    interpret=interpret)
         conn.send(("result", result.to_dict()))
 
@@ -64,7 +54,7 @@ def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timin
 class MeasuringProcess:
     """The GPU side of the sweep, in its own process so that a hung kernel can be killed."""
 
-    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: dict):
+    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: Timing):
         self._args = (device_index, interpret, l2_bytes, timing)
         self._proc = None
         self._conn = None

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, Problem
 
+from ..measure import TIMING, Timing
+
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
@@ -47,9 +49,7 @@ class SweepOptions:
     lookahead: int = 6
     trial_timeout_s: float = 180.0
     seed: int = 0
-    min_reps: int = 20
-    max_reps: int = 100
-    budget_s: float = 0.2
+    timing: Timing = TIMING["sweep"]  # repetitions per trial on a GPU (the interpreter uses TIMING["interpret"])
     heartbeat_interval: int = 20
     grace_period: int = 60
     study_prefix: str = "normtune"  # validation sweeps use their own studies

@@ -75,7 +75,7 @@ def _default_us(store, study, runs) -> float | None:
     run = runs.get(study.best_run_id)
     if run is None:
         return None
-    config = Space(study.problem, run.sm_count).canonical(default_config(study.problem))
+    config = Space(study.problem, run.device.sm_count).canonical(default_config(study.problem))
     found = store.measurements(study_name=study.study_name, config=config, status="ok")
     return found[0].median_us if found else None
 

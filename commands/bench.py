@@ -1,0 +1,88 @@
+"""`normtune bench`: normtune's backward and its peers timed side by side, written as a report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    Device, Dtype, Gpu, Interpret, Norms, Shapes, WeightDtype, device_info, open_store, parse_dtype, parse_list,
+    parse_shapes_option, positive_seconds, refuse, run_checked, use_interpreter,
+)
+
+
+def bench(
+    gpu: Gpu = "auto",
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    shapes: Shapes = None,
+    peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, quack")] = "all",
+    config: Annotated[str, typer.Option(help="normtune's config: default | table | a JSON file | JSON text")]
+    = "table",
+    weight_dtype: WeightDtype = None,
+    cold: Annotated[bool, typer.Option("--cold/--warm", help="Flush L2 before every repetition")] = True,
+    out: Annotated[Path, typer.Option(help="Folder for bench.csv/.json/.md and PNG plots")] = Path("bench-out"),
+    db: Annotated[Optional[str], typer.Option("--db", help="Also store the results in this database (stored "
+                                                           "before the files are written)")] = None,
+    budget: Annotated[float, typer.Option(help="Seconds of timing per implementation and shape")] = 0.5,
+    interpret: Interpret = False,
+    device: Device = 0,
+):
+    """Time normtune's backward and its peers side by side (cold L2) and write a report: GPU time with the host
+    hidden, the kernels' summed device time (profiler), and host µs per backward and forward call."""
+    run_checked(use_interpreter, interpret)
+    import dataclasses
+
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS
+    from normtune.tuner import bench as B
+    from normtune.tuner import bench_output
+    from normtune.tuner.measure import TIMING
+    from normtune.tuner.peers import parse_peers
+
+    console = Console(stderr=True)
+    norms = run_checked(parse_list, norm, NORMS, "--norm")
+    dt = run_checked(parse_dtype, dtype)
+    wdt = run_checked(parse_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
+    shape_list = run_checked(parse_shapes_option, shapes, interpret)
+    peer_names = run_checked(parse_peers, peers)
+    run_checked(positive_seconds, budget, "--budget")
+    run_checked(B.parse_config_option, config)  # refused now rather than after the first shape's peers
+    # Everything that can fail without measuring fails first: the device, the output folder, the database.
+    info = run_checked(device_info, gpu, interpret, device)
+    run_checked(bench_output.check_out_dir, out)
+    store = open_store(db) if db else None
+    if interpret:
+        console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; times are host "
+                      "wall-clock, not GPU timings[/]")
+    opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config, weight_dtype=wdt,
+                          cold=cold, timing=dataclasses.replace(TIMING["bench"], budget_s=budget))
+    total = len(norms) * len(shape_list) * (1 + len(peer_names))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def on_row(msg, row):
+            t = row.get("median_us") if row else None
+            status = f"{t:.1f} µs" if (row and row["status"] == "ok" and t) else (row["status"] if row else "")
+            progress.update(task, advance=1, description=f"{msg}: {status}")
+
+        report = run_checked(B.run_bench, opts, info, progress=on_row)
+    stored = ""
+    if store is not None:
+        run_id = run_checked(B.store_report, store, report, info)
+        store.close()
+        stored = f"stored as run {run_id} in {db}"
+    try:
+        paths = bench_output.write_all(report, out)
+    except OSError as err:
+        keep = f"the results are {stored}" if stored else "pass --db to keep results when files cannot be written"
+        run_checked(refuse, f"writing {out} failed ({err}); {keep}")
+    console.print(bench_output.summary_table(report))
+    console.print(bench_output.summary_footer(report))
+    console.print(f"wrote {', '.join(str(p) for p in paths)}" + (f"; {stored}" if stored else ""))

@@ -1,0 +1,58 @@
+"""`normtune compare OLD.json NEW.json`: the regression gate for tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import (
+    INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Shapes, device_info, parse_dtype, parse_list,
+    parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+)
+
+
+def compare(
+    old: Annotated[Path, typer.Argument(help="The table in use (JSON)")],
+    new: Annotated[Path, typer.Argument(help="The candidate table (JSON)")],
+    gpu: Gpu = "auto",
+    shapes: Shapes = None,
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
+                                                  "(and beyond the spread)")] = 0.03,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,
+    interpret: Interpret = False,
+):
+    """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape."""
+    run_checked(use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS
+    from normtune.kernels.tables import load_table
+    from normtune.tuner import compare as C
+    from normtune.tuner.measure import TIMING, MeasureSession
+
+    console = Console(stderr=True)
+    if not 0 <= threshold < 1:
+        run_checked(refuse, f"--threshold {threshold}: give a fraction in [0, 1), e.g. 0.03 for 3 %")
+    if rounds < 1:
+        run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
+    tables = [run_checked(load_table, str(path)) for path in (old, new)]
+    norms = run_checked(parse_list, norm, NORMS, "--norm")
+    dt = run_checked(parse_dtype, dtype)
+    shape_list = run_checked(parse_shapes_option, shapes, interpret)
+    problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    info = run_checked(device_info, gpu, interpret)
+    if interpret:
+        console.print(INTERPRETER_BANNER)
+
+    def progress(i, row):
+        console.print(f"{i + 1}/{len(problems)} {row.problem.key}: {row.verdict(threshold)}")
+
+    session = run_checked(MeasureSession.for_device, info, timing=TIMING["compare"])
+    rows = run_checked(C.compare_tables, *tables, problems, session, rounds=rounds, progress=progress)
+    typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret)))
+    if any(r.fails(threshold) for r in rows):
+        raise typer.Exit(1)

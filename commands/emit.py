@@ -1,0 +1,124 @@
+"""`normtune emit`: a frozen heuristic table fitted from the stored measurements of selected runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    DEFAULT_DB, INTERPRETER_BANNER, CLIError, Gpu, Interpret, Storage, device_info, read_only_store, refuse,
+    run_checked, use_interpreter, write_text,
+)
+
+
+def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise CLIError(f"{option} {text!r}: use a comma list of run ids, e.g. 1,2,5")
+    return values
+
+
+def _names(text: str | None, option: str) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values:
+        raise CLIError(f"{option} {text!r}: give a comma list")
+    return values
+
+
+def _selection(runs: str | None, runs_of: Path | None, kind: str, git_revision: str | None):
+    import json as _json
+
+    from normtune.tuner import emit as E
+
+    if runs is not None and runs_of is not None:
+        raise CLIError("--runs and --runs-of both name the runs to fit on: give one of them")
+    run_ids = _ints(runs, "--runs")
+    if runs_of is not None:
+        try:
+            run_ids = E.recorded_runs(_json.loads(runs_of.read_text()))
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+    return E.Selection(kinds=_names(kind, "--kind"), run_ids=run_ids,
+                       git_revisions=_names(git_revision, "--git-revision"))
+
+
+def emit(
+    gpu: Gpu = "auto",
+    db: Storage = DEFAULT_DB,
+    out: Annotated[Optional[Path], typer.Option(help="Output file [default: configs/<gpu>.json]")] = None,
+    runs: Annotated[Optional[str], typer.Option(help="Fit on exactly these run ids (comma list) [default: every "
+                                                     "run of --kind]")] = None,
+    runs_of: Annotated[Optional[Path], typer.Option(help="Fit on the runs a table records (re-emit it)")] = None,
+    kind: Annotated[str, typer.Option(help="Run kinds to fit on; validate and bench runs never are")]
+    = "sweep,emit",
+    git_revision: Annotated[Optional[str], typer.Option(help="Only runs of these git revisions (prefixes, comma "
+                                                             "list)")] = None,
+    check: Annotated[bool, typer.Option("--check", help="Write nothing: exit 1 unless the file at --out has "
+                                                        "exactly the bytes this emission gives")] = False,
+    remeasure: Annotated[bool, typer.Option(help="First time each problem's top configs on its neighbours "
+                                                 "(needs the GPU) to complete the config x shape matrix")] = False,
+    interpret: Interpret = False,
+):
+    """Fit a frozen launch-heuristic table from the selected runs' measurements and write configs/<gpu>.json.
+    The same command on the same database writes the same bytes."""
+    run_checked(use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.tuner import emit as E
+    from normtune.tuner.device import command_line
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    if gpu.strip().lower() == "interpret" and not interpret:
+        run_checked(refuse, "--gpu interpret names the Triton interpreter's results: add --interpret")
+    if remeasure and check:
+        run_checked(refuse, "--check re-emits from the database as it is: it cannot be combined with --remeasure")
+    selection = run_checked(_selection, runs, runs_of, kind, git_revision)
+    if interpret:
+        key = "interpret"
+    elif gpu == "auto" or remeasure:
+        key = run_checked(device_info, gpu, False).key
+    else:
+        key = gpu.strip().lower()
+    path = out or Path("configs") / f"{key}.json"
+    store = run_checked(Store, db) if remeasure else run_checked(read_only_store, db)
+    try:
+        if remeasure:
+            info = run_checked(device_info, gpu, interpret)
+            if interpret:
+                console.print(INTERPRETER_BANNER)
+            run_id, n = run_checked(E.remeasure_neighbours, store, key, info, selection=selection,
+                                    command_line=command_line())
+            if selection.run_ids is not None:
+                selection = E.Selection(selection.kinds, selection.run_ids + (run_id,), selection.git_revisions)
+            console.print(f"re-measured {n} (problem, config) pairs on neighbouring shapes (run {run_id})")
+        table = run_checked(E.build_table, store, key, interpret=interpret, selection=selection)
+    finally:
+        store.close()
+    text = E.dumps(table)
+    for line in E.dropped_summary(table):
+        console.print(f"[yellow]{line}[/]")
+    prov = table["provenance"]
+    if check:
+        same = path.is_file() and path.read_text() == text
+        console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "
+                      f"(inputs {prov['fingerprint'][:19]}…)")
+        raise typer.Exit(0 if same else 1)
+    run_checked(write_text, path, text)
+    fams = table["families"]
+    console.print(f"wrote {path}: {len(fams)} families, {sum(len(f['rules']) for f in fams.values())} rules, "
+                  f"from {prov['configs_measured']} measured configs of runs {_span(prov['runs'])} "
+                  f"(GPU {table['gpu']['name']}; inputs {prov['fingerprint'][:19]}…)")
+
+
+def _span(ids) -> str:
+    return ",".join(map(str, ids))

@@ -1,0 +1,147 @@
+"""`normtune sweep` (search launch configs with Optuna, store every measurement) and `normtune status` (a sweep's
+state from the database alone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, Storage, WeightDtype, device_info,
+    parse_dtype, parse_list, parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+)
+
+
+def _parse_devices(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        devices = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise CLIError(f"--devices {text!r}: use a comma list of CUDA device indices, e.g. 0,1,2,3") from None
+    if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+        raise CLIError(f"--devices {text!r}: use distinct non-negative indices, e.g. 0,1")
+    return devices
+
+
+def sweep(
+    gpu: Gpu = "auto",
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    shapes: Shapes = None,
+    weight_dtype: WeightDtype = None,
+    bias: Annotated[Optional[bool], typer.Option("--bias/--no-bias", help="LayerNorm bias [default: bias]")] = None,
+    zero_centered: Annotated[bool, typer.Option(help="Zero-centered weights (w = 1 + w')")] = False,
+    save: Annotated[str, typer.Option(help="What the forward saves: input | output")] = "input",
+    trials: Annotated[int, typer.Option(help="Finished trials each problem should end with (re-running adds "
+                                             "only the difference)")] = 40,
+    time_budget: Annotated[Optional[float], typer.Option(help="Stop between trials after this many seconds")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe | random | grid")] = "tpe",
+    storage: Storage = DEFAULT_DB,
+    device: Device = 0,
+    devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices (0,1,…): one worker per GPU, "
+                                                        "sharing only the database")] = None,
+    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs (shared out among "
+                                                      "the --devices workers)")] = 8,
+    trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
+    seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
+    heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,
+    grace_period: Annotated[int, typer.Option(help="Seconds without a heartbeat before another worker fails "
+                                                   "and re-queues a trial")] = 60,
+    summary: Annotated[Optional[Path], typer.Option(help="Also write a JSON summary here")] = None,
+    interpret: Interpret = False,
+):
+    """Search kernel_1/kernel_2 launch configs with Optuna, measured cold-L2, stored in the results database.
+    Any number of sweeps (GPUs of this host with --devices, other hosts on the same PostgreSQL --db) may share the
+    work: together they end each problem with exactly --trials trials. Exit code 130/143 after SIGINT/SIGTERM."""
+    run_checked(use_interpreter, interpret)
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS, SAVE_MODES
+    from normtune.tuner import sweep as S
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    norms = run_checked(parse_list, norm, NORMS, "--norm")
+    if save not in SAVE_MODES:
+        run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
+    dt = run_checked(parse_dtype, dtype)
+    wdt = run_checked(parse_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
+    shape_list = run_checked(parse_shapes_option, shapes, interpret)
+    problems = run_checked(problems_for, norms, dt, wdt, shape_list, bias=bias, zero_centered=zero_centered, save=save)
+    device_list = run_checked(_parse_devices, devices)
+    if device_list and interpret:
+        run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
+    if compile_workers < 0:
+        run_checked(refuse, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
+    info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
+    key = info.key if interpret else gpu if gpu != "auto" else info.key
+    opts = run_checked(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
+                       sampler=sampler, device=device_list[0] if device_list else device, interpret=interpret,
+                       compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed,
+                       heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+    store = run_checked(Store, storage)
+    if interpret:
+        console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
+                      "interpreter timings and are never emitted as a GPU table[/]")
+    targets = {S.study_name(key, p, interpret): trials for p in problems}
+    if device_list and len(device_list) > 1:
+        store.close()
+        console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
+        with S.LiveView(console, store.url, targets):
+            code = S.run_on_devices(opts, device_list, store.url)
+        raise typer.Exit(code)
+    sw = run_checked(S.Sweep, opts, store, info)
+    with S.LiveView(console, store.url, targets) as view:
+        sw.emit = _sweep_events(view.console)
+        result = run_checked(sw.run)
+    store.close()
+    console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
+                  f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
+    if summary:
+        summary.write_text(S.summary_json(result))
+    if result.stopped:
+        console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
+                      "Re-run the same command to continue.[/]")
+    raise typer.Exit(result.exit_code)
+
+
+def _sweep_events(console):
+    """Lines worth keeping above the live view: each problem's result, and what a signal does."""
+    def on_event(kind, data):
+        if kind == "problem_done":
+            ps = data["summary"]
+            console.print(f"{ps.problem.key}: {ps.trials} trials, best {ps.best_us and f'{ps.best_us:.1f} µs'}"
+                          + (f" (default {ps.default_us:.1f} µs)" if ps.default_us else "")
+                          + (f", failures {ps.failures}" if ps.failures else ""))
+        elif kind == "signal":
+            console.print(f"[yellow]{data['message']}[/]")
+    return on_event
+
+
+def status(
+    db: Storage = DEFAULT_DB,
+    prefix: Annotated[str, typer.Option(help="Study-name prefix: normtune: for sweeps, normtune-validate: for "
+                                             "validation sweeps")] = "normtune:",
+):
+    """State of a running or finished sweep from the database alone: per problem the finished, failed and
+    running trials and the best time vs the default config's; the workers and whether they are alive."""
+    from rich.console import Console
+
+    from normtune.tuner.store import Store
+    from normtune.tuner.sweep.progress import render_table, snapshot, worker_lines
+
+    console = Console()
+    with run_checked(Store, db, read_only=True) as store:
+        snap = run_checked(snapshot, store, prefix)
+        if not snap.problems:
+            console.print(f"no sweep studies named {prefix}… in {store.display_url}")
+            return
+        console.print(render_table(snap, f"sweep status — {store.display_url}"))
+        lines = worker_lines(snap)
+        alive = sum(w.alive for w in snap.workers)
+        console.print(f"workers: {alive} alive of {len(lines)}" + ("" if lines else " (none recorded heartbeats)"))
+        for line in lines:
+            console.print("  " + line)

@@ -1,0 +1,114 @@
+"""`normtune validate`: a table's regret on shapes it was not fitted on, against an unseeded reference sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Storage, check_out_folder, device_info,
+    parse_dtype, parse_list, parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+)
+
+
+def _validation_problems(shapes: str | None, norms: list[str], dtype: str, interpret: bool):
+    """--shapes given: those shapes in --dtype; else the held-out set (tiny shapes with --interpret)."""
+    if shapes is None and not interpret:
+        from normtune.tuner.heldout import heldout_problems
+
+        return heldout_problems(norms, dtype)
+    return problems_for(norms, dtype, None, parse_shapes_option(shapes, interpret), bias=None, zero_centered=False,
+                        save="input")
+
+
+def _table_for_device(table: Path | None, info):
+    from normtune.kernels.tables import load_table, table_for
+
+    if table is not None:
+        return load_table(str(table))
+    cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+    return table_for(None if info.interpret else info.name, cc)
+
+
+def _validate_progress(console):
+    """Prints one line per reference problem finished and per head-to-head, so a long validation shows it runs."""
+    def on_event(kind, data):
+        if kind == "start":
+            console.print(f"reference sweep: {data['problems']} problems, {data['trials']} trials each (unseeded)")
+        elif kind == "problem_done":
+            ps = data["summary"]
+            console.print(f"  reference {ps.problem.key}: {ps.trials} trials")
+        elif kind == "signal":
+            console.print(f"[yellow]{data['message']}[/]")
+        elif kind == "validated":
+            from normtune.tuner.render import ratio_cell
+
+            row = data["row"]
+            console.print(f"head to head {data['index'] + 1}/{data['total']} {row.problem.key}: regret "
+                          f"{ratio_cell(row.regret)}, default ÷ table {ratio_cell(row.speedup_vs_default)}")
+
+    return on_event
+
+
+def validate(
+    gpu: Gpu = "auto",
+    shapes: Annotated[Optional[str], typer.Option(
+        "--shapes", help="Shapes in --dtype (as for sweep) [default: the held-out set of shapes and dtypes on a "
+                         "GPU, tiny with --interpret]")] = None,
+    norm: Norms = "layer_norm,rms_norm",
+    dtype: Dtype = "bf16",
+    table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
+    = None,
+    trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
+    rounds: Annotated[int, typer.Option(help="Interleaved head-to-head rounds per shape")] = 5,
+    db: Storage = DEFAULT_DB,
+    out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
+    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling ahead")] = 8,
+    interpret: Interpret = False,
+):
+    """Regret of a heuristic table on shapes it was not fitted on: table ÷ the fastest of the table's config, the
+    best of an unseeded sweep and the analytic default, timed head to head."""
+    run_checked(use_interpreter, interpret)
+    import json as _json
+
+    from rich.console import Console
+
+    from normtune.kernels.config import NORMS
+    from normtune.tuner import validate as V
+    from normtune.tuner.device import command_line
+    from normtune.tuner.render import validation_summary, validation_table
+    from normtune.tuner.store import Store
+
+    console = Console(stderr=True)
+    norms = run_checked(parse_list, norm, NORMS, "--norm")
+    dt = run_checked(parse_dtype, dtype)
+    if trials < 1:
+        run_checked(refuse, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
+    if rounds < 1:
+        run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
+    problems = run_checked(_validation_problems, shapes, norms, dt, interpret)
+    info = run_checked(device_info, gpu, interpret)
+    tab = run_checked(_table_for_device, table, info)
+    if out is not None:
+        run_checked(check_out_folder, out)
+    label = tab.label if tab else None
+    if interpret:
+        console.print(INTERPRETER_BANNER)
+    console.print(f"validating {label or 'no table (the analytic defaults)'}")
+    store = run_checked(Store, db)
+    try:
+        rows = run_checked(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
+                           rounds=rounds, compile_workers=compile_workers, command_line=command_line(),
+                           progress=_validate_progress(console))
+    finally:
+        store.close()
+    summary = V.summarize(rows)
+    typer.echo("\n".join(validation_table(rows) + ["", validation_summary(summary)]))
+    if out:
+        (out / "validate.json").write_text(_json.dumps(
+            {"device": info.to_dict(), "table": label, "reference_trials": trials,
+             "rounds": rounds, "summary": summary, "rows": [r.to_dict() for r in rows]}, indent=1, sort_keys=True))
+        (out / "validate.md").write_text(V.markdown(rows, info, label, trials))
+        console.print(f"wrote {out / 'validate.json'}, {out / 'validate.md'}")
