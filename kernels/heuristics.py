@@ -162,6 +162,18 @@ def default_config(problem: "Problem") -> "BackwardConfig":
 
     n_pow2 = next_power_of_two(problem.N)
     two_pass = n_pow2 > MAX_SINGLE_PASS
+    if two_pass and 0 < problem.M <= MAX_COLUMNS_ROWS:
+        # Rows too wide for one pass, few enough to sweep: the columns strategy (no partials, no kernel_2).
+        # H100, RMSNorm bf16, against the two-pass default: 2048x32768 250 vs 368 µs, 512x32768 72.6 vs 97.6,
+        # 128x65536 45.1 vs 67.6, 64x65536 32.4 vs 39.6 (held-out validation, docs/validate/h100).
+        many = problem.M >= 256
+        columns = BackwardConfig(
+            Kernel1Config(block_row=16 if many else 32, block_col=128 if many else 32, num_warps=16 if many else 1,
+                          num_stages=1, programs_per_sm=1, two_pass=False, eviction_policy="", prefetch=True,
+                          strategy="columns"),
+            Kernel2Config(block_m=128, block_n=16, num_warps=4))
+        if columns.is_valid(problem):
+            return columns
     block_col = 4096 if two_pass else n_pow2
     block_row = 1 if two_pass else max(1, min(16, 8192 // block_col))
     tile = block_row * block_col

@@ -214,9 +214,12 @@ def test_two_rules_where_m_splits_clearly(table, family):
     parsed = parse_table(table)
     assert parsed.lookup(family.problem(100, 1000)) == candidates(1024)["A"]
     assert parsed.lookup(family.problem(513, 1024)) == candidates(1024)["B"]
-    assert parsed.lookup(family.problem(2**20, 600)) == candidates(1024)["B"]
-    # Narrower rows than a rule was fitted on: the rule of their bucket, adapted to the row width.
-    got = parsed.lookup(family.problem(64, 200))
+    assert parsed.lookup(family.problem(4096, 600)) == candidates(1024)["B"]
+    # Outside the box of fitted shapes (M 64..4096, N 256..4096) the table does not extrapolate: the default.
+    assert parsed.fitted[family.key] == (64, 4096, 256, 4096)
+    assert parsed.lookup(family.problem(2**20, 600)) is None and parsed.lookup(family.problem(64, 200)) is None
+    # A rule's config adapted to narrower rows keeps its tile shape, at the row width.
+    got = adapt(candidates(256)["A"], family.problem(64, 200))
     assert got.kernel_1 == dataclasses.replace(candidates(256)["A"].kernel_1, block_col=256)
 
 
@@ -278,8 +281,11 @@ def test_lookup_always_returns_a_valid_config(table, M, N, family, which):
     tab = parse_table(table, "emitted") if which == "emitted" else _shipped(which)
     problem = family.problem(M, N)
     config = tab.lookup(problem)
-    assert config is not None, "the closest family (same norm and dtype) must answer"
-    config.validate(problem)
+    rules = tab.rules(family)
+    box = next((tab.fitted.get(k) for k, r in tab.families.items() if r is rules), None)
+    inside = box is None or (box[0] <= M <= box[1] and box[2] <= N <= box[3])
+    assert (config is not None) == inside, "the closest family (same norm and dtype) answers inside its fitted box"
+    (config or default_config(problem)).validate(problem)
     for rule in tab.rules(family):
         adapt(rule.config, problem, tab.sm_count).validate(problem)
         adapt(rule.config, problem).validate(problem)

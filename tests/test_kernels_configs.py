@@ -403,10 +403,17 @@ def check_default_for(problem: Problem) -> None:
     assert isinstance(cfg, BackwardConfig)
     cfg.validate(problem)
     assert BackwardConfig.from_json(cfg.to_json()) == cfg and hash(cfg) == hash(BackwardConfig.from_json(cfg.to_json()))
-    if not cfg.kernel_1.two_pass:
+    if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
         assert cfg.kernel_1.block_col >= problem.N
+    if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
+        assert problem.N > 16384 and problem.M <= 2048
     programs = num_programs(problem.M, problem.N, cfg, 132)
-    assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row))
+    if problem.M == 0:
+        assert programs == 0  # nothing to launch
+    elif cfg.kernel_1.strategy == "columns":
+        assert programs == -(-problem.N // cfg.kernel_1.block_col)
+    else:
+        assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row)) * cfg.kernel_1.row_split
     for name in DEVICE_NAMES:
         selected = select_config(problem, name)
         assert selected.is_valid(problem), f"select_config({problem.key}, {name!r}) gave an invalid {selected}"

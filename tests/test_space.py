@@ -288,3 +288,26 @@ def test_random_configs_run_correctly(norm, M, N, seed, device):
                            min_reps=1, max_reps=1, budget_s=0.0)
         assert r.status == "ok", f"{cfg}: {r.status} {r.error}"
         assert r.median_us > 0
+
+
+def test_the_columns_slice_width_is_a_sampled_knob():
+    """The columns strategy's block_col is its slice width: sampled (and recorded on seed trials), not fixed."""
+    import optuna
+
+    from normtune.tuner.sweep.sampling import Sampling, inapplicable
+
+    assert inapplicable("k1.block_col", {"k1.strategy": "columns", "k1.two_pass": False}) is None
+    assert inapplicable("k1.block_col", {"k1.strategy": "rows", "k1.two_pass": False}) is not None
+    problem = Problem("rms_norm", 100, 8192, "bf16")
+    space = Space(problem, 132)
+    sampling = Sampling("random", space, seed=0)
+    columns_seed = next(c for c in space.seeds() if c.kernel_1.strategy == "columns")
+    trial = sampling.seed_trial(columns_seed)
+    assert trial.params["k1.block_col"] == columns_seed.kernel_1.block_col
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    widths = set()
+    for _ in range(200):
+        config = sampling.suggest(study.ask())
+        if config.kernel_1.strategy == "columns":
+            widths.add(config.kernel_1.block_col)
+    assert len(widths) > 1, widths

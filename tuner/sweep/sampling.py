@@ -36,16 +36,12 @@ class Sampling:
         if self._grid is not None:
             return self._grid[trial.suggest_categorical("config", list(range(len(self._grid))))]
         d = self.space.domains()
-        params: dict[str, Any] = {"k1.two_pass": trial.suggest_categorical("k1.two_pass", list(d["k1.two_pass"]))}
+        params: dict[str, Any] = {key: trial.suggest_categorical(key, list(d[key])) for key in DECIDED_FIRST}
         for key, dom in d.items():
-            if key == "k1.two_pass":
+            if key in DECIDED_FIRST:
                 continue
-            if key == "k1.block_col" and not params["k1.two_pass"]:
-                params[key] = dom[0]
-            elif key == "k1.recompute" and params["k1.two_pass"]:
-                params[key] = False
-            else:
-                params[key] = trial.suggest_categorical(key, list(dom))
+            fixed = inapplicable(key, params)
+            params[key] = trial.suggest_categorical(key, list(dom)) if fixed is None else fixed(dom)
         return self.space.config(params)
 
     def seed_trial(self, config: BackwardConfig):
@@ -60,13 +56,28 @@ class Sampling:
         params = self.space.params(config)
         if not all(key in domains and value in domains[key] for key, value in params.items()):
             return None
-        two_pass = params.get("k1.two_pass", True)
-        used = {k: v for k, v in params.items()
-                if not (k == "k1.block_col" and not two_pass) and not (k == "k1.recompute" and two_pass)}
+        used = {k: v for k, v in params.items() if k in DECIDED_FIRST or inapplicable(k, params) is None}
         return optuna.trial.create_trial(
             state=optuna.trial.TrialState.RUNNING, params=used,
             distributions={k: CategoricalDistribution(list(domains[k])) for k in used},
             user_attrs={"source": "seed"})
+
+
+# The knobs sampled first: whether the others apply depends on them.
+DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
+
+
+def inapplicable(key: str, params: dict[str, Any]):
+    """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
+    of its domain): the single-pass column tile is derived from N, recompute is a single-pass knob. Fixed knobs
+    are not trial params, so the sampler does not learn from values that changed nothing."""
+    columns = params.get("k1.strategy", "rows") == "columns"
+    two_pass = bool(params.get("k1.two_pass", False))
+    if key == "k1.block_col" and not (two_pass or columns):
+        return lambda dom: dom[0]
+    if key == "k1.recompute" and two_pass:
+        return lambda dom: False
+    return None
 
 
 def _ask_tell_grid_sampler(optuna):
