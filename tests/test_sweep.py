@@ -504,3 +504,31 @@ def test_double_interrupt_abandons_the_trial_exits_130_and_counts_what_remains(t
     again = run_sweep(args, sweep_env(tmp_path), tmp_path)  # the re-run measures the abandoned slot's seed
     assert again.returncode == 0, again.stderr
     check_studies(url, names(RMS_A, RMS_B), trials)
+
+
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed(tmp_path):
+    """A worker killed between creating a trial and its first heartbeat leaves a RUNNING trial that Optuna's
+    stale-trial check never sees; the next worker's repair fails it once it is older than the grace period."""
+    import datetime as dt
+
+    import optuna
+    from sqlalchemy import text
+
+    from normtune.tuner.sweep.options import SweepOptions
+    from normtune.tuner.sweep.trials import StudyBook
+
+    url = sqlite_url(tmp_path)
+    opts = SweepOptions(gpu_key="interpret", problems=[RMS_A], interpret=True, heartbeat_interval=1, grace_period=2)
+    with Store(url) as store:
+        storage = store.optuna_storage(heartbeat_interval=1, grace_period=2)
+        book = StudyBook(opts, RMS_A, INTERPRET_SM_COUNT, True, storage)
+        orphan = book.study.ask()  # no heartbeat: its worker "died" at once
+        alive = book.study.ask()
+        storage.record_heartbeat(alive._trial_id)
+        with store.session_scope() as session:  # both started long ago; only `alive` keeps beating
+            session.execute(text("UPDATE trials SET datetime_start = :t"),
+                            {"t": dt.datetime.now() - dt.timedelta(seconds=60)})
+        book.repair(store)
+        states = {t.number: t.state for t in book.study.get_trials(deepcopy=False)}
+    assert states[orphan.number] == optuna.trial.TrialState.FAIL
+    assert states[alive.number] == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh: not stale

@@ -16,7 +16,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from sqlalchemy import case, delete, func, select, update
+from sqlalchemy import bindparam, case, delete, func, select, text, update
 
 from normtune.kernels.config import Problem
 
@@ -88,6 +88,15 @@ class WorkerCoordination:
     """Mixed into `Store` (which provides `session_scope`)."""
 
     # ------------------------------------------------------------------------------------------ liveness
+
+    def trials_with_heartbeats(self, trial_ids: list[int]) -> set[int]:
+        """Those of Optuna's `trial_ids` that have recorded a heartbeat (Optuna's own table, same database)."""
+        if not trial_ids:
+            return set()
+        query = text("SELECT trial_id FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(
+            bindparam("ids", expanding=True))
+        with self.session_scope() as session:
+            return {row[0] for row in session.execute(query, {"ids": list(trial_ids)})}
 
     def beat(self, run_id: int, *, grace_s: float, device: int | None = None) -> None:
         """Record that `run_id` is alive. A run declared dead meanwhile (its worker stalled past its grace period)

@@ -10,6 +10,7 @@ with `status=abandoned` and their slot is given back.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 import warnings
@@ -156,3 +157,21 @@ class StudyBook:
                     self.tell(NewTrial(t._trial_id, t.number, m.config, m.source), m.status,
                               m.median_us if m.status == "ok" else None, m.error)
         self._optuna.storages.fail_stale_trials(self.study)
+        self._fail_unbeaten(store)
+
+    def _fail_unbeaten(self, store) -> None:
+        """RUNNING trials that never recorded a heartbeat and started over a grace period ago: their worker died
+        between creating the trial and its first beat. Optuna's fail_stale_trials only sees trials with a
+        heartbeat, so without this they would stay RUNNING for ever."""
+        TS = self._optuna.trial.TrialState
+        cutoff = dt.datetime.now() - dt.timedelta(seconds=self.opts.grace_period)  # Optuna stores local times
+        old = [t for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
+               if t.datetime_start is not None and t.datetime_start.replace(tzinfo=None) < cutoff]
+        beaten = store.trials_with_heartbeats([t._trial_id for t in old])
+        for t in old:
+            if t._trial_id in beaten:
+                continue
+            try:
+                self.storage.set_trial_state_values(t._trial_id, state=TS.FAIL)
+            except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError) as err:
+                log.debug("trial %s of %s already finished: %s", t.number, self.name, err)
