@@ -18,8 +18,8 @@ DIR="${NORMTUNE_PG_DIR:-/tmp/normtune-pg-$(id -un)}"
 PORT="${NORMTUNE_PG_PORT:-55432}"
 ROLE=normtune PASSWORD=normtune DB=normtune
 LOG="$DIR.log"
-OUT=""
-if [ -n "${1:-}" ] && [ "$1" != "--stop" ]; then OUT=$(realpath -m "$1"); fi
+ENV_FILE=""
+if [ -n "${1:-}" ] && [ "$1" != "--stop" ]; then ENV_FILE=$(realpath -m "$1"); fi
 cd /  # the server's user may not be able to read the caller's directory
 
 fail() {
@@ -105,4 +105,4 @@ if [ -z "$(psql_admin -c "SELECT 1 FROM pg_database WHERE datname = '$DB'" 2>>"$
 fi
 
 LINE="export NORMTUNE_TEST_POSTGRES_URL=postgresql://$ROLE:$PASSWORD@127.0.0.1:$PORT/$DB"
-if [ -n "$OUT" ]; then echo "$LINE" >"$OUT"; else echo "$LINE"; fi
+if [ -n "$ENV_FILE" ]; then echo "$LINE" >"$ENV_FILE"; else echo "$LINE"; fi
