@@ -78,44 +78,45 @@ class Table:
         except ValueError:
             return self.path
 
-    def rules(self, family: ProblemFamily) -> tuple[Rule, ...] | None:
-        """The family's rules, or those of the closest tuned family (same norm and dtype, most flags equal)."""
+    def family_key(self, family: ProblemFamily) -> str | None:
+        """The key of the family's rules, or of the closest tuned family (same norm and dtype, most flags equal);
+        None when the table has neither."""
         if family.key in self.families:
-            return self.families[family.key]
+            return family.key
         best, best_score = None, -1
-        for key, rules in self.families.items():
+        for key in self.families:
             other = ProblemFamily.from_key(key)
             if (other.norm, other.dtype) != (family.norm, family.dtype):
                 continue
             score = sum(getattr(other, f) == getattr(family, f) for f in ("weight_dtype", "has_weight", "has_bias",
                                                                           "zero_centered", "save"))
             if score > best_score:
-                best, best_score = rules, score
+                best, best_score = key, score
         return best
+
+    def rules(self, family: ProblemFamily) -> tuple[Rule, ...] | None:
+        """The family's rules, or those of the closest tuned family."""
+        key = self.family_key(family)
+        return self.families[key] if key is not None else None
+
+    def covers(self, problem: Problem) -> bool:
+        """Whether `problem` lies in the (M, N) box its rules were fitted on (no box recorded: everywhere)."""
+        key = self.family_key(problem.family)
+        box = self.fitted.get(key) if key is not None else None
+        return box is None or (box[0] <= problem.M <= box[1] and box[2] <= problem.N <= box[3])
 
     def lookup(self, problem: Problem) -> BackwardConfig | None:
         """The table's config adapted to `problem`, or None when no rule applies: also outside the box of
         shapes the family was fitted on (the table does not extrapolate; H100: RMSNorm rules fitted from N=1024
         up ran 262144x256 at 215 vs 178 µs for the analytic default, 524288x128 at 293 vs 228)."""
         rules = self.rules(problem.family)
-        if not rules:
+        if not rules or not self.covers(problem):
             return None
-        box = self.fitted.get(problem.family.key) if problem.family.key in self.families else self._closest_box(
-            problem.family)
-        if box is not None:
-            m_lo, m_hi, n_lo, n_hi = box
-            if not (m_lo <= problem.M <= m_hi and n_lo <= problem.N <= n_hi):
-                return None
         rule = next((r for r in rules if r.matches(problem.M, problem.N)), None)
         if rule is None:  # past every bound: the widest rule's configs, for the largest M bucket
             widest = max((r.n_max or 0) for r in rules)
             rule = [r for r in rules if (r.n_max or 0) == widest][-1]
         return adapt(rule.config, problem, self.sm_count)
-
-
-    def _closest_box(self, family: ProblemFamily) -> tuple[int, int, int, int] | None:
-        rules = self.rules(family)
-        return next((self.fitted.get(k) for k, r in self.families.items() if r is rules), None)
 
 
 def fitted_box(rules_data: list) -> tuple[int, int, int, int] | None:
