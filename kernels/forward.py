@@ -17,8 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+import functools
+
 from .backward.common import effective_weight
 from .heuristics import next_power_of_two
+from .launcher import Launcher
 
 SINGLE_PASS_MAX_COLS = 8192
 CHUNK_COLS = 4096
@@ -141,16 +144,22 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         mean = torch.empty((M if store_mean else 0,), dtype=torch.float32, device=x2d.device)
     if M == 0:
         return y, rstd, mean
-    block_row, block_col, single, num_warps = forward_launch_params(N)
     int64 = max(M * x2d.stride(0), M * N) >= 2**31
     dummy = rstd  # pointer placeholder for absent tensors: never dereferenced (the constexpr flags skip it)
-    _forward_kernel[(triton.cdiv(M, block_row),)](
-        x2d, x2d.stride(0), y, y.stride(0),
-        weight if weight is not None else dummy, bias if bias is not None else dummy,
-        rstd, mean if store_mean else dummy,
-        M, N, eps,
-        IS_RMS=is_rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
-        STORE_MEAN=store_mean, BLOCK_ROW=block_row, BLOCK_COL=block_col, SINGLE_PASS=single, INT64=int64,
-        num_warps=num_warps,
-    )
+    w, b, mu = weight if weight is not None else dummy, bias if bias is not None else dummy, mean if store_mean else dummy
+    launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64)
+    key = (M, x2d.stride(0), y.stride(0), x2d.data_ptr() & 15, y.data_ptr() & 15, w.data_ptr() & 15,
+           b.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
+    launch(triton.cdiv(M, block_row), (x2d, x2d.stride(0), y, y.stride(0), w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
+
+
+@functools.lru_cache(maxsize=1024)
+def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
+              int64: bool) -> tuple[Launcher, int]:
+    """The forward's launcher for one row width and set of flags, and its rows per program."""
+    block_row, block_col, single, num_warps = forward_launch_params(N)
+    return Launcher(_forward_kernel, dict(
+        IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
+        STORE_MEAN=store_mean, BLOCK_ROW=block_row, BLOCK_COL=block_col, SINGLE_PASS=single, INT64=int64,
+        num_warps=num_warps)), block_row

@@ -18,6 +18,7 @@ import triton
 
 from ..config import RECOVER_LIMITS, BackwardConfig, Problem
 from ..device import compute_capability, interpret_mode, sm_count
+from ..launcher import Launcher
 from ..heuristics import (
     MAX_PROGRAMS_PER_SM_SYNC,
     cdiv,
@@ -53,6 +54,9 @@ class Plan:
     k2_grid: int
     rs_kwargs: dict | None  # columns strategy: the row-sums kernel
     rs_grid: int
+    k1_launch: Launcher | None = None
+    k2_launch: Launcher | None = None
+    rs_launch: Launcher | None = None
 
     @property
     def kernel_1(self):
@@ -114,7 +118,8 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         k1_kwargs = dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                          PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
         rs_kwargs = dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
-        return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb))
+        return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb),
+                    Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs))
     groups = num_groups(M, config, sm_count(device))
     fused = k2.fused and reduce
     pdl = pdl_enabled(config, device)
@@ -132,7 +137,9 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         if pdl:
             k2_kwargs["launch_pdl"] = True
         k2_grid = programs if fused else cdiv(N, k2.block_n)
-    return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0)
+    kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
+    return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0,
+                Launcher(kernel, k1_kwargs), Launcher(kernel_2, k2_kwargs) if k2_kwargs is not None else None)
 
 
 def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
@@ -170,7 +177,7 @@ def _sync_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
 
 
 def sync_counters(device: torch.device) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     return _sync_buffer(device, stream, 2 + 2 * MAX_PROGRAMS_PER_SM_SYNC * sm_count(device))
 
 
@@ -205,6 +212,11 @@ class BackwardLaunch:
         dw_arg = self.dw if has_w else rstd
         db_arg = self.db if has_b else rstd
         k1 = config.kernel_1
+        # What Triton's specialization of these launches depends on beyond the plan: the row strides and the
+        # alignment of the tensors this call did not allocate (see launcher.py).
+        self._key = (grad.stride(0), saved.stride(0), self.dx.stride(0), grad.data_ptr() & 15,
+                     saved.data_ptr() & 15, self.dx.data_ptr() & 15, weight_arg.data_ptr() & 15,
+                     bias_arg.data_ptr() & 15, rstd.data_ptr() & 15, mean_arg.data_ptr() & 15)
         if M == 0:
             self._k1_args = self._k2_args = self._rs_args = None
         elif k1.strategy == "columns":
@@ -246,9 +258,9 @@ class BackwardLaunch:
         pl = self.plan
         if pl.programs == 0:
             return
-        if pl.rs_kwargs is not None:
-            row_sums[(pl.rs_grid,)](*self._rs_args, **pl.rs_kwargs)
-        pl.kernel_1[(pl.programs,)](*self._k1_args, **pl.k1_kwargs)
+        if pl.rs_launch is not None:
+            pl.rs_launch(pl.rs_grid, self._rs_args, self._key)
+        pl.k1_launch(pl.programs, self._k1_args, self._key)
         if pl.phased and pl.config.kernel_1.strategy == "rows" and pl.config.kernel_1.row_split > 1:
             pl.kernel_1[(pl.programs,)](*self._k1_args, **dict(pl.k1_kwargs, PHASE=2))
 
@@ -259,8 +271,8 @@ class BackwardLaunch:
                 if out is not None:
                     out.zero_()
             return
-        if pl.k2_kwargs is not None:
-            kernel_2[(pl.k2_grid,)](*self._k2_args, **pl.k2_kwargs)
+        if pl.k2_launch is not None:
+            pl.k2_launch(pl.k2_grid, self._k2_args, self._key)
 
     def run(self):
         self.kernel_1()

@@ -1,0 +1,173 @@
+"""Where host time goes, on a CUDA host: one backward call through the public API, one Triton launch (through
+`JITFunction` and straight through the compiled kernel's launcher), and one sweep trial's measurement.
+
+    python3 docs/experiments/profile_host.py [OUT_DIR]
+
+Prints (and writes OUT_DIR/profile_host.txt) host µs per call, the top of cProfile's listing for each, and the
+bitwise check that a direct launch computes what the JIT launch computes.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import random
+import sys
+import time
+
+import torch
+
+from normtune.kernels import layer_norm, rms_norm
+from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.config import Problem
+from normtune.kernels.heuristics import default_config
+from normtune.tuner.cases import make_case
+from normtune.tuner.measure import TIMING, MeasureSession
+from normtune.tuner.space import Space
+
+LINES: list[str] = []
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+    LINES.append(text)
+
+
+def per_call_us(fn, calls: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return best
+
+
+def profile(fn, calls: int = 300, top: int = 22, sort: str = "tottime") -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
+    for line in buf.getvalue().splitlines():
+        if line.strip():
+            say("    " + line[:160])
+
+
+def api_calls() -> None:
+    dev = torch.device("cuda")
+    M, N = 4096, 4096
+    for name in ("rms_norm", "layer_norm"):
+        x = torch.randn(M, N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(N, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        fwd = (lambda: rms_norm(x, w)) if name == "rms_norm" else (lambda: layer_norm(x, w, b))
+        y = fwd()
+        inputs = (x, w) if name == "rms_norm" else (x, w, b)
+        bwd = lambda: torch.autograd.grad(y, inputs, g, retain_graph=True)  # noqa: E731
+        say(f"{name} {M}x{N} bf16: forward {per_call_us(fwd):.1f} µs/call, backward {per_call_us(bwd):.1f} µs/call")
+        say(f"  cProfile of the backward ({name}), by own time:")
+        profile(bwd)
+
+
+def launches() -> None:
+    dev = torch.device("cuda")
+    problem = Problem("rms_norm", 4096, 4096, "bf16", "bf16", True, False)
+    case = make_case(problem, dev)
+    config = default_config(problem)
+    launch = case.launch(config)
+    launch.run()
+    torch.cuda.synchronize()
+    pl = launch.plan
+    jit = pl.kernel_1
+    say(f"kernel_1 through JITFunction: {per_call_us(launch.kernel_1):.1f} µs/launch")
+    say(f"kernel_2 through JITFunction: {per_call_us(launch.kernel_2):.1f} µs/launch")
+    compiled = jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)
+    compiled._init_handles()
+    runtime_args = list(launch._k1_args)
+    full = []
+    for p in jit.params:
+        if p.is_constexpr:
+            if p.name in pl.k1_kwargs:
+                full.append(pl.k1_kwargs[p.name])
+            else:
+                full.append(jit.signature.parameters[p.name].default)
+        else:
+            full.append(runtime_args.pop(0))
+    run = compiled.run
+    function, packed = compiled.function, compiled.packed_metadata
+    stream_of = torch._C._cuda_getCurrentRawStream
+
+    def direct():
+        run(pl.programs, 1, 1, stream_of(0), function, packed, None, None, None, *full)
+
+    say(f"kernel_1 through its compiled launcher: {per_call_us(direct):.1f} µs/launch")
+    launch.dx.fill_(float("nan"))
+    launch.kernel_1()
+    ref = launch.dx.clone()
+    launch.dx.fill_(float("nan"))
+    direct()
+    torch.cuda.synchronize()
+    say(f"direct launch bitwise equal to the JIT launch: {torch.equal(ref, launch.dx)}")
+    say("  cProfile of kernel_1 through JITFunction:")
+    profile(launch.kernel_1, top=14)
+    say(f"torch.empty((4096,4096)) bf16: {per_call_us(lambda: torch.empty((4096, 4096), dtype=torch.bfloat16, device=dev)):.1f} µs")
+
+
+def random_configs(space: Space, n: int) -> list:
+    rng, domains, configs = random.Random(0), space.domains(), []
+    while len(configs) < n:
+        config = space.config({k: rng.choice(v) for k, v in domains.items()})
+        if space.why_not(config) is None:
+            configs.append(space.canonical(config))
+    return configs
+
+
+def sweep_trials(n: int = 30) -> None:
+    dev = torch.device("cuda")
+    session = MeasureSession(dev, l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size,
+                             timing=TIMING["sweep"])
+    for shape in ((8192, 4096), (2048, 16384), (32768, 1024)):
+        problem = Problem("rms_norm", *shape, "bf16", "bf16", True, False)
+        space = Space(problem, torch.cuda.get_device_properties(dev).multi_processor_count)
+        configs = random_configs(space, n)
+        session.measure_problem(problem, configs[0])  # inputs and reference
+        for c in configs:  # compile everything first: the sweep compiles ahead in other processes
+            try:
+                session.measure_problem(problem, c)
+            except Exception:  # noqa: BLE001
+                pass
+        t = time.perf_counter()
+        prof = cProfile.Profile()
+        prof.enable()
+        statuses = [session.measure_problem(problem, c).status for c in configs]
+        prof.disable()
+        per = (time.perf_counter() - t) / len(configs)
+        say(f"sweep trial measurement {shape}: {per * 1e3:.1f} ms/trial over {len(configs)} compiled configs "
+            f"({statuses.count('ok')} ok)")
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+        for line in buf.getvalue().splitlines():
+            if line.strip():
+                say("    " + line[:160])
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "."
+    say(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}")
+    for part in (api_calls, launches, sweep_trials):
+        try:
+            part()
+        except Exception as err:  # noqa: BLE001 - keep the other parts' figures
+            say(f"{part.__name__} failed: {type(err).__name__}: {err}")
+    with open(f"{out}/profile_host.txt", "w") as fh:
+        fh.write("\n".join(LINES) + "\n")

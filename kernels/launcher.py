@@ -1,0 +1,115 @@
+"""Launching a Triton kernel without `JITFunction.run`'s per-call work.
+
+`kernel[grid](*args, **constexprs)` binds every argument, specializes each one (integer values, pointer
+alignment), hashes the result into a cache key and looks the compiled kernel up, on every call: about 15-30 µs of
+CPU time per launch on a GPU host, paid on every layer of every step. A `Launcher` does that once per
+*specialization key* — a cheap tuple the caller derives from what the specialization depends on (the integer
+arguments, the alignment of pointers it did not allocate itself), per current device — and afterwards calls the
+compiled kernel's own launcher directly (a few µs): same binary, same stream (the current stream of the current
+device, as `JITFunction.run` uses), same launch options (warps, PDL), profiler launch hooks honoured.
+
+The first launch of a key, the interpreter, a kernel whose compile-time arguments are not all at the end of its
+signature, and a Triton whose compiled kernels lack the launcher interface all go through `JITFunction.run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+
+from .device import interpret_mode
+
+try:  # Triton >= 3.3: launch hooks live in knobs
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - older Triton: every launch goes through JITFunction.run
+    _knobs = None
+
+
+# Specializations remembered per launcher before the table starts over.
+MAX_KEYS = 4096
+
+
+def _current_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def current_device_index() -> int:
+    """The device Triton launches on (the current CUDA device, not the tensors')."""
+    return torch._C._cuda_getDevice()
+
+
+def constexpr_tail(kernel: Any, constexprs: dict[str, Any]) -> tuple | None:
+    """The values of `kernel`'s compile-time parameters in signature order (given, else their defaults), or None
+    when a runtime parameter follows a compile-time one (the launcher then needs the generic path)."""
+    params = getattr(kernel, "params", None)
+    if params is None:
+        return None
+    tail: list[Any] = []
+    for p in params:
+        if p.is_constexpr:
+            if p.name in constexprs:
+                tail.append(constexprs[p.name])
+            else:
+                default = kernel.signature.parameters[p.name].default
+                if default is kernel.signature.empty:
+                    return None  # a missing constexpr: let JITFunction.run raise its own error
+                tail.append(default)
+        elif tail:
+            return None
+    return tuple(tail)
+
+
+class Launcher:
+    """One Triton kernel with fixed compile-time arguments (constexprs and launch options such as num_warps).
+
+        launch = Launcher(kernel_2, dict(BLOCK_M=64, num_warps=4))
+        launch(grid, args, key)     # args: the runtime arguments in signature order; key: see the module doc
+
+    `key` must change whenever Triton would specialize differently: integer arguments (value 1, divisibility
+    by 16, 32 vs 64 bits), pointer alignment (16 bytes) and dtypes. The current device is added here.
+    """
+
+    __slots__ = ("kernel", "constexprs", "_tail", "_compiled")
+
+    def __init__(self, kernel: Any, constexprs: dict[str, Any]):
+        self.kernel = kernel
+        self.constexprs = constexprs
+        direct = _knobs is not None and not interpret_mode()
+        self._tail = constexpr_tail(kernel, constexprs) if direct else None
+        self._compiled: dict[Hashable, tuple] = {}
+
+    @property
+    def direct(self) -> bool:
+        """Launches after the first of a key skip JITFunction.run."""
+        return self._tail is not None
+
+    def __call__(self, grid: int, args: tuple, key: Hashable = None) -> None:
+        if self._tail is None:
+            self.kernel[(grid,)](*args, **self.constexprs)
+            return
+        device = current_device_index()
+        entry = self._compiled.get((device, key))
+        if entry is None:
+            self._remember((device, key), self.kernel[(grid,)](*args, **self.constexprs), device)
+            return
+        run, function, packed, compiled = entry
+        stream = _current_stream(device)
+        enter = _knobs.runtime.launch_enter_hook
+        if enter is None:
+            run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self._tail)
+            return
+        full = (*args, *self._tail)
+        run(grid, 1, 1, stream, function, packed, compiled.launch_metadata((grid, 1, 1), stream, *full), enter,
+            _knobs.runtime.launch_exit_hook, *full)
+
+    def _remember(self, key: Hashable, compiled: Any, device: int) -> None:
+        try:
+            compiled._init_handles()
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+        except Exception:  # noqa: BLE001 - a compiled-kernel layout this code does not know: stay generic
+            self._tail = None
+            return
+        if len(self._compiled) >= MAX_KEYS:  # e.g. a new row count every step: start over rather than grow
+            self._compiled.clear()
+        self._compiled[key] = entry

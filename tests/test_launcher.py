@@ -1,0 +1,184 @@
+"""Direct launches (`kernels/launcher.py`): after the first launch of a specialization key, the compiled kernel's
+own launcher is called with the runtime arguments followed by the compile-time ones, on the current device's
+stream; a new key goes through `JITFunction.run` again. On CPU with stand-ins for Triton's objects; on a GPU
+with the real kernels, where a key that missed a specialization (pointer alignment, row stride) would read
+misaligned memory or wrong rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from normtune.kernels import Problem, launcher, layer_norm, rms_norm
+from normtune.kernels.device import sm_count
+from normtune.tuner.space import Space
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, "fn", ("warps", 4)
+
+    def _init_handles(self):
+        pass
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("metadata", grid, stream, len(args))
+
+
+class FakeKernel:
+    """A JITFunction stand-in: runtime parameters a, b; compile-time BLOCK and FLAG (FLAG has a default)."""
+
+    def __init__(self, names=("a", "b", "BLOCK", "FLAG"), constexprs=("BLOCK", "FLAG")):
+        def signature(a, b, BLOCK, FLAG=True):
+            pass
+
+        self.params = [SimpleNamespace(name=n, is_constexpr=n in constexprs) for n in names]
+        self.signature = inspect.signature(signature)
+        self.log: list = []
+        self.compiled = FakeCompiled(self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def on_fake_gpu(monkeypatch):
+    hooks = SimpleNamespace(runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
+    monkeypatch.setattr(launcher, "interpret_mode", lambda: False)
+    monkeypatch.setattr(launcher, "_knobs", hooks)
+    device = {"index": 0}
+    monkeypatch.setattr(launcher, "current_device_index", lambda: device["index"])
+    monkeypatch.setattr(launcher, "_current_stream", lambda index: 1000 + index)
+    return SimpleNamespace(hooks=hooks, device=device)
+
+
+def test_second_launch_of_a_key_calls_the_compiled_launcher_with_constexprs_last(on_fake_gpu):
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 64, "num_warps": 4})
+    assert launch.direct
+    launch(7, ("x", 3), key=("k",))
+    assert kernel.log == [("jit", (7,), ("x", 3), {"BLOCK": 64, "num_warps": 4})]
+    launch(9, ("y", 5), key=("k",))
+    # grid, stream of the current device, function, packed metadata, no metadata/hooks, runtime args, BLOCK, FLAG
+    assert kernel.log[-1] == ("direct", (9, 1, 1, 1000, "fn", ("warps", 4), None, None, None, "y", 5, 64, True))
+
+
+def test_a_new_key_or_device_goes_through_jit_again(on_fake_gpu):
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    launch(1, ("x", 3), key=1)
+    launch(1, ("x", 3), key=2)
+    on_fake_gpu.device["index"] = 1
+    launch(1, ("x", 3), key=1)
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit", "jit"]
+    launch(1, ("x", 3), key=1)
+    assert kernel.log[-1][0] == "direct" and kernel.log[-1][1][3] == 1001  # device 1's stream
+
+
+def test_launch_hooks_get_their_metadata(on_fake_gpu):
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 8, "FLAG": False})
+    launch(2, ("x", 1), key=0)
+    enter, leave = object(), object()
+    on_fake_gpu.hooks.runtime.launch_enter_hook, on_fake_gpu.hooks.runtime.launch_exit_hook = enter, leave
+    launch(2, ("x", 1), key=0)
+    args = kernel.log[-1][1]
+    assert args[6] == ("metadata", (2, 1, 1), 1000, 4) and args[7] is enter and args[8] is leave
+    assert args[9:] == ("x", 1, 8, False)
+
+
+def test_kernels_that_do_not_fit_stay_on_the_generic_path(on_fake_gpu):
+    interleaved = FakeKernel(names=("a", "BLOCK", "b", "FLAG"))
+    launch = launcher.Launcher(interleaved, {"BLOCK": 64})
+    assert not launch.direct
+    for _ in range(3):
+        launch(1, ("x", 3), key=0)
+    assert [entry[0] for entry in interleaved.log] == ["jit"] * 3
+
+    missing = launcher.Launcher(FakeKernel(), {})  # BLOCK has no value: JITFunction.run reports it
+    assert not missing.direct
+
+    broken = FakeKernel()
+    del broken.compiled.function  # a compiled-kernel layout this code does not know
+    launch = launcher.Launcher(broken, {"BLOCK": 64})
+    launch(1, ("x", 3), key=0)
+    launch(1, ("x", 3), key=0)
+    assert [entry[0] for entry in broken.log] == ["jit", "jit"] and not launch.direct
+
+
+def test_the_key_table_starts_over_when_full(on_fake_gpu, monkeypatch):
+    monkeypatch.setattr(launcher, "MAX_KEYS", 3)
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    for key in range(5):
+        launch(1, ("x", 3), key=key)
+    assert len(launch._compiled) <= 3
+
+
+def test_the_interpreter_never_launches_directly():
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    if launcher.interpret_mode():
+        assert not launch.direct
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+STRATEGIES = {
+    "rows": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1 and not c.kernel_2.fused,
+    "pdl": lambda c: c.kernel_2.pdl and not c.kernel_2.fused,
+    "columns": lambda c: c.kernel_1.strategy == "columns",
+    "row_split": lambda c: c.kernel_1.row_split > 1,
+    "fused": lambda c: c.kernel_2.fused,
+}
+
+
+def _reference(norm, x, w, b, g):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    if norm == "layer_norm":
+        y = torch.nn.functional.layer_norm(x64, (x.shape[-1],), w64, b64, 1e-5)
+    else:
+        y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    return torch.autograd.grad(y, [x64, w64] + ([b64] if b is not None else []), g.double())
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("norm,M,N", [("layer_norm", 256, 4096), ("rms_norm", 96, 12288), ("layer_norm", 1024, 5000)])
+def test_direct_launches_follow_alignment_and_strides(norm, M, N, strategy):
+    problem = Problem(norm, M, N, "fp32", has_bias=norm == "layer_norm")
+    config = next((c for c in Space(problem, sm_count(torch.device("cuda"))).seeds() if STRATEGIES[strategy](c)), None)
+    if config is None:
+        pytest.skip(f"the search space has no {strategy} seed for {problem.key}")
+    dev = torch.device("cuda")
+    w = (1 + 0.1 * torch.randn(N, device=dev)).requires_grad_()
+    b = (0.1 * torch.randn(N, device=dev)).requires_grad_() if norm == "layer_norm" else None
+    # Same problem, different specializations: aligned rows; rows one element off 16 bytes; padded row strides.
+    for offset, stride in ((0, N), (1, N), (0, N + 16), (1, N + 3), (0, N)):
+        buf = torch.randn(M * stride + offset, device=dev)
+        x = buf[offset:].as_strided((M, N), (stride, 1)).detach().requires_grad_()
+        gbuf = torch.randn(M * stride + offset, device=dev)
+        g = gbuf[offset:].as_strided((M, N), (stride, 1))
+        runs = []
+        for _ in range(2):  # the first launch of a key may go through Triton's JIT path, the second is direct
+            y = layer_norm(x, w, b, config=config) if norm == "layer_norm" else rms_norm(x, w, config=config)
+            runs.append(torch.autograd.grad(y, [x, w] + ([b] if b is not None else []), g))
+        for first, second in zip(*runs):
+            assert torch.equal(first, second), f"direct launch differs (offset {offset}, stride {stride})"
+        for name, got, ref in zip(("dx", "dw", "db"), runs[1], _reference(norm, x, w, b, g)):
+            assert _rel(got, ref) < 1e-4, f"{name} wrong with offset {offset}, stride {stride}, {strategy}"
