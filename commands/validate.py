@@ -24,7 +24,8 @@ def _validation_problems(shapes: str | None, norms: list[str], dtype: str, inter
 
 
 def _table_for_device(table: Path | None, info):
-    from normtune.kernels.tables import load_table, table_for
+    from normtune.kernels.table_chain import table_for
+    from normtune.kernels.tables import load_table
 
     if table is not None:
         return load_table(str(table))
