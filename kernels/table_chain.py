@@ -124,8 +124,9 @@ def _shipped(device_name: str, key: str, capability: tuple[int, int] | None, ste
     steps.append(Step("shipped", f"shipped tables ({shipped}): none for GPU family {key}"
                                  + (f" or compute capability {cc}" if cc else "")))
     steps.append(Step("default", "the analytic defaults"))
-    return TableChoice(None, tuple(steps), f"normtune: no heuristic table for {device_name!r}: using the analytic "
-                                           "default configs (run `normtune sweep` and `normtune emit` to tune this GPU)")
+    warning = (f"normtune: no heuristic table for {device_name!r}: using the analytic default configs (run "
+               "`normtune sweep` and `normtune emit` to tune this GPU)")
+    return TableChoice(None, tuple(steps), warning)
 
 
 _warned: set[str] = set()

@@ -158,8 +158,8 @@ def model_shapes(path: str | Path) -> ModelShapes:
     cfg = {**OMITTED.get(model_type, {}), **cfg}
     hidden = _positive(cfg, "hidden_size", "n_embd", "d_model")
     if hidden is None:
-        raise ValueError(f"{path}: no hidden_size (nor n_embd, d_model) in the config ({model_type or 'no model_type'}):"
-                         " give the config.json of a transformer language model")
+        raise ValueError(f"{path}: no hidden_size (nor n_embd, d_model) in the config "
+                         f"({model_type or 'no model_type'}): give the config.json of a transformer language model")
     norms = [ModelNorm("hidden", hidden)]
     heads = _positive(cfg, "num_attention_heads", "n_head", "num_heads")
     kv_heads = _positive(cfg, "num_key_value_heads", "num_kv_heads") or heads
