@@ -154,8 +154,9 @@ class RuleMatch:
         bound = lambda v: "∞" if v is None else str(v)  # noqa: E731
         fitted = f", fitted on {', '.join(self.rule.fitted_on)}" if self.rule.fitted_on else ""
         past = "; past every rule's bounds: the widest rule" if self.past_bounds else ""
+        adapted = "; its config adapted to the shape" if self.config != self.rule.config else ""
         return (f"family {family}, rule #{self.index + 1} (n_max {bound(self.rule.n_max)}, m_max "
-                f"{bound(self.rule.m_max)}{fitted}){past}")
+                f"{bound(self.rule.m_max)}{fitted}){past}{adapted}")
 
 
 def fitted_box(rules_data: list) -> tuple[int, int, int, int] | None:
