@@ -5,6 +5,7 @@
     normtune emit     --gpu h100 --db results.db --out configs/h100.json
     normtune validate --gpu h100 --shapes heldout
     normtune report   --gpu h100 --db results.db --out docs/report-h100
+    normtune where    --gpu h100 --shape 4096x8192 --norm rms_norm
 
 Commands are thin: they parse options and call library functions in `normtune.tuner`; each lives in a module of
 `normtune.commands` (shared options and error handling in `commands/common.py`). Known errors print one line and
@@ -25,13 +26,14 @@ from normtune.commands.emit import emit
 from normtune.commands.report import report
 from normtune.commands.sweep import status, sweep
 from normtune.commands.validate import validate
+from normtune.commands.where import where
 
 # Plain help (rich_markup_mode=None): "[default: …]" written in a help text stays (rich markup would take it for
 # a style tag and drop it), and flags show as --flag / --no-flag without a type placeholder.
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 
-for command in (bench, sweep, status, emit, validate, compare, report):
+for command in (bench, sweep, status, emit, validate, compare, report, where):
     app.command()(command)
 
 

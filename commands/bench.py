@@ -8,16 +8,18 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    Device, Dtype, Gpu, Interpret, Norms, Shapes, WeightDtype, device_info, open_store, parse_dtype, parse_list,
-    parse_shapes_option, positive_seconds, refuse, run_checked, use_interpreter,
+    Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Tokens, WeightDtype, device_info, open_store,
+    positive_seconds, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
 def bench(
     gpu: Gpu = "auto",
-    norm: Norms = "layer_norm,rms_norm",
-    dtype: Dtype = "bf16",
+    norm: Norms = None,
+    dtype: Dtype = None,
     shapes: Shapes = None,
+    shapes_from: ShapesFrom = None,
+    tokens: Tokens = None,
     peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, quack")] = "all",
     config: Annotated[str, typer.Option(help="normtune's config: default | table | a JSON file | JSON text")]
     = "table",
@@ -37,17 +39,18 @@ def bench(
 
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS
     from normtune.tuner import bench as B
     from normtune.tuner import bench_output
     from normtune.tuner.measure import TIMING
     from normtune.tuner.peers import parse_peers
 
     console = Console(stderr=True)
-    norms = run_checked(parse_list, norm, NORMS, "--norm")
-    dt = run_checked(parse_dtype, dtype)
-    wdt = run_checked(parse_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
-    shape_list = run_checked(parse_shapes_option, shapes, interpret)
+    problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
+                                  interpret=interpret)
+    # The bench times each norm on each shape: the problems' kinds x their shapes.
+    norms = list(dict.fromkeys(p.norm for p in problems))
+    shape_list = list(dict.fromkeys((p.M, p.N) for p in problems))
+    dt, wdt = problems[0].dtype, problems[0].weight_dtype if weight_dtype else None
     peer_names = run_checked(parse_peers, peers)
     run_checked(positive_seconds, budget, "--budget")
     run_checked(B.parse_config_option, config)  # refused now rather than after the first shape's peers
@@ -58,6 +61,9 @@ def bench(
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; times are host "
                       "wall-clock, not GPU timings[/]")
+    if model is not None:
+        console.print(f"--shapes-from {model.describe()}: {len(norms)} norm kinds x {len(shape_list)} shapes",
+                      markup=False)
     opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config, weight_dtype=wdt,
                           cold=cold, timing=dataclasses.replace(TIMING["bench"], budget_s=budget))
     total = len(norms) * len(shape_list) * (1 + len(peer_names))

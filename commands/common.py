@@ -36,11 +36,20 @@ def _check_gpu(ctx: typer.Context, value: str) -> str:
 Gpu = Annotated[str, typer.Option("--gpu", callback=_check_gpu,
                                   help="GPU key the results are for (h100, h200, …) or 'auto'. Must match the "
                                        "detected device; with --interpret only auto or interpret.")]
-Norms = Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32.")]
+Norms = Annotated[Optional[str], typer.Option("--norm", help="Comma list: layer_norm, rms_norm [default: both; with "
+                                                               "--shapes-from, the model's]")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32 [default: bf16; "
+                                                              "with --shapes-from, the model's]")]
 Shapes = Annotated[Optional[str], typer.Option(
     "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... "
                      "[default: seed on a GPU, tiny with --interpret]")]
+ShapesFrom = Annotated[Optional[Path], typer.Option(
+    "--shapes-from", help="A model's Hugging Face config.json (or its folder), instead of --shapes: the widths of "
+                          "its norms (hidden size, per-head q/k norms, MLA ranks) x --tokens, in the model's norm "
+                          "kind, zero-centering and dtype unless --norm/--dtype/--zero-centered say otherwise")]
+Tokens = Annotated[Optional[str], typer.Option(
+    "--tokens", help="Tokens per batch for --shapes-from, comma list (per-head norms get tokens x heads rows) "
+                     "[default: 4096,16384]")]
 Interpret = Annotated[bool, typer.Option("--interpret", is_eager=True,
                                          help="Run on CPU through the Triton interpreter (no GPU; timings are not "
                                               "GPU timings).")]
@@ -146,6 +155,37 @@ def positive_seconds(value: float, option: str) -> float:
     return value
 
 
+def problems_option(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,
+                    dtype: str | None, weight_dtype: str | None, *, interpret: bool, bias: bool | None = None,
+                    zero_centered: bool | None = None, save: str = "input"):
+    """The problems of --shapes x --norm, or of --shapes-from's model x --tokens (its norm kinds, zero-centering
+    and dtype unless --norm, --zero-centered, --dtype are given). Returns (problems, the model or None)."""
+    from normtune.kernels.config import NORMS
+    from normtune.tuner import model_shapes as MS
+
+    norms = parse_list(norm, NORMS, "--norm") if norm is not None else None
+    dt = parse_dtype(dtype) if dtype is not None else None
+    wdt = parse_dtype(weight_dtype, "--weight-dtype") if weight_dtype else None
+    if shapes_from is None:
+        if tokens is not None:
+            raise CLIError(f"--tokens {tokens}: token counts go with --shapes-from CONFIG.json (a model's norms); "
+                           "add it, or give MxN shapes with --shapes")
+        return problems_for(norms or list(NORMS), dt or "bf16", wdt, parse_shapes_option(shapes, interpret),
+                            bias=bias, zero_centered=bool(zero_centered), save=save), None
+    if shapes is not None:
+        raise CLIError(f"--shapes {shapes} and --shapes-from {shapes_from} both name the shapes: give one of them")
+    try:
+        counts = MS.parse_tokens(tokens) if tokens is not None else list(MS.DEFAULT_TOKENS)
+    except ValueError as err:
+        raise CLIError(f"--tokens {err}") from None
+    try:
+        model = MS.model_shapes(shapes_from)
+        return model.problems(counts, norms=norms, dtype=dt, weight_dtype=wdt, bias=bias, zero_centered=zero_centered,
+                              save=save), model
+    except ValueError as err:
+        raise CLIError(f"--shapes-from {one_line(err)}") from None
+
+
 def problems_for(norms: list[str], dtype: str, weight_dtype: str | None, shapes, *, bias: bool | None,
               zero_centered: bool, save: str):
     from normtune.kernels.config import Problem
@@ -173,12 +213,12 @@ def read_only_store(db: str):
     return Store(db, read_only=True)
 
 
-def write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str, option: str = "--out") -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as err:
-        raise CLIError(f"--out {path}: cannot be written ({err.strerror or err})") from None
+        raise CLIError(f"{option} {path}: cannot be written ({err.strerror or err})") from None
 
 
 def check_out_folder(out: Path) -> None:

@@ -55,6 +55,10 @@ def emit(
     gpu: Gpu = "auto",
     db: Storage = DEFAULT_DB,
     out: Annotated[Optional[Path], typer.Option(help="Output file [default: configs/<gpu>.json]")] = None,
+    user: Annotated[bool, typer.Option("--user", help="Write the user table <user dir>/<gpu>.json instead of --out: "
+                                                      "the runtime prefers it to the shipped table (user dir: "
+                                                      "$NORMTUNE_HOME, else $XDG_CONFIG_HOME/normtune, else "
+                                                      "~/.config/normtune)")] = False,
     runs: Annotated[Optional[str], typer.Option(help="Fit on exactly these run ids (comma list) [default: every "
                                                      "run of --kind]")] = None,
     runs_of: Annotated[Optional[Path], typer.Option(help="Fit on the runs a table records (re-emit it)")] = None,
@@ -68,8 +72,9 @@ def emit(
                                                  "(needs the GPU) to complete the config x shape matrix")] = False,
     interpret: Interpret = False,
 ):
-    """Fit a frozen launch-heuristic table from the selected runs' measurements and write configs/<gpu>.json.
-    The same command on the same database writes the same bytes."""
+    """Fit a frozen launch-heuristic table from the selected runs' measurements and write configs/<gpu>.json (with
+    --user: the user table the runtime uses on this GPU). The same command on the same database writes the same
+    bytes."""
     run_checked(use_interpreter, interpret)
     from rich.console import Console
 
@@ -82,6 +87,11 @@ def emit(
         run_checked(refuse, "--gpu interpret names the Triton interpreter's results: add --interpret")
     if remeasure and check:
         run_checked(refuse, "--check re-emits from the database as it is: it cannot be combined with --remeasure")
+    if user and out is not None:
+        run_checked(refuse, f"--user and --out {out} both name the output file: give one of them")
+    if user and interpret:
+        run_checked(refuse, "--user writes the table the runtime uses on a GPU, and an interpreter table never "
+                            "tunes a GPU: drop --user (pass --out FILE)")
     selection = run_checked(_selection, runs, runs_of, kind, git_revision)
     if interpret:
         key = "interpret"
@@ -89,7 +99,12 @@ def emit(
         key = run_checked(device_info, gpu, False).key
     else:
         key = gpu.strip().lower()
-    path = out or Path("configs") / f"{key}.json"
+    if user:
+        from normtune.kernels.table_chain import user_table_path
+
+        path = user_table_path(key)
+    else:
+        path = out or Path("configs") / f"{key}.json"
     store = run_checked(Store, db) if remeasure else run_checked(read_only_store, db)
     try:
         if remeasure:
@@ -113,11 +128,14 @@ def emit(
         console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "
                       f"(inputs {prov['fingerprint'][:19]}…)")
         raise typer.Exit(0 if same else 1)
-    run_checked(write_text, path, text)
+    run_checked(write_text, path, text, "--user" if user else "--out")
     fams = table["families"]
     console.print(f"wrote {path}: {len(fams)} families, {sum(len(f['rules']) for f in fams.values())} rules, "
                   f"from {prov['configs_measured']} measured configs of runs {_span(prov['runs'])} "
                   f"(GPU {table['gpu']['name']}; inputs {prov['fingerprint'][:19]}…)")
+    if user:
+        console.print(f"the runtime uses it on {key} GPUs ahead of the shipped table unless $NORMTUNE_CONFIG names "
+                      f"another; `normtune where --gpu {key} --shape MxN` shows the lookup", markup=False)
 
 
 def _span(ids) -> str:

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, Storage, WeightDtype, device_info,
-    parse_dtype, parse_list, parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+    DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Storage, Tokens, WeightDtype,
+    device_info, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
@@ -28,12 +28,16 @@ def _parse_devices(text: str | None) -> list[int] | None:
 
 def sweep(
     gpu: Gpu = "auto",
-    norm: Norms = "layer_norm,rms_norm",
-    dtype: Dtype = "bf16",
+    norm: Norms = None,
+    dtype: Dtype = None,
     shapes: Shapes = None,
+    shapes_from: ShapesFrom = None,
+    tokens: Tokens = None,
     weight_dtype: WeightDtype = None,
     bias: Annotated[Optional[bool], typer.Option("--bias/--no-bias", help="LayerNorm bias [default: bias]")] = None,
-    zero_centered: Annotated[bool, typer.Option(help="Zero-centered weights (w = 1 + w')")] = False,
+    zero_centered: Annotated[Optional[bool], typer.Option(
+        "--zero-centered/--no-zero-centered", help="Zero-centered weights (w = 1 + w') [default: no; with "
+                                                   "--shapes-from, the model's]")] = None,
     save: Annotated[str, typer.Option(help="What the forward saves: input | output")] = "input",
     trials: Annotated[int, typer.Option(help="Finished trials each problem should end with (re-running adds "
                                              "only the difference)")] = 40,
@@ -59,18 +63,15 @@ def sweep(
     run_checked(use_interpreter, interpret)
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS, SAVE_MODES
+    from normtune.kernels.config import SAVE_MODES
     from normtune.tuner import sweep as S
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
-    norms = run_checked(parse_list, norm, NORMS, "--norm")
     if save not in SAVE_MODES:
         run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
-    dt = run_checked(parse_dtype, dtype)
-    wdt = run_checked(parse_dtype, weight_dtype, "--weight-dtype") if weight_dtype else None
-    shape_list = run_checked(parse_shapes_option, shapes, interpret)
-    problems = run_checked(problems_for, norms, dt, wdt, shape_list, bias=bias, zero_centered=zero_centered, save=save)
+    problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
+                                  interpret=interpret, bias=bias, zero_centered=zero_centered, save=save)
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
@@ -86,6 +87,8 @@ def sweep(
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
                       "interpreter timings and are never emitted as a GPU table[/]")
+    if model is not None:
+        console.print(f"--shapes-from {model.describe()}: {len(problems)} problems", markup=False)
     targets = {S.study_name(key, p, interpret): trials for p in problems}
     if device_list and len(device_list) > 1:
         store.close()

@@ -8,23 +8,27 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Storage, check_out_folder, device_info,
-    parse_dtype, parse_list, parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, ShapesFrom, Storage, Tokens, check_out_folder,
+    device_info, parse_dtype, parse_list, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
-def _validation_problems(shapes: str | None, norms: list[str], dtype: str, interpret: bool):
-    """--shapes given: those shapes in --dtype; else the held-out set (tiny shapes with --interpret)."""
-    if shapes is None and not interpret:
+def _validation_problems(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,
+                         dtype: str | None, interpret: bool):
+    """--shapes given: those shapes in --dtype; --shapes-from: the model's norms; else the held-out set (tiny
+    shapes with --interpret)."""
+    if shapes is None and shapes_from is None and tokens is None and not interpret:
+        from normtune.kernels.config import NORMS
         from normtune.tuner.heldout import heldout_problems
 
-        return heldout_problems(norms, dtype)
-    return problems_for(norms, dtype, None, parse_shapes_option(shapes, interpret), bias=None, zero_centered=False,
-                        save="input")
+        norms = parse_list(norm, NORMS, "--norm") if norm is not None else list(NORMS)
+        return heldout_problems(norms, parse_dtype(dtype) if dtype is not None else "bf16"), None
+    return problems_option(shapes, shapes_from, tokens, norm, dtype, None, interpret=interpret)
 
 
 def _table_for_device(table: Path | None, info):
-    from normtune.kernels.tables import load_table, table_for
+    from normtune.kernels.table_chain import table_for
+    from normtune.kernels.tables import load_table
 
     if table is not None:
         return load_table(str(table))
@@ -57,8 +61,10 @@ def validate(
     shapes: Annotated[Optional[str], typer.Option(
         "--shapes", help="Shapes in --dtype (as for sweep) [default: the held-out set of shapes and dtypes on a "
                          "GPU, tiny with --interpret]")] = None,
-    norm: Norms = "layer_norm,rms_norm",
-    dtype: Dtype = "bf16",
+    shapes_from: ShapesFrom = None,
+    tokens: Tokens = None,
+    norm: Norms = None,
+    dtype: Dtype = None,
     table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
     = None,
     trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
@@ -75,20 +81,17 @@ def validate(
 
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS
     from normtune.tuner import validate as V
     from normtune.tuner.device import command_line
     from normtune.tuner.render import validation_summary, validation_table
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
-    norms = run_checked(parse_list, norm, NORMS, "--norm")
-    dt = run_checked(parse_dtype, dtype)
     if trials < 1:
         run_checked(refuse, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
-    problems = run_checked(_validation_problems, shapes, norms, dt, interpret)
+    problems, model = run_checked(_validation_problems, shapes, shapes_from, tokens, norm, dtype, interpret)
     info = run_checked(device_info, gpu, interpret)
     tab = run_checked(_table_for_device, table, info)
     if out is not None:
@@ -97,6 +100,8 @@ def validate(
     if interpret:
         console.print(INTERPRETER_BANNER)
     console.print(f"validating {label or 'no table (the analytic defaults)'}")
+    if model is not None:
+        console.print(f"--shapes-from {model.describe()}: {len(problems)} problems", markup=False)
     store = run_checked(Store, db)
     try:
         rows = run_checked(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,

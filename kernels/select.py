@@ -1,13 +1,59 @@
-"""Which backward config runs: an explicit `config=` → a heuristic table (see `tables.py`) → the analytic
-default."""
+"""Which backward config runs: an explicit `config=` → a heuristic table (the chain in `table_chain.py`, the
+rules in `tables.py`) → the analytic default. `explain` says which and why; `select_config` is its config."""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 from .config import BackwardConfig, Problem
 from .heuristics import default_config
-from .tables import table_for
+from .table_chain import Step, choose_table, warn_once
+from .tables import RuleMatch, Table
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why `config` runs `problem`: the chain's steps, the table they gave (None: no table), how its rules
+    answered (None without a table; `match.config` None: no rule applies) and the config that runs."""
+
+    problem: Problem
+    steps: tuple[Step, ...]
+    table: Table | None
+    match: RuleMatch | None
+    config: BackwardConfig
+
+    @property
+    def reason(self) -> str:
+        """One line: the rule that gave the config, or why the analytic default runs."""
+        if self.match is None:
+            return "no table → the analytic default"
+        return self.match.reason(self.problem)
+
+    def to_dict(self) -> dict:
+        m = self.match
+        return {
+            "problem": self.problem.key,
+            "chain": [{"source": s.source, "detail": s.detail, "path": s.path, "taken": s.taken} for s in self.steps],
+            "table": self.table.label if self.table else None,
+            "family": m.family_key if m else None,
+            "rule": m.index + 1 if m and m.index is not None else None,
+            "reason": self.reason,
+            "source": "table" if m and m.config is not None else "default",
+            "config": self.config.to_dict(),
+        }
+
+
+def explain(problem: Problem, device_name: str | None = None, capability: tuple[int, int] | None = None, *,
+            config_file: str | None = None, warn: bool = False) -> Explanation:
+    """Walk the chain for `problem` on the named device (a device name or a GPU key; None: no GPU) and record
+    every step. `warn`: give the runtime's one-time warnings for a fallback table."""
+    choice = choose_table(device_name, capability, config_file)
+    if warn:
+        warn_once(choice.warning)
+    match = choice.table.match(problem) if choice.table is not None else None
+    config = match.config if match is not None and match.config is not None else default_config(problem)
+    return Explanation(problem, choice.steps, choice.table, match, config)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -17,12 +63,7 @@ def select_config(problem: Problem, device_name: str | None = None,
 
     Cached: a problem is looked up once per process.
     """
-    table = table_for(device_name, capability)
-    if table is not None:
-        config = table.lookup(problem)
-        if config is not None:
-            return config
-    return default_config(problem)
+    return explain(problem, device_name, capability, warn=True).config
 
 
 def resolve_config(problem: Problem, config: BackwardConfig | str | None, device_name: str | None,
@@ -36,11 +77,12 @@ def resolve_config(problem: Problem, config: BackwardConfig | str | None, device
 
 
 def clear_caches() -> None:
-    """Forget loaded tables and selections (after changing $NORMTUNE_CONFIG, e.g. in tests)."""
-    from . import tables
+    """Forget loaded tables, chain walks and selections (after changing $NORMTUNE_CONFIG or $NORMTUNE_HOME, e.g. in
+    tests)."""
+    from . import table_chain, tables
 
     select_config.cache_clear()
-    tables.table_for.cache_clear()
+    table_chain.choose_table.cache_clear()
     tables.load_table.cache_clear()
     tables.shipped_tables.cache_clear()
-    tables._warned.clear()
+    table_chain._warned.clear()

@@ -5,10 +5,10 @@ with N <= n_max and M <= m_max (null: unbounded) gives the config. Rules were fi
 other shape the config is adapted (single pass needs block_col >= N, …) and validated, so whatever the shape the
 returned config can run it.
 
-Which table: the file named by $NORMTUNE_CONFIG → the shipped table whose GPU name matches the device → the
-shipped table of the same GPU family (key, e.g. h100 for an 'H100 PCIe'), or of the same compute capability,
-with a one-time warning saying which → none (the analytic defaults, with a one-time warning). Tables are loaded
-once; a malformed or wrong-schema table is refused with an error naming the file and the problem.
+Which table a process uses is the chain in `table_chain.py`: the file named by $NORMTUNE_CONFIG → the user table
+(`<user dir>/<gpu key>.json`, written by `normtune emit --user`) → the shipped table of this GPU (exact name, else
+the same GPU family or compute capability, with a one-time warning) → none (the analytic defaults). Tables are
+loaded once; a malformed or wrong-schema table is refused with an error naming the file and the problem.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,7 +31,6 @@ from .heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, default_config, next_
 from .device import gpu_key
 
 SCHEMA_VERSION = 1
-ENV_VAR = "NORMTUNE_CONFIG"
 
 
 class TableError(ValueError):
@@ -45,6 +42,7 @@ class Rule:
     n_max: int | None
     m_max: int | None
     config: BackwardConfig
+    fitted_on: tuple[str, ...] = ()  # the measured shapes ("MxN") the rule was chosen on
 
     def matches(self, M: int, N: int) -> bool:
         return (self.n_max is None or N <= self.n_max) and (self.m_max is None or M <= self.m_max)
@@ -105,18 +103,60 @@ class Table:
         box = self.fitted.get(key) if key is not None else None
         return box is None or (box[0] <= problem.M <= box[1] and box[2] <= problem.N <= box[3])
 
-    def lookup(self, problem: Problem) -> BackwardConfig | None:
-        """The table's config adapted to `problem`, or None when no rule applies: also outside the box of
-        shapes the family was fitted on (the table does not extrapolate; H100: RMSNorm rules fitted from N=1024
-        up ran 262144x256 at 215 vs 178 µs for the analytic default, 524288x128 at 293 vs 228)."""
-        rules = self.rules(problem.family)
-        if not rules or not self.covers(problem):
-            return None
-        rule = next((r for r in rules if r.matches(problem.M, problem.N)), None)
-        if rule is None:  # past every bound: the widest rule's configs, for the largest M bucket
+    def match(self, problem: Problem) -> "RuleMatch":
+        """Which rule answers `problem` and with what config (None: no rule applies — no family of this norm and
+        dtype, or outside the box of shapes the family was fitted on: the table does not extrapolate; H100:
+        RMSNorm rules fitted from N=1024 up ran 262144x256 at 215 vs 178 µs for the analytic default, 524288x128
+        at 293 vs 228)."""
+        key = self.family_key(problem.family)
+        if key is None:
+            return RuleMatch(None, False, None)
+        box = self.fitted.get(key)
+        if not self.covers(problem):
+            return RuleMatch(key, key == problem.family.key, box)
+        rules = self.families[key]
+        index = next((i for i, r in enumerate(rules) if r.matches(problem.M, problem.N)), None)
+        past = index is None
+        if past:  # past every bound: the widest rule's configs, for the largest M bucket
             widest = max((r.n_max or 0) for r in rules)
-            rule = [r for r in rules if (r.n_max or 0) == widest][-1]
-        return adapt(rule.config, problem, self.sm_count)
+            index = [i for i, r in enumerate(rules) if (r.n_max or 0) == widest][-1]
+        return RuleMatch(key, key == problem.family.key, box, index, rules[index], past,
+                         adapt(rules[index].config, problem, self.sm_count))
+
+    def lookup(self, problem: Problem) -> BackwardConfig | None:
+        """The table's config adapted to `problem`, or None when no rule applies (see `match`)."""
+        return self.match(problem).config
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """How a table answered one problem: the family whose rules it read (exact, or the closest tuned one), that
+    family's fitted (M, N) box, the rule taken (index in the family's list) and its config adapted to the shape;
+    `config` None when no rule applies."""
+
+    family_key: str | None
+    exact_family: bool
+    box: tuple[int, int, int, int] | None
+    index: int | None = None
+    rule: Rule | None = None
+    past_bounds: bool = False  # beyond every rule's bounds: the widest rule, largest M bucket
+    config: BackwardConfig | None = None
+
+    def reason(self, problem: Problem) -> str:
+        """One line: why this rule, or why none."""
+        if self.family_key is None:
+            return f"no {problem.norm} {problem.dtype} family in the table → the analytic default"
+        family = self.family_key if self.exact_family else f"{self.family_key} (closest tuned family)"
+        if self.rule is None:
+            m0, m1, n0, n1 = self.box
+            return (f"family {family}: {problem.M}x{problem.N} lies outside the fitted box (M {m0}…{m1}, "
+                    f"N {n0}…{n1}) → the analytic default")
+        bound = lambda v: "∞" if v is None else str(v)  # noqa: E731
+        fitted = f", fitted on {', '.join(self.rule.fitted_on)}" if self.rule.fitted_on else ""
+        past = "; past every rule's bounds: the widest rule" if self.past_bounds else ""
+        adapted = "; its config adapted to the shape" if self.config != self.rule.config else ""
+        return (f"family {family}, rule #{self.index + 1} (n_max {bound(self.rule.n_max)}, m_max "
+                f"{bound(self.rule.m_max)}{fitted}){past}{adapted}")
 
 
 def fitted_box(rules_data: list) -> tuple[int, int, int, int] | None:
@@ -265,7 +305,8 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
                 cfg.validate(family.problem(m_max or 1, n_max or next_power_of_two(cfg.kernel_1.block_col)))
             except (ConfigError, TypeError) as err:
                 _fail(path, f"{where}: {err}")
-            rules.append(Rule(n_max, m_max, cfg))
+            fitted_on = r.get("fitted_on") if isinstance(r.get("fitted_on"), list) else []
+            rules.append(Rule(n_max, m_max, cfg, tuple(map(str, fitted_on))))
         families[key] = tuple(rules)
         if (box := fitted_box(rules_data)) is not None:
             fitted[key] = box
@@ -289,45 +330,3 @@ def shipped_tables() -> tuple[Table, ...]:
             with resources.as_file(entry) as p:
                 out.append(load_table(str(p)))
     return tuple(out)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=4)
-
-
-@functools.lru_cache(maxsize=64)
-def table_for(device_name: str | None, capability: tuple[int, int] | None = None) -> Table | None:
-    """The table the runtime uses on this device (the chain in this module's docstring)."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        table = load_table(env)
-        if table.interpret and device_name and not device_name.startswith("cpu"):
-            raise TableError(f"heuristic table {env}: it holds Triton-interpreter timings and cannot tune a GPU "
-                             f"({device_name}); emit one from a GPU sweep")
-        return table
-    if not device_name or device_name.startswith("cpu"):
-        return None
-    tables = [t for t in shipped_tables() if not t.interpret]
-    exact = [t for t in tables if t.gpu_name == device_name]
-    if exact:
-        return exact[0]
-    key = gpu_key(device_name)
-    same_key = [t for t in tables if t.gpu_key == key]
-    if same_key:
-        _warn_once(f"normtune: no table tuned on {device_name!r}; using {same_key[0].label} (tuned on "
-                   f"{same_key[0].gpu_name!r}, same GPU family)")
-        return same_key[0]
-    cc = f"{capability[0]}.{capability[1]}" if capability else None
-    same_cc = [t for t in tables if cc and t.compute_capability == cc]
-    if same_cc:
-        _warn_once(f"normtune: no table for {device_name!r}; using {same_cc[0].label} (tuned on "
-                   f"{same_cc[0].gpu_name!r}, same compute capability {cc})")
-        return same_cc[0]
-    _warn_once(f"normtune: no heuristic table for {device_name!r}: using the analytic default configs "
-               "(run `normtune sweep` and `normtune emit` to tune this GPU)")
-    return None

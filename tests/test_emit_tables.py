@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels import tables
+from normtune.kernels import table_chain, tables
 from normtune.kernels.config import (MAX_N, BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily,
                                      default_config)
 from normtune.kernels.device import gpu_key, interpret_mode
 from normtune.kernels.select import clear_caches, select_config
-from normtune.kernels.tables import ENV_VAR, SCHEMA_VERSION, TableError, adapt, load_table, parse_table, table_for
+from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
+from normtune.kernels.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
 from normtune.tuner import emit
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
@@ -133,9 +134,10 @@ def table(db):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_selection(monkeypatch):
-    """Every test starts with no $NORMTUNE_CONFIG, no loaded tables and no warnings given."""
+def _fresh_selection(monkeypatch, tmp_path):
+    """Every test starts with no $NORMTUNE_CONFIG, an empty user dir, no loaded tables and no warnings given."""
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv(HOME_VAR, str(tmp_path / "normtune-home"))
     clear_caches()
     yield
     clear_caches()
@@ -348,7 +350,7 @@ def test_same_family_warns_once():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         assert select_config(PROBLEM, "NVIDIA H100 PCIe", (9, 0)) == tab.lookup(PROBLEM)
-        tables.table_for.cache_clear()  # looked up again: the warning is still not repeated
+        table_chain.choose_table.cache_clear()  # looked up again: the warning is still not repeated
         assert table_for("NVIDIA H100 PCIe", (9, 0)).gpu_name == H100_NAME
     assert not _normtune_warnings(record)
 
@@ -361,7 +363,7 @@ def test_same_compute_capability_warns_once():
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         select_config(PROBLEM, name, (9, 0))
-        tables.table_for.cache_clear()
+        table_chain.choose_table.cache_clear()
         table_for(name, (9, 0))
     assert not _normtune_warnings(record)
 
