@@ -31,11 +31,12 @@ from .cases import GATE_TOLERANCE, Case, gate, make_case, relative_error  # noqa
 from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exception,  # noqa: F401
                       error_text, floor_bytes, floor_us, percentile)
 
-# GPU cycles to spin before each timed repetition when the clock is not calibrated: ~250 µs at Hopper clocks,
-# longer than the host needs to queue a repetition's launches (a Triton launch costs a few µs of host time; a
-# peer's autograd call tens of µs).
+# GPU cycles to spin before each timed repetition when the clock is not calibrated (~250 µs at Hopper clocks),
+# and the spin in µs once it is: longer than the host needs to queue a repetition's flush, events and launches
+# (normtune's launches go straight to the compiled kernels, a few µs each). Peers' whole calls get a spin
+# stretched to twice their measured host time (`MeasureSession.time_callable`).
 SPIN_CYCLES = 500_000
-SPIN_US = 250.0
+SPIN_US = 100.0
 # Hopper SM clock under load is ~1.98 GHz: cycles per µs of spin, until `calibrate_spin` measures it.
 CYCLES_PER_US = 2000
 
@@ -151,6 +152,7 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
                 per_step[i].append((marks[i + 1] - marks[i]) * 1e6)
     else:
         torch.cuda.synchronize(device)
+        stream = torch.cuda.current_stream(device)  # looked up once: Event.record() would on every call
         start = time.perf_counter()
         done = 0
         while done < max_reps:
@@ -160,13 +162,13 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
                 if flusher is not None:
                     flusher()
                 views.spin(spin_cycles)
-                evs[0].record()
+                evs[0].record(stream)
                 for i, step in enumerate(steps):
                     step()
                     if split:
-                        evs[i + 1].record()
+                        evs[i + 1].record(stream)
                 if not split:
-                    evs[1].record()
+                    evs[1].record(stream)
             events[-1][-1].synchronize()
             for evs in events:
                 for i in range(n_marks - 1):

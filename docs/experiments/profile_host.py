@@ -89,8 +89,10 @@ def launches() -> None:
     torch.cuda.synchronize()
     pl = launch.plan
     jit = pl.kernel_1
-    say(f"kernel_1 through JITFunction: {per_call_us(launch.kernel_1):.1f} µs/launch")
-    say(f"kernel_2 through JITFunction: {per_call_us(launch.kernel_2):.1f} µs/launch")
+    say(f"kernel_1 through normtune's launcher: {per_call_us(launch.kernel_1):.1f} µs/launch")
+    say(f"kernel_2 through normtune's launcher: {per_call_us(launch.kernel_2):.1f} µs/launch")
+    say(f"kernel_1 through JITFunction: "
+        f"{per_call_us(lambda: jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)):.1f} µs/launch")
     compiled = jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)
     compiled._init_handles()
     runtime_args = list(launch._k1_args)
@@ -118,8 +120,8 @@ def launches() -> None:
     direct()
     torch.cuda.synchronize()
     say(f"direct launch bitwise equal to the JIT launch: {torch.equal(ref, launch.dx)}")
-    say("  cProfile of kernel_1 through JITFunction:")
-    profile(launch.kernel_1, top=14)
+    say("  cProfile of kernel_1 through normtune's launcher:")
+    profile(launch.kernel_1, top=8)
     say(f"torch.empty((4096,4096)) bf16: {per_call_us(lambda: torch.empty((4096, 4096), dtype=torch.bfloat16, device=dev)):.1f} µs")
 
 
@@ -130,6 +132,37 @@ def random_configs(space: Space, n: int) -> list:
         if space.why_not(config) is None:
             configs.append(space.canonical(config))
     return configs
+
+
+def bench_view() -> None:
+    """Host µs per call as `normtune bench` measures it (GPU kept busy), before and after a profiler session in
+    the same process (the bench runs the profiler for its kernel-sum view first)."""
+    from normtune.tuner.peers import NormtuneAPI, PeerUnavailable, make_peer
+
+    dev = torch.device("cuda")
+    session = MeasureSession(dev, l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size,
+                             timing=TIMING["bench"])
+    for norm in ("rms_norm", "layer_norm"):
+        problem = Problem(norm, 4096, 4096, "bf16", "bf16", True, norm == "layer_norm")
+        case = session.case(problem)
+        prepared = {}
+        for name in ("normtune", "torch", "compile", "liger", "quack"):
+            try:
+                if name == "normtune":
+                    prepared[name] = NormtuneAPI().prepare(problem, case.x, case.weight, case.bias, case.grad, None)
+                else:
+                    prepared[name] = make_peer(name).prepare(problem, case.x, case.weight, case.bias, case.grad)
+            except (PeerUnavailable, ImportError) as err:
+                say(f"  {name}: unavailable ({err})")
+        for when in ("before the profiler", "after the profiler"):
+            figures = []
+            for name, p in prepared.items():
+                p.run()
+                figures.append(f"{name} {session.host_us(p.run):.1f}/{session.host_us(p.forward):.1f}")
+            say(f"{problem.key} host µs backward/forward, {when}: " + ", ".join(figures))
+            if when == "before the profiler":
+                for p in prepared.values():
+                    session.kernel_times(p.run)
 
 
 def sweep_trials(n: int = 30) -> None:
@@ -164,7 +197,7 @@ def sweep_trials(n: int = 30) -> None:
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "."
     say(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    for part in (api_calls, launches, sweep_trials):
+    for part in (api_calls, launches, bench_view, sweep_trials):
         try:
             part()
         except Exception as err:  # noqa: BLE001 - keep the other parts' figures
