@@ -73,6 +73,16 @@ def test_second_launch_of_a_key_calls_the_compiled_launcher_with_constexprs_last
     assert kernel.log[-1] == ("direct", (9, 1, 1, 1000, "fn", ("warps", 4), None, None, None, "y", 5, 64, True))
 
 
+def test_tensors_reach_the_compiled_launcher_as_addresses(on_fake_gpu):
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    t = torch.arange(4.0)
+    launch(1, (t, 3), key=0)
+    assert kernel.log[-1][2][0] is t  # the first launch (Triton's JIT path) sees the tensor itself
+    launch(1, (t[1:], 3), key=0)
+    assert kernel.log[-1][1][9:] == (t.data_ptr() + 4, 3, 64, True)
+
+
 def test_a_new_key_or_device_goes_through_jit_again(on_fake_gpu):
     kernel = FakeKernel()
     launch = launcher.Launcher(kernel, {"BLOCK": 64})

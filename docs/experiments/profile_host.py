@@ -122,6 +122,16 @@ def launches() -> None:
     say(f"direct launch bitwise equal to the JIT launch: {torch.equal(ref, launch.dx)}")
     say("  cProfile of kernel_1 through normtune's launcher:")
     profile(launch.kernel_1, top=8)
+    from normtune.tuner.views import host_us_per_call
+
+    def busy(fn) -> float:  # the bench's host view: calls issued while the GPU is kept busy by a spin
+        return host_us_per_call(fn, device=dev, calls=20, reps=5)
+
+    tensors_as_ints = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
+    say(f"GPU busy: kernel_1 JITFunction {busy(lambda: jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)):.1f}, "
+        f"normtune's launcher {busy(launch.kernel_1):.1f}, compiled launcher with tensors {busy(direct):.1f}, "
+        f"with addresses {busy(lambda: run(pl.programs, 1, 1, stream_of(0), function, packed, None, None, None, *tensors_as_ints)):.1f}, "
+        f"torch.empty {busy(lambda: torch.empty((4096, 4096), dtype=torch.bfloat16, device=dev)):.1f} µs/call")
     say(f"torch.empty((4096,4096)) bf16: {per_call_us(lambda: torch.empty((4096, 4096), dtype=torch.bfloat16, device=dev)):.1f} µs")
 
 
