@@ -168,3 +168,17 @@ def test_status_reads_a_database_without_changing_it(tmp_path):
     assert _files(tmp_path) == before
     with Store(url, read_only=True) as s:
         assert [r.status for r in s.runs()] == ["finished", "running"]  # status only reads; a sweep marks it
+
+
+def test_sqlite_connections_commit_without_fsync_in_wal_mode(tmp_path):
+    """Both engines on a SQLite file (normtune's tables and Optuna's) run WAL with synchronous=NORMAL: no fsync
+    per commit, nothing a killed process committed is lost."""
+    pytest.importorskip("optuna")
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with Store(url) as s:
+        with s._engine.connect() as con:
+            assert con.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert con.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+        storage = s.optuna_storage()
+        with storage.engine.connect() as con:
+            assert con.exec_driver_sql("PRAGMA synchronous").scalar() == 1

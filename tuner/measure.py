@@ -60,7 +60,7 @@ class Timing:
 
 # Presets of the commands; every interpreter run uses "interpret" (its figures only need to exist).
 TIMING = {
-    "sweep": Timing(max_reps=100, budget_s=0.2),
+    "sweep": Timing(warmup=1, max_reps=60, budget_s=0.1),
     "bench": Timing(budget_s=0.5),
     "validate": Timing(max_reps=100, budget_s=0.25),
     "compare": Timing(max_reps=100, budget_s=0.25),
