@@ -175,7 +175,9 @@ def default_config(problem: "Problem") -> "BackwardConfig":
         if columns.is_valid(problem):
             return columns
     block_col = 4096 if two_pass else n_pow2
-    block_row = 1 if two_pass else max(1, min(16, 8192 // block_col))
+    # Up to 64 rows (the space's largest block_row): a cap of 16 left rows of <= 256 columns with 2048-4096
+    # element tiles, under the ~8192 the tuned N=1024/2048 seed rules settled on.
+    block_row = 1 if two_pass else max(1, min(64, 8192 // block_col))
     tile = block_row * block_col
     # 16 warps once a row is >= 4096 columns (H100 and H200 sweeps: every tuned seed config at N >= 4096 ran 16
     # warps or smem pipelining; 8 warps cost LayerNorm 4096x8192 96.6 vs 82.0 µs on the H100).

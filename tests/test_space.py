@@ -214,7 +214,7 @@ def test_the_default_is_worth_measuring(norm, M, N, sms):
                                              ("rms_norm", 3, 1, 4), ("layer_norm", 5, 200, 4), ("rms_norm", 0, 7, 4)])
 def test_seeds_lie_in_the_search_space(norm, M, N, sms):
     """A seed is enqueued in the Optuna study by its params, so every param must be one of its domain's values.
-    Where M is below the default's block_row (16 rows for N <= 512), the block_row domain stops at next_pow2(M)
+    Where M is below the default's block_row (up to 64 rows for narrow N), the block_row domain stops at next_pow2(M)
     and `normtune sweep --shapes 3x1` fails before measuring anything with "error: '16' not in (1, 2, 4)."."""
     s = space(norm, M, N, sms)
     d = s.domains()
