@@ -1,7 +1,7 @@
 """Where host time goes, on a CUDA host: one backward call through the public API, one Triton launch (through
 `JITFunction` and straight through the compiled kernel's launcher), and one sweep trial's measurement.
 
-    python3 docs/experiments/profile_host.py [OUT_DIR]
+    python3 docs/experiments/profile_host.py [OUT_DIR] [PART,PART…]   (parts: the functions run at the end)
 
 Prints (and writes OUT_DIR/profile_host.txt) host µs per call, the top of cProfile's listing for each, and the
 bitwise check that a direct launch computes what the JIT launch computes.
@@ -204,10 +204,50 @@ def sweep_trials(n: int = 30) -> None:
                 say("    " + line[:160])
 
 
+def first_launches(n: int = 20) -> None:
+    """A sweep trial's measurement when its kernels are in Triton's disk cache (compiled by other processes, as
+    the sweep's compile-ahead workers do) but not yet loaded in the measuring process."""
+    from normtune.tuner.sweep.compiling import _compile_one, compile_pool
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    session = MeasureSession(dev, l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size,
+                             timing=TIMING["sweep"])
+    problem = Problem("rms_norm", 4096, 8192, "bf16", "bf16", True, False)
+    configs = random_configs(Space(problem, sms), n + 1)
+    pool = compile_pool(4, 0)
+    t = time.perf_counter()
+    statuses = list(pool.map(_compile_one, [problem.to_dict()] * len(configs), [c.to_json() for c in configs],
+                             [sms] * len(configs)))
+    pool.shutdown()
+    say(f"compiled {len(configs)} configs in 4 other processes: {time.perf_counter() - t:.1f} s "
+        f"({sum(1 for s in statuses if s[0] == 'ok')} ok)")
+    session.measure_problem(problem, configs[0])
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    results = [session.measure_problem(problem, c) for c in configs[1:]]
+    prof.disable()
+    per = (time.perf_counter() - t) / n
+    say(f"first measurement of a disk-cached config: {per * 1e3:.1f} ms/trial "
+        f"({sum(1 for r in results if r.status == 'ok')} ok)")
+    t = time.perf_counter()
+    again = [session.measure_problem(problem, c) for c in configs[1:]]
+    say(f"second measurement of the same configs: {(time.perf_counter() - t) / n * 1e3:.1f} ms/trial "
+        f"({sum(1 for r in again if r.status == 'ok')} ok)")
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+    for line in buf.getvalue().splitlines():
+        if line.strip():
+            say("    " + line[:170])
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "."
     say(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    for part in (api_calls, launches, bench_view, sweep_trials):
+    parts = {f.__name__: f for f in (api_calls, launches, bench_view, sweep_trials, first_launches)}
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(parts)
+    for part in (parts[name] for name in chosen):
         try:
             part()
         except Exception as err:  # noqa: BLE001 - keep the other parts' figures
