@@ -192,3 +192,32 @@ def test_direct_launches_follow_alignment_and_strides(norm, M, N, strategy):
             assert torch.equal(first, second), f"direct launch differs (offset {offset}, stride {stride})"
         for name, got, ref in zip(("dx", "dw", "db"), runs[1], _reference(norm, x, w, b, g)):
             assert _rel(got, ref) < 1e-4, f"{name} wrong with offset {offset}, stride {stride}, {strategy}"
+
+
+# ------------------------------------------------------------------- compile-ahead specializes like a launch
+
+def _pointer_args(args):
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("norm,M,N", [("layer_norm", 37, 200), ("rms_norm", 130, 1000), ("layer_norm", 9, 3000)])
+def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy):
+    """`precompile` (the sweep's compile-ahead workers) compiles with placeholders that Triton counts as 16-byte
+    aligned and the integers of contiguous rows. A launch on aligned, contiguous inputs must pass exactly that,
+    or the measuring process compiles every trial's kernel again (a sync-counter slice 8 bytes off did)."""
+    from normtune.kernels.backward.launch import _placeholder_args
+    from normtune.tuner.cases import make_case
+
+    problem = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
+    config = next((c for c in Space(problem, 4).seeds() if STRATEGIES[strategy](c)), None)
+    if config is None:
+        pytest.skip(f"the search space has no {strategy} seed for {problem.key}")
+    launch = make_case(problem, "cpu").launch(config)
+    for args in (launch._k1_args, launch._k2_args, launch._rs_args):
+        for t in _pointer_args(args or ()):
+            assert t.data_ptr() % 16 == 0, f"a {strategy} launch passes a pointer off 16-byte alignment"
+    if config.kernel_1.strategy == "rows":
+        placeholders = _placeholder_args(problem, False, config.kernel_1.row_split)
+        launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
+        assert launch_ints == [a for a in placeholders if isinstance(a, int)]

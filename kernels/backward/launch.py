@@ -148,7 +148,7 @@ def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device,
     kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=config.kernel_2.fused,
                           phase=0, slots=2)
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
-    args = _placeholder_args(p, int64)
+    args = _placeholder_args(p, int64, k1.row_split)
     compiled = kernel.warmup(*args, grid=(groups * k1.row_split,), **kwargs)
     try:
         compiled._init_handles()
@@ -160,13 +160,14 @@ def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device,
     return max(k1.row_split, min(per_sm, MAX_PROGRAMS_PER_SM_SYNC) * sm_count(device))
 
 
-def _placeholder_args(p: Problem, int64: bool) -> tuple:
-    """kernel_1 (rows) arguments as dtypes, for compiling without data; the same substitutions as a launch."""
+def _placeholder_args(p: Problem, int64: bool, row_split: int = 1) -> tuple:
+    """kernel_1 (rows) arguments as dtypes (aligned pointers, as a launch's buffers are) and the integers a launch
+    on contiguous rows passes, for compiling without data: the same specialization as that launch."""
     act, wdt, f32, i32 = TORCH_DTYPES[p.dtype], TORCH_DTYPES[p.weight_dtype], torch.float32, torch.int32
     out_dt = wdt
     return (act, p.N, act, p.N, act, p.N, wdt if p.has_weight else f32, wdt if p.has_bias else f32, f32, f32,
             f32, f32, out_dt if p.has_weight else f32, out_dt if p.has_bias else f32, f32, i32, i32, i32,
-            p.M, p.N, p.N)
+            p.M, p.N, slice_width(p.N, row_split))
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,9 +177,20 @@ def _sync_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
     return torch.zeros(size, dtype=torch.int32, device=device)
 
 
+# Every buffer a kernel gets starts on a 16-byte boundary (4 fp32/int32 elements): Triton specializes pointer
+# arguments on that alignment, and the compile-ahead path (`precompile`, whose placeholders count as aligned) must
+# build exactly the kernel a launch runs, or the launch compiles it again.
+ALIGN_ELEMENTS = 4
+
+
+def _aligned(n: int) -> int:
+    return cdiv(n, ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
 def sync_counters(device: torch.device) -> torch.Tensor:
+    """[2 global counters, padded to 16 bytes | per-group counters | per-group counters], each part aligned."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    return _sync_buffer(device, stream, 2 + 2 * MAX_PROGRAMS_PER_SM_SYNC * sm_count(device))
+    return _sync_buffer(device, stream, ALIGN_ELEMENTS + 2 * _aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
 
 
 class BackwardLaunch:
@@ -220,7 +232,7 @@ class BackwardLaunch:
         if M == 0:
             self._k1_args = self._k2_args = self._rs_args = None
         elif k1.strategy == "columns":
-            c = torch.empty((2, M), **f32)
+            c = torch.empty((2, _aligned(M)), **f32)  # c[1] starts 16-byte aligned too
             self._rs_args = (grad, grad.stride(0), saved, saved.stride(0), weight_arg, bias_arg, rstd, mean_arg,
                              c[0], c[1], M, N)
             self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
@@ -228,13 +240,14 @@ class BackwardLaunch:
             self._k2_args = None
         else:
             sync = sync_counters(device)
-            groups_cap = (sync.numel() - 2) // 2
+            head = ALIGN_ELEMENTS
+            groups_cap = (sync.numel() - head) // 2
             sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), **f32)
                     if k1.row_split > 1 else rstd)
             self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
                              bias_arg, rstd, mean_arg, self.partial_dw if has_w else rstd,
-                             self.partial_db if has_b else rstd, dw_arg, db_arg, sums, sync[2:2 + groups_cap],
-                             sync[2 + groups_cap:], sync[:2], M, N, slice_width(N, k1.row_split))
+                             self.partial_db if has_b else rstd, dw_arg, db_arg, sums, sync[head:head + groups_cap],
+                             sync[head + groups_cap:], sync[:2], M, N, slice_width(N, k1.row_split))
             self._k2_args = (self.partial_dw if has_w else rstd, self.partial_db if has_b else rstd, dw_arg, db_arg,
                              pl.groups, N)
             self._rs_args = None
@@ -304,7 +317,7 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
                                        INT64=int64, num_warps=k1.num_warps))
         return
     pl = plan(p, config, device, int64)
-    pl.kernel_1.warmup(*_placeholder_args(p, int64), grid=(pl.programs,), **pl.k1_kwargs)
+    pl.kernel_1.warmup(*_placeholder_args(p, int64, k1.row_split), grid=(pl.programs,), **pl.k1_kwargs)
     if pl.k2_kwargs is not None:
         out = wdt
         kernel_2.warmup(f32, f32, out if p.has_weight else f32, out if p.has_bias else f32, pl.groups, p.N,
