@@ -21,6 +21,16 @@ N = 32
 SMALL = BackwardConfig(Kernel1Config(block_row=2, block_col=64, num_warps=2), Kernel2Config(block_m=4, block_n=32))
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: torch's intra-op threads only add synchronization (10-50x slower when the xdist
+    workers already share the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _randomize(model: nn.Module, seed: int = 1) -> None:
     """Norm weights away from their init (ones, or zeros for zero-centered ones), so that the formula matters."""
     gen = torch.Generator().manual_seed(seed)
@@ -269,3 +279,130 @@ def test_top_level_patch_is_lazy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]  # `import normtune` (the CLI) loads the kernels only on use
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transformers models: tiny, random init, built from their configs (no downloads)
+# ---------------------------------------------------------------------------------------------------------------
+# model_type -> (its RMSNorm class, how many: 2 per layer + the final one, + q_norm/k_norm over the head dim in Qwen3)
+MODELS = {"llama": ("LlamaRMSNorm", 5), "qwen2": ("Qwen2RMSNorm", 5), "qwen3": ("Qwen3RMSNorm", 9),
+          "gemma": ("GemmaRMSNorm", 5)}  # Gemma's is zero-centered: y = x̂·(1 + w)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256}
+
+
+def _tiny_causal_lm(model_type: str, dtype: torch.dtype, device: str, **sizes) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, **{**TINY, **sizes})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    _randomize(model)  # norm weights (and biases) off their init: Gemma's zeros would hide the (1 + w)
+    return model.to(device=device, dtype=dtype)
+
+
+def _token_ids(model: nn.Module, batch: int = 2, tokens: int = 16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    vocab = model.config.vocab_size
+    return torch.randint(0, vocab, (batch, tokens), generator=gen).to(next(model.parameters()).device)
+
+
+def _logits_loss_grads(model: nn.Module, ids: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _patch_and_check_structure(model: nn.Module, model_type: str) -> None:
+    before, keys = _snapshot(model), list(model.state_dict())
+    report = normtune.patch(model)
+    cls, count = MODELS[model_type]
+    assert report.replaced == {cls: count} and report.skipped == {}
+    _assert_same_parameters(model, before)  # 0 parameters re-created: optimizer state and checkpoints still apply
+    assert list(model.state_dict()) == keys
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == count and all(m.zero_centered == (model_type == "gemma") for m in norms)
+    assert not any(type(m).__name__ == cls for m in model.modules())
+
+
+# Training is checked on a plain and a zero-centered model; Qwen2/Qwen3 differ from Llama in their attention
+# (biases, q_norm/k_norm), which the first step's gradients cover (each step costs seconds in the interpreter).
+@pytest.mark.parametrize("model_type,steps", [("llama", 5), ("qwen2", 1), ("qwen3", 1), ("gemma", 5)])
+def test_transformers_model_fp32_matches_and_trains(model_type, steps, device, tolerance, assert_close):
+    model = _tiny_causal_lm(model_type, torch.float32, device)
+    reference = copy.deepcopy(model)
+    _patch_and_check_structure(model, model_type)
+    ids = _token_ids(model)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    tol = tolerance(torch.float32)
+    for step in range(steps):
+        (logits, loss, grads), ref = _logits_loss_grads(model, ids), _logits_loss_grads(reference, ids)
+        if step == 0:  # the same weights: logits, loss and every gradient match
+            first_loss = ref[1].item()
+            assert_close(logits, ref[0], tol, "logits")
+            assert_close(loss, ref[1], tol, "loss")
+            for name, grad in ref[2].items():
+                assert_close(grads[name], grad, tol, f"grad {name}")
+        for optimizer in optimizers:
+            optimizer.step()
+    with torch.no_grad():
+        losses = [m(input_ids=ids, labels=ids).loss.item() for m in (model, reference)]
+    assert losses[1] < first_loss  # it trained
+    assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), f"loss after {steps} AdamW steps: {losses}"
+
+
+def _check_bf16(model_type: str, device: str, tolerance, relative_error, batch: int, tokens: int, **sizes):
+    """Patched bf16 against the same weights in fp32: no further off than transformers' own bf16 model is, plus the
+    bf16 tolerance of the kernel tests (both round differently: Llama casts x̂ to bf16 before scaling by w)."""
+    model = _tiny_causal_lm(model_type, torch.bfloat16, device, **sizes)
+    unpatched, fp32 = copy.deepcopy(model), copy.deepcopy(model).float()
+    _patch_and_check_structure(model, model_type)
+    ids = _token_ids(model, batch, tokens)
+    results = {label: _logits_loss_grads(m, ids) for label, m in
+               (("patched", model), ("unpatched", unpatched), ("fp32", fp32))}
+    tol = tolerance(torch.bfloat16)
+    exact = results["fp32"]
+    pairs = [("logits", 0), ("loss", 1)] + [(f"grad {name}", name) for name in exact[2]]
+    for what, key in pairs:
+        pick = (lambda r: r[key]) if isinstance(key, int) else (lambda r: r[2][key])
+        ours, theirs = (relative_error(pick(results[label]), pick(exact)) for label in ("patched", "unpatched"))
+        assert ours <= tol + theirs, f"{what}: bf16 relative error {ours:.3g}, transformers' own {theirs:.3g}"
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_transformers_model_bf16(model_type, device, tolerance, relative_error):
+    _check_bf16(model_type, device, tolerance, relative_error, batch=2, tokens=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma"])
+def test_transformers_model_bf16_on_gpu(model_type, device, tolerance, relative_error):
+    """The compiled kernels on real widths (several row blocks, the tables' configs) in bf16."""
+    _check_bf16(model_type, device, tolerance, relative_error, batch=4, tokens=256, hidden_size=1024,
+                intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=4096)
+
+
+def test_transformers_model_compiled(device, tolerance, assert_close):
+    """torch.compile of the patched model traces normtune's custom ops (one forward per norm, those over the head
+    dim included) and matches the unpatched model."""
+    model_type = "qwen3"
+    model = _tiny_causal_lm(model_type, torch.float32, device)
+    reference = copy.deepcopy(model)
+    normtune.patch(model)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend)
+    ids = _token_ids(model)
+    (logits, loss, grads), ref = _logits_loss_grads(compiled, ids), _logits_loss_grads(reference, ids)
+    traced = sum(str(node.target) == "normtune.norm_forward.default" for gm in graphs for node in gm.graph.nodes)
+    assert traced == MODELS[model_type][1]
+    tol = tolerance(torch.float32)
+    assert_close(logits, ref[0], tol, "logits")
+    assert_close(loss, ref[1], tol, "loss")
+    grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}  # the compiled wrapper's names
+    for name, grad in ref[2].items():
+        assert_close(grads[name], grad, tol, f"grad {name}")
