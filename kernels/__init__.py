@@ -1,6 +1,6 @@
 """normtune runtime: Triton LayerNorm/RMSNorm forward and tunable two-kernel backward.
 
-    from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig
+    from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig, patch
 """
 
 from .config import (
@@ -14,9 +14,10 @@ from .config import (
 from .heuristics import default_config
 from .functional import layer_norm, rms_norm
 from .modules import LayerNorm, RMSNorm
+from .patch import PatchReport, patch
 from .select import select_config
 
 __all__ = [
-    "BackwardConfig", "ConfigError", "Kernel1Config", "Kernel2Config", "LayerNorm", "Problem", "ProblemFamily",
-    "RMSNorm", "default_config", "layer_norm", "rms_norm", "select_config",
+    "BackwardConfig", "ConfigError", "Kernel1Config", "Kernel2Config", "LayerNorm", "PatchReport", "Problem",
+    "ProblemFamily", "RMSNorm", "default_config", "layer_norm", "patch", "rms_norm", "select_config",
 ]

@@ -1,4 +1,4 @@
-"""The wheel: one `normtune` namespace holding the runtime, the tuner, the CLI and the shipped tables, and nothing
+"""The wheel: one `normtune` package holding the runtime, the tuner, the CLI and the shipped tables, and nothing
 with a generic top-level name (kernels, tuner, cli, tests) landing in site-packages.
 
 Built from a copy of the working tree (the files git would track, results.db and docs left out) so that the
@@ -48,9 +48,10 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("normtune/configs/h100.json", "normtune/configs/h200.json", "normtune/configs/__init__.py",
-                     "normtune/cli.py", "normtune/kernels/__init__.py", "normtune/kernels/tables.py",
-                     "normtune/tuner/__init__.py", "normtune/tuner/store.py", "normtune/commands/common.py"):
+    for required in ("normtune/__init__.py", "normtune/configs/h100.json", "normtune/configs/h200.json",
+                     "normtune/configs/__init__.py", "normtune/cli.py", "normtune/kernels/__init__.py",
+                     "normtune/kernels/tables.py", "normtune/tuner/__init__.py", "normtune/tuner/store.py",
+                     "normtune/commands/common.py"):
         assert required in names, required
     dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
     assert len(dist_info) == 1
@@ -59,7 +60,8 @@ def test_wheel_contents(wheel):
     # Nothing but the runtime, the tuner, the CLI (and its commands) and the tables: no tests, databases or docs.
     subpackages = {n.split("/")[1] for n in names if n.startswith("normtune/") and n.count("/") >= 2}
     assert subpackages == {"kernels", "tuner", "commands", "configs"}
-    assert {n for n in names if n.startswith("normtune/") and n.count("/") == 1} == {"normtune/cli.py"}
+    assert {n for n in names if n.startswith("normtune/") and n.count("/") == 1} == {"normtune/__init__.py",
+                                                                                    "normtune/cli.py"}
     assert not [n for n in names if n.endswith((".db", ".png", ".md")) or "/tests/" in n or "/docs/" in n]
     # Every module of the source tree is in the wheel.
     for pkg in ("kernels", "tuner", "commands", "configs"):
