@@ -1,14 +1,15 @@
 """`patch(model)`: replace a model's LayerNorms and RMSNorms, in place, by normtune's modules.
 
 What is replaced: `torch.nn.LayerNorm`, `torch.nn.RMSNorm`, and any other module that is built like a norm and
-behaves like one. Built like a norm: a leaf module (no submodules, no buffers) from outside torch whose parameters
-are a 1-D `weight` (and perhaps a `bias` of the same shape) and that has an `eps` or `variance_epsilon` number —
+behaves like one. Built like a norm: a leaf module (no submodules, no buffers, no torch layer among its classes)
+whose parameters are a 1-D `weight` (and perhaps a `bias` of the same shape), with an `eps` or `variance_epsilon` —
 the RMSNorms of `transformers` models (Llama, Qwen2, Qwen3 with its q_norm/k_norm over the head dim, T5, Gemma's
 zero-centered (1 + w) …) and hand-written LayerNorms. Behaves like one: a copy of the module, holding random fp32
 weights instead of the user's (which are never touched), is run on a random fp32 input at two scales (~1 and
 ~sqrt(eps), where eps matters), and its output must match RMSNorm, LayerNorm or their zero-centered forms over the
 last dimension within `PROBE_TOLERANCE`. The same probe checks a torch LayerNorm/RMSNorm subclass that overrides
-`forward`.
+`forward` (Nemotron's weight + 1 LayerNorm is a zero-centered one). Norms without a weight (weightless RMSNorms,
+L2 norms) are left alone.
 
 What is kept: the Parameter objects themselves (optimizer state, tied weights and checkpoints keep working), the
 names the state dict stores them under, their device and dtype, and train/eval mode. A module reachable under
@@ -16,14 +17,16 @@ several names is replaced by one module everywhere.
 
 What is refused, naming the module, the reason and the fix (a ValueError; with strict=False the module is left as
 it is and listed in the report's `skipped` instead): a norm-like module whose output matches no formula (an offset,
-a different eps, another reduction), a forward that fails on the probe input, weights on the meta device (the
-probe needs values), weights outside float32/bfloat16/float16, more than normtune's maximum of values per row,
-forward/backward hooks or an instance-level forward (they would not carry over).
+a different eps, another reduction such as channels-first), a forward that fails on the probe input or takes more
+than the input (the gated RMSNorms of Mamba-style models), weights on the meta device (the probe needs values),
+weights outside float32/bfloat16/float16, more than normtune's maximum of values per row, forward/backward hooks
+or an instance-level forward (they would not carry over).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -112,13 +115,15 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, s
                 edges.append((parent, attr, child))
 
     report = PatchReport()
-    refused = [(paths[key], reason) for key, reason in decisions.items() if isinstance(reason, str)]
+    modules = {id(m): m for m in model.modules()}
+    refused = [(paths[key], type(modules[key]).__name__, reason) for key, reason in decisions.items()
+               if isinstance(reason, str)]
     if refused and strict:
-        path, reason = refused[0]
+        path, name, reason = refused[0]
         more = f" ({len(refused) - 1} more modules refused)" if len(refused) > 1 else ""
-        raise ValueError(f"cannot replace {path}: {reason}{more}; pass strict=False to leave such modules as they "
-                         "are (listed in the report's skipped)")
-    report.skipped.update(refused)
+        raise ValueError(f"cannot replace {path} ({name}): {reason}{more}; pass strict=False to leave such modules "
+                         "as they are (listed in the report's skipped)")
+    report.skipped.update({path: f"{name}: {reason}" for path, name, reason in refused})
 
     built: dict[int, nn.Module] = {}
     counts: Counter = Counter()
@@ -152,11 +157,12 @@ def _classify(module: nn.Module, wanted: dict[str, bool]) -> _Plan | str | None:
         is_rms = isinstance(module, nn.RMSNorm)
         if not wanted["rms_norm" if is_rms else "layer_norm"]:
             return None
-        plan = _Plan("rms_norm" if is_rms else "layer_norm", tuple(module.normalized_shape), module.eps)
-        reason = _unsupported(module, plan)
-        if reason is None and type(module).forward is not (nn.RMSNorm if is_rms else nn.LayerNorm).forward:
-            return _probe(module, [plan])  # a subclass with its own forward must still compute the same
-        return reason or plan
+        plans = [_Plan("rms_norm" if is_rms else "layer_norm", tuple(module.normalized_shape), module.eps, zc)
+                 for zc in (False, True)]
+        if type(module).forward is (nn.RMSNorm if is_rms else nn.LayerNorm).forward:
+            return _unsupported(module, plans[0]) or plans[0]
+        # A subclass with its own forward must still compute the norm (zero-centered ones, e.g. weight + 1, too).
+        return _unsupported(module, plans[0]) or _takes_more_than_the_input(module) or _probe(module, plans)
     if not _built_like_a_norm(module):
         return None
     eps_name = next(name for name in EPS_NAMES if hasattr(module, name))
@@ -172,22 +178,37 @@ def _classify(module: nn.Module, wanted: dict[str, bool]) -> _Plan | str | None:
         return None
     plans = [_Plan(kind, shape, float(eps), zc, eps_name) for kind in kinds for zc in (False, True)]
     decision = _probe(module, plans)
-    if not isinstance(decision, _Plan):
-        return decision
-    if not wanted[decision.kind]:
+    if isinstance(decision, _Plan) and not wanted[decision.kind]:
         return None
-    return _unsupported(module, decision) or decision
+    reason = _takes_more_than_the_input(module) or (
+        decision if isinstance(decision, str) else _unsupported(module, decision))
+    return reason or decision
 
 
 def _built_like_a_norm(module: nn.Module) -> bool:
     if module._modules or any(b is not None for b in module._buffers.values()):
         return False
-    if type(module).__module__.split(".")[0] == "torch":  # BatchNorm, GroupNorm, InstanceNorm …: other reductions
+    # torch's own layers and their subclasses (BatchNorm, GroupNorm, InstanceNorm …) reduce over other dims
+    if any(cls.__module__.split(".")[0] == "torch" for cls in type(module).__mro__ if cls not in (nn.Module, object)):
         return False
     params = {name for name, p in module._parameters.items() if p is not None}
     weight = module._parameters.get("weight")
     return (isinstance(weight, nn.Parameter) and weight.dim() == 1 and params <= {"weight", "bias"}
             and any(hasattr(module, name) for name in EPS_NAMES))
+
+
+def _takes_more_than_the_input(module: nn.Module) -> str | None:
+    """A forward with more parameters than the input (e.g. a gate, a residual) is called with them somewhere: the
+    replacement, which takes only the input, would fail there or drop them."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):
+        return None
+    takes_input = params and params[0].kind is not inspect.Parameter.VAR_POSITIONAL
+    extra = [p.name for p in (params[1:] if takes_input else params)]
+    if extra:
+        return f"its forward takes more than the input ({', '.join(extra)}), which the replacement would not accept"
+    return None
 
 
 def _unsupported(module: nn.Module, plan: _Plan) -> str | None:
@@ -229,9 +250,10 @@ def _probe(module: nn.Module, plans: list[_Plan]) -> _Plan | str:
     probe.__dict__["_parameters"] = {name: t if t is None else t.to(device) for name, t in fake.items()}
     try:
         with torch.no_grad():
-            y = probe.forward(x.to(device))
+            y = type(module).forward(probe, x.to(device))  # the class's forward, not one set on the instance
     except Exception as err:  # noqa: BLE001 - any failure means "not a norm we can stand in for"
-        return f"its forward failed on a probe input of shape {tuple(x.shape)} ({type(err).__name__}: {err})"
+        first_line = (str(err).strip().splitlines() or [""])[0][:160]
+        return f"its forward failed on a probe input of shape {tuple(x.shape)} ({type(err).__name__}: {first_line})"
     if not isinstance(y, Tensor) or y.shape != x.shape:
         return f"its forward returned {type(y).__name__} {tuple(getattr(y, 'shape', ()))}, not a tensor of the " \
                f"input's shape {tuple(x.shape)}"

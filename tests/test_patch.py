@@ -142,7 +142,12 @@ def test_other_norms_and_lookalikes_are_left_alone():
         def forward(self, x):
             return x * self.weight + self.running
 
-    model = nn.Sequential(nn.BatchNorm1d(N), nn.GroupNorm(4, N), nn.InstanceNorm1d(N, affine=True), Scaled())
+    class ChannelGroupNorm(nn.GroupNorm):  # a subclass of another torch norm: its reduction, not ours
+        def forward(self, x):
+            return super().forward(x.transpose(1, -1)).transpose(1, -1)
+
+    model = nn.Sequential(nn.BatchNorm1d(N), nn.GroupNorm(4, N), nn.InstanceNorm1d(N, affine=True), Scaled(),
+                          ChannelGroupNorm(4, N))
     before = list(model)
     assert patch(model).replaced == {}
     assert list(model) == before
@@ -197,9 +202,26 @@ def test_hand_written_norms_are_recognised(tolerance, assert_close):
     assert model[4].bias is None and model[0].variance_epsilon == 1e-6  # the original eps name still reads
 
 
+class OnePlusLayerNorm(nn.LayerNorm):
+    """A torch LayerNorm subclass scaling by 1 + weight (as Nemotron's LayerNorm1P does)."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1.0, self.bias, self.eps)
+
+
 def test_hand_written_norms_match_after_patch(tolerance, assert_close):
-    model = nn.Sequential(HandRMSNorm(N), nn.Linear(N, N), HandRMSNorm(N, zero_centered=True), HandLayerNorm(N))
-    _check_torch_patch(model, tolerance(torch.float32), assert_close)
+    model = nn.Sequential(HandRMSNorm(N), nn.Linear(N, N), HandRMSNorm(N, zero_centered=True), HandLayerNorm(N),
+                          OnePlusLayerNorm(N))
+    report = _check_torch_patch(model, tolerance(torch.float32), assert_close)
+    assert report.replaced == {"HandRMSNorm": 2, "HandLayerNorm": 1, "OnePlusLayerNorm": 1}
+    assert model[4].zero_centered and model[4].bias is not None
+
+
+class GatedRMSNorm(HandRMSNorm):
+    """Mamba-style: the caller passes a gate, which a replacement taking only the input would not accept."""
+
+    def forward(self, x, gate=None):
+        return super().forward(x if gate is None else x * nn.functional.silu(gate))
 
 
 class ChannelsFirstLayerNorm(nn.LayerNorm):
@@ -215,14 +237,23 @@ def _hooked() -> nn.Module:
     return norm
 
 
+def _wrapped() -> nn.Module:
+    norm = HandRMSNorm(N)
+    forward = norm.forward
+    norm.forward = lambda x: forward(x)  # as offloading hooks do
+    return norm
+
+
 # (id, module, substrings of the refusal)
 REFUSED = [
     ("offset", lambda: HandRMSNorm(N, offset=0.01), ["matches none of", "closest: RMSNorm"]),
+    ("gated", lambda: GatedRMSNorm(N), ["forward takes more than the input (gate)"]),
     ("other-eps", lambda: HandRMSNorm(N, inner_eps=1e-3), ["matches none of", "eps=1e-06"]),
     ("channels-first", lambda: ChannelsFirstLayerNorm(N), ["its forward failed on a probe input"]),
     ("too-wide", lambda: nn.LayerNorm((1024, 512)), ["524288 values per row", "maximum 262144"]),
     ("float64", lambda: nn.RMSNorm(N, dtype=torch.float64), ["weight is torch.float64", "before patch()"]),
     ("hooks", _hooked, ["forward_hooks", "register them after patch()"]),
+    ("instance-forward", _wrapped, ["forward is replaced on the instance"]),
     ("meta", lambda: HandRMSNorm(N).to("meta"), ["meta device", "after loading"]),
     ("bad-eps", lambda: HandLayerNorm(N, eps=0.0), ["eps (0.0) is not a positive finite number"]),
 ]
@@ -236,23 +267,32 @@ def test_refusals_name_the_module_reason_and_fix(make, needles):
     with pytest.raises(ValueError) as info:
         patch(model)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("cannot replace 1.1: ") and "strict=False" in message
+    assert "\n" not in message and message.startswith(f"cannot replace 1.1 ({type(module).__name__}): ")
+    assert "strict=False" in message
     for needle in needles:
         assert needle in message, message
     assert model[0] is first and model[1][1] is module  # nothing replaced when strict refuses
     report = patch(model, strict=False)
     assert report.replaced == {"RMSNorm": 1} and list(report.skipped) == ["1.1"] and model[1][1] is module
-    assert needles[0] in report.skipped["1.1"] and "skipped 1.1: " in str(report)
+    assert needles[0] in report.skipped["1.1"] and f"skipped 1.1: {type(module).__name__}: " in str(report)
 
 
-def test_a_module_that_fails_on_the_probe_is_refused():
-    class NeedsThreeDims(HandRMSNorm):
+def test_a_module_returning_another_shape_is_refused():
+    class Flattening(HandRMSNorm):
         def forward(self, x):
-            b, t, n = x.shape[0], x.shape[1], x.shape[2]  # a (2, 3, N) probe passes; only the shape check fails
-            return super().forward(x).reshape(b * t, n)
+            return super().forward(x).flatten(0, -2)
 
-    with pytest.raises(ValueError, match=r"cannot replace 0: its forward returned Tensor \(6, 32\)"):
-        patch(nn.Sequential(NeedsThreeDims(N)))
+    expected = r"cannot replace 0 \(Flattening\): its forward returned Tensor \(6, 32\), not a tensor"
+    with pytest.raises(ValueError, match=expected):
+        patch(nn.Sequential(Flattening(N)))
+
+
+def test_norms_of_unwanted_kinds_are_neither_replaced_nor_refused():
+    model = nn.Sequential(nn.RMSNorm(N, dtype=torch.float64), HandRMSNorm(N).double(), nn.LayerNorm(N))
+    report = patch(model, rms_norm=False)
+    assert report.replaced == {"LayerNorm": 1} and report.skipped == {}
+    assert [type(m).__name__ for m in model] == ["RMSNorm", "HandRMSNorm", "LayerNorm"]
+    assert type(model[0]) is nn.RMSNorm and type(model[2]) is LayerNorm
 
 
 @pytest.mark.parametrize("call,error,needle", [
