@@ -3,19 +3,36 @@
     from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig, patch
 """
 
-from .config import (
-    BackwardConfig,
-    ConfigError,
-    Kernel1Config,
-    Kernel2Config,
-    Problem,
-    ProblemFamily,
-)
-from .heuristics import default_config
-from .functional import layer_norm, rms_norm
-from .modules import LayerNorm, RMSNorm
-from .patch import PatchReport, patch
-from .select import select_config
+import importlib
+import sys
+
+
+def _stand_for_normtune_kernels(name: str) -> bool:
+    """Loaded under another name than normtune.kernels — the checkout's root is on sys.path (a run from it) and
+    something imported this folder as `kernels` (transformers does, looking for Hugging Face's `kernels` package):
+    running these modules a second time would register normtune's torch ops again and free the first registration,
+    which normtune.kernels still calls (a crash at its next call). Become normtune.kernels instead, if it can load."""
+    try:
+        sys.modules[name] = importlib.import_module("normtune.kernels")
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
+    from .config import (
+        BackwardConfig,
+        ConfigError,
+        Kernel1Config,
+        Kernel2Config,
+        Problem,
+        ProblemFamily,
+    )
+    from .heuristics import default_config
+    from .functional import layer_norm, rms_norm
+    from .modules import LayerNorm, RMSNorm
+    from .patch import PatchReport, patch
+    from .select import select_config
 
 __all__ = [
     "BackwardConfig", "ConfigError", "Kernel1Config", "Kernel2Config", "LayerNorm", "PatchReport", "Problem",

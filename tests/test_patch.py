@@ -331,6 +331,27 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256}
 
 
+def test_the_folder_imported_as_kernels_is_normtune_kernels():
+    """transformers imports `kernels` to look for Hugging Face's package; run from the checkout, that name is this
+    repository's folder. Loaded a second time, it would register normtune's torch ops again and free the ones
+    normtune.kernels calls (seen as flaky crashes of torch.compile): it must stand for normtune.kernels instead."""
+    import importlib
+    from pathlib import Path
+
+    import normtune.kernels
+
+    saved = sys.modules.pop("kernels", None)
+    sys.path.insert(0, str(Path(normtune.kernels.__file__).resolve().parents[1]))
+    try:
+        assert importlib.import_module("kernels") is normtune.kernels
+        assert not [name for name in sys.modules if name.startswith("kernels.")]
+    finally:
+        sys.path.pop(0)
+        sys.modules.pop("kernels", None)
+        if saved is not None:
+            sys.modules["kernels"] = saved
+
+
 def _tiny_causal_lm(model_type: str, dtype: torch.dtype, device: str, **sizes) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(model_type, **{**TINY, **sizes})
