@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, text
 from normtune.kernels.config import BackwardConfig
 from normtune.tuner.store import normalize_url
 
-# The CLI in a fresh interpreter, as the console script would run it (no install needed on the path).
+# The CLI in a fresh interpreter: works where the `normtune` console script is not on PATH.
 CLI = [sys.executable, "-c", "from normtune.cli import app; app()"]
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 REPO = Path(__file__).resolve().parents[1]
