@@ -387,7 +387,7 @@ def _patch_and_check_structure(model: nn.Module, model_type: str) -> None:
 
 # Training is checked on a plain and a zero-centered model; Qwen2/Qwen3 differ from Llama in their attention
 # (biases, q_norm/k_norm), which the first step's gradients cover (each step costs seconds in the interpreter).
-@pytest.mark.parametrize("model_type,steps", [("llama", 5), ("qwen2", 1), ("qwen3", 1), ("gemma", 5)])
+@pytest.mark.parametrize("model_type,steps", [("llama", 5), ("qwen2", 5), ("qwen3", 1), ("gemma", 5)])
 def test_transformers_model_fp32_matches_and_trains(model_type, steps, device, tolerance, assert_close):
     model = _tiny_causal_lm(model_type, torch.float32, device)
     reference = copy.deepcopy(model)
