@@ -145,8 +145,8 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
 def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
     """Programs of kernel_1 the GPU runs at once (every SM full), from the compiled kernel's resources."""
     k1 = config.kernel_1
-    kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=config.kernel_2.fused,
-                          phase=0, slots=2)
+    fused = config.kernel_2.fused and (p.has_weight or bool(p.has_bias))  # as `plan` launches it
+    kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=fused, phase=0, slots=2)
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
     args = _placeholder_args(p, int64, k1.row_split)
     compiled = kernel.warmup(*args, grid=(groups * k1.row_split,), **kwargs)
