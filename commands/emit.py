@@ -123,6 +123,9 @@ def emit(
     for line in E.dropped_summary(table):
         console.print(f"[yellow]{line}[/]")
     prov = table["provenance"]
+    if prov["held_out_left_out"]:
+        console.print(f"left out the held-out shapes {', '.join(prov['held_out_left_out'])}: the selected runs "
+                      "measured them, but validation must stay blind to the table", markup=False)
     if check:
         same = path.is_file() and path.read_text() == text
         console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "

@@ -430,7 +430,9 @@ def test_presets():
     assert parse_shapes("heldout") == list(HELDOUT)
     assert set(PRESETS) == {"seed", "llm", "heldout", "tiny"}
     assert len(parse_shapes("llm")) == len(set(parse_shapes("llm")))
-    assert not set(HELDOUT) & set(SEED)  # held-out shapes are never fitted on
+    assert not set(HELDOUT) & (set(SEED) | set(parse_shapes("llm")))  # held-out shapes are never swept
+    llm = parse_shapes("llm")
+    assert any(M <= 64 for M, _ in llm) and {32768, 65536} <= {N for _, N in llm}  # few rows, very wide rows
 
 
 def test_explicit_lists():

@@ -80,6 +80,25 @@ def test_validate_and_bench_runs_never_change_the_table(tmp_path):
         store.close()
 
 
+def test_a_held_out_shape_is_never_fitted_on_even_when_a_sweep_measured_it(tmp_path):
+    from normtune.tuner.heldout import HELDOUT_SHAPES
+
+    M, N = HELDOUT_SHAPES[0]
+    store = sweep_store(tmp_path / "r.db")
+    try:
+        before = emit.build_table(store, GPU.key)
+        assert before["provenance"]["held_out_left_out"] == []
+        run = store.start_run(GPU, kind="sweep", command_line="normtune sweep --shapes heldout")
+        store.add_measurement(run, RMS.problem(M, N), cfg(N, 2, 32), ok(0.1), source="sweep")
+        store.end_run(run)
+        after = emit.build_table(store, GPU.key)
+        assert after["provenance"]["held_out_left_out"] == [f"{M}x{N}"]
+        assert after["families"] == before["families"] and after["provenance"]["runs"] == [1, 2]
+        assert after["provenance"]["fingerprint"] == before["provenance"]["fingerprint"]
+    finally:
+        store.close()
+
+
 def test_selection_by_run_kind_and_revision(tmp_path):
     store = sweep_store(tmp_path / "r.db")
     try:

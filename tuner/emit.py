@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
 
+from .heldout import HELDOUT_SHAPES
 from .render import geomean
 from .spread import Timing, slower_beyond_spread
 
@@ -39,6 +40,7 @@ SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more tha
 MAX_GROUPS = 3
 FIT_KINDS = ("sweep", "emit")  # run kinds fitted on by default (emit's runs hold the neighbour re-measurements)
 NEVER_FIT = ("validate", "bench")  # run kinds, and measurement-source prefixes, that a table never learns from
+HELD_OUT = frozenset(HELDOUT_SHAPES)  # shapes a table is never fitted on, whichever run measured them
 
 Data = dict[Problem, dict[BackwardConfig, Timing]]
 
@@ -67,6 +69,7 @@ class Inputs:
 
     runs: list  # RunRecord of every run that contributed a measurement, oldest first
     measurements: list  # MeasurementRecord, by id
+    held_out: list = field(default_factory=list)  # "MxN" of held-out shapes the selected runs measured (left out)
     fingerprint: str = ""
 
     def __post_init__(self):
@@ -88,8 +91,9 @@ class Fitted:
 
 
 def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection()) -> Inputs:
-    """The selected runs' correct measurements of `gpu_key` (never validate or bench ones). Raises ValueError
-    for run ids that are not this GPU's, or that are validate/bench runs."""
+    """The selected runs' correct measurements of `gpu_key`: never validate or bench ones, and never one of a
+    held-out shape (`heldout.HELDOUT_SHAPES`), even when a sweep measured it — validation must stay blind to the
+    table. Raises ValueError for run ids that are not this GPU's, or that are validate/bench runs."""
     runs = [r for r in store.runs(gpu_key=None if interpret else gpu_key)
             if r.interpret == interpret and (interpret or r.gpu_key == gpu_key)]
     if selection.run_ids is not None:
@@ -111,8 +115,10 @@ def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Se
     measurements = [m for m in store.measurements(gpu_key=gpu_key, status="ok", interpret=interpret)
                     if m.run_id in run_ids and m.median_us and m.median_us > 0
                     and not m.source.startswith(NEVER_FIT)]
+    held_out = sorted({(m.problem.M, m.problem.N) for m in measurements if (m.problem.M, m.problem.N) in HELD_OUT})
+    measurements = [m for m in measurements if (m.problem.M, m.problem.N) not in HELD_OUT]
     used = {m.run_id for m in measurements}
-    return Inputs([r for r in runs if r.id in used], measurements)
+    return Inputs([r for r in runs if r.id in used], measurements, [f"{M}x{N}" for M, N in held_out])
 
 
 def collect(inputs: Inputs) -> dict[ProblemFamily, Data]:
@@ -309,6 +315,7 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
             "driver": sorted({r.device.driver for r in runs if r.device.driver}),
             "date": max(r.ended_at or r.started_at for r in runs).strftime("%Y-%m-%d"),
             "configs_measured": n_measured,
+            "held_out_left_out": inputs.held_out,
             "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS,
                     "never_slower_than_default": "beyond the p10-p90 spread"},
         },

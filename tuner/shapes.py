@@ -6,6 +6,8 @@ import os
 
 from normtune.kernels.config import MAX_N
 
+from .heldout import HELDOUT_SHAPES
+
 # The 15 seed shapes (docs/seed-shapes.md): three problem sizes (M·N = 2^25, 2^24, 2^23 elements) x five hidden sizes.
 SEED = (
     (32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
@@ -18,13 +20,16 @@ SEED = (
 # and 4 of them).
 LLM_HIDDEN = (1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192, 12288, 16384)
 LLM_TOKENS = (4096, 16384)
-LLM = tuple((m, n) for n in LLM_HIDDEN for m in LLM_TOKENS)
+# Decode-like and small-batch problems (M of the order of the SM count or less: the grid cannot fill the GPU)
+# and very wide rows (32768, 65536), at shapes the held-out set does not use.
+LLM_FEW_ROWS = ((64, 4096), (256, 4096), (512, 4096), (128, 8192), (256, 8192), (512, 8192), (64, 16384),
+                (256, 16384), (512, 16384))
+LLM_WIDE = ((256, 32768), (1024, 32768), (4096, 32768), (256, 65536), (512, 65536), (1024, 65536))
+LLM = tuple((m, n) for n in LLM_HIDDEN for m in LLM_TOKENS) + LLM_FEW_ROWS + LLM_WIDE
 
-# Shapes never used to fit a table: odd M, N not powers of two, very short and very tall problems.
-HELDOUT = (
-    (4093, 1536), (12289, 2560), (1000, 3584), (3001, 5120), (777, 7168), (6000, 12288),
-    (65536, 768), (131072, 1024), (96, 4096), (128, 16384), (20000, 3000), (257, 14336),
-)
+# Shapes never used to fit a table (odd M, N not powers of two, very few rows, very wide, very tall and narrow):
+# one list, `heldout.HELDOUT_SHAPES`; `normtune emit` leaves them out whichever run measured them.
+HELDOUT = HELDOUT_SHAPES
 
 # Tiny shapes for the interpreter (CPU): same code path, seconds instead of minutes.
 TINY = ((64, 256), (37, 200), (96, 512), (8, 1000))
