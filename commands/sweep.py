@@ -47,8 +47,9 @@ def sweep(
     device: Device = 0,
     devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices (0,1,…): one worker per GPU, "
                                                         "sharing only the database")] = None,
-    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling upcoming configs (shared out among "
-                                                      "the --devices workers)")] = 8,
+    compile_workers: Annotated[Optional[int], typer.Option(
+        help="CPU processes compiling upcoming configs, shared out among the --devices workers [default: 8 per GPU, "
+             "within the host's cores]")] = None,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
     seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
     heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,
@@ -75,6 +76,10 @@ def sweep(
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
+    if compile_workers is None:
+        from normtune.tuner.sweep.compiling import default_compile_workers
+
+        compile_workers = default_compile_workers(len(device_list or ()) or 1)
     if compile_workers < 0:
         run_checked(refuse, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)

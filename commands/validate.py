@@ -71,7 +71,8 @@ def validate(
     rounds: Annotated[int, typer.Option(help="Interleaved head-to-head rounds per shape")] = 5,
     db: Storage = DEFAULT_DB,
     out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
-    compile_workers: Annotated[int, typer.Option(help="CPU processes compiling ahead")] = 8,
+    compile_workers: Annotated[Optional[int], typer.Option(
+        help="CPU processes compiling ahead [default: 8, within the host's cores]")] = None,
     interpret: Interpret = False,
 ):
     """Regret of a heuristic table on shapes it was not fitted on: table ÷ the fastest of the table's config, the
@@ -91,6 +92,12 @@ def validate(
         run_checked(refuse, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
+    if compile_workers is None:
+        from normtune.tuner.sweep.compiling import default_compile_workers
+
+        compile_workers = default_compile_workers(1)
+    if compile_workers < 0:
+        run_checked(refuse, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
     problems, model = run_checked(_validation_problems, shapes, shapes_from, tokens, norm, dtype, interpret)
     info = run_checked(device_info, gpu, interpret)
     tab = run_checked(_table_for_device, table, info)
