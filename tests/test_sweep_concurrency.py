@@ -61,6 +61,9 @@ class FakeMeasurer:
             return MeasureResult(status="incorrect", error="dx relative error 3.1 (fake)", interpret=True)
         return MeasureResult(status="ok", median_us=10.0 + h / 10, reps=2, interpret=True)
 
+    def start(self):
+        pass
+
     def interrupt(self):
         pass
 

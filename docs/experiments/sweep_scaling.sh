@@ -25,8 +25,10 @@ TABLE="$OUTDIR/sweep_scaling.md"
     echo "\`normtune sweep --gpu $GPU --shapes $SHAPES --trials $TRIALS --devices …\`, a fresh SQLite database per row;"
     echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null || echo unknown) x $NGPU visible."
     echo
-    echo "| GPUs | devices | trials measured | wall s | trials/s | speedup vs 1 GPU |"
-    echo "|---:|---|---:|---:|---:|---:|"
+    echo "Wall: the whole command (process start-up included). Steady: first to last stored measurement."
+    echo
+    echo "| GPUs | devices | trials measured | wall s | trials/s | speedup vs 1 GPU | steady trials/s | steady speedup |"
+    echo "|---:|---|---:|---:|---:|---:|---:|---:|"
 } >"$TABLE"
 
 BASE=""
@@ -39,15 +41,20 @@ for n in 1 2 4; do
     normtune sweep --gpu "$GPU" --shapes "$SHAPES" --trials "$TRIALS" --devices "$devices" --db "$db" \
         >"$OUTDIR/scaling-${n}gpu.log" 2>&1 || { echo "sweep on $n GPU(s) failed: see $OUTDIR/scaling-${n}gpu.log" >&2; exit 1; }
     end=$(date +%s.%N)
-    measured=$("$PY" -c "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute(
-        'SELECT COUNT(*) FROM normtune_measurements').fetchone()[0])" "$db")
-    row=$("$PY" - "$n" "$devices" "$measured" "$start" "$end" "$BASE" <<'PYEOF'
+    row=$("$PY" - "$n" "$devices" "$db" "$start" "$end" "$BASE" <<'PYEOF'
+import datetime as dt
+import sqlite3
 import sys
-n, devices, measured, start, end, base = sys.argv[1:7]
+n, devices, db, start, end, base = sys.argv[1:7]
+measured, first, last = sqlite3.connect(db).execute(
+    "SELECT COUNT(*), MIN(created_at), MAX(created_at) FROM normtune_measurements").fetchone()
 wall = float(end) - float(start)
-rate = int(measured) / wall
-speedup = f"{rate / float(base):.2f}x" if base else "1.00x"
-print(f"{rate:.4f}||| {n} | {devices} | {measured} | {wall:.0f} | {rate:.2f} | {speedup} |")
+rate = measured / wall
+span = (dt.datetime.fromisoformat(last) - dt.datetime.fromisoformat(first)).total_seconds()
+steady = (measured - 1) / span if span > 0 else float("nan")
+base_rate, base_steady = (float(v) for v in base.split(",")) if base else (rate, steady)
+print(f"{rate:.4f},{steady:.4f}||| {n} | {devices} | {measured} | {wall:.0f} | {rate:.2f} | "
+      f"{rate / base_rate:.2f}x | {steady:.2f} | {steady / base_steady:.2f}x |")
 PYEOF
 )
     [ -n "$BASE" ] || BASE=${row%%||*}

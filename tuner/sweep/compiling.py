@@ -18,8 +18,11 @@ def compile_pool(workers: int, device_index: int) -> ProcessPoolExecutor | None:
     """`workers` compiling processes for the GPU `device_index` (None: compile in the measuring process)."""
     if workers <= 0:
         return None
-    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_compile_init,
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_compile_init,
                                initargs=(device_index,))
+    for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
+        pool.submit(_warm_up)
+    return pool
 
 
 # Compile processes per GPU by default: enough to keep one GPU's measurements fed (a compile takes ~0.1-0.2 s of
@@ -68,6 +71,11 @@ def _compile_init(device_index: int) -> None:
 
     ignore_stop_signals()
     torch.cuda.set_device(device_index)
+
+
+def _warm_up() -> None:
+    """Import what compiling needs, so that the first config's compile does not pay for it."""
+    import normtune.kernels.backward  # noqa: F401
 
 
 def _compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:

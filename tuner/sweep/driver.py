@@ -115,6 +115,7 @@ class Sweep:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, opts.timing)
+        self._measurer.start()
         pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())

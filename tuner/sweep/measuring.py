@@ -58,21 +58,34 @@ class MeasuringProcess:
         self._args = (device_index, interpret, l2_bytes, timing)
         self._proc = None
         self._conn = None
+        self._ready = False
         self.bandwidth_gbps = math.nan
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Spawn the process without waiting for it: its start (importing torch, the CUDA context, measuring the
+        copy bandwidth: seconds) overlaps the sweep's own setup and the first compiles. `measure` waits."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(target=_measure_loop, args=(child, *self._args), daemon=True)
         self._proc.start()
-        self._conn = parent
-        if not parent.poll(600):
+        self._conn, self._ready = parent, False
+
+    def _await_ready(self) -> None:
+        if not self._conn.poll(600):
             raise RuntimeError("the measuring process did not start within 600 s")
-        _, self.bandwidth_gbps = parent.recv()
+        _, self.bandwidth_gbps = self._conn.recv()
+        self._ready = True
 
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
         if self._proc is None or not self._proc.is_alive():
-            self._start()
+            self.start()
+        if not self._ready:
+            try:
+                self._await_ready()
+            except EOFError:
+                self.kill()
+                return MeasureResult(status="error", error="the measuring process died while starting",
+                                     interpret=self._args[1])
         self._conn.send(("measure", problem.to_dict(), config.to_json()))
         if not self._conn.poll(timeout_s):
             self.kill()
@@ -100,9 +113,10 @@ class MeasuringProcess:
             self._proc.kill()
             self._proc.join(10)
         self._proc = self._conn = None
+        self._ready = False
 
     def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and self._proc.is_alive() and self._ready:  # one still starting is just killed
             try:
                 self._conn.send(("stop",))
                 self._proc.join(10)
