@@ -111,9 +111,13 @@ def validate(
         console.print(f"--shapes-from {model.describe()}: {len(problems)} problems", markup=False)
     store = run_checked(Store, db)
     try:
-        rows = run_checked(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
-                           rounds=rounds, compile_workers=compile_workers, command_line=command_line(),
-                           progress=_validate_progress(console))
+        try:
+            rows = run_checked(V.run_validate, store, info, info.key, problems, tab, storage_url=db, trials=trials,
+                               rounds=rounds, compile_workers=compile_workers, command_line=command_line(),
+                               progress=_validate_progress(console))
+        except V.ReferenceInterrupted as stop:
+            console.print(f"validate: {stop}", markup=False, soft_wrap=True)
+            raise typer.Exit(stop.exit_code) from None
     finally:
         store.close()
     summary = V.summarize(rows)

@@ -202,3 +202,36 @@ def test_validate_refuses_bad_options_before_measuring(tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: {needle}"), lines
     assert not (tmp_path / "v.db").exists()
+
+
+def test_an_interrupted_reference_sweep_stops_validate_without_a_report(tmp_path, monkeypatch):
+    """A signal during the reference sweep ends validate with 128 + the signal and no head-to-head: a report
+    against an unfinished reference would understate regret. The sweep's trials stay stored for the re-run."""
+    from normtune.tuner import sweep as S
+
+    monkeypatch.setattr(S.Sweep, "run", lambda self: S.SweepSummary(stopped="interrupted", signal="SIGTERM"))
+    url = f"sqlite:///{tmp_path / 'v.db'}"
+    out = tmp_path / "validate"
+    result = runner.invoke(app, ["validate", "--interpret", "--norm", "rms_norm", "--shapes", "8x96", "--trials", "2",
+                                 "--table", write_table(tmp_path / "t.json", GOOD), "--db", url, "--out", str(out)])
+    assert result.exit_code == 143, result.output
+    assert "SIGTERM during the reference sweep" in result.stderr and "run the same command again" in result.stderr
+    assert not (out / "validate.json").exists()
+    with Store(url) as store:
+        assert not [r for r in store.runs() if r.kind == "validate"]
+
+
+def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
+    from normtune.kernels.config import Problem
+    from normtune.tuner import validate as V
+    from normtune.tuner.device import detect
+
+    def row(M, measured):
+        return V.ValidationRow(Problem("rms_norm", M, 96, "bf16"), {"table": GOOD, "reference": GOOD, "default": GOOD},
+                               {k: Timing(10.0, 9.9, 10.1, 2) for k in V.CANDIDATES}, measured)
+
+    info = detect(interpret=True)
+    full = V.markdown([row(8, 40), row(16, 40)], info, "t.json", 40)
+    assert "short of" not in full
+    short = V.markdown([row(8, 40), row(16, 12)], info, "t.json", 40)
+    assert "Reference short of 40 trials on 1 of 2 shapes" in short and "16×96 bf16 (12)" in short

@@ -72,6 +72,16 @@ class ValidationRow:
 # ---------------------------------------------------------------------------------------- the reference
 
 
+class ReferenceInterrupted(Exception):
+    """A signal stopped the reference sweep: validating against an unfinished reference would understate regret.
+    Its trials are stored; the same command continues it."""
+
+    def __init__(self, exit_code: int, signal: str):
+        super().__init__(f"{signal} during the reference sweep: its trials are saved; run the same command again to "
+                         "finish it (no head-to-head was timed)")
+        self.exit_code = exit_code
+
+
 def reference_sweep(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], *, trials: int,
                     storage_url: str, compile_workers: int, progress=None) -> dict[str, tuple]:
     """problem key → (best config or None, trials measured) of an unseeded sweep of `trials` trials."""
@@ -81,7 +91,9 @@ def reference_sweep(store, info: DeviceInfo, gpu_key: str, problems: list[Proble
     opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, interpret=info.interpret,
                         compile_workers=compile_workers, study_prefix=REFERENCE_PREFIX, source=REFERENCE_SOURCE,
                         seeded=False)
-    Sweep(opts, store, info, on_event=progress).run()
+    summary = Sweep(opts, store, info, on_event=progress).run()
+    if summary.signal:
+        raise ReferenceInterrupted(summary.exit_code, summary.signal)
     out = {}
     for p in problems:
         measured = store.measurements(study_name=names[p.key])
@@ -162,4 +174,16 @@ def markdown(rows: list[ValidationRow], info: DeviceInfo, table_path: str | None
          f"{trials} trials per shape. The table's config, the reference and the analytic default were timed head "
          f"to head ({timing}). Regret = table ÷ the fastest of the three (1.000: the table's config was the "
          "fastest); bounds from the p10–p90 spreads.", ""]
+        + _short_references(rows, trials)
         + validation_table(rows) + ["", validation_summary(summarize(rows)), ""])
+
+
+def _short_references(rows: list[ValidationRow], trials: int) -> list[str]:
+    """A warning line naming the shapes whose reference sweep has fewer than `trials` trials (a time budget or an
+    earlier run with fewer trials): their regret is measured against a weaker reference."""
+    short = [f"{r.problem.M}×{r.problem.N} {r.problem.dtype} ({r.reference_trials})" for r in rows
+             if r.reference_trials is not None and r.reference_trials < trials]
+    if not short:
+        return []
+    return [f"**Reference short of {trials} trials on {len(short)} of {len(rows)} shapes** (their regret is against "
+            f"a weaker reference): {', '.join(short)}.", ""]
