@@ -174,7 +174,7 @@ def test_when_no_config_is_safe_on_the_whole_bucket_each_problem_gets_its_own_be
     # The default itself was measured only on the small problem, so it cannot be the bucket's rule.
     data = {small: {default: T(10.0), x: T(14.0)}, large: {x: T(50.0)}}
     fitted = emit.fit_family(RMS, data, {small: default})
-    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(256, default),
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(1024, default),
                                                                                          (None, x)]
     assert len(fitted.dropped) == 1 and fitted.default_unmeasured == ["4096x1024"]
     table = {"families": {RMS.key: {"dropped": fitted.dropped}}}

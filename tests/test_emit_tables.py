@@ -209,13 +209,14 @@ def test_one_rule_where_one_config_wins_every_m(table, family):
 @pytest.mark.parametrize("family", [LN, RMS], ids=lambda f: f.norm)
 def test_two_rules_where_m_splits_clearly(table, family):
     small, large = _rules(table, family, 1024)
-    assert small["m_max"] == 512 and large["m_max"] is None
+    assert small["m_max"] == 1448 and large["m_max"] is None  # isqrt(512 * 4096): halfway on a log scale
     assert BackwardConfig.from_dict(small["config"]) == candidates(1024)["A"]
     assert BackwardConfig.from_dict(large["config"]) == candidates(1024)["B"]
     assert small["fitted_on"] == ["64x1024", "512x1024"] and large["fitted_on"] == ["4096x1024"]
     parsed = parse_table(table)
     assert parsed.lookup(family.problem(100, 1000)) == candidates(1024)["A"]
-    assert parsed.lookup(family.problem(513, 1024)) == candidates(1024)["B"]
+    assert parsed.lookup(family.problem(1448, 1024)) == candidates(1024)["A"]
+    assert parsed.lookup(family.problem(1449, 1024)) == candidates(1024)["B"]
     assert parsed.lookup(family.problem(4096, 600)) == candidates(1024)["B"]
     # Outside the box of fitted shapes (M 64..4096, N 256..4096) the table does not extrapolate: the default.
     assert parsed.fitted[family.key] == (64, 4096, 256, 4096)
@@ -238,14 +239,14 @@ def test_split_needs_a_real_gain():
     assert len(emit.fit_family(RMS, close).rules) == 1
     far = {p: {a: T(10.0), b: T(15.0 if p.M < 4096 else 5.0)} for p in probs}
     rules = emit.fit_family(RMS, far).rules
-    assert [r["m_max"] for r in rules] == [512, None]
+    assert [r["m_max"] for r in rules] == [1448, None]
 
 
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
     a, b = candidates(512)["A"], candidates(512)["B"]
     data = {RMS.problem(64, 512): {a: T(3.0)}, RMS.problem(4096, 512): {b: T(9.0)}}
     fitted = emit.fit_family(RMS, data)
-    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(64, a), (None, b)]
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(512, a), (None, b)]
 
 
 def test_build_table_without_measurements_says_what_to_run(db):
@@ -572,3 +573,24 @@ def test_committed_tables(name, gpu, key):
 def test_shipped_tables_are_found_as_package_data():
     names = {Path(t.path).name for t in tables.shipped_tables()}
     assert {"h100.json", "h200.json"} <= names
+
+
+def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
+    """An unseen M takes the rule fitted nearest to it (log scale): between rules fitted at 1024 and 4096 rows the
+    boundary is 2048. A columns rule never reaches past the rows the columns strategy accepts."""
+    from normtune.kernels.config import Problem
+    from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
+    from normtune.tuner.emit import m_boundary
+
+    def probs(*ms):
+        return [Problem("rms_norm", m, 32768, "bf16") for m in ms]
+
+    rows = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8, two_pass=True),
+                          Kernel2Config(128, 16))
+    columns = BackwardConfig(Kernel1Config(block_row=32, block_col=64, num_warps=4, strategy="columns"),
+                             Kernel2Config(32, 8))
+    assert m_boundary(probs(256, 1024), probs(4096), rows) == 2048
+    assert m_boundary(probs(64), probs(256, 512), rows) == 128
+    assert m_boundary(probs(1000), probs(1001), rows) == 1000  # never below the group's own rows
+    assert m_boundary(probs(1024), probs(65536), columns) == MAX_COLUMNS_ROWS
+    assert m_boundary(probs(4096), probs(65536), columns) == 4096

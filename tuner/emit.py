@@ -17,7 +17,8 @@ Fitting, per problem family (norm, dtypes, flags):
    beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
    loses to the default is recorded under the family's "dropped". A bucket is split on M (at most into three M
    ranges) only when a split lowers the mean regret by more than SPLIT_GAIN: rules that generalize beat rules
-   that memorize.
+   that memorize. An M range ends at the geometric midpoint between its largest fitted M and the next range's
+   smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log scale.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
+from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
 from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
 
 from .heldout import HELDOUT_SHAPES
@@ -257,7 +259,7 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
         groups, dropped = fit.bucket(by_n[n])
         out.dropped += dropped
         for gi, (group, cfg) in enumerate(groups):
-            m_max = max(p.M for p in group) if gi < len(groups) - 1 else None
+            m_max = m_boundary(group, groups[gi + 1][0], cfg) if gi < len(groups) - 1 else None
             out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
                               "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
             for p in group:
@@ -266,6 +268,18 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
     out.default_unmeasured = [f"{p.M}x{p.N}" for p in sorted(data, key=lambda p: (p.N, p.M))
                               if p not in fit.defaults]
     return out
+
+
+def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: BackwardConfig) -> int:
+    """The largest M the lower group's rule serves: the geometric midpoint between the two groups' nearest fitted
+    M values, so that an unseen M takes the rule fitted nearest to it on a log scale (at N = 32768 the H100 table
+    had 2048 rows take the rule fitted at 4096 rather than at 1024, and ran 1.3x slower than the default there).
+    A columns rule stops at the rows the columns strategy accepts."""
+    below, above = max(p.M for p in lower), min(p.M for p in upper)
+    m_max = max(below, math.isqrt(below * above))
+    if lower_config.kernel_1.strategy == "columns":
+        m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
+    return m_max
 
 
 def single_pass_threshold(rules: list[dict]) -> int | None:
