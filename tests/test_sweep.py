@@ -544,3 +544,31 @@ def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed(tmp_path
         states = {t.number: t.state for t in book.study.get_trials(deepcopy=False)}
     assert states[orphan.number] == optuna.trial.TrialState.FAIL
     assert states[alive.number] == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh: not stale
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "random"])
+def test_a_config_the_space_rejects_never_becomes_a_trial(tmp_path, monkeypatch, sampler):
+    """TPE and random proposals are sampled before a trial exists: configs the constraints reject are counted and
+    sampled again, and the one kept is created with its params (and TPE's relative sample) in one go."""
+    from normtune.tuner.sweep.options import SweepOptions
+    from normtune.tuner.sweep.trials import StudyBook
+
+    opts = SweepOptions(gpu_key="interpret", problems=[RMS_A], interpret=True, sampler=sampler, seed=3)
+    with Store(sqlite_url(tmp_path)) as store:
+        book = StudyBook(opts, RMS_A, INTERPRET_SM_COUNT, True, store.optuna_storage())
+        verdicts = iter(["rejected", "rejected", "rejected"])
+        unpatched = Space.why_not
+        monkeypatch.setattr(Space, "why_not", lambda self, config: next(verdicts, None) or unpatched(self, config))
+
+        def real(config):
+            return unpatched(book.space, config)
+
+        made = [book.new_trial(slot) for slot in range(len(book.seeds), len(book.seeds) + 12)]
+        assert book.rejected >= 3
+        trials = book.study.get_trials(deepcopy=False)
+        assert [t.number for t in trials] == [m.number for m in made]  # no trial but the kept ones
+        for t, m in zip(trials, made):
+            assert t.state == TS.RUNNING and real(m.config) is None
+            assert book.space.canonical(book.space.config({**book.space.params(m.config), **t.params})) == m.config
+        book.tell(made[0], "ok", 10.0, None)
+        assert book.study.get_trials(deepcopy=False)[0].state == TS.COMPLETE

@@ -3,6 +3,7 @@ seed config (the default and its neighbours) given to the trial as it is created
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from normtune.kernels.config import BackwardConfig
@@ -30,6 +31,48 @@ class Sampling:
     def size(self) -> int | None:
         """How many configs the sampler can give (the grid's size), None when unbounded."""
         return None if self._grid is None else len(self._grid)
+
+    @property
+    def proposes(self) -> bool:
+        """True when configs are proposed before a trial exists (`propose`); the grid sampler needs a live trial
+        (it keeps its place in the trial's attributes), so it goes through `suggest`."""
+        return self._grid is None
+
+    def propose(self, study) -> tuple[dict[str, Any], dict]:
+        """The next config's params and their distributions, sampled without touching the study's storage: the
+        sweep rejects what the space's constraints forbid before any trial exists (a rejected config costs a
+        sample, not a trial with a database write per knob), and creates the trial it keeps in one transaction.
+        The same calls `Study.ask` + `suggest_categorical` make: the relative (multivariate) sample first, an
+        independent one for each knob outside it; the study's trials are read once per proposal."""
+        import optuna
+        from optuna.distributions import CategoricalDistribution
+
+        view = _OneRead(study)
+        frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params={}, distributions={})
+        self.sampler.before_trial(view, frozen)
+        relative_space = self.sampler.infer_relative_search_space(view, frozen)
+        relative = self.sampler.sample_relative(view, frozen, relative_space)
+        d = self.space.domains()
+        params: dict[str, Any] = {}
+        dists: dict = {}
+
+        def draw(key):
+            dist = CategoricalDistribution(list(d[key]))
+            if key in relative and key in relative_space and relative_space[key] == dist:
+                value = relative[key]
+            else:
+                value = self.sampler.sample_independent(view, frozen, key, dist)
+            params[key], dists[key] = value, dist
+            frozen.params[key], frozen.distributions[key] = value, dist
+            return value
+
+        values: dict[str, Any] = {key: draw(key) for key in DECIDED_FIRST}
+        for key, dom in d.items():
+            if key in DECIDED_FIRST:
+                continue
+            fixed = inapplicable(key, values)
+            values[key] = draw(key) if fixed is None else fixed(dom)
+        return values, {"params": params, "distributions": dists, "system_attrs": view._storage.system_attrs}
 
     def suggest(self, trial) -> BackwardConfig:
         """The config of an asked trial, suggested knob by knob (conditional knobs fixed where they do not apply)."""
@@ -89,3 +132,50 @@ def _ask_tell_grid_sampler(optuna):
             return None
 
     return AskTellGridSampler
+
+
+class _OneRead:
+    """A study whose trials are read from storage once: a TPE proposal otherwise reloads every trial of the study
+    for each knob group and each independent knob (with constant_liar the sampler bypasses the trial cache),
+    which made sampling the sweep's largest cost per trial. What the sampler writes on the trial being proposed
+    (TPE's relative sample, for other workers' constant liar) is kept for its template. Everything else is the
+    study's."""
+
+    def __init__(self, study):
+        self._study = study
+        self._trials = None
+        self._storage = _Recording(study._storage)
+
+    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
+        if self._trials is None:
+            self._trials = self._study._get_trials(deepcopy=False, states=None, use_cache=False)
+        trials = self._trials if states is None else [t for t in self._trials if t.state in tuple(states)]
+        return [copy.deepcopy(t) for t in trials] if deepcopy else list(trials)
+
+    def get_trials(self, deepcopy: bool = True, states=None):
+        return self._get_trials(deepcopy=deepcopy, states=states)
+
+    @property
+    def trials(self):
+        return self.get_trials()
+
+    def __getattr__(self, name):
+        return getattr(self._study, name)
+
+
+class _Recording:
+    """The study's storage, except that attributes set on the proposed trial (not in storage yet: id -1) are kept
+    in `system_attrs` to be created with it."""
+
+    def __init__(self, storage):
+        self._inner = storage
+        self.system_attrs: dict[str, Any] = {}
+
+    def set_trial_system_attr(self, trial_id: int, key: str, value: Any) -> None:
+        if trial_id == -1:
+            self.system_attrs[key] = value
+        else:
+            self._inner.set_trial_system_attr(trial_id, key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)

@@ -2,10 +2,11 @@
 told from measurements, repaired after a dead worker.
 
 Every trial exists because a worker holds one of the study's slots (`Store.claim_slot`): slot k below the
-number of seeds gets seed k (created RUNNING with its params, never queued as WAITING), the others ask the
-sampler. A config the space rejects is told PRUNED with `status=invalid` and the reason in `rejected`, and the
-slot asks again: such trials are never measured and never count. Trials abandoned by an interrupt are PRUNED
-with `status=abandoned` and their slot is given back.
+number of seeds gets seed k (created RUNNING with its params, never queued as WAITING), the others get the
+sampler's next config that the space accepts: TPE and random proposals are sampled before any trial exists
+(`Sampling.propose`), so a config the space's constraints reject never becomes a trial (the grid sampler asks a
+live trial; one it rejects is told PRUNED with `status=invalid` and the reason in `rejected`). Trials abandoned
+by an interrupt are PRUNED with `status=abandoned` and their slot is given back.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class StudyBook:
         self.seeds = (list(dict.fromkeys(extra + self.space.seeds())) if opts.sampler != "grid" and opts.seeded
                       else [])
         self.default = self.space.canonical(default_config(problem))
+        self.rejected = 0  # sampled configs the space's constraints refused (never trials)
         self._describe()
         self._discard_waiting()
 
@@ -67,8 +69,8 @@ class StudyBook:
             self.study.set_metric_names([METRIC_NAME])
         for key, value in (("problem", self.problem.to_dict()), ("gpu_key", self.opts.gpu_key),
                            ("seed_version", SEED_VERSION), ("seeded", True),
-                           ("pruned_trials", "never measured: status=invalid (the space's constraints rejected the "
-                                             "config, reason in `rejected`) or status=abandoned (interrupted)")):
+                           ("pruned_trials", "never measured: status=abandoned (interrupted); configs the space's "
+                                             "constraints reject never become trials")):
             self.study.set_user_attr(key, value)
 
     def _discard_waiting(self) -> None:
@@ -96,6 +98,8 @@ class StudyBook:
                 number = self.storage.get_trial_number_from_id(trial_id)
                 source = "seed" if self.opts.source == "sweep" else self.opts.source
                 return NewTrial(trial_id, number, self.seeds[slot], source)
+        if self.sampling.proposes:
+            return self._proposed_trial()
         for _ in range(INVALID_STREAK_LIMIT):
             trial = self.study.ask()
             # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
@@ -108,6 +112,25 @@ class StudyBook:
             trial.set_user_attr("status", "invalid")
             trial.set_user_attr("rejected", why[:500])
             self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
+        return None
+
+    def _proposed_trial(self) -> NewTrial | None:
+        """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
+        configs it rejects on the way are counted in `rejected` and never become trials."""
+        optuna = self._optuna
+        for _ in range(INVALID_STREAK_LIMIT):
+            values, record = self.sampling.propose(self.study)
+            config = self.space.config(values)
+            if self.space.why_not(config) is not None:
+                self.rejected += 1
+                continue
+            template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
+                                                 distributions=record["distributions"],
+                                                 system_attrs=record["system_attrs"])
+            trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
+            self.storage.record_heartbeat(trial_id)
+            number = self.storage.get_trial_number_from_id(trial_id)
+            return NewTrial(trial_id, number, self.space.canonical(config), self.opts.source)
         return None
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
