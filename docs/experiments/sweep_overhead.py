@@ -1,0 +1,68 @@
+"""The sweep process's own cost per trial (Optuna's sampler and its database work, the claims, the store), with the
+GPU measurement replaced by a stand-in that answers at once: what a sweep spends beside measuring and compiling.
+
+    python docs/experiments/sweep_overhead.py [TRIALS] [DB_PATH]
+
+Sweeps the 15 RMSNorm seed shapes (bf16) for TRIALS trials each (default 40) on a fresh SQLite database
+(default: a temporary file) and prints the wall time, the sweep's trials and the Optuna trials it created.
+Runs on CPU; no GPU and no kernel is involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from normtune.kernels.config import Problem
+from normtune.tuner.device import detect
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.shapes import SEED
+from normtune.tuner.store import Store
+from normtune.tuner.sweep import driver
+from normtune.tuner.sweep.options import SweepOptions
+
+
+class InstantMeasurer:
+    """Stands in for the measuring process: a plausible time at once."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def start(self):
+        pass
+
+    def measure(self, problem, config, timeout_s):
+        us = random.uniform(10.0, 20.0)
+        return MeasureResult(status="ok", median_us=us, p10_us=us * 0.99, p90_us=us * 1.01, reps=20)
+
+    def interrupt(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def main() -> None:
+    trials = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+    path = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp()) / "overhead.db"
+    driver.MeasuringProcess = InstantMeasurer
+    info = dataclasses.replace(detect(interpret=True), sm_count=132)  # an H100's grid sizes for the search space
+    problems = [Problem("rms_norm", M, N, "bf16", "bf16", True, False, False, "input") for M, N in SEED]
+    opts = SweepOptions(gpu_key="interpret", problems=problems, trials=trials, interpret=True, compile_workers=0)
+    with Store(f"sqlite:///{path}") as store:
+        t = time.perf_counter()
+        summary = driver.Sweep(opts, store, info).run()
+        wall = time.perf_counter() - t
+    measured = sum(p.trials for p in summary.problems)
+    states = dict(sqlite3.connect(path).execute("SELECT state, COUNT(*) FROM trials GROUP BY state").fetchall())
+    print(f"{len(problems)} problems x {trials} trials: {wall:.1f} s, {measured} measured, "
+          f"{1000 * wall / max(1, measured):.0f} ms per measured trial; Optuna trials by state: {states}")
+
+
+if __name__ == "__main__":
+    main()
