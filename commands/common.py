@@ -100,6 +100,17 @@ def refuse(message: str):
     raise CLIError(message)
 
 
+def compile_processes(value: int | None, gpus: int) -> int:
+    """--compile-workers as given, or the default for `gpus` GPUs (8 each, within the host's cores)."""
+    if value is None:
+        from normtune.tuner.sweep.compiling import default_compile_workers
+
+        return default_compile_workers(gpus)
+    if value < 0:
+        raise CLIError(f"--compile-workers {value}: give 0 (compile in the measuring process) or more")
+    return value
+
+
 def use_interpreter(interpret: bool) -> None:
     """--interpret must take effect before Triton decorates the kernels (at import)."""
     if not interpret:

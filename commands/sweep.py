@@ -10,7 +10,7 @@ import typer
 
 from .common import (
     DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Storage, Tokens, WeightDtype,
-    device_info, problems_option, refuse, run_checked, use_interpreter,
+    compile_processes, device_info, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
@@ -76,12 +76,7 @@ def sweep(
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
-    if compile_workers is None:
-        from normtune.tuner.sweep.compiling import default_compile_workers
-
-        compile_workers = default_compile_workers(len(device_list or ()) or 1)
-    if compile_workers < 0:
-        run_checked(refuse, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
+    compile_workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = run_checked(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,

@@ -9,7 +9,7 @@ import typer
 
 from .common import (
     DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, ShapesFrom, Storage, Tokens, check_out_folder,
-    device_info, parse_dtype, parse_list, problems_option, refuse, run_checked, use_interpreter,
+    compile_processes, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
@@ -92,12 +92,7 @@ def validate(
         run_checked(refuse, f"--trials {trials}: need at least 1 trial per shape ({V.REFERENCE_TRIALS} by default)")
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
-    if compile_workers is None:
-        from normtune.tuner.sweep.compiling import default_compile_workers
-
-        compile_workers = default_compile_workers(1)
-    if compile_workers < 0:
-        run_checked(refuse, f"--compile-workers {compile_workers}: give 0 (compile in the measuring process) or more")
+    compile_workers = run_checked(compile_processes, compile_workers, 1)
     problems, model = run_checked(_validation_problems, shapes, shapes_from, tokens, norm, dtype, interpret)
     info = run_checked(device_info, gpu, interpret)
     tab = run_checked(_table_for_device, table, info)

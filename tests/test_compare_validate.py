@@ -196,7 +196,8 @@ def test_validate_names_the_table_by_its_label(tmp_path, monkeypatch):
 
 
 def test_validate_refuses_bad_options_before_measuring(tmp_path):
-    for args, needle in ((["--trials", "0"], "--trials 0"), (["--rounds", "0"], "--rounds 0")):
+    for args, needle in ((["--trials", "0"], "--trials 0"), (["--rounds", "0"], "--rounds 0"),
+                         (["--compile-workers", "-1"], "--compile-workers -1")):
         result = runner.invoke(app, ["validate", "--interpret", "--db", str(tmp_path / "v.db"), *args])
         assert result.exit_code == 1
         lines = [line for line in result.stderr.splitlines() if line.strip()]

@@ -55,11 +55,16 @@ def profile(fn, calls: int = 300, top: int = 22, sort: str = "tottime") -> None:
         fn()
     prof.disable()
     torch.cuda.synchronize()
+    say_profile(prof, top, sort)
+
+
+def say_profile(prof: cProfile.Profile, top: int, sort: str = "cumulative", width: int = 160) -> None:
+    """The `top` rows of a profile, sorted by `sort`, indented."""
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
     for line in buf.getvalue().splitlines():
         if line.strip():
-            say("    " + line[:160])
+            say("    " + line[:width])
 
 
 def api_calls() -> None:
@@ -197,11 +202,7 @@ def sweep_trials(n: int = 30) -> None:
         per = (time.perf_counter() - t) / len(configs)
         say(f"sweep trial measurement {shape}: {per * 1e3:.1f} ms/trial over {len(configs)} compiled configs "
             f"({statuses.count('ok')} ok)")
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
-        for line in buf.getvalue().splitlines():
-            if line.strip():
-                say("    " + line[:160])
+        say_profile(prof, 25)
 
 
 def first_launches(n: int = 20) -> None:
@@ -235,11 +236,7 @@ def first_launches(n: int = 20) -> None:
     again = [session.measure_problem(problem, c) for c in configs[1:]]
     say(f"second measurement of the same configs: {(time.perf_counter() - t) / n * 1e3:.1f} ms/trial "
         f"({sum(1 for r in again if r.status == 'ok')} ok)")
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
-    for line in buf.getvalue().splitlines():
-        if line.strip():
-            say("    " + line[:170])
+    say_profile(prof, 30, width=170)
 
 
 if __name__ == "__main__":
