@@ -93,11 +93,8 @@ class StudyBook:
         if slot < len(self.seeds):
             template = self.sampling.seed_trial(self.seeds[slot])
             if template is not None:
-                trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
-                self.storage.record_heartbeat(trial_id)
-                number = self.storage.get_trial_number_from_id(trial_id)
                 source = "seed" if self.opts.source == "sweep" else self.opts.source
-                return NewTrial(trial_id, number, self.seeds[slot], source)
+                return self._created(template, self.seeds[slot], source)
         if self.sampling.proposes:
             return self._proposed_trial()
         for _ in range(INVALID_STREAK_LIMIT):
@@ -127,11 +124,16 @@ class StudyBook:
             template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
-            trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
-            self.storage.record_heartbeat(trial_id)
-            number = self.storage.get_trial_number_from_id(trial_id)
-            return NewTrial(trial_id, number, self.space.canonical(config), self.opts.source)
+            return self._created(template, self.space.canonical(config), self.opts.source)
         return None
+
+    def _created(self, template, config: BackwardConfig, source: str) -> NewTrial:
+        """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
+        dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
+        considers stale)."""
+        trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
+        self.storage.record_heartbeat(trial_id)
+        return NewTrial(trial_id, self.storage.get_trial_number_from_id(trial_id), config, source)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
