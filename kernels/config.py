@@ -76,6 +76,11 @@ class Kernel1Config:
     The programs of a row group exchange their slices' row sums through global memory and add them in slice
     order, so every program (and every rerun) gets bitwise the same row terms.
 
+    column_accumulators (single pass): dw/db accumulate one fp32 value per column, each tile's rows summed into
+    it as the tile is done, instead of one per tile element summed once at the end. A multi-row tile then holds
+    block_row times fewer accumulator registers, so taller tiles fit: fewer row-sum exchanges per row under
+    row_split, and more rows in flight per load.
+
     strategy="columns" (few rows): one program per block_col-wide column slice sweeps all M rows, block_row at a
     time, and writes the final dw/db itself; the rows' two sums come from a small kernel run first. No partial
     buffer and no kernel_2 (kernel_2's fields are ignored). programs_per_sm, two_pass, row_split, recompute do
@@ -93,6 +98,7 @@ class Kernel1Config:
     recompute: bool = False
     row_split: int = 1
     strategy: str = "rows"
+    column_accumulators: bool = False
 
     def __post_init__(self) -> None:
         # 2 and 2.0 are the same grid: keep one spelling so configs hash and serialize identically.
@@ -122,6 +128,11 @@ class Kernel1Config:
         if self.recompute and self.two_pass:
             raise ConfigError("kernel_1.recompute=true applies to single pass: two_pass=true re-reads its chunks "
                               "(use recompute=false)")
+        if not isinstance(self.column_accumulators, bool):
+            raise ConfigError(f"kernel_1.column_accumulators={self.column_accumulators!r} must be true or false")
+        if self.column_accumulators and (self.two_pass or self.strategy != "rows"):
+            raise ConfigError("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
+                              "two_pass=false and strategy='rows', or column_accumulators=false")
         _check_choice("kernel_1.strategy", self.strategy, STRATEGIES)
         _check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
         if self.strategy == "columns":
@@ -154,7 +165,8 @@ class Kernel1Config:
                 f"tile: use num_warps <= {max(1, self.tile() // 32)}"
             )
         regs = estimate_registers(problem, self.block_row, self.block_col, self.num_warps,
-                                  self.two_pass and self.strategy == "rows", self.prefetch, self.recompute)
+                                  self.two_pass and self.strategy == "rows", self.prefetch, self.recompute,
+                                  self.column_accumulators)
         budget = register_budget(self.num_warps)
         if regs > budget:
             raise ConfigError(
@@ -290,7 +302,8 @@ class BackwardConfig:
         k1, k2 = self.kernel_1, self.kernel_2
         mode = "2pass" if k1.two_pass else "1pass"
         ev = f" {k1.eviction_policy}" if k1.eviction_policy else ""
-        pf = (" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
+        pf = ((" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
+              + (" colacc" if k1.column_accumulators else ""))
         if k1.strategy == "columns":
             return (f"k1[columns {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages}{pf}{ev}] "
                     "k2[none]")

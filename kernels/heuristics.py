@@ -38,6 +38,8 @@ MAX_PROGRAMS_PER_SM_SYNC = 4
 SHARED_MEMORY_PER_SM = 228 * 1024
 # Split-row slices start on multiples of this many elements (16-byte aligned for 2-byte data: wide loads).
 SLICE_ALIGN = 16
+# Widest slice the analytic default gives a program of a split row (rows wider than MAX_SINGLE_PASS).
+SPLIT_SLICE = 8192
 
 
 def register_budget(num_warps: int) -> int:
@@ -89,23 +91,27 @@ def row_block_col(N: int, row_split: int = 1) -> int:
 
 
 def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_warps: int, two_pass: bool,
-                       prefetch: bool, recompute: bool = False) -> int:
+                       prefetch: bool, recompute: bool = False, column_accumulators: bool = False) -> int:
     """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
 
     Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
     two-pass, the row-term accumulators of pass 1); the raw next tile when prefetching. Per column: w (held in
-    registers unless a single-row tile reloads it per tile) and b when recovering x̂ from y.
+    registers unless a single-row tile reloads it per tile), b when recovering x̂ from y, and the dw and db
+    accumulators instead when they are kept per column.
     """
     per_thread = math.ceil(block_row * block_col / (32 * num_warps))
     # recompute: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
     live = 3.0 if not recompute else 1.0 + 2 * problem.itemsize / 4
+    accumulators = problem.has_weight + bool(problem.has_bias)
     if two_pass:
         live += 1 + (problem.norm == "layer_norm")
-    else:
-        live += problem.has_weight + bool(problem.has_bias)
+    elif not column_accumulators:
+        live += accumulators
     if prefetch:
         live += 2 * problem.itemsize / 4
     per_column = (problem.save == "output" and bool(problem.has_bias)) + (block_row > 1 and not two_pass)
+    if column_accumulators and not two_pass:
+        per_column += accumulators
     return math.ceil(per_thread * live + per_thread / block_row * per_column)
 
 
@@ -145,7 +151,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
 
     - Single pass while a whole row fits the register tile: next_pow2(N) <= 16384. At 2048x16384 a one-row
       single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
-      reads each element once. Wider rows run two-pass on 4096-column chunks, 8 warps.
+      reads each element once. Wider rows: the columns strategy up to MAX_COLUMNS_ROWS rows, then rows split
+      over programs in 8192-column slices; where neither fits, two-pass on 4096-column chunks, 8 warps.
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
     - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
       0-30% faster), 16 from 4096 columns.
@@ -174,6 +181,18 @@ def default_config(problem: "Problem") -> "BackwardConfig":
             Kernel2Config(block_m=128, block_n=16, num_warps=4))
         if columns.is_valid(problem):
             return columns
+    split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0)
+    if two_pass and problem.M > MAX_COLUMNS_ROWS and split and problem.dtype == "bf16":
+        # Many bf16 rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
+        # dw/db per column so that 2-4-row tiles fit. H100, 4096x32768 (docs/experiments/data/wide_rows_h100.md):
+        # LayerNorm 2x8192 tiles 365 µs, RMSNorm 4x8192 361 µs, against 1130 and 724 µs two-pass.
+        split_k1 = Kernel1Config(block_row=2 if problem.has_bias else 4, block_col=row_block_col(problem.N, split),
+                                 num_warps=16, programs_per_sm=1, eviction_policy="evict_first", recompute=True,
+                                 row_split=split, column_accumulators=True)
+        for k1 in (split_k1, dataclasses.replace(split_k1, block_row=1)):
+            split_cfg = BackwardConfig(k1, Kernel2Config(block_m=128, block_n=16, num_warps=4))
+            if split_cfg.is_valid(problem):
+                return split_cfg
     block_col = 4096 if two_pass else n_pow2
     # Up to 64 rows (the space's largest block_row): a cap of 16 left rows of <= 256 columns with 2048-4096
     # element tiles, under the ~8192 the tuned N=1024/2048 seed rules settled on.

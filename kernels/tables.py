@@ -206,7 +206,7 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
             k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
         else:
             k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
-                                     recompute=False)
+                                     recompute=False, column_accumulators=False)
     elif k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
         k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
     k2 = config.kernel_2

@@ -201,6 +201,7 @@ K1_VARIATIONS = {
     "recompute": [True],
     "strategy": ["columns"],  # with its column slice: block_col 16..256 (see _variations)
     "row_split": [2, 4, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
+    "column_accumulators": [True],  # 2-row base tiles; taller ones below and in SPLIT_VARIATIONS
 }
 K2_VARIATIONS = {
     "block_m": [1, 2, 16, 32],
@@ -230,6 +231,13 @@ def _variations():
     for name, v in [("prefetch", True), ("block_row", 1), ("num_stages", 2)]:
         out.append((f"k1.recompute+{name}={v}", dataclasses.replace(
             BASE, kernel_1=dataclasses.replace(BASE.kernel_1, recompute=True, **{name: v}))))
+    # Per-column dw/db accumulators: tall tiles, one row, prefetch, recompute, pipelining, the fused reduction.
+    for fields in ({"block_row": 8}, {"block_row": 1}, {"block_row": 16, "num_warps": 4, "prefetch": True},
+                   {"recompute": True}, {"num_stages": 3}):
+        label = "+".join(f"{k}={v}" for k, v in fields.items())
+        out.append((f"k1.column_accumulators=True+{label}", _k1(column_accumulators=True, **fields)))
+    out.append(("k1.column_accumulators=True+k2.fused", BackwardConfig(
+        dataclasses.replace(BASE.kernel_1, column_accumulators=True), dataclasses.replace(BASE.kernel_2, fused=True))))
     # Two-pass knobs only matter with several column chunks: narrow block_col, alone and with the other knobs.
     two = dataclasses.replace(BASE.kernel_1, two_pass=True, block_col=64)
     out += [("k1.two_pass+block_col=64", dataclasses.replace(BASE, kernel_1=two)),
@@ -266,7 +274,8 @@ def _split_variations():
         base = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=block_col, num_warps=4)
         out.append((f"k1.row_split={split}", BackwardConfig(base, BASE.kernel_2)))
         for fields in ({"block_row": 1}, {"block_row": 4, "num_warps": 8, "prefetch": True}, {"recompute": True},
-                       {"programs_per_sm": 32}):
+                       {"programs_per_sm": 32},
+                       {"block_row": 4, "num_warps": 16, "prefetch": True, "column_accumulators": True}):
             label = "+".join(f"{k}={v}" for k, v in fields.items())
             out.append((f"k1.row_split={split}+{label}",
                         BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.tuner.store import SCHEMA_VERSION, Store, StoreError
+from normtune.tuner.store import SCHEMA_VERSION, SchemaVersionError, Store, StoreError
 from test_store import CONFIG, H100, RMS, ok
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +149,38 @@ def test_a_schema_1_database_is_read_as_it_is_and_upgraded_when_written(tmp_path
     assert con.execute("SELECT value FROM normtune_meta").fetchone() == (str(SCHEMA_VERSION),)
     assert con.execute("PRAGMA foreign_key_check").fetchall() == []
     assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    con.close()
+
+
+def test_a_schema_3_database_is_refused_read_only_and_upgraded_when_written(tmp_path):
+    """Schema 3 lacks k1_column_accumulators, and stored configs written before a knob existed lack its key:
+    writing adds the column (old rows ran without the knob) and rewrites each config in canonical JSON, so a
+    lookup by config finds the old measurement."""
+    path = tmp_path / "results.db"
+    url = _filled(path)
+    con = sqlite3.connect(path)
+    for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql LIKE "
+                               "'%k1_column_accumulators%'").fetchall():
+        con.execute(f"DROP INDEX {name}")
+    con.execute("ALTER TABLE normtune_measurements DROP COLUMN k1_column_accumulators")
+    old_json = CONFIG.to_json().replace(',"column_accumulators":false', "").replace(',"row_split":1', "")
+    assert old_json != CONFIG.to_json()
+    con.execute("UPDATE normtune_measurements SET config_json = ?, config_hash = 'stale'", (old_json,))
+    con.execute("UPDATE normtune_meta SET value = '3' WHERE key = 'schema_version'")
+    con.commit()
+    con.close()
+    before = path.read_bytes()
+    with pytest.raises(SchemaVersionError, match="upgrades it in place"):
+        Store(url, read_only=True)
+    assert path.read_bytes() == before
+    with Store(url) as s:
+        assert s.schema_version == str(SCHEMA_VERSION)
+        found = s.measurements(config=CONFIG)
+        assert found and all(m.config == CONFIG for m in found)
+        assert s.count_measurements(config=CONFIG) == s.count_measurements()
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT DISTINCT k1_column_accumulators FROM normtune_measurements").fetchall() == [(0,)]
+    assert con.execute("SELECT DISTINCT config_json FROM normtune_measurements").fetchall() == [(CONFIG.to_json(),)]
     con.close()
 
 

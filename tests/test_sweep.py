@@ -572,3 +572,32 @@ def test_a_config_the_space_rejects_never_becomes_a_trial(tmp_path, monkeypatch,
             assert book.space.canonical(book.space.config({**book.space.params(m.config), **t.params})) == m.config
         book.tell(made[0], "ok", 10.0, None)
         assert book.study.get_trials(deepcopy=False)[0].state == TS.COMPLETE
+
+
+def test_a_study_seeded_under_an_older_seed_version_gets_the_seeds_it_lacks(tmp_path, monkeypatch):
+    """A resumed study whose seeds predate today's (e.g. a new kernel knob's structural seeds) gets the seeds it
+    has not measured, in the slots after those already claimed, the same seed per slot for every worker."""
+    from normtune.tuner.sweep import options, trials
+
+    url = sqlite_url(tmp_path)
+    full = Space(RMS_A, INTERPRET_SM_COUNT).seeds()
+    assert len(full) >= 4
+    monkeypatch.setattr(options, "SEED_VERSION", options.SEED_VERSION - 1)
+    monkeypatch.setattr(trials, "SEED_VERSION", options.SEED_VERSION)
+    monkeypatch.setattr(Space, "seeds", lambda self: full[:1] + full[2:3])  # the older version's seeds
+    result = invoke(sweep_args(url, shapes="40x96", trials=3))
+    assert result.exit_code == 0, result.output
+    monkeypatch.undo()
+    with Store(url) as store:
+        first = {m.config for m in store.measurements(study_name=names(RMS_A)[0])}
+    assert full[0] in first and full[2] in first and full[1] not in first
+    lacking = [seed for seed in full if seed not in first]
+
+    result = invoke(sweep_args(url, shapes="40x96", trials=3 + len(lacking)))
+    assert result.exit_code == 0, result.output
+    with Store(url) as store:
+        rows = store.measurements(study_name=names(RMS_A)[0])
+    assert [m.config for m in rows[3:]] == lacking and {m.source for m in rows[3:]} == {"seed"}
+    study = load_study(url, names(RMS_A)[0])
+    assert study.user_attrs["seed_base"] == 3 and study.user_attrs["seed_version"] == options.SEED_VERSION
+    assert [BackwardConfig.from_json(j) for j in study.user_attrs["resumed_seeds"]] == lacking

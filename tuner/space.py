@@ -41,6 +41,7 @@ K1_DOMAINS: dict[str, tuple] = {
     "eviction_policy": ("", "evict_first"),
     "prefetch": (False, True),
     "recompute": (False, True),
+    "column_accumulators": (False, True),
 }
 K2_DOMAINS: dict[str, tuple] = {
     "block_m": (32, 64, 128, 256),
@@ -99,6 +100,7 @@ class Space:
             programs_per_sm=1 if columns else params["k1.programs_per_sm"], two_pass=two_pass,
             eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
             recompute=bool(params.get("k1.recompute", False)) and not (two_pass or columns),
+            column_accumulators=bool(params.get("k1.column_accumulators", False)) and not (two_pass or columns),
             row_split=row_split, strategy="columns" if columns else "rows",
         )
         if columns:
@@ -187,6 +189,7 @@ class Space:
                 if strategy == "columns" or two_pass:
                     sub["k1.row_split"] = d["k1.row_split"][:1]
                     sub["k1.recompute"] = (False,)
+                    sub["k1.column_accumulators"] = (False,)
                 if strategy == "rows" and not two_pass:
                     sub["k1.block_col"] = d["k1.block_col"][:1]
                 if strategy == "columns":
@@ -218,8 +221,8 @@ class Space:
     # ---- seeding
     def strategies(self) -> list[BackwardConfig]:
         """Structurally different configs a local search around the default would not reach: for wide rows,
-        single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-4
-        programs, and two-pass on multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm
+        single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-8
+        programs (with dw/db per column on taller tiles), and two-pass on multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm
         512x16384 in 33 µs where the single-pass default took 52); for few rows, the columns strategy (H100:
         LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
         p, base = self.problem, default_config(self.problem)
@@ -240,6 +243,15 @@ class Space:
                     alts.append(BackwardConfig(Kernel1Config(
                         block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
                         programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
+            # Taller split tiles with dw/db per column, keeping the raw tile (H100, 4096x32768: LayerNorm 2x8192
+            # 365 µs, RMSNorm 4x8192 361 µs; the best split tiles without them, 2x4096, ran 422 and 408 µs).
+            for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
+                width = row_block_col(p.N, split)
+                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
+                    alts.append(BackwardConfig(Kernel1Config(
+                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                        programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                        column_accumulators=True), k2))
         if p.M <= MAX_COLUMNS_ROWS:
             for block_row, block_col in ((32, 64), (16, 128), (32, 128)):
                 if block_col not in self.domains()["k1.block_col"]:

@@ -23,12 +23,14 @@ from normtune.tuner.results import STATUSES, MeasureResult
 
 # 2: runs may end "dead" (a worker whose heartbeat stopped), and sweep workers record heartbeats and trial claims.
 # 3: the kernel family v2 knobs (k1_row_split, k1_strategy, k2_fused), with their values for older rows.
-SCHEMA_VERSION = 3
+# 4: k1_column_accumulators.
+SCHEMA_VERSION = 4
 # Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
-READABLE_VERSIONS = ("1", "2", "3")
-# Columns schema 3 added to normtune_measurements, with the value rows measured before them take.
-V3_COLUMNS = {"k1_row_split": "INTEGER NOT NULL DEFAULT 1", "k1_strategy": "VARCHAR(16) NOT NULL DEFAULT 'rows'",
-              "k2_fused": "BOOLEAN NOT NULL DEFAULT FALSE"}
+READABLE_VERSIONS = ("1", "2", "3", "4")
+# Columns schemas 3 and 4 added to normtune_measurements, with the value rows measured before them take.
+ADDED_COLUMNS = {"k1_row_split": "INTEGER NOT NULL DEFAULT 1", "k1_strategy": "VARCHAR(16) NOT NULL DEFAULT 'rows'",
+                 "k2_fused": "BOOLEAN NOT NULL DEFAULT FALSE",
+                 "k1_column_accumulators": "BOOLEAN NOT NULL DEFAULT FALSE"}
 RUN_STATUSES = ("running", "finished", "interrupted", "failed", "dead")
 PEER_STATUSES = ("ok", "error", "unavailable")
 
@@ -147,6 +149,7 @@ class MeasurementModel(_TimedRowColumns, Base):
     k1_recompute: Mapped[bool] = mapped_column(Boolean, index=True)
     k1_row_split: Mapped[int] = mapped_column(Integer, index=True, default=1)
     k1_strategy: Mapped[str] = mapped_column(String(16), index=True, default="rows")
+    k1_column_accumulators: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
     k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
     k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)

@@ -23,8 +23,10 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
 
-from .store_models import (V3_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MetaModel, RunModel,
-                           SchemaVersionError, StoreError)
+from normtune.kernels.config import BackwardConfig
+
+from .store_models import (ADDED_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
+                           MetaModel, RunModel, SchemaVersionError, StoreError, _config_hash)
 
 # How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
 # Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
@@ -163,12 +165,12 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
             f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by "
             f"{'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to start "
             f"afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
-    if found in ("1", "2"):
+    if found in ("1", "2", "3"):
         if read_only:
             raise SchemaVersionError(
                 f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by an older "
                 "normtune and was left unchanged; a writing command (e.g. normtune sweep) upgrades it in place.")
-        missing = [m for m in missing if m.split(".", 1)[1] not in V3_COLUMNS]
+        missing = [m for m in missing if m.split(".", 1)[1] not in ADDED_COLUMNS]
     if missing:
         # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
         raise SchemaVersionError(
@@ -195,22 +197,36 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     found = check(engine, shown, read_only=False)
     if found == "1":
         _upgrade_from_1(engine, url, shown)
-    if found in ("1", "2"):
-        _upgrade_to_3(engine, shown)
+    if found in ("1", "2", "3"):
+        _add_columns(engine, shown)
 
 
-def _upgrade_to_3(engine: Engine, shown: str) -> None:
-    """Schema 2 -> 3: the v2 kernel knobs' columns (those missing), then the version; one transaction."""
+def _add_columns(engine: Engine, shown: str) -> None:
+    """Schema 2 or 3 -> 4: the kernel knobs' columns added since (those missing), then the version; one
+    transaction."""
     try:
         with engine.begin() as conn:
             have = {c["name"] for c in inspect(conn).get_columns("normtune_measurements")}
-            for column, ddl in V3_COLUMNS.items():
+            for column, ddl in ADDED_COLUMNS.items():
                 if column not in have:
                     conn.exec_driver_sql(f"ALTER TABLE normtune_measurements ADD COLUMN {column} {ddl}")
+            _canonical_configs(conn)
             conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
                          .values(value=str(SCHEMA_VERSION)))
     except SQLAlchemyError as err:
         raise StoreError(f"--db {shown}: cannot upgrade its schema to {SCHEMA_VERSION} ({short_reason(err)})") from None
+
+
+def _canonical_configs(conn) -> None:
+    """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
+    measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
+    existed."""
+    table = MeasurementModel.__table__
+    for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
+        canonical = BackwardConfig.from_json(stored).to_json()
+        if canonical != stored:
+            conn.execute(table.update().where(table.c.id == row_id)
+                         .values(config_json=canonical, config_hash=_config_hash(canonical)))
 
 
 def _enable_wal(conn) -> None:

@@ -79,7 +79,7 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
                 BF16_BITS=p.dtype == "bf16" and (p.weight_dtype == "bf16" or not p.has_weight),
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
-                RED_STAGES=k2.num_stages, num_warps=k1.num_warps)
+                RED_STAGES=k2.num_stages, COLUMN_ACC=k1.column_accumulators, num_warps=k1.num_warps)
 
 
 def _row_sums_tile(N: int) -> tuple[int, int, int]:

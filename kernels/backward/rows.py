@@ -72,6 +72,7 @@ def kernel_1_single_pass(
     PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
     ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
+    COLUMN_ACC: tl.constexpr = False,  # dw/db: one fp32 value per column, each tile's rows added in as it is done
 ):
     if PDL:
         gdc_launch_dependents()
@@ -89,9 +90,15 @@ def kernel_1_single_pass(
     if not RELOAD_WEIGHT:
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
     b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
-    # dw/db accumulate as whole tiles and are summed over rows once at the end: no cross-warp reduction per tile.
-    acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
-    acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+    # dw/db accumulate as whole tiles and are summed over rows once at the end (no reduction across warps per
+    # tile), or per column (COLUMN_ACC: block_row times fewer registers; the tile's rows are summed each tile,
+    # within a thread when the layout gives each thread a column's rows, as on wide tiles).
+    if COLUMN_ACC:
+        acc_dw = tl.zeros((BLOCK_COL,), tl.float32)
+        acc_db = tl.zeros((BLOCK_COL,), tl.float32)
+    else:
+        acc_dw = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
+        acc_db = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     num_tiles = tl.cdiv(M, BLOCK_ROW)
     rr = tl.arange(0, BLOCK_ROW)
     if PREFETCH:
@@ -116,10 +123,16 @@ def kernel_1_single_pass(
         xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
         if PHASE != 1:
             # dw/db do not depend on the row terms: accumulate before the reductions so g is dead across them.
-            if HAS_WEIGHT:
-                acc_dw += g * xhat
-            if HAS_BIAS:
-                acc_db += g
+            if COLUMN_ACC:
+                if HAS_WEIGHT:
+                    acc_dw += tl.sum(g * xhat, axis=0)
+                if HAS_BIAS:
+                    acc_db += tl.sum(g, axis=0)
+            else:
+                if HAS_WEIGHT:
+                    acc_dw += g * xhat
+                if HAS_BIAS:
+                    acc_db += g
         wg = w[None, :] * g
         c1 = tl.sum(scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g, axis=1)
         c2 = tl.sum(wg, axis=1)
@@ -140,10 +153,13 @@ def kernel_1_single_pass(
             store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
     if PHASE != 1:
         partial = group * N + cols
+        if not COLUMN_ACC:
+            acc_dw = tl.sum(acc_dw, axis=0)
+            acc_db = tl.sum(acc_db, axis=0)
         if HAS_WEIGHT:
-            tl.store(PARTIAL_DW + partial, tl.sum(acc_dw, axis=0), mask=col_mask)
+            tl.store(PARTIAL_DW + partial, acc_dw, mask=col_mask)
         if HAS_BIAS:
-            tl.store(PARTIAL_DB + partial, tl.sum(acc_db, axis=0), mask=col_mask)
+            tl.store(PARTIAL_DB + partial, acc_db, mask=col_mask)
     if ROW_SPLIT > 1 and PHASE == 0:
         leave_and_reset(COUNTERS + group, DONE + group, ROW_SPLIT)
     if FUSED:
@@ -179,9 +195,11 @@ def kernel_1_two_pass(
     RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, BF16_BITS: tl.constexpr, EVICTION: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
+    COLUMN_ACC: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
-    ROW_SPLIT, SUMS, COUNTERS, DONE and SLICE do not apply). Rows wider than BLOCK_COL: pass 1 reduces c1
+    ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE and COLUMN_ACC do not apply: pass 2 adds each chunk's rows to the
+    partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1
     (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
     pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's
     partial row (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before

@@ -175,7 +175,8 @@ class Sweep:
 
     def _book(self, problem: Problem) -> StudyBook:
         if problem.key not in self._books:
-            book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage)
+            book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
+                             claimed_slots=lambda name: max(self.store.slots(name), default=-1) + 1)
             self.store.adopt_measured_trials(book.name)
             book.repair(self.store)
             self._books[problem.key] = book

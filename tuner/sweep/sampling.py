@@ -112,13 +112,16 @@ DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
 
 def inapplicable(key: str, params: dict[str, Any]):
     """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
-    of its domain): the single-pass column tile is derived from N, recompute is a single-pass knob. Fixed knobs
-    are not trial params, so the sampler does not learn from values that changed nothing."""
+    of its domain): the single-pass column tile is derived from N, recompute and column_accumulators are
+    single-pass knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
+    nothing."""
     columns = params.get("k1.strategy", "rows") == "columns"
     two_pass = bool(params.get("k1.two_pass", False))
     if key == "k1.block_col" and not (two_pass or columns):
         return lambda dom: dom[0]
     if key == "k1.recompute" and two_pass:
+        return lambda dom: False
+    if key == "k1.column_accumulators" and (two_pass or columns):
         return lambda dom: False
     return None
 

@@ -2,7 +2,8 @@
 told from measurements, repaired after a dead worker.
 
 Every trial exists because a worker holds one of the study's slots (`Store.claim_slot`): slot k below the
-number of seeds gets seed k (created RUNNING with its params, never queued as WAITING), the others get the
+number of seeds gets seed k (created RUNNING with its params, never queued as WAITING; a study resumed under a
+newer SEED_VERSION gets the seeds it lacks after its claimed slots), the others get the
 sampler's next config that the space accepts: TPE and random proposals are sampled before any trial exists
 (`Sampling.propose`), so a config the space's constraints reject never becomes a trial (the grid sampler asks a
 live trial; one it rejects is told PRUNED with `status=invalid` and the reason in `rejected`). Trials abandoned
@@ -16,6 +17,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
@@ -39,7 +41,8 @@ class NewTrial:
 class StudyBook:
     """The study of one problem, and the seeds its first slots get."""
 
-    def __init__(self, opts: SweepOptions, problem: Problem, sm_count: int, interpret: bool, storage):
+    def __init__(self, opts: SweepOptions, problem: Problem, sm_count: int, interpret: bool, storage,
+                 claimed_slots: Callable[[str], int] = lambda name: 0):
         import optuna
 
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
@@ -53,6 +56,8 @@ class StudyBook:
                       else [])
         self.default = self.space.canonical(default_config(problem))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
+        self.seed_base = 0  # slot of the first seed
+        self._resume_seeds(claimed_slots)
         self._describe()
         self._discard_waiting()
 
@@ -73,6 +78,28 @@ class StudyBook:
                                              "constraints reject never become trials")):
             self.study.set_user_attr(key, value)
 
+    def _resume_seeds(self, claimed_slots: Callable[[str], int]) -> None:
+        """A study seeded under an older SEED_VERSION gets the seeds it has not measured yet, in the slots after
+        those already claimed: new kernel knobs' structural seeds reach resumed studies too. The list and its
+        first slot are stored with the study, so that every worker gives each slot the same seed."""
+        attrs = self.study.user_attrs
+        if attrs.get("seed_version") == SEED_VERSION:
+            if "seed_base" in attrs:
+                self.seed_base = int(attrs["seed_base"])
+                self.seeds = [BackwardConfig.from_json(text) for text in attrs["resumed_seeds"]] if self.seeds else []
+            return
+        trials = self.study.get_trials(deepcopy=False)
+        if not trials or not self.seeds:
+            return
+        measured = {self.space.canonical(BackwardConfig.from_json(t.user_attrs["config"]))
+                    for t in trials if "config" in t.user_attrs}
+        self.seeds = [seed for seed in self.seeds if seed not in measured]
+        self.seed_base = claimed_slots(self.name)
+        self.study.set_user_attr("seed_base", self.seed_base)
+        self.study.set_user_attr("resumed_seeds", [seed.to_json() for seed in self.seeds])
+        log.info("%s: seeded under an older seed version; %d seeds it has not measured go to slots from %d",
+                 self.name, len(self.seeds), self.seed_base)
+
     def _discard_waiting(self) -> None:
         """Seeds queued as WAITING trials by normtune before schema 2 are not how trials start any more: each
         is claimed atomically and pruned (its config comes back as a seed of a slot when still unmeasured)."""
@@ -90,11 +117,12 @@ class StudyBook:
     def new_trial(self, slot: int) -> NewTrial | None:
         """A RUNNING trial for `slot`: its seed when it has one, else the sampler's next valid config. None when
         the sampler gave nothing but invalid configs INVALID_STREAK_LIMIT times in a row."""
-        if slot < len(self.seeds):
-            template = self.sampling.seed_trial(self.seeds[slot])
+        index = slot - self.seed_base
+        if 0 <= index < len(self.seeds):
+            template = self.sampling.seed_trial(self.seeds[index])
             if template is not None:
                 source = "seed" if self.opts.source == "sweep" else self.opts.source
-                return self._created(template, self.seeds[slot], source)
+                return self._created(template, self.seeds[index], source)
         if self.sampling.proposes:
             return self._proposed_trial()
         for _ in range(INVALID_STREAK_LIMIT):
