@@ -184,7 +184,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0)
     if two_pass and problem.M > MAX_COLUMNS_ROWS and split and problem.dtype == "bf16":
         # Many bf16 rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
-        # dw/db per column so that 2-4-row tiles fit. H100, 4096x32768 (docs/experiments/data/wide_rows_h100.md):
+        # dw/db per column so that 2-4-row tiles fit. H100, 4096x32768 (docs/experiments/data/wide_rows_h100.jsonl):
         # LayerNorm 2x8192 tiles 365 µs, RMSNorm 4x8192 361 µs, against 1130 and 724 µs two-pass.
         split_k1 = Kernel1Config(block_row=2 if problem.has_bias else 4, block_col=row_block_col(problem.N, split),
                                  num_warps=16, programs_per_sm=1, eviction_policy="evict_first", recompute=True,

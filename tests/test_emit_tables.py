@@ -594,3 +594,15 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     assert m_boundary(probs(1000), probs(1001), rows) == 1000  # never below the group's own rows
     assert m_boundary(probs(1024), probs(65536), columns) == MAX_COLUMNS_ROWS
     assert m_boundary(probs(4096), probs(65536), columns) == 4096
+
+
+def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
+    """An unseen N takes the rules fitted nearest to it on a log scale (5376 columns: the 5120 rules, not the
+    6144 ones), but a rule never serves an N its tiles would have to be widened for."""
+    from normtune.tuner.emit import n_boundary
+
+    assert n_boundary(5120, 6144) == 5608  # isqrt(5120 * 6144)
+    assert n_boundary(4096, 5120) == 4096  # 4097.. re-tile to 8192 columns: the 5120 rules' tiles
+    assert n_boundary(12288, 16384) == 14188
+    assert n_boundary(16384, 32768) == 16384  # never past one pass
+    assert n_boundary(1536, 1537) == 1536  # never below its own width

@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
-from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
+from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
 from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
 
 from .heldout import HELDOUT_SHAPES
@@ -255,7 +255,7 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
     ns = sorted(by_n)
     out = Fitted(family, [], {}, {})
     for i, n in enumerate(ns):
-        n_max = n if i < len(ns) - 1 else None
+        n_max = n_boundary(n, ns[i + 1]) if i < len(ns) - 1 else None
         groups, dropped = fit.bucket(by_n[n])
         out.dropped += dropped
         for gi, (group, cfg) in enumerate(groups):
@@ -280,6 +280,14 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     if lower_config.kernel_1.strategy == "columns":
         m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
     return m_max
+
+
+def n_boundary(n: int, next_n: int) -> int:
+    """The widest N the rules fitted at `n` columns serve: the geometric midpoint between `n` and the next fitted
+    N, so that an unseen N takes the rules fitted nearest to it on a log scale (H100: 2500x5376 took the rule
+    fitted at 6144 columns and ran slower than the default), but never past the power of two `n` rounds up to:
+    the rules' tiles cover that many columns, and a wider N re-tiles them (past 16384 columns, out of one pass)."""
+    return max(n, min(math.isqrt(n * next_n), next_power_of_two(n)))
 
 
 def single_pass_threshold(rules: list[dict]) -> int | None:
