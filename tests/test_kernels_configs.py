@@ -26,7 +26,7 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.heuristics import num_programs, partial_rows, row_block_col
+from normtune.kernels.heuristics import num_programs, partial_rows, row_block_col, slice_width
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 
@@ -414,9 +414,12 @@ def check_default_for(problem: Problem) -> None:
     cfg.validate(problem)
     assert BackwardConfig.from_json(cfg.to_json()) == cfg and hash(cfg) == hash(BackwardConfig.from_json(cfg.to_json()))
     if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
-        assert cfg.kernel_1.block_col >= problem.N
+        assert cfg.kernel_1.block_col >= slice_width(problem.N, cfg.kernel_1.row_split)
     if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
         assert problem.N > 16384 and problem.M <= 2048
+    if cfg.kernel_1.row_split > 1:  # only many bf16 rows too wide for one pass, in slices of at most 8192
+        assert problem.N > 16384 and problem.M > 2048 and problem.dtype == "bf16"
+        assert cfg.kernel_1.column_accumulators and slice_width(problem.N, cfg.kernel_1.row_split) <= 8192
     programs = num_programs(problem.M, problem.N, cfg, 132)
     if problem.M == 0:
         assert programs == 0  # nothing to launch

@@ -461,7 +461,8 @@ def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeyp
                                                      "num_stages": (1,), "programs_per_sm": (1,),
                                                      "eviction_policy": ("",), "prefetch": (False,),
                                                      "recompute": (False,), "strategy": ("rows",),
-                                                     "row_split": (1,), "two_pass": (False,)})
+                                                     "row_split": (1,), "two_pass": (False,),
+                                                     "column_accumulators": (False,)})
     monkeypatch.setattr(space_module, "K2_DOMAINS", {**K2_DOMAINS, "block_m": (64, 128), "block_n": (16,),
                                                      "num_warps": (4,), "num_stages": (1,), "pdl": (False,),
                                                      "fused": (False,)})
