@@ -181,8 +181,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
             Kernel2Config(block_m=128, block_n=16, num_warps=4))
         if columns.is_valid(problem):
             return columns
-    split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0)
-    if two_pass and problem.M > MAX_COLUMNS_ROWS and split and problem.dtype == "bf16":
+    split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0) if two_pass else 0
+    if split and problem.M > MAX_COLUMNS_ROWS and problem.dtype == "bf16":
         # Many bf16 rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
         # dw/db per column so that 2-4-row tiles fit. H100, 4096x32768 (docs/experiments/data/wide_rows_h100.jsonl):
         # LayerNorm 2x8192 tiles 365 µs, RMSNorm 4x8192 361 µs, against 1130 and 724 µs two-pass.
