@@ -23,6 +23,7 @@ import typer
 from normtune.commands.bench import bench
 from normtune.commands.compare import compare
 from normtune.commands.emit import emit
+from normtune.commands.prune import prune
 from normtune.commands.report import report
 from normtune.commands.sweep import status, sweep
 from normtune.commands.validate import validate
@@ -33,7 +34,7 @@ from normtune.commands.where import where
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 
-for command in (bench, sweep, status, emit, validate, compare, report, where):
+for command in (bench, sweep, status, emit, validate, compare, report, where, prune):
     app.command()(command)
 
 

@@ -71,6 +71,14 @@ class Store(WorkerCoordination):
             self._engine.dispose()
             raise
 
+    def vacuum(self) -> None:
+        """SQLite: give the pages of deleted rows back to the file system (no-op elsewhere)."""
+        if store_schema.sqlite_path(self.url) is None:
+            return
+        with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.exec_driver_sql("VACUUM")
+
     def optuna_storage(self, **rdb_options: Any):
         """Optuna's `RDBStorage` on this database (same file or server, same busy timeout), for the studies;
         `rdb_options` are RDBStorage's own (heartbeat_interval, grace_period, …)."""

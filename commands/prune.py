@@ -1,0 +1,28 @@
+"""`normtune prune`: drop the Optuna studies of search spaces no sweep opens any more (their measurements stay)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import DEFAULT_DB, Storage, open_store, run_checked
+
+
+def prune(
+    db: Storage = DEFAULT_DB,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be dropped; change nothing")] = False,
+):
+    """Drop the Optuna studies of superseded search spaces (a sweep opens a new study once a problem's space
+    grows) and their slot claims, keeping every normtune measurement: emission, validation and reports read those
+    alone. Studies with a running trial or a held slot are kept. On SQLite the file then shrinks (VACUUM)."""
+    from normtune.tuner.prune import prune as drop, superseded_studies
+
+    with open_store(db) as store:
+        studies = run_checked(superseded_studies, store)
+        trials = sum(s.trials for s in studies)
+        verb = "would drop" if dry_run else "dropped"
+        if not dry_run:
+            run_checked(drop, store, studies)
+        typer.echo(f"{verb} {len(studies)} superseded studies ({trials} trials) from {store.display_url}; "
+                   "every measurement kept")
