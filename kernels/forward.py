@@ -20,7 +20,7 @@ import triton.language as tl
 import functools
 
 from .backward.common import effective_weight
-from .heuristics import next_power_of_two
+from .heuristics import cdiv, next_power_of_two
 from .launcher import Launcher
 
 SINGLE_PASS_MAX_COLS = 8192
@@ -150,7 +150,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64)
     key = (M, x2d.stride(0), y.stride(0), x2d.data_ptr() & 15, y.data_ptr() & 15, w.data_ptr() & 15,
            b.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
-    launch(triton.cdiv(M, block_row), (x2d, x2d.stride(0), y, y.stride(0), w, b, rstd, mu, M, N, eps), key)
+    launch(cdiv(M, block_row), (x2d, x2d.stride(0), y, y.stride(0), w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 
 

@@ -93,12 +93,12 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
     config_text = config.to_json() if isinstance(config, BackwardConfig) else (config or "")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    x2d = x.reshape(-1, N)
+    x2d = x if x.dim() == 2 else x.reshape(-1, N)
     if torch.compiler.is_compiling():
         y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
     else:
         y, _, _ = EagerNorm.apply(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
-    return y.view(x.shape)
+    return y if x.dim() == 2 else y.view(x.shape)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,

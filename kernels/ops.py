@@ -17,7 +17,7 @@ from torch import Tensor
 from . import backward as _backward
 from . import forward as _forward
 from . import reference
-from .config import Problem
+from .config import BackwardConfig, Problem
 from .device import compute_capability, device_name, use_triton
 from .select import resolve_config
 
@@ -72,21 +72,46 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
     return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
 
 
+# (shape, dtypes, flags, config text, device) of a backward call → (problem, config; None off the Triton path).
+# A call's config is resolved once per key: the per-call host path is then a dict lookup.
+_RESOLVED: dict[tuple, tuple[Problem, Optional[BackwardConfig]]] = {}
+MAX_RESOLVED = 4096
+
+
+def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config):
+    index = grad.get_device()  # -1 on CPU, where the interpreter setting decides the path
+    key = (*grad.shape, grad.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
+           zero_centered, save_output, config, index if index >= 0 else use_triton(grad))
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+                                   save_output=save_output)
+        if use_triton(grad):
+            cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device))
+        else:
+            cfg = None
+            if config:
+                resolve_config(problem, config, None)  # an explicit config is checked on every path
+        if len(_RESOLVED) >= MAX_RESOLVED:  # e.g. a new row count every step: start over rather than grow
+            _RESOLVED.clear()
+        hit = _RESOLVED[key] = (problem, cfg)
+    return hit
+
+
+def clear_resolved() -> None:
+    """Forget resolved calls (`select.clear_caches` calls this when tables or settings change)."""
+    _RESOLVED.clear()
+
+
 def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
     """(dx, dw, db), dw/db None where there is no weight/bias."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
-    problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                               save_output=save_output)
-    if use_triton(grad):
-        cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device))
-        dx, dw, db = _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean).run()
-    else:
-        if config:
-            resolve_config(problem, config, None)  # an explicit config is checked on every path
-        dx, dw, db = reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms,
-                                        zero_centered=zero_centered, from_output=save_output)
-    return dx, dw, db
+    problem, cfg = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config)
+    if cfg is not None:
+        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean).run()
+    return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
+                              from_output=save_output)
 
 
 @norm_backward.register_fake

@@ -79,8 +79,9 @@ def resolve_config(problem: Problem, config: BackwardConfig | str | None, device
 def clear_caches() -> None:
     """Forget loaded tables, chain walks and selections (after changing $NORMTUNE_CONFIG or $NORMTUNE_HOME, e.g. in
     tests)."""
-    from . import table_chain, tables
+    from . import ops, table_chain, tables
 
+    ops.clear_resolved()
     select_config.cache_clear()
     table_chain.choose_table.cache_clear()
     tables.load_table.cache_clear()

@@ -171,10 +171,13 @@ def _placeholder_args(p: Problem, int64: bool, row_split: int = 1) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _sync_buffer(device: torch.device, stream: int, size: int) -> torch.Tensor:
-    """int32 counters, zero between launches (each waiting kernel resets what it used). One per stream, so two
-    streams never share counters."""
-    return torch.zeros(size, dtype=torch.int32, device=device)
+def _sync_buffer(device: torch.device, stream: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int32 counters, zero between launches (each waiting kernel resets what it used), as the three parts
+    kernel_1 takes: (per-group counters, per-group counters, 2 global counters). One buffer per stream, so two
+    streams never share counters; the parts are views made once."""
+    buf = torch.zeros(ALIGN_ELEMENTS + 2 * groups, dtype=torch.int32, device=device)
+    head = ALIGN_ELEMENTS
+    return buf[head:head + groups], buf[head + groups:], buf[:2]
 
 
 # Every buffer a kernel gets starts on a 16-byte boundary (4 fp32/int32 elements): Triton specializes pointer
@@ -187,10 +190,11 @@ def _aligned(n: int) -> int:
     return cdiv(n, ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
-def sync_counters(device: torch.device) -> torch.Tensor:
-    """[2 global counters, padded to 16 bytes | per-group counters | per-group counters], each part aligned."""
+def sync_counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The current stream's counters: [2 global counters, padded to 16 bytes | per-group | per-group], each part
+    aligned, returned as (per-group, per-group, global)."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    return _sync_buffer(device, stream, ALIGN_ELEMENTS + 2 * _aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
+    return _sync_buffer(device, stream, _aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
 
 
 class BackwardLaunch:
@@ -207,17 +211,18 @@ class BackwardLaunch:
                  *, dx: torch.Tensor | None = None):
         M, N = problem.M, problem.N
         device = grad.device
-        self.dx = dx if dx is not None else torch.empty((M, N), dtype=grad.dtype, device=device)
-        int64 = needs_int64(M, N, grad.stride(0), saved.stride(0), self.dx.stride(0))
-        self.plan = pl = plan(problem, config, device, int64)
+        self.dx = dx = dx if dx is not None else torch.empty((M, N), dtype=grad.dtype, device=device)
+        g_stride, s_stride, dx_stride = grad.stride(0), saved.stride(0), dx.stride(0)
+        self.plan = pl = plan(problem, config, device, needs_int64(M, N, g_stride, s_stride, dx_stride))
         self.problem, self.config = problem, config
         wdt = weight.dtype if weight is not None else grad.dtype
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
         self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
         self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
         f32 = dict(dtype=torch.float32, device=device)
-        self.partial_dw = torch.empty((pl.groups, N) if has_w else (0,), **f32)
-        self.partial_db = torch.empty((pl.groups, N) if has_b else (0,), **f32)
+        self.partial_dw = torch.empty((pl.groups, N), **f32) if has_w else None
+        self.partial_db = torch.empty((pl.groups, N), **f32) if has_b else None
+        # Absent tensors get a placeholder pointer (rstd) that the kernels never dereference.
         weight_arg = weight if weight is not None else rstd
         bias_arg = bias if bias is not None else rstd
         mean_arg = mean if (problem.norm == "layer_norm" and problem.save == "input") else rstd
@@ -226,31 +231,27 @@ class BackwardLaunch:
         k1 = config.kernel_1
         # What Triton's specialization of these launches depends on beyond the plan: the row strides and the
         # alignment of the tensors this call did not allocate (see launcher.py).
-        self._key = (grad.stride(0), saved.stride(0), self.dx.stride(0), grad.data_ptr() & 15,
-                     saved.data_ptr() & 15, self.dx.data_ptr() & 15, weight_arg.data_ptr() & 15,
-                     bias_arg.data_ptr() & 15, rstd.data_ptr() & 15, mean_arg.data_ptr() & 15)
+        self._key = (g_stride, s_stride, dx_stride, grad.data_ptr() & 15, saved.data_ptr() & 15,
+                     dx.data_ptr() & 15, weight_arg.data_ptr() & 15, bias_arg.data_ptr() & 15,
+                     rstd.data_ptr() & 15, mean_arg.data_ptr() & 15)
+        self._k1_args = self._k2_args = self._rs_args = None
         if M == 0:
-            self._k1_args = self._k2_args = self._rs_args = None
-        elif k1.strategy == "columns":
+            return
+        if k1.strategy == "columns":
             c = torch.empty((2, _aligned(M)), **f32)  # c[1] starts 16-byte aligned too
-            self._rs_args = (grad, grad.stride(0), saved, saved.stride(0), weight_arg, bias_arg, rstd, mean_arg,
-                             c[0], c[1], M, N)
-            self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
-                             bias_arg, rstd, mean_arg, c[0], c[1], dw_arg, db_arg, M, N)
-            self._k2_args = None
-        else:
-            sync = sync_counters(device)
-            head = ALIGN_ELEMENTS
-            groups_cap = (sync.numel() - head) // 2
-            sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), **f32)
-                    if k1.row_split > 1 else rstd)
-            self._k1_args = (grad, grad.stride(0), saved, saved.stride(0), self.dx, self.dx.stride(0), weight_arg,
-                             bias_arg, rstd, mean_arg, self.partial_dw if has_w else rstd,
-                             self.partial_db if has_b else rstd, dw_arg, db_arg, sums, sync[head:head + groups_cap],
-                             sync[head + groups_cap:], sync[:2], M, N, slice_width(N, k1.row_split))
-            self._k2_args = (self.partial_dw if has_w else rstd, self.partial_db if has_b else rstd, dw_arg, db_arg,
-                             pl.groups, N)
-            self._rs_args = None
+            self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c[0], c[1], M, N)
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
+                             c[0], c[1], dw_arg, db_arg, M, N)
+            return
+        group_a, group_b, global_counters = sync_counters(device)
+        sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), **f32)
+                if k1.row_split > 1 else rstd)
+        partial_dw = self.partial_dw if has_w else rstd
+        partial_db = self.partial_db if has_b else rstd
+        self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
+                         partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b, global_counters, M, N,
+                         slice_width(N, k1.row_split))
+        self._k2_args = (partial_dw, partial_db, dw_arg, db_arg, pl.groups, N)
 
     @property
     def programs(self) -> int:
