@@ -1,36 +1,58 @@
 #!/usr/bin/env bash
-# A table round for wide rows on a CUDA host, on a copy of results.db in OUTDIR: the wide-row shapes swept
-# with the current search space (new studies when the space grew), the table re-emitted from the runs it was
-# fitted on plus this sweep, then benched against the peers on the wide shapes and the seed shapes.
+# A table round on a CUDA host, on a copy of results.db in OUTDIR:
+#   sweep     each shape set with the current search space (new studies when the space grew),
+#   emit      the table again from the runs it was fitted on plus these sweeps, with neighbour re-measurement,
+#   validate  that table on the held-out shapes, both norms (unseeded reference sweeps, resumed when stored),
+#   bench     it against the peers on the seed shapes and on each swept set.
 #
-#   bash docs/experiments/wide_round.sh GPU_KEY OUTDIR [SWEEP_SECONDS] [TRIALS] [PEERS] [STEPS]
+#   bash docs/experiments/shapes_round.sh GPU_KEY OUTDIR SHAPE_SETS [SWEEP_SECONDS] [TRIALS] [PEERS] [STEPS]
 #
-# STEPS: all (default), tune (sweep and emit) or bench (bench the table OUTDIR/GPU_KEY.json a tune step wrote).
+# SHAPE_SETS: comma list of presets or shape files (e.g. docs/experiments/wide-rows-shapes.txt,llm); each set
+# gets SWEEP_SECONDS (default 240). STEPS: comma list of sweep, emit, validate, bench (default: all four); a
+# later step without its earlier ones uses what OUTDIR already holds (OUTDIR/GPU_KEY.json).
 set -euo pipefail
-GPU=${1:?usage: bash docs/experiments/wide_round.sh GPU_KEY OUTDIR [SWEEP_SECONDS] [TRIALS] [PEERS]}
-OUTDIR=${2:?usage: bash docs/experiments/wide_round.sh GPU_KEY OUTDIR [SWEEP_SECONDS] [TRIALS] [PEERS]}
-SECONDS_BUDGET=${3:-240}
-TRIALS=${4:-30}
-PEERS=${5:-all}
-STEPS=${6:-all}
+USAGE="usage: bash docs/experiments/shapes_round.sh GPU_KEY OUTDIR SHAPE_SETS [SWEEP_SECONDS] [TRIALS] [PEERS] [STEPS]"
+GPU=${1:?$USAGE}
+OUTDIR=${2:?$USAGE}
+SETS=${3:?$USAGE}
+SECONDS_BUDGET=${4:-240}
+TRIALS=${5:-30}
+PEERS=${6:-all}
+STEPS=",${7:-sweep,emit,validate,bench},"
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 [ -f "$OUTDIR/results.db" ] || cp results.db "$OUTDIR/results.db"
 DB="sqlite:///$OUTDIR/results.db"
-SHAPES=docs/experiments/wide-rows-shapes.txt
 export PYTHONUNBUFFERED=1
-if [ "$STEPS" != bench ]; then
-normtune sweep --gpu "$GPU" --shapes "$SHAPES" --trials "$TRIALS" --time-budget "$SECONDS_BUDGET" \
-    --db "$DB" --summary "$OUTDIR/sweep-summary.json" 2>&1 | grep -v "━" | tail -4
-SWEEP_RUN=$(python -c "import sqlite3,sys; print(sqlite3.connect(sys.argv[1]).execute(
-    \"SELECT max(id) FROM normtune_runs WHERE kind = 'sweep'\").fetchone()[0])" "$OUTDIR/results.db")
-RUNS=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
-    "configs/$GPU.json")
-normtune emit --gpu "$GPU" --db "$DB" --runs "$RUNS,$SWEEP_RUN" --remeasure --out "$OUTDIR/$GPU.json" 2>&1 | tail -3
+step() { [[ "$STEPS" == *",$1,"* ]]; }
+sql() { python -c "import sqlite3,sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2]).fetchone()[0])" \
+    "$OUTDIR/results.db" "$1"; }
+
+if step sweep; then
+    FIRST=$(sql "SELECT coalesce(max(id), 0) FROM normtune_runs")
+    for SET in ${SETS//,/ }; do
+        normtune sweep --gpu "$GPU" --shapes "$SET" --trials "$TRIALS" --time-budget "$SECONDS_BUDGET" \
+            --db "$DB" --summary "$OUTDIR/sweep-$(basename "$SET" .txt).json" 2>&1 | grep -v "━" | tail -4
+    done
+    sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND id > $FIRST" > "$OUTDIR/sweep-runs"
 fi
-[ "$STEPS" = tune ] && exit 0
-for SET in "$SHAPES" seed; do
-    NAME=$([ "$SET" = seed ] && echo seed || echo wide)
-    NORMTUNE_CONFIG="$OUTDIR/$GPU.json" normtune bench --gpu "$GPU" --shapes "$SET" --peers "$PEERS" --config table \
-        --out "$OUTDIR/bench-$NAME" --db "$DB" --budget 0.2 2>&1 | grep -v "━" | tail -3
-done
+if step emit; then
+    RUNS=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
+        "configs/$GPU.json")
+    [ -s "$OUTDIR/sweep-runs" ] && RUNS="$RUNS,$(cat "$OUTDIR/sweep-runs")"
+    normtune emit --gpu "$GPU" --db "$DB" --runs "$RUNS" --remeasure --out "$OUTDIR/$GPU.json" 2>&1 | tail -3
+fi
+TABLE="$OUTDIR/$GPU.json"
+[ -f "$TABLE" ] || TABLE="configs/$GPU.json"
+if step validate; then
+    for NORM in rms_norm layer_norm; do
+        normtune validate --gpu "$GPU" --norm "$NORM" --shapes heldout --table "$TABLE" --trials 40 --db "$DB" \
+            --out "$OUTDIR/validate-$NORM" --compile-workers 14 2>&1 | grep -v "━" | tail -4
+    done
+fi
+if step bench; then
+    for SET in seed ${SETS//,/ }; do
+        NORMTUNE_CONFIG="$TABLE" normtune bench --gpu "$GPU" --shapes "$SET" --peers "$PEERS" --config table \
+            --out "$OUTDIR/bench-$(basename "$SET" .txt)" --db "$DB" --budget 0.2 2>&1 | grep -v "━" | tail -3
+    done
+fi
