@@ -60,6 +60,12 @@ def constexpr_tail(kernel: Any, constexprs: dict[str, Any]) -> tuple | None:
     return tuple(tail)
 
 
+def _hooked(hook: Any) -> bool:
+    """Whether a launch hook would do anything: Triton >= 3.4 always has a hook *chain*, empty unless a profiler
+    (e.g. proton) added to it; building the launch metadata for an empty chain costs several µs per launch."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class Launcher:
     """One Triton kernel with fixed compile-time arguments (constexprs and launch options such as num_warps).
 
@@ -98,13 +104,13 @@ class Launcher:
         # Addresses as integers: the launcher then neither calls data_ptr() nor asks the driver about each pointer
         # (cuPointerGetAttribute), which it does for every tensor argument.
         args = tuple([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
-        enter = _knobs.runtime.launch_enter_hook
-        if enter is None:
+        enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+        if not _hooked(enter) and not _hooked(leave):
             run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self._tail)
             return
         full = (*args, *self._tail)
         run(grid, 1, 1, stream, function, packed, compiled.launch_metadata((grid, 1, 1), stream, *full), enter,
-            _knobs.runtime.launch_exit_hook, *full)
+            leave, *full)
 
     def _remember(self, key: Hashable, compiled: Any, device: int) -> None:
         try:

@@ -107,6 +107,21 @@ def test_launch_hooks_get_their_metadata(on_fake_gpu):
     assert args[9:] == ("x", 1, 8, False)
 
 
+def test_an_empty_hook_chain_is_no_hook(on_fake_gpu):
+    """Triton >= 3.4 keeps hook chains that are empty unless a profiler adds to them: no metadata is built then,
+    and a hook added later gets it."""
+    kernel = FakeKernel()
+    launch = launcher.Launcher(kernel, {"BLOCK": 8, "FLAG": False})
+    launch(2, ("x", 1), key=0)
+    enter, leave = SimpleNamespace(calls=[]), SimpleNamespace(calls=[])
+    on_fake_gpu.hooks.runtime.launch_enter_hook, on_fake_gpu.hooks.runtime.launch_exit_hook = enter, leave
+    launch(2, ("x", 1), key=0)
+    assert kernel.log[-1][1][6:9] == (None, None, None)
+    enter.calls.append(print)
+    launch(2, ("x", 1), key=0)
+    assert kernel.log[-1][1][6][0] == "metadata" and kernel.log[-1][1][7] is enter
+
+
 def test_kernels_that_do_not_fit_stay_on_the_generic_path(on_fake_gpu):
     interleaved = FakeKernel(names=("a", "BLOCK", "b", "FLAG"))
     launch = launcher.Launcher(interleaved, {"BLOCK": 64})
