@@ -242,6 +242,20 @@ def test_split_needs_a_real_gain():
     assert [r["m_max"] for r in rules] == [1448, None]
 
 
+def test_a_config_that_only_ties_with_the_default_gives_way_to_it():
+    """A knob leaves its analytic value only where that pays more than DEFAULT_TIE on some fitted problem."""
+    probs = [RMS.problem(M, 1024) for M in MS]
+    default = default_config(probs[0])
+    assert all(default_config(p) == default for p in probs)
+    a = candidates(1024)["A"]
+    assert a != default
+    defaults = {p: default for p in probs}
+    tie = {p: {a: T(10.0), default: T(10.0 * (1 + emit.DEFAULT_TIE / 2))} for p in probs}
+    assert [BackwardConfig.from_dict(r["config"]) for r in emit.fit_family(RMS, tie, defaults).rules] == [default]
+    gain = {p: {a: T(10.0), default: T(10.05 if p.M < 4096 else 10.5)} for p in probs}
+    assert [BackwardConfig.from_dict(r["config"]) for r in emit.fit_family(RMS, gain, defaults).rules] == [a]
+
+
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
     a, b = candidates(512)["A"], candidates(512)["B"]
     data = {RMS.problem(64, 512): {a: T(3.0)}, RMS.problem(4096, 512): {b: T(9.0)}}

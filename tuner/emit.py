@@ -15,7 +15,10 @@ Fitting, per problem family (norm, dtypes, flags):
 3. Rules: for a group of problems, the config minimizing the geometric-mean regret (time / that problem's
    best) over the group, among configs measured on all of them and *never slower than the analytic default*
    beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
-   loses to the default is recorded under the family's "dropped". A bucket is split on M (at most into three M
+   loses to the default is recorded under the family's "dropped". A config that beats the default by no more
+   than DEFAULT_TIE on every problem gives way to the default itself (where the group shares one): a knob
+   leaves its analytic value only where that was measured to pay (H100 LayerNorm: kernel_2 num_stages=2 won 4096x3072 by 0.2 µs,
+   inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is split on M (at most into three M
    ranges) only when a split lowers the mean regret by more than SPLIT_GAIN: rules that generalize beat rules
    that memorize. An M range ends at the geometric midpoint between its largest fitted M and the next range's
    smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log scale.
@@ -40,6 +43,7 @@ from .spread import Timing, slower_beyond_spread
 TOP_K = 3  # configs per problem carried into the matrix and re-measured on neighbours
 SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than 1%
 MAX_GROUPS = 3
+DEFAULT_TIE = 0.01  # a rule keeps the analytic default unless a config beats it by more than 1% somewhere
 FIT_KINDS = ("sweep", "emit")  # run kinds fitted on by default (emit's runs hold the neighbour re-measurements)
 NEVER_FIT = ("validate", "bench")  # run kinds, and measurement-source prefixes, that a table never learns from
 HELD_OUT = frozenset(HELDOUT_SHAPES)  # shapes a table is never fitted on, whichever run measured them
@@ -197,6 +201,16 @@ class _Fit:
                                        "default_us": round(self.data[p][d].median, 2)}
         return out
 
+    def shared_default(self, group: list[Problem]) -> BackwardConfig | None:
+        """The measured analytic default when every problem of `group` has the same one, else None."""
+        defaults = {self.defaults.get(p) for p in group}
+        return defaults.pop() if len(defaults) == 1 else None
+
+    def gains_on_default(self, group: list[Problem], cfg: BackwardConfig) -> bool:
+        """`cfg`'s median beats the measured default's by more than DEFAULT_TIE on some problem of `group`."""
+        return any(self.data[p][self.defaults[p]].median > self.data[p][cfg].median * (1 + DEFAULT_TIE)
+                   for p in group)
+
     def config_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
         """(config, geometric-mean regret, the better-scoring config dropped for losing to the default)."""
         common = set(self.data[group[0]])
@@ -208,6 +222,9 @@ class _Fit:
         for regret, _, cfg in scored:
             losses = self.losses_to_default(group, cfg)
             if not losses:
+                default = self.shared_default(group)
+                if default is not None and default in common and not self.gains_on_default(group, cfg):
+                    return default, geomean(self.data[p][default].median / self.best[p] for p in group), dropped
                 return cfg, regret, dropped
             if dropped is None:
                 dropped = {"config": cfg.to_dict(), "fit_regret": round(regret, 4), "slower_than_default": losses,
@@ -339,7 +356,7 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
             "configs_measured": n_measured,
             "held_out_left_out": inputs.held_out,
             "fit": {"top_k": TOP_K, "split_gain": SPLIT_GAIN, "max_m_groups": MAX_GROUPS,
-                    "never_slower_than_default": "beyond the p10-p90 spread"},
+                    "never_slower_than_default": "beyond the p10-p90 spread", "default_tie": DEFAULT_TIE},
         },
         "families": families,
     }
