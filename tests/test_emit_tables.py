@@ -214,10 +214,14 @@ def test_two_rules_where_m_splits_clearly(table, family):
     assert BackwardConfig.from_dict(large["config"]) == candidates(1024)["B"]
     assert small["fitted_on"] == ["64x1024", "512x1024"] and large["fitted_on"] == ["4096x1024"]
     parsed = parse_table(table)
-    assert parsed.lookup(family.problem(100, 1000)) == candidates(1024)["A"]
+    assert parsed.lookup(family.problem(100, 1008)) == candidates(1024)["A"]
     assert parsed.lookup(family.problem(1448, 1024)) == candidates(1024)["A"]
     assert parsed.lookup(family.problem(1449, 1024)) == candidates(1024)["B"]
-    assert parsed.lookup(family.problem(4096, 600)) == candidates(1024)["B"]
+    assert parsed.lookup(family.problem(4096, 608)) == candidates(1024)["B"]
+    # Fitted on widths that are multiples of 16 only, the rules do not answer for other widths: the default.
+    for N in (1000, 600):
+        match = parsed.match(family.problem(100, N))
+        assert match.config is None and "not a multiple of 16" in match.reason(family.problem(100, N))
     # Outside the box of fitted shapes (M 64..4096, N 256..4096) the table does not extrapolate: the default.
     assert parsed.fitted[family.key] == (64, 4096, 256, 4096)
     assert parsed.lookup(family.problem(2**20, 600)) is None and parsed.lookup(family.problem(64, 200)) is None
