@@ -17,11 +17,12 @@ Fitting, per problem family (norm, dtypes, flags):
    beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
    loses to the default is recorded under the family's "dropped". A config that beats the default by no more
    than DEFAULT_TIE on every problem gives way to the default itself (where the group shares one): a knob
-   leaves its analytic value only where that was measured to pay (H100 LayerNorm: kernel_2 num_stages=2 won 4096x3072 by 0.2 µs,
-   inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is split on M (at most into three M
-   ranges) only when a split lowers the mean regret by more than SPLIT_GAIN: rules that generalize beat rules
-   that memorize. An M range ends at the geometric midpoint between its largest fitted M and the next range's
-   smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log scale.
+   leaves its analytic value only where that was measured to pay (H100 LayerNorm: kernel_2 num_stages=2 won
+   4096x3072 by 0.2 µs, inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is
+   split on M (at most into three M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN:
+   rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
+   fitted M and the next range's smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log
+   scale.
 """
 
 from __future__ import annotations
