@@ -80,6 +80,7 @@ def emit(
 
     from normtune.tuner import emit as E
     from normtune.tuner.device import command_line
+    from normtune.tuner.remeasure import remeasure_neighbours
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
@@ -111,7 +112,7 @@ def emit(
             info = run_checked(device_info, gpu, interpret)
             if interpret:
                 console.print(INTERPRETER_BANNER)
-            run_id, n = run_checked(E.remeasure_neighbours, store, key, info, selection=selection,
+            run_id, n = run_checked(remeasure_neighbours, store, key, info, selection=selection,
                                     command_line=command_line())
             if selection.run_ids is not None:
                 selection = E.Selection(selection.kinds, selection.run_ids + (run_id,), selection.git_revisions)

@@ -260,6 +260,21 @@ def test_a_config_that_only_ties_with_the_default_gives_way_to_it():
     assert [BackwardConfig.from_dict(r["config"]) for r in emit.fit_family(RMS, gain, defaults).rules] == [a]
 
 
+def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
+    """Each problem's measured configs are planned on the other problems of its N bucket, and the adjacent
+    bucket's top two adapted to this N; measured pairs are never planned again."""
+    from normtune.tuner.remeasure import neighbour_plan
+
+    a, b, c = (candidates(1024)[k] for k in "ABC")
+    small, large, wide = RMS.problem(64, 1024), RMS.problem(4096, 1024), RMS.problem(64, 4096)
+    wide_a, wide_c = candidates(4096)["A"], candidates(4096)["C"]
+    data = {small: {a: T(1.0)}, large: {b: T(2.0), c: T(3.0)}, wide: {wide_c: T(1.0), wide_a: T(2.0)}}
+    plan = set(neighbour_plan(data))
+    assert {(large, a), (small, b), (small, c)} <= plan
+    assert all(cfg not in data[p] for p, cfg in plan)
+    assert (wide, adapt(b, wide)) in plan and (small, adapt(wide_c, small)) in plan
+
+
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
     a, b = candidates(512)["A"], candidates(512)["B"]
     data = {RMS.problem(64, 512): {a: T(3.0)}, RMS.problem(4096, 512): {b: T(9.0)}}

@@ -10,7 +10,7 @@ from the clock).
 Fitting, per problem family (norm, dtypes, flags):
 1. N buckets: each measured N closes a bucket (previous N, N]; the last bucket is unbounded above.
 2. A config x problem matrix of measured times within each bucket: every config measured on a problem (the
-   sweep's trials, plus "neighbor" re-measurements: `remeasure` times each problem's top configs on the other
+   sweep's trials, plus "neighbor" re-measurements: `remeasure.py` times each problem's top configs on the other
    problems of its bucket, and the adjacent buckets' top configs adapted to this N).
 3. Rules: for a group of problems, the config minimizing the geometric-mean regret (time / that problem's
    best) over the group, among configs measured on all of them and *never slower than the analytic default*
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
-from normtune.kernels.tables import SCHEMA_VERSION, adapt, parse_table
+from normtune.kernels.tables import SCHEMA_VERSION, parse_table
 
 from .heldout import HELDOUT_SHAPES
 from .render import geomean
@@ -154,35 +154,6 @@ def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig
         if found:
             out[p] = found[0]
     return out
-
-
-def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[BackwardConfig]:
-    return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
-
-
-def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
-    """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
-    problems of its N bucket, and the adjacent buckets' top configs adapted to this N. Already measured pairs
-    are skipped."""
-    by_n: dict[int, list[Problem]] = defaultdict(list)
-    for p in data:
-        by_n[p.N].append(p)
-    ns = sorted(by_n)
-    plan = []
-    for i, n in enumerate(ns):
-        cands: list[BackwardConfig] = []
-        for p in by_n[n]:
-            cands += top_configs(data[p])
-        for j in (i - 1, i + 1):
-            if 0 <= j < len(ns):
-                for p in by_n[ns[j]]:
-                    cands += [adapt(c, by_n[n][0]) for c in top_configs(data[p], 2)]
-        for p in sorted(by_n[n], key=lambda q: q.M):
-            for c in dict.fromkeys(cands):
-                c = adapt(c, p)
-                if c not in data[p]:
-                    plan.append((p, c))
-    return list(dict.fromkeys(plan))
 
 
 class _Fit:
@@ -387,29 +358,3 @@ def dropped_summary(table: dict) -> list[str]:
             lines.append(f"{key} {'+'.join(d['fitted_on'])}: dropped `{BackwardConfig.from_dict(d['config'])}` "
                          f"(slower than the analytic default beyond the spread on {losses})")
     return lines
-
-
-def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Selection(), command_line: str,
-                         progress=None) -> tuple[int, int]:
-    """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
-    the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
-    from .measure import TIMING, MeasureSession
-
-    families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
-    session = MeasureSession.for_device(info, timing=TIMING["remeasure"])
-    run_id = store.start_run(info, kind="emit", command_line=command_line,
-                             copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
-    count = 0
-    try:
-        for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
-            for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
-                r = session.measure_problem(p, c)
-                store.add_measurement(run_id, p, c, r, source="neighbor")
-                count += 1
-                if progress:
-                    progress(p, c, r)
-        store.end_run(run_id)
-    except BaseException:
-        store.end_run(run_id, status="interrupted")
-        raise
-    return run_id, count

@@ -1,0 +1,68 @@
+"""Neighbour re-measurement for `normtune emit --remeasure`: each problem's top configs timed on the other problems
+of its N bucket, and the adjacent buckets' top configs adapted to its N, so that emission compares rules on a
+complete config × problem matrix rather than on whatever the sweeps happened to measure everywhere."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.tables import adapt
+
+from .emit import TOP_K, Data, Selection, collect, select_inputs
+from .spread import Timing
+
+
+def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[BackwardConfig]:
+    return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
+
+
+def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
+    """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
+    problems of its N bucket, and the adjacent buckets' top configs adapted to this N. Already measured pairs
+    are skipped."""
+    by_n: dict[int, list[Problem]] = defaultdict(list)
+    for p in data:
+        by_n[p.N].append(p)
+    ns = sorted(by_n)
+    plan = []
+    for i, n in enumerate(ns):
+        cands: list[BackwardConfig] = []
+        for p in by_n[n]:
+            cands += top_configs(data[p])
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(ns):
+                for p in by_n[ns[j]]:
+                    cands += [adapt(c, by_n[n][0]) for c in top_configs(data[p], 2)]
+        for p in sorted(by_n[n], key=lambda q: q.M):
+            for c in dict.fromkeys(cands):
+                c = adapt(c, p)
+                if c not in data[p]:
+                    plan.append((p, c))
+    return list(dict.fromkeys(plan))
+
+
+def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Selection(), command_line: str,
+                         progress=None) -> tuple[int, int]:
+    """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
+    the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
+    from .measure import TIMING, MeasureSession
+
+    families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
+    session = MeasureSession.for_device(info, timing=TIMING["remeasure"])
+    run_id = store.start_run(info, kind="emit", command_line=command_line,
+                             copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
+    count = 0
+    try:
+        for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
+            for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
+                r = session.measure_problem(p, c)
+                store.add_measurement(run_id, p, c, r, source="neighbor")
+                count += 1
+                if progress:
+                    progress(p, c, r)
+        store.end_run(run_id)
+    except BaseException:
+        store.end_run(run_id, status="interrupted")
+        raise
+    return run_id, count
