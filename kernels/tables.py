@@ -62,6 +62,8 @@ class Table:
     raw: dict
     # Per family, the (M, N) box of the shapes its rules were fitted on: (min M, max M, min N, max N).
     fitted: dict[str, tuple[int, int, int, int]] = dataclasses.field(default_factory=dict)
+    # Families fitted on row widths that are all multiples of ALIGNED_WIDTH (see `aligned_width`).
+    aligned_only: frozenset[str] = frozenset()
 
     @property
     def label(self) -> str:
@@ -112,12 +114,7 @@ class Table:
         specializes row strides divisible by 16 and vectorizes their loads; other widths run another kernel, which
         the rules never measured (H100 LayerNorm 20000x3000: the analytic default 208 µs, the rule fitted at
         16384x3072 223 µs; the default ran at about 59 % of the copy floor there, 85 % at 16384x3072)."""
-        if problem.N % ALIGNED_WIDTH == 0:
-            return True
-        key = self.family_key(problem.family)
-        rules = self.families.get(key, ()) if key is not None else ()
-        fitted = [text for r in rules for text in r.fitted_on]
-        return not fitted or any(int(text.partition("x")[2]) % ALIGNED_WIDTH for text in fitted)
+        return problem.N % ALIGNED_WIDTH == 0 or self.family_key(problem.family) not in self.aligned_only
 
     def match(self, problem: Problem) -> "RuleMatch":
         """Which rule answers `problem` and with what config (None: no rule applies — no family of this norm and
@@ -178,8 +175,8 @@ class RuleMatch:
                 f"{bound(self.rule.m_max)}{fitted}){past}{adapted}")
 
 
-def fitted_box(rules_data: list) -> tuple[int, int, int, int] | None:
-    """(min M, max M, min N, max N) over the rules' `fitted_on` shapes ("MxN"); None when a rule lacks them."""
+def fitted_shapes(rules_data: list) -> list[tuple[int, int]] | None:
+    """(M, N) of every shape the rules were fitted on (their `fitted_on`, "MxN"); None when a rule lacks them."""
     shapes = []
     for r in rules_data:
         fitted = r.get("fitted_on") if isinstance(r, Mapping) else None
@@ -190,8 +187,7 @@ def fitted_box(rules_data: list) -> tuple[int, int, int, int] | None:
             if not (m.isdigit() and n.isdigit()):
                 return None
             shapes.append((int(m), int(n)))
-    return (min(m for m, _ in shapes), max(m for m, _ in shapes), min(n for _, n in shapes),
-            max(n for _, n in shapes))
+    return shapes
 
 
 def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None) -> BackwardConfig:
@@ -301,6 +297,7 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
         _fail(path, "has no families (rules per norm/dtype/flags)")
     families: dict[str, tuple[Rule, ...]] = {}
     fitted: dict[str, tuple[int, int, int, int]] = {}
+    aligned: set[str] = set()
     for key, fam in fams.items():
         try:
             family = ProblemFamily.from_key(key)
@@ -327,11 +324,15 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
             fitted_on = r.get("fitted_on") if isinstance(r.get("fitted_on"), list) else []
             rules.append(Rule(n_max, m_max, cfg, tuple(map(str, fitted_on))))
         families[key] = tuple(rules)
-        if (box := fitted_box(rules_data)) is not None:
-            fitted[key] = box
+        if (shapes := fitted_shapes(rules_data)) is not None:
+            ms, ns = [m for m, _ in shapes], [n for _, n in shapes]
+            fitted[key] = (min(ms), max(ms), min(ns), max(ns))
+            if all(n % ALIGNED_WIDTH == 0 for n in ns):
+                aligned.add(key)
     return Table(path=path, gpu_name=gpu["name"], gpu_key=gpu.get("key") or gpu_key(gpu["name"]),
                  compute_capability=gpu.get("compute_capability"), sm_count=gpu.get("sm_count"),
-                 interpret=bool(data.get("interpret", False)), families=families, raw=dict(data), fitted=fitted)
+                 interpret=bool(data.get("interpret", False)), families=families, raw=dict(data), fitted=fitted,
+                 aligned_only=frozenset(aligned))
 
 
 @functools.lru_cache(maxsize=None)
