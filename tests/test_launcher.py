@@ -236,3 +236,21 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy):
         placeholders = _placeholder_args(problem, False, config.kernel_1.row_split)
         launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
         assert launch_ints == [a for a in placeholders if isinstance(a, int)]
+
+
+def test_polled_counters_each_have_a_cache_line():
+    """Programs poll their group's counter (row_split) or the grid barrier (fused) with atomics: two counters on
+    one 128-byte L2 line queue behind each other's polls (H100, 4096x32768 split 4: 352.7 -> 346.3 µs once they
+    were apart). The kernels step COUNTER_STRIDE elements from one group's counter to the next."""
+    from normtune.kernels.backward.common import COUNTER_STRIDE_ELEMENTS
+    from normtune.kernels.backward.launch import sync_counters
+
+    polled, leave, barrier = sync_counters(torch.device("cpu"))
+    line = 128  # offsets from the buffer's start (the barrier's counters): CUDA allocations start 512-byte aligned
+    start = barrier.data_ptr()
+    assert COUNTER_STRIDE_ELEMENTS * polled.element_size() == line
+    assert (polled.data_ptr() - start) % line == 0 and polled.data_ptr() - start >= line
+    groups = polled.numel() // COUNTER_STRIDE_ELEMENTS
+    assert groups >= 1 and leave.numel() >= groups, "every group a launch can have has both counters"
+    assert leave.data_ptr() >= polled.data_ptr() + polled.numel() * polled.element_size()
+    assert not bool(polled.any() or leave.any() or barrier.any()), "counters are all zero between launches"

@@ -29,6 +29,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# int32 elements from one polled counter to the next: one 128-byte L2 line each, so that programs polling one
+# group's counter do not queue behind the polls of other groups (or of the grid barrier) on a shared line.
+COUNTER_STRIDE_ELEMENTS = 32
+COUNTER_STRIDE = tl.constexpr(COUNTER_STRIDE_ELEMENTS)
+
 
 @triton.jit
 def widen(v, BF16_BITS: tl.constexpr):

@@ -29,6 +29,7 @@ from ..heuristics import (
     slice_width,
 )
 from .columns import kernel_1_columns, row_sums
+from .common import COUNTER_STRIDE_ELEMENTS
 from .reduce import PDL_SUPPORTED, kernel_2
 from .rows import kernel_1_single_pass, kernel_1_two_pass
 
@@ -173,11 +174,12 @@ def _placeholder_args(p: Problem, int64: bool, row_split: int = 1) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _sync_buffer(device: torch.device, stream: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int32 counters, zero between launches (each waiting kernel resets what it used), as the three parts
-    kernel_1 takes: (per-group counters, per-group counters, 2 global counters). One buffer per stream, so two
-    streams never share counters; the parts are views made once."""
-    buf = torch.zeros(ALIGN_ELEMENTS + 2 * groups, dtype=torch.int32, device=device)
-    head = ALIGN_ELEMENTS
-    return buf[head:head + groups], buf[head + groups:], buf[:2]
+    kernel_1 takes: (per-group polled counters, one per COUNTER_STRIDE elements; per-group leave counters; the
+    grid barrier's two counters). Polled counters each have a 128-byte line of their own. One buffer per stream,
+    so two streams never share counters; the parts are views made once."""
+    stride = COUNTER_STRIDE_ELEMENTS
+    buf = torch.zeros(stride * (1 + groups) + groups, dtype=torch.int32, device=device)
+    return buf[stride:stride * (1 + groups)], buf[stride * (1 + groups):], buf[:2]
 
 
 # Every buffer a kernel gets starts on a 16-byte boundary (4 fp32/int32 elements): Triton specializes pointer
@@ -191,8 +193,7 @@ def _aligned(n: int) -> int:
 
 
 def sync_counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The current stream's counters: [2 global counters, padded to 16 bytes | per-group | per-group], each part
-    aligned, returned as (per-group, per-group, global)."""
+    """The current stream's counters (see `_sync_buffer`): (per-group polled, per-group leave, global)."""
     stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
     return _sync_buffer(device, stream, _aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .common import (
+    COUNTER_STRIDE,
     arrive_and_wait,
     effective_weight,
     grad_input,
@@ -42,7 +43,7 @@ def _exchange_row_sums(SUMS, COUNTER, group, part, k, c1_part, c2_part, ROW_SPLI
         tl.store(base + part * (2 * BLOCK_ROW) + rr, c1_part)
         tl.store(base + part * (2 * BLOCK_ROW) + BLOCK_ROW + rr, c2_part)
     if PHASE == 0:
-        arrive_and_wait(COUNTER + group, ROW_SPLIT * (k + 1))
+        arrive_and_wait(COUNTER + group * COUNTER_STRIDE, ROW_SPLIT * (k + 1))
     parts = tl.arange(0, ROW_SPLIT)[:, None] * (2 * BLOCK_ROW) + rr[None, :]
     c1 = tl.sum(tl.load(base + parts, cache_modifier=".cg"), axis=0)
     c2 = tl.sum(tl.load(base + BLOCK_ROW + parts, cache_modifier=".cg"), axis=0)
@@ -161,7 +162,7 @@ def kernel_1_single_pass(
         if HAS_BIAS:
             tl.store(PARTIAL_DB + partial, acc_db, mask=col_mask)
     if ROW_SPLIT > 1 and PHASE == 0:
-        leave_and_reset(COUNTERS + group, DONE + group, ROW_SPLIT)
+        leave_and_reset(COUNTERS + group * COUNTER_STRIDE, DONE + group, ROW_SPLIT)
     if FUSED:
         arrive_and_wait(BARRIER, programs)
         reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, groups, N, pid, programs, HAS_WEIGHT, HAS_BIAS, RED_BLOCK_M,
