@@ -17,7 +17,9 @@ if TYPE_CHECKING:  # the value types import this module for their limits; defaul
 # min(255, 65536 / (32 W)). The estimate below overcounts (temporaries die early), and mild spilling still runs:
 # on an H200, a single-pass 1x16384 LayerNorm tile on 16 warps (estimate 160 vs 128 available) was the fastest
 # config for 2048x16384, while the same tile with prefetch (estimate 192) ran 4-10x slower. So configs are pruned
-# only past 1.3x the hardware limit.
+# only past 1.3x the hardware limit, on every warp count: on an H100, RMSNorm 4096x32768 split over 4 programs of
+# 4x8192 tiles ran fastest on 8 warps (321 µs vs 349 on 16; estimate 320 vs 255 available, 36 values spilled;
+# docs/experiments/data/register_spills_h100.jsonl has the compiler's counts next to the estimate).
 REGISTER_FILE = 65536
 REGISTER_BUDGET = 255
 REGISTER_SLACK = 1.3
@@ -44,7 +46,7 @@ SPLIT_SLICE = 8192
 
 def register_budget(num_warps: int) -> int:
     """Registers per thread a config may keep live on `num_warps` warps (with the slack above)."""
-    return int(min(REGISTER_BUDGET, REGISTER_SLACK * REGISTER_FILE / (32 * num_warps)))
+    return int(REGISTER_SLACK * hardware_registers(num_warps))
 
 
 def hardware_registers(num_warps: int) -> int:

@@ -19,7 +19,7 @@ from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.kernels.heuristics import next_power_of_two, num_programs, row_block_col, slice_width
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
-from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
+from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_COLUMN_ACC_TILE, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
 
 # (norm, M, N, sm_count): a single column, odd widths, a wide row that needs two-pass chunks.
 SMALL = [("layer_norm", 3, 1, 4), ("rms_norm", 3, 1, 4), ("layer_norm", 5, 3, 2), ("rms_norm", 1, 1, 2)]
@@ -109,7 +109,7 @@ def test_larger_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
     for cfg in configs:
         assert s.why_not(cfg) is None, cfg
         cfg.validate(s.problem)
-        assert cfg.kernel_1.tile() <= MAX_SPACE_TILE
+        assert cfg.kernel_1.tile() <= (MAX_COLUMN_ACC_TILE if cfg.kernel_1.column_accumulators else MAX_SPACE_TILE)
         assert not (cfg.kernel_1.prefetch and cfg.kernel_1.num_stages > 1)
         if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
             assert cfg.kernel_1.block_col == row_block_col(N, cfg.kernel_1.row_split)

@@ -56,6 +56,9 @@ K2_DOMAINS: dict[str, tuple] = {
 }
 # Largest tile (elements) the space offers: past it, registers spill on every Hopper config we measured.
 MAX_SPACE_TILE = 16384
+# ... except with dw/db per column (column_accumulators), which hold block_row times fewer registers: H100 RMSNorm
+# 4096x32768 split 4 ran fastest on 4x8192 tiles (321 µs on 8 warps, 349 on 16).
+MAX_COLUMN_ACC_TILE = 32768
 # Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
 MIN_TWO_PASS_CHUNK = 512
 
@@ -143,8 +146,9 @@ class Space:
         if err:
             return err
         k1 = config.kernel_1
-        if k1.tile() > MAX_SPACE_TILE:
-            return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {MAX_SPACE_TILE} elements"
+        largest = MAX_COLUMN_ACC_TILE if k1.column_accumulators else MAX_SPACE_TILE
+        if k1.tile() > largest:
+            return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {largest} elements"
         if k1.num_warps > max_warps(k1.tile()):
             return (f"num_warps={k1.num_warps} gives fewer than {MIN_ELEMENTS_PER_THREAD} elements per thread on a "
                     f"{k1.tile()}-element tile")
@@ -255,6 +259,20 @@ class Space:
                         block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
                         programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
                         column_accumulators=True), k2))
+        if next_power_of_two(p.N) >= 8192:
+            # Wide rows: kernel_2 launched early (PDL) on 32-column blocks (H100, LayerNorm 512/1024/2048x16384:
+            # 38.1 / 60.2 / 102.5 µs vs 40.5 / 61.6 / 104.1 with the table's 16-column kernel_2; fused tails were
+            # 5-25 µs slower there), and split tiles on 8 warps, where the compiler gives each thread 255
+            # registers (H100 RMSNorm 4096x32768 split 4, 4x8192: 321 µs vs 349 on 16 warps).
+            early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
+            alts.append(BackwardConfig(k1, early))
+            for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
+                width = row_block_col(p.N, split)
+                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
+                    alts.append(BackwardConfig(Kernel1Config(
+                        block_row=block_row, block_col=width, num_warps=8, programs_per_sm=1,
+                        eviction_policy="evict_first", recompute=True, row_split=split, column_accumulators=True),
+                        early))
         if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
             # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
             # kernel_1's tail; dw/db per column with loads pipelined through shared memory, or per tile element
