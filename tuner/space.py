@@ -269,10 +269,11 @@ class Space:
             for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
                 width = row_block_col(p.N, split)
                 if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    alts.append(BackwardConfig(Kernel1Config(
-                        block_row=block_row, block_col=width, num_warps=8, programs_per_sm=1,
-                        eviction_policy="evict_first", recompute=True, row_split=split, column_accumulators=True),
-                        early))
+                    for warps in (min(16, max_warps(block_row * width)), 8):
+                        alts.append(BackwardConfig(Kernel1Config(
+                            block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
+                            eviction_policy="evict_first", recompute=True, row_split=split,
+                            column_accumulators=True), early))
         if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
             # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
             # kernel_1's tail; dw/db per column with loads pipelined through shared memory, or per tile element
