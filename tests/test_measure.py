@@ -538,6 +538,20 @@ def test_kernel_sum():
     assert kernel_sum({"a": 1.0, "<profiler failed>": float("nan")}) is None  # never a partial sum
 
 
+def test_kernel_sum_counts_overlapping_kernels_once():
+    """Under PDL kernel_2 starts while kernel_1 runs and waits inside its own kernel time: the time both run is
+    counted once, so the kernel sum of a PDL pair is the device time spent in its kernels."""
+    from normtune.tuner.views import OVERLAP, kernel_sum, overlap_us
+
+    assert overlap_us([]) == 0.0
+    assert overlap_us([(0.0, 10.0), (10.0, 12.0), (20.0, 25.0)]) == 0.0  # back to back: nothing twice
+    assert overlap_us([(0.0, 30.0), (1.0, 34.0)]) == pytest.approx(29.0)  # kernel_2 launched early (PDL)
+    assert overlap_us([(1.0, 34.0), (0.0, 30.0), (50.0, 80.0), (51.0, 82.0)]) == pytest.approx(29.0 + 29.0)
+    assert overlap_us([(0.0, 10.0), (2.0, 4.0), (3.0, 5.0)]) == pytest.approx(2.0 + 2.0)  # covered three times
+    kernels = {"_kernel_1_single_pass": 30.0, "_kernel_2": 33.0, OVERLAP: -29.0}
+    assert kernel_sum(kernels) == pytest.approx(34.0)
+
+
 def test_host_us_per_call_divides_by_the_number_of_calls(monkeypatch):
     from normtune.tuner import views
 

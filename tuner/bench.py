@@ -33,8 +33,8 @@ from .peers import NormtuneAPI, PeerUnavailable, make_peer
 from .views import kernel_sum
 
 OURS = "normtune"
-PDL_NOTE = ("pdl: kernel_2 starts before kernel_1 ends and waits inside its own kernel time, so the kernel-sum "
-            "view counts that wait; GPU time spans both kernels")
+PDL_NOTE = ("pdl: kernel_2 starts before kernel_1 ends and waits inside its own kernel time; the kernel-sum "
+            "view counts the time both run at once only once")
 
 
 @dataclass

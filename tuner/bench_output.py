@@ -60,7 +60,7 @@ VIEWS_NOTE = (
     "kernels' device times from torch.profiler, summed: how peers usually report; launch gaps are not in it), "
     "and **host µs** per call (CPU time of one backward / forward call through the public API, issued while the "
     "GPU is busy). With programmatic dependent launch (pdl), kernel_2 starts before kernel_1 ends and waits "
-    "inside its own kernel, so the kernel sum counts that wait and can exceed the GPU time.")
+    "inside its own kernel; the kernel sum counts the time both kernels run at once only once.")
 
 
 def markdown(report: BenchReport) -> str:

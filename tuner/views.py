@@ -2,8 +2,9 @@
 
 - **kernel sum**: the device time of each kernel the call launches, from torch.profiler, summed. This is how
   peers usually report. Launch gaps between kernels are not in it. Under programmatic dependent launch (PDL)
-  the dependent kernel starts before the one it depends on has finished and waits inside its own kernel time,
-  so that wait is in the sum: the kernel sum of a PDL pair can exceed its GPU time.
+  the dependent kernel starts before the one it depends on has finished and waits inside its own kernel time;
+  time in which two kernels run at once is counted once (an `OVERLAP` entry takes the second count back), so
+  the kernel sum is the time the device spent in the call's kernels.
 - **host µs per call**: the CPU time one Python call costs (argument checks, config resolution, dispatch,
   launches, allocations). N calls are issued back to back while the GPU is kept busy by a spin, so no call waits
   on the GPU; the wall clock of issuing them, divided by N.
@@ -24,6 +25,34 @@ from .results import percentile
 def spin(cycles: int) -> None:
     """Keep the GPU busy for `cycles` clock cycles (a single kernel)."""
     torch.cuda._sleep(int(cycles))
+
+
+# The breakdown's entry (negative, µs per call) for device time two of the call's kernels ran at once.
+OVERLAP = "(overlap: counted once)"
+
+
+def overlap_us(intervals: list[tuple[float, float]]) -> float:
+    """Time covered by more than one of the (start, end) intervals, counted once per extra cover: the sum of
+    the lengths minus the length of their union."""
+    total = union = 0.0
+    reach = float("-inf")
+    for start, end in sorted(intervals):
+        total += end - start
+        if end > reach:
+            union += end - max(start, reach)
+            reach = end
+    return total - union
+
+
+def _kernel_intervals(prof) -> list[tuple[float, float]]:
+    from torch.autograd import DeviceType
+
+    out = []
+    for evt in prof.events():
+        span = getattr(evt, "time_range", None)
+        if getattr(evt, "device_type", None) == DeviceType.CUDA and span is not None:
+            out.append((float(span.start), float(span.end)))
+    return out
 
 
 def _device_events(prof) -> dict[str, float]:
@@ -66,7 +95,12 @@ def profile_kernels(fn: Callable[[], object], *, prologue: Callable[[], None], d
         per_call = (t - overhead.get(name, 0.0)) / reps
         if per_call > 0.05:
             out[name] = per_call
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    # The prologue's kernels run alone (stream order); only the call's own kernels can overlap (PDL).
+    twice = overlap_us(_kernel_intervals(prof)) / reps
+    if twice > 0.05:
+        out[OVERLAP] = -twice
+    return out
 
 
 def kernel_sum(kernels: dict[str, float]) -> float | None:
