@@ -57,7 +57,7 @@ K2_DOMAINS: dict[str, tuple] = {
 # Largest tile (elements) the space offers: past it, registers spill on every Hopper config we measured.
 MAX_SPACE_TILE = 16384
 # ... except with dw/db per column (column_accumulators), which hold block_row times fewer registers: H100 RMSNorm
-# 4096x32768 split 4 ran fastest on 4x8192 tiles (321 µs on 8 warps, 349 on 16).
+# 1024x65536, split 8 on 4x8192 tiles (16 warps): 199.0 µs against 233.6 for the best config of the smaller tiles.
 MAX_COLUMN_ACC_TILE = 32768
 # Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
 MIN_TWO_PASS_CHUNK = 512
@@ -260,20 +260,18 @@ class Space:
                         programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
                         column_accumulators=True), k2))
         if next_power_of_two(p.N) >= 8192:
-            # Wide rows: kernel_2 launched early (PDL) on 32-column blocks (H100, LayerNorm 512/1024/2048x16384:
-            # 38.1 / 60.2 / 102.5 µs vs 40.5 / 61.6 / 104.1 with the table's 16-column kernel_2; fused tails were
-            # 5-25 µs slower there), and split tiles on 8 warps, where the compiler gives each thread 255
-            # registers (H100 RMSNorm 4096x32768 split 4, 4x8192: 321 µs vs 349 on 16 warps).
+            # Wide rows: kernel_2 launched early (PDL) on 32-column blocks, under the default and the taller split
+            # tiles (H100, LayerNorm 512/1024/2048x16384: 38.1 / 59.6 / 102.7 µs vs 40.5 / 61.6 / 103.8 with the
+            # table's 16-column kernel_2; fused tails were 5-10 µs slower there).
             early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
             alts.append(BackwardConfig(k1, early))
             for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
                 width = row_block_col(p.N, split)
                 if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    for warps in (min(16, max_warps(block_row * width)), 8):
-                        alts.append(BackwardConfig(Kernel1Config(
-                            block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
-                            eviction_policy="evict_first", recompute=True, row_split=split,
-                            column_accumulators=True), early))
+                    alts.append(BackwardConfig(Kernel1Config(
+                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                        programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                        column_accumulators=True), early))
         if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
             # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
             # kernel_1's tail; dw/db per column with loads pipelined through shared memory, or per tile element
