@@ -415,8 +415,8 @@ def test_bench_reports_the_three_views(torch_bench):
     assert {"host_us", "forward_host_us", "kernel_sum_speedup", "normtune_kernel_sum_us"} <= set(data["summary"][0])
     assert data["provenance"]["timing"]["host_calls"] >= 1
     md = (out / "bench.md").read_text()
-    for needle in ("GPU time, host hidden", "Kernel sum (µs, torch.profiler)", "Host µs per call (backward / forward)",
-                   "counts the time both kernels run at once only once"):
+    for needle in ("GPU time, host hidden", "Kernel sum (µs, torch.profiler)",
+                   "Host µs per call (backward / forward)", "counts the time both kernels run at once only once"):
         assert needle in md, needle
 
 
@@ -478,3 +478,33 @@ def test_command_line_has_no_machine_paths(tmp_path, monkeypatch):
     line = command_line(["/opt/env/bin/normtune", "bench", "--out", str(tmp_path / "bench"), "--db",
                          f"sqlite:///{tmp_path / 'r.db'}", "--config", "/home/someone/cfg.json"])
     assert line == f"normtune bench --out bench --db sqlite:///r.db --config ~{os.sep}cfg.json"
+
+
+def test_a_disturbed_timing_is_taken_again_and_the_steadier_kept():
+    """A timing whose p90 is past DISTURBED_SPREAD times its p10 is re-taken once, for every implementation
+    alike, and the one with the smaller spread is kept with a note (not the faster: that would favour noise)."""
+    from normtune.tuner.bench import DISTURBED_SPREAD, spread, steadier
+
+    calls = []
+
+    def timings(*values):
+        it = iter(values)
+
+        def measure():
+            calls.append(1)
+            return next(it)
+        return measure
+
+    by_spread = lambda t: spread(*t)  # noqa: E731 - (p10, p90) pairs
+    calls.clear()
+    kept, note = steadier(timings((45.0, 47.0), (10.0, 99.0)), by_spread)
+    assert kept == (45.0, 47.0) and note == "" and len(calls) == 1, "a steady timing is taken once"
+    calls.clear()
+    kept, note = steadier(timings((45.6, 411.6), (46.0, 48.0)), by_spread)
+    assert kept == (46.0, 48.0) and len(calls) == 2 and "re-timed" in note and "9.03" in note
+    kept, note = steadier(timings((40.0, 80.0), (20.0, 200.0)), by_spread)
+    assert kept == (40.0, 80.0) and "re-timed" in note, "the steadier is kept even when the other is faster"
+    assert spread(None, 5.0) == 1.0 and spread(45.6, 411.6) > DISTURBED_SPREAD
+    calls.clear()
+    kept, note = steadier(timings((1.0, 9.0)), by_spread, retake=False)
+    assert kept == (1.0, 9.0) and note == "" and len(calls) == 1, "the interpreter's timings are not re-taken"

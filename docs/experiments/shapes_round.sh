@@ -51,7 +51,9 @@ if step validate; then
     done
 fi
 if step bench; then
-    for SET in seed ${SETS//,/ }; do
+    BENCH_SETS=seed  # the seed shapes, then each swept set once (a set named twice, or seed itself, is benched once)
+    for SET in ${SETS//,/ }; do [[ " $BENCH_SETS " == *" $SET "* ]] || BENCH_SETS="$BENCH_SETS $SET"; done
+    for SET in $BENCH_SETS; do
         NORMTUNE_CONFIG="$TABLE" normtune bench --gpu "$GPU" --shapes "$SET" --peers "$PEERS" --config table \
             --out "$OUTDIR/bench-$(basename "$SET" .txt)" --db "$DB" --budget 0.2 2>&1 | grep -v "━" | tail -3
     done
