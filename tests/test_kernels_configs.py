@@ -275,7 +275,9 @@ def _split_variations():
         out.append((f"k1.row_split={split}", BackwardConfig(base, BASE.kernel_2)))
         for fields in ({"block_row": 1}, {"block_row": 4, "num_warps": 8, "prefetch": True}, {"recompute": True},
                        {"programs_per_sm": 32},
-                       {"block_row": 4, "num_warps": 16, "prefetch": True, "column_accumulators": True}):
+                       {"block_row": 4, "num_warps": 16, "prefetch": True, "column_accumulators": True},
+                       # the space's largest tiles: 32768 elements with dw/db per column, raw tile kept
+                       {"block_row": 8, "num_warps": 16, "recompute": True, "column_accumulators": True}):
             label = "+".join(f"{k}={v}" for k, v in fields.items())
             out.append((f"k1.row_split={split}+{label}",
                         BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))
