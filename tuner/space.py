@@ -262,7 +262,7 @@ class Space:
         if next_power_of_two(p.N) >= 8192:
             # Wide rows: kernel_2 launched early (PDL) on 32-column blocks, under the default and the taller split
             # tiles (H100, LayerNorm 512/1024/2048x16384: 38.1 / 59.6 / 102.7 µs vs 40.5 / 61.6 / 103.8 with the
-            # table's 16-column kernel_2; fused tails were 5-10 µs slower there).
+            # table's 16-column kernel_2; the best fused tails were 2.5-4.7 µs slower there).
             early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
             alts.append(BackwardConfig(k1, early))
             for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
