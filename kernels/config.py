@@ -48,7 +48,7 @@ EVICTION_POLICIES = ("", "evict_first", "evict_last")
 # kernel_2 reduces) and "columns" (few rows: one program per column slice sweeps every row and writes the final
 # dw/db, after a small kernel has computed each row's two sums; no partials, no kernel_2).
 STRATEGIES = ("rows", "columns")
-ROW_SPLITS = (1, 2, 4, 8)
+ROW_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_BLOCK_ROW = 64
 MAX_BLOCK_COL = 65536
 MAX_TILE = 65536  # elements per register tile (block_row x block_col)
@@ -74,7 +74,9 @@ class Kernel1Config:
     row_split (single pass, rows strategy): each row is spread over this many programs, each holding one
     column slice (block_col covers the slice), so a wide row's tile and dw/db accumulators fit the registers.
     The programs of a row group exchange their slices' row sums through global memory and add them in slice
-    order, so every program (and every rerun) gets bitwise the same row terms.
+    order, so every program (and every rerun) gets bitwise the same row terms. Splits of 3, 5, 6 and 7 give
+    rows of 3, 5 or 7 times a power of two (hidden sizes such as 5120, 12288, 14336) slices that fill their
+    power-of-two tile, where a split of 2, 4 or 8 leaves a quarter or more of its lanes masked.
 
     column_accumulators (single pass): dw/db accumulate one fp32 value per column, each tile's rows summed into
     it as the tile is done, instead of one per tile element summed once at the end. A multi-row tile then holds

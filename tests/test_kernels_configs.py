@@ -200,7 +200,7 @@ K1_VARIATIONS = {
     "prefetch": [True],
     "recompute": [True],
     "strategy": ["columns"],  # with its column slice: block_col 16..256 (see _variations)
-    "row_split": [2, 4, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
+    "row_split": [2, 3, 4, 5, 6, 7, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
     "column_accumulators": [True],  # 2-row base tiles; taller ones below and in SPLIT_VARIATIONS
 }
 K2_VARIATIONS = {
@@ -273,11 +273,14 @@ def _split_variations():
         block_col = row_block_col(N_WIDE, split)
         base = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=block_col, num_warps=4)
         out.append((f"k1.row_split={split}", BackwardConfig(base, BASE.kernel_2)))
+        every = split in (2, 4, 8)  # 3, 5, 6, 7 share their code past the row-sum exchange: fewer variations
         for fields in ({"block_row": 1}, {"block_row": 4, "num_warps": 8, "prefetch": True}, {"recompute": True},
                        {"programs_per_sm": 32},
                        {"block_row": 4, "num_warps": 16, "prefetch": True, "column_accumulators": True},
                        # the space's largest tiles: 32768 elements with dw/db per column, raw tile kept
                        {"block_row": 8, "num_warps": 16, "recompute": True, "column_accumulators": True}):
+            if not every and "column_accumulators" not in fields and "programs_per_sm" not in fields:
+                continue
             label = "+".join(f"{k}={v}" for k, v in fields.items())
             out.append((f"k1.row_split={split}+{label}",
                         BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))
@@ -351,6 +354,22 @@ def test_config_variation_is_correct(name, config, problem, device, tolerance, a
 def test_row_split_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
                                         make_norm_inputs):
     check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+
+
+# Rows of 3, 5 and 7 times a power of two, split so that every slice fills its tile (`Space.fitting_split`).
+FITTING_SPLITS = [(3, 1536), (6, 1536), (5, 2560), (7, 3584)]
+
+
+@pytest.mark.parametrize("save", ["input", "output"])
+@pytest.mark.parametrize("split,N", FITTING_SPLITS, ids=[f"split{s}-N{n}" for s, n in FITTING_SPLITS])
+def test_fitting_row_split_is_correct(split, N, save, device, tolerance, assert_close, reference_norm,
+                                      make_norm_inputs):
+    assert N % split == 0 and row_block_col(N, split) == N // split  # the slice is exactly one tile
+    problem = Problem("layer_norm", 19, N, "bf16", has_bias=True, save=save)
+    k1 = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=N // split, block_row=2, num_warps=4,
+                             column_accumulators=True)
+    check_variation(BackwardConfig(k1, BASE.kernel_2), problem, device, tolerance, assert_close, reference_norm,
+                    make_norm_inputs)
 
 
 def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs):

@@ -19,7 +19,8 @@ from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.kernels.heuristics import next_power_of_two, num_programs, row_block_col, slice_width
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
-from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, MAX_COLUMN_ACC_TILE, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space
+from normtune.tuner.space import (K1_DOMAINS, K2_DOMAINS, MAX_COLUMN_ACC_TILE, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space,
+                                  fitting_split)
 
 # (norm, M, N, sm_count): a single column, odd widths, a wide row that needs two-pass chunks.
 SMALL = [("layer_norm", 3, 1, 4), ("rms_norm", 3, 1, 4), ("layer_norm", 5, 3, 2), ("rms_norm", 1, 1, 2)]
@@ -68,6 +69,21 @@ def test_two_pass_and_row_split_domains_follow_the_row_width(N, modes, splits):
     if True in modes:  # two-pass chunks are narrower than the row
         assert all(c < next_power_of_two(N) for c in d["k1.block_col"])
     assert (False in modes) == any(slice_width(N, s) <= MAX_SINGLE_PASS for s in (1, 2, 4, 8))
+
+
+@pytest.mark.parametrize("N, splits", [(1536, (1, 2, 3, 4, 6)), (5120, (1, 2, 4, 5, 8)), (12288, (1, 2, 3, 4, 6, 8)),
+                                       (14336, (1, 2, 4, 7, 8)), (24576, (2, 3, 4, 6, 8)), (20000, (2, 4, 8))])
+def test_splits_of_3_to_7_are_offered_where_they_fit_the_row(N, splits):
+    """Splits of 3, 5, 6, 7 only where every slice is exactly one power-of-two tile; seeded on rows of 4096
+    columns and more (narrower rows are not held back by their tiles' registers)."""
+    sp = space("layer_norm", 4096, N, 8)
+    assert sp.domains()["k1.row_split"] == splits
+    odd = {s for s in splits if s & (s - 1)}
+    assert all(fitting_split(N, s) and row_block_col(N, s) * s == N for s in odd)
+    seeded = {c.kernel_1.row_split for c in sp.seeds()}
+    assert odd <= seeded if N > 4096 else not odd & seeded
+    for cfg in sp.seeds():
+        cfg.validate(sp.problem)
 
 
 def test_block_row_domain_never_exceeds_the_rows():

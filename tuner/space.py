@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.problem import is_power_of_two
 from normtune.kernels.heuristics import (
     MAX_COLUMNS_ROWS,
     MAX_SINGLE_PASS,
@@ -34,7 +35,8 @@ MANY_NARROW_ROWS = 16384
 K1_DOMAINS: dict[str, tuple] = {
     "strategy": ("rows", "columns"),
     "two_pass": (False, True),
-    "row_split": (1, 2, 4, 8),
+    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`fitting_split`)
+    "row_split": (1, 2, 3, 4, 5, 6, 7, 8),
     "block_row": (1, 2, 4, 8, 16, 32, 64),
     # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
     "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
@@ -63,6 +65,12 @@ MAX_COLUMN_ACC_TILE = 32768
 MIN_TWO_PASS_CHUNK = 512
 
 
+def fitting_split(N: int, row_split: int) -> bool:
+    """The row's slices are exactly one power of two wide: no lane of their tiles is masked. A split of 2, 4 or 8
+    does that only for power-of-two rows; 3, 5, 6 and 7 for rows such as 3072, 5120, 12288 and 14336."""
+    return N % row_split == 0 and is_power_of_two(N // row_split)
+
+
 @dataclass(frozen=True)
 class Space:
     """The configs worth measuring for one problem on a device with `sm_count` SMs."""
@@ -78,7 +86,8 @@ class Space:
         d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
         d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s == "rows" or p.M <= MAX_COLUMNS_ROWS)
         splits = tuple(s for s in K1_DOMAINS["row_split"]
-                       if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256))
+                       if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256)
+                       and (is_power_of_two(s) or fitting_split(p.N, s)))
         d["k1.row_split"] = splits or (1,)
         modes = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.two_pass"] = modes
@@ -259,11 +268,11 @@ class Space:
                         block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
                         programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
                         column_accumulators=True), k2))
+        early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
         if next_power_of_two(p.N) >= 8192:
             # Wide rows: kernel_2 launched early (PDL) on 32-column blocks, under the default and the taller split
             # tiles (H100, LayerNorm 512/1024/2048x16384: 38.1 / 59.6 / 102.7 µs vs 40.5 / 61.6 / 103.8 with the
             # table's 16-column kernel_2; the best fused tails were 2.5-4.7 µs slower there).
-            early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
             alts.append(BackwardConfig(k1, early))
             for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
                 width = row_block_col(p.N, split)
@@ -272,6 +281,18 @@ class Space:
                         block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
                         programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
                         column_accumulators=True), early))
+        if next_power_of_two(p.N) >= 4096:
+            # Rows of 3, 5 or 7 times a power of two (5120, 12288, 14336, …): split so that each slice fills its
+            # tile (a split of 2, 4 or 8 masks a quarter or more of its lanes), dw/db per column, raw tile kept.
+            tail = early if next_power_of_two(p.N) >= 8192 else k2
+            for split in (s for s in self.domains()["k1.row_split"] if not is_power_of_two(s)):
+                width = row_block_col(p.N, split)
+                for block_row in (2, 4):
+                    if block_row * width <= MAX_COLUMN_ACC_TILE:
+                        alts.append(BackwardConfig(Kernel1Config(
+                            block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                            programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                            column_accumulators=True), tail))
         if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
             # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
             # kernel_1's tail; dw/db per column with loads pipelined through shared memory, or per tile element

@@ -8,19 +8,14 @@ fraction of the copy floor) and writes JSON lines.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import os
 import sys
-import time
-
-import torch
 
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
 from normtune.kernels.select import select_config
-from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureSession, Timing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from variant_timing import run  # noqa: E402
 
 CASES = ("layer_norm:2048x16384,layer_norm:1024x16384,layer_norm:512x16384,rms_norm:2048x16384,"
          "rms_norm:512x16384,layer_norm:1024x8192,rms_norm:1024x8192,layer_norm:2048x4096,layer_norm:4096x2048")
@@ -47,44 +42,5 @@ def variants(p: Problem, device_name: str) -> dict[str, BackwardConfig]:
     return {name: cfg for name, cfg in out.items() if cfg.is_valid(p)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out_dir", help="folder for reduction_tail.jsonl")
-    ap.add_argument("--cases", default=CASES, help="comma-separated NORM:MxN")
-    ap.add_argument("--variants", default="", help="comma-separated variant names to keep (default: all)")
-    ap.add_argument("--tag", default="", help="written with every line (e.g. which build ran)")
-    args = ap.parse_args()
-    keep = set(filter(None, args.variants.split(",")))
-    info = detect()
-    print(json.dumps(info.to_dict()), flush=True)
-    session = MeasureSession.for_device(info, timing=Timing(min_reps=10, max_reps=40, budget_s=0.2))
-    print(f"copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    t0 = time.time()
-    with open(os.path.join(args.out_dir, f"reduction_tail{args.tag and '-' + args.tag}.jsonl"), "w") as out:
-        for item in args.cases.split(","):
-            norm, shape = item.split(":")
-            M, N = (int(v) for v in shape.split("x"))
-            p = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
-            case = session.case(p)
-            ref = case.reference()
-            floor = session.floor_us(p)
-            print(f"\n{norm} {M}x{N} (floor {floor:.1f} us)", flush=True)
-            for name, cfg in variants(p, info.name).items():
-                if keep and name not in keep:
-                    continue
-                r = session.measure(case, cfg, reference_grads=ref)
-                out.write(json.dumps({"norm": norm, "M": M, "N": N, "variant": name, "config": cfg.to_dict(),
-                                      "gpu": info.name, "tag": args.tag, **r.to_dict()}) + "\n")
-                out.flush()
-                if r.status != "ok":
-                    print(f"  {name:28s} {r.status}: {str(r.error)[:200]}", flush=True)
-                    continue
-                print(f"  {name:28s} {r.median_us:8.1f} us  k1 {r.kernel_1_us or 0:7.1f}  k2 {r.kernel_2_us or 0:5.1f}"
-                      f"  floor {floor / r.median_us:5.2f}  [{time.time() - t0:4.0f} s]", flush=True)
-            del case, ref
-            torch.cuda.empty_cache()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("reduction_tail", variants, CASES, __doc__))

@@ -44,9 +44,16 @@ def _exchange_row_sums(SUMS, COUNTER, group, part, k, c1_part, c2_part, ROW_SPLI
         tl.store(base + part * (2 * BLOCK_ROW) + BLOCK_ROW + rr, c2_part)
     if PHASE == 0:
         arrive_and_wait(COUNTER + group * COUNTER_STRIDE, ROW_SPLIT * (k + 1))
-    parts = tl.arange(0, ROW_SPLIT)[:, None] * (2 * BLOCK_ROW) + rr[None, :]
-    c1 = tl.sum(tl.load(base + parts, cache_modifier=".cg"), axis=0)
-    c2 = tl.sum(tl.load(base + BLOCK_ROW + parts, cache_modifier=".cg"), axis=0)
+    if (ROW_SPLIT & (ROW_SPLIT - 1)) == 0:
+        parts = tl.arange(0, ROW_SPLIT)[:, None] * (2 * BLOCK_ROW) + rr[None, :]
+        c1 = tl.sum(tl.load(base + parts, cache_modifier=".cg"), axis=0)
+        c2 = tl.sum(tl.load(base + BLOCK_ROW + parts, cache_modifier=".cg"), axis=0)
+    else:  # 3, 5, 6, 7 slices (no power-of-two block spans them): added one after another, in slice order
+        c1 = tl.load(base + rr, cache_modifier=".cg")
+        c2 = tl.load(base + BLOCK_ROW + rr, cache_modifier=".cg")
+        for i in tl.static_range(1, ROW_SPLIT):
+            c1 += tl.load(base + i * (2 * BLOCK_ROW) + rr, cache_modifier=".cg")
+            c2 += tl.load(base + i * (2 * BLOCK_ROW) + BLOCK_ROW + rr, cache_modifier=".cg")
     return c1, c2
 
 
