@@ -46,8 +46,9 @@ NUM_WARPS = (1, 2, 4, 8, 16, 32)
 EVICTION_POLICIES = ("", "evict_first", "evict_last")
 # kernel_1 strategies: "rows" (persistent programs over row tiles, each writing a partial dw/db row that
 # kernel_2 reduces) and "columns" (few rows: one program per column slice sweeps every row and writes the final
-# dw/db, after a small kernel has computed each row's two sums; no partials, no kernel_2).
-STRATEGIES = ("rows", "columns")
+# dw/db, after a small kernel has computed each row's two sums; no partials, no kernel_2), and "dual" (few rows,
+# one launch: row programs write grad_input, column programs the final dw/db; no partials, no kernel_2).
+STRATEGIES = ("rows", "columns", "dual")
 ROW_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_BLOCK_ROW = 64
 MAX_BLOCK_COL = 65536
@@ -87,6 +88,12 @@ class Kernel1Config:
     time, and writes the final dw/db itself; the rows' two sums come from a small kernel run first. No partial
     buffer and no kernel_2 (kernel_2's fields are ignored). programs_per_sm, two_pass, row_split, recompute do
     not apply.
+
+    strategy="dual" (few rows, one launch): round(programs_per_sm x SMs) programs hold whole rows as single pass
+    does (block_row x block_col, block_col covering N; num_stages, prefetch, eviction_policy as there) and write
+    grad_input; beside them, one program per kernel_2.block_n columns sweeps every row, kernel_2.block_m at a
+    time, and writes the final dw/db. No partial buffer, no kernel_2 launch, no wait between programs. two_pass,
+    row_split, recompute and column_accumulators do not apply, nor kernel_2's num_warps, num_stages, pdl, fused.
     """
 
     block_row: int = 1
@@ -139,6 +146,9 @@ class Kernel1Config:
         _check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
         if self.strategy == "columns":
             self._validate_columns(problem)
+        elif self.strategy == "dual" and (self.two_pass or self.row_split != 1 or self.recompute):
+            raise ConfigError("kernel_1.strategy='dual' holds whole rows in one pass: use two_pass=false, "
+                              "row_split=1, recompute=false")
         elif self.row_split > 1:
             if self.two_pass:
                 raise ConfigError("kernel_1.row_split > 1 splits a single-pass row: use two_pass=false or "
@@ -260,6 +270,15 @@ class BackwardConfig:
         if not isinstance(self.kernel_1, Kernel1Config) or not isinstance(self.kernel_2, Kernel2Config):
             raise ConfigError("BackwardConfig needs a Kernel1Config and a Kernel2Config")
         self.kernel_1.validate(problem)
+        if self.kernel_1.strategy == "dual":  # kernel_2's tile is the column programs', on kernel_1's warps
+            k2 = self.kernel_2
+            if k2.pdl or k2.fused:
+                raise ConfigError("kernel_1.strategy='dual' launches no kernel_2: use kernel_2.pdl=false, "
+                                  "fused=false")
+            _check_int("kernel_2.block_m", k2.block_m, 1, 1024, power_of_two=True)
+            _check_int("kernel_2.block_n", k2.block_n, 1, 4096, power_of_two=True)
+            k2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (dual: kernel_2's tile on its warps)")
+            return self
         self.kernel_2.validate(problem)
         if self.kernel_2.fused and self.kernel_1.strategy == "rows":
             self.kernel_2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (fused reduction)")
@@ -309,6 +328,9 @@ class BackwardConfig:
         if k1.strategy == "columns":
             return (f"k1[columns {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages}{pf}{ev}] "
                     "k2[none]")
+        if k1.strategy == "dual":
+            return (f"k1[dual {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} pps{k1.programs_per_sm}"
+                    f"{pf}{ev}] k2[columns {k2.block_m}x{k2.block_n}]")
         split = f" split{k1.row_split}" if k1.row_split > 1 else ""
         return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
                 f"pps{k1.programs_per_sm}{pf}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}"

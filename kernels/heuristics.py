@@ -134,18 +134,21 @@ def num_groups(M: int, config: "BackwardConfig", sms: int) -> int:
 
 def num_programs(M: int, N: int, config: "BackwardConfig", sms: int) -> int:
     """Programs kernel_1 launches (0 rows: none). Row strategy: groups x row_split; columns strategy: one
-    program per block_col-wide column slice, each sweeping every row."""
+    program per block_col-wide column slice, each sweeping every row; dual: the row programs (one group each)
+    and, for a problem with a weight or bias, one program per kernel_2.block_n columns."""
     if M <= 0:
         return 0
     k1 = config.kernel_1
     if k1.strategy == "columns":
         return cdiv(N, k1.block_col)
+    if k1.strategy == "dual":
+        return num_groups(M, config, sms) + cdiv(N, config.kernel_2.block_n)
     return num_groups(M, config, sms) * k1.row_split
 
 
 def partial_rows(M: int, config: "BackwardConfig", sms: int) -> int:
-    """Rows of the fp32 partial dw/db buffers kernel_1 writes (one per row group; none for columns)."""
-    if M <= 0 or config.kernel_1.strategy == "columns":
+    """Rows of the fp32 partial dw/db buffers kernel_1 writes (one per row group; none for columns or dual)."""
+    if M <= 0 or config.kernel_1.strategy in ("columns", "dual"):
         return 0
     return num_groups(M, config, sms)
 

@@ -202,6 +202,8 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
     if k1.strategy == "columns":  # a column slice sweeps every row: any N, up to MAX_COLUMNS_ROWS rows
         cand = BackwardConfig(dataclasses.replace(k1, block_col=min(k1.block_col, n_pow2)), config.kernel_2)
         return cand if problem.M <= MAX_COLUMNS_ROWS and cand.is_valid(problem) else default_config(problem)
+    if k1.strategy == "dual" and problem.M > MAX_COLUMNS_ROWS:  # its column programs sweep every row
+        return default_config(problem)
     if k1.row_split > 1:  # the row's slices must stay >= 256 columns and fit one pass
         width = row_block_col(problem.N, k1.row_split)
         if slice_width(problem.N, k1.row_split) >= 256 and width <= MAX_SINGLE_PASS:

@@ -230,6 +230,19 @@ def test_two_rules_where_m_splits_clearly(table, family):
     assert got.kernel_1 == dataclasses.replace(candidates(256)["A"].kernel_1, block_col=256)
 
 
+def test_a_dual_rule_adapts_like_single_pass_and_stops_where_dual_does():
+    """A dual rule (row programs hold whole rows) re-tiles its rows to the width and keeps its column tile; past
+    one pass or past MAX_COLUMNS_ROWS rows (the column programs sweep every row) it gives way to the default."""
+    dual = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, prefetch=True, strategy="dual"),
+                          Kernel2Config(block_m=32, block_n=64, num_warps=1))
+    got = adapt(dual, Problem("rms_norm", 100, 3000, "bf16"))
+    assert got.kernel_1 == dataclasses.replace(dual.kernel_1, block_col=4096) and got.kernel_2 == dual.kernel_2
+    narrow = adapt(dual, Problem("rms_norm", 100, 40, "bf16"))
+    assert narrow.kernel_1.strategy == "dual" and narrow.kernel_1.block_col == 64 and narrow.kernel_2.block_n == 64
+    for problem in (Problem("rms_norm", 100, 20000, "bf16"), Problem("rms_norm", 4096, 3000, "bf16")):
+        assert adapt(dual, problem) == default_config(problem)
+
+
 def T(median: float, spread: float = 0.01) -> Timing:
     """A pooled time with a ±`spread` (relative) p10-p90 range."""
     return Timing(median, median * (1 - spread), median * (1 + spread))

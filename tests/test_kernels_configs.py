@@ -199,7 +199,7 @@ K1_VARIATIONS = {
     "eviction_policy": ["evict_first", "evict_last"],
     "prefetch": [True],
     "recompute": [True],
-    "strategy": ["columns"],  # with its column slice: block_col 16..256 (see _variations)
+    "strategy": ["columns", "dual"],  # columns with its slice: block_col 16..256; dual with its column tile
     "row_split": [2, 3, 4, 5, 6, 7, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
     "column_accumulators": [True],  # 2-row base tiles; taller ones below and in SPLIT_VARIATIONS
 }
@@ -252,6 +252,14 @@ def _variations():
         out.append((f"k1.strategy=columns+block_col={block_col}+block_row={block_row}+w{warps}",
                     _k1(strategy="columns", block_col=block_col, block_row=block_row, num_warps=warps,
                         programs_per_sm=1)))
+    # Dual: row programs (the base tile, one to many programs, prefetch or pipelined) beside column programs
+    # (kernel_2's tile: one to many rows per step, slices narrower and wider than N's remainder).
+    for k1_fields, block_m, block_n in [({}, 4, 64), ({"programs_per_sm": 0.25}, 1, 64), ({"prefetch": True}, 16, 32),
+                                        ({"block_row": 1, "num_stages": 2}, 8, 256),
+                                        ({"programs_per_sm": 32, "eviction_policy": "evict_first"}, 64, 8)]:
+        label = "+".join(f"{k}={v}" for k, v in k1_fields.items()) or "base"
+        out.append((f"k1.strategy=dual+k2.{block_m}x{block_n}+{label}", BackwardConfig(
+            _k1(strategy="dual", **k1_fields).kernel_1, K2(block_m=block_m, block_n=block_n))))
     # Fused reduction: the grid barrier with one to many programs, single and two-pass, other kernel_2 tiles.
     fused = dataclasses.replace(BASE.kernel_2, fused=True)
     for k1_fields, block_m in [({}, 4), ({"programs_per_sm": 0.25}, 4), ({"programs_per_sm": 32}, 1),
@@ -384,6 +392,9 @@ def check_variation(config, problem, device, tolerance, assert_close, reference_
     assert launch.programs == promised or (waits and k1.row_split <= launch.programs < promised)
     if k1.strategy == "columns":
         assert launch.programs == -(-problem.N // k1.block_col) and launch.partial_rows == 0
+    elif k1.strategy == "dual":  # the row programs, then one per kernel_2.block_n columns; no partials
+        column_programs = -(-problem.N // config.kernel_2.block_n)
+        assert launch.plan.row_programs == launch.programs - column_programs >= 1 and launch.partial_rows == 0
     else:
         assert launch.partial_rows == launch.programs // k1.row_split
         # One partial row per row group: exactly the heuristics' count unless the waiting grid was capped.

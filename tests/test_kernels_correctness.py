@@ -11,6 +11,8 @@ real kernels and large shapes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,9 +152,9 @@ def run_and_check_backward(problem, config, inputs, tolerance, assert_close, ref
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backward launcher: every flag combination x saving mode x dtype, single pass (keeping the widened tile, or
-# widening the raw tile again after the row reductions: recompute) and two-pass.
+# widening the raw tile again after the row reductions: recompute), two-pass and dual.
 # ---------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["1pass", "1pass-recompute", "2pass"])
+@pytest.mark.parametrize("mode", ["1pass", "1pass-recompute", "2pass", "dual"])
 @pytest.mark.parametrize("save", SAVES)
 @pytest.mark.parametrize("norm,has_weight,has_bias,zero_centered,dtype,param_dtype", FLAG_DTYPE_CASES)
 def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtype, param_dtype, save, mode,
@@ -163,6 +165,8 @@ def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtyp
     problem = make_problem(norm, M, N, dtype, param_dtype, has_weight, has_bias, zero_centered, save)
     config = small_config(N, dtype, two_pass=mode == "2pass", recompute=mode == "1pass-recompute", norm=norm,
                           problem=problem)
+    if mode == "dual":  # no weight and no bias: no column programs at all
+        config = BackwardConfig(dataclasses.replace(config.kernel_1, strategy="dual"), Kernel2Config(block_m=4))
     run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm)
 
 
@@ -249,6 +253,25 @@ def test_backward_launcher_shapes(M, N, norm, save, dtype, two_pass, device, tol
     if M == 0:
         assert launch.programs == 0 and launch.dx.shape == (0, N)
         assert bool((launch.dw == 0).all()), "the sum over no rows is zero"
+
+
+@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("M,N", SHAPES[:-1], ids=[f"{m}x{n}" for m, n in SHAPES[:-1]])
+def test_dual_strategy_shapes(M, N, norm, save, device, tolerance, assert_close, reference_norm, make_norm_inputs):
+    """The dual strategy (row programs write dx, column programs dw/db, one launch) on the same odd shapes."""
+    has_bias = norm == "layer_norm"
+    dtype = torch.bfloat16
+    inputs = make_norm_inputs((M, N), dtype, device, has_bias=has_bias)
+    problem = make_problem(norm, M, N, dtype, dtype, True, has_bias, False, save)
+    rows = small_config(N, dtype, two_pass=False, norm=norm, problem=problem)
+    config = BackwardConfig(dataclasses.replace(rows.kernel_1, strategy="dual"), Kernel2Config(block_m=4, block_n=64))
+    config.validate(problem)
+    launch = run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm,
+                                    eps=1.0 if N == 1 else None)
+    assert launch.partial_rows == 0 and launch.pdl is False
+    if M == 0:
+        assert launch.programs == 0 and bool((launch.dw == 0).all())
 
 
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])

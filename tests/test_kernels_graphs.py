@@ -1,5 +1,5 @@
 """CUDA-graph capture of forward + backward: one captured step replays bitwise like eager calls, for every kernel
-strategy (rows, columns, row_split, fused reduction), and replays again correctly with new inputs.
+strategy (rows, columns, dual, row_split, fused reduction), and replays again correctly with new inputs.
 
 GPU only: the capture needs real streams and compiled kernels.
 """
@@ -16,10 +16,11 @@ from normtune.tuner.space import Space
 STRATEGIES = {
     "rows": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1 and not c.kernel_2.fused,
     "columns": lambda c: c.kernel_1.strategy == "columns",
+    "dual": lambda c: c.kernel_1.strategy == "dual",
     "row_split": lambda c: c.kernel_1.row_split > 1,
     "fused": lambda c: c.kernel_2.fused,
 }
-# (norm, M, N): a few-row shape (columns, fused) and a wide one (row_split).
+# (norm, M, N): a few-row shape (columns, dual, fused) and a wide one (row_split).
 SHAPES = [("layer_norm", 256, 4096), ("rms_norm", 96, 12288), ("layer_norm", 1024, 16384)]
 
 

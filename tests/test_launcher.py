@@ -163,6 +163,7 @@ STRATEGIES = {
     "rows": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1 and not c.kernel_2.fused,
     "pdl": lambda c: c.kernel_2.pdl and not c.kernel_2.fused,
     "columns": lambda c: c.kernel_1.strategy == "columns",
+    "dual": lambda c: c.kernel_1.strategy == "dual",
     "row_split": lambda c: c.kernel_1.row_split > 1,
     "fused": lambda c: c.kernel_2.fused,
 }
@@ -236,6 +237,9 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy):
         placeholders = _placeholder_args(problem, False, config.kernel_1.row_split)
         launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
         assert launch_ints == [a for a in placeholders if isinstance(a, int)]
+    if config.kernel_1.strategy == "dual":  # precompile: the rows' strides, M, N and the row programs
+        launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
+        assert launch_ints == [N, N, N, M, N, launch.plan.row_programs]
 
 
 def test_polled_counters_each_have_a_cache_line():

@@ -307,7 +307,7 @@ def fault_rules(problem: Problem, faults: list[str], trials: int = 6) -> list[di
 def test_failures_are_recorded_as_failed_trials_never_a_crash(tmp_path):
     url = sqlite_url(tmp_path)
     trials = 6
-    rules = fault_rules(RMS_A, ["incorrect", "compile_error", "hang"])
+    rules = fault_rules(RMS_A, ["hang", "incorrect", "compile_error"])  # the hang early: trials follow it
     status_of = {"compile_error": "compile_error", "incorrect": "incorrect", "hang": "timeout"}
 
     def expected(config: BackwardConfig) -> str:

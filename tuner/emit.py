@@ -263,10 +263,10 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     """The largest M the lower group's rule serves: the geometric midpoint between the two groups' nearest fitted
     M values, so that an unseen M takes the rule fitted nearest to it on a log scale (at N = 32768 the H100 table
     had 2048 rows take the rule fitted at 4096 rather than at 1024, and ran 1.3x slower than the default there).
-    A columns rule stops at the rows the columns strategy accepts."""
+    A columns or dual rule stops at the rows those strategies accept."""
     below, above = max(p.M for p in lower), min(p.M for p in upper)
     m_max = max(below, math.isqrt(below * above))
-    if lower_config.kernel_1.strategy == "columns":
+    if lower_config.kernel_1.strategy in ("columns", "dual"):
         m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
     return m_max
 

@@ -33,7 +33,7 @@ MANY_NARROW_ROWS = 16384
 
 # Domains (ordered: neighbours in a domain are "one step" apart when seeding the search).
 K1_DOMAINS: dict[str, tuple] = {
-    "strategy": ("rows", "columns"),
+    "strategy": ("rows", "columns", "dual"),
     "two_pass": (False, True),
     # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`fitting_split`)
     "row_split": (1, 2, 3, 4, 5, 6, 7, 8),
@@ -84,7 +84,8 @@ class Space:
         n_pow2 = next_power_of_two(p.N)
         d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
         d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
-        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s == "rows" or p.M <= MAX_COLUMNS_ROWS)
+        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s == "rows" or (
+            p.M <= MAX_COLUMNS_ROWS and (s == "columns" or n_pow2 <= MAX_SINGLE_PASS)))
         splits = tuple(s for s in K1_DOMAINS["row_split"]
                        if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256)
                        and (is_power_of_two(s) or fitting_split(p.N, s)))
@@ -105,21 +106,26 @@ class Space:
         """Params (as sampled: 'k1.block_row', …) → a config. Single pass derives block_col from N and
         row_split; the columns strategy ignores the rows strategy's knobs and kernel_2 (first domain values)."""
         p = self.problem
-        columns = params.get("k1.strategy", "rows") == "columns"
-        two_pass = bool(params["k1.two_pass"]) and not columns
-        row_split = 1 if (two_pass or columns) else params.get("k1.row_split", 1)
+        strategy = params.get("k1.strategy", "rows")
+        columns, dual = strategy == "columns", strategy == "dual"
+        two_pass = bool(params["k1.two_pass"]) and not (columns or dual)
+        row_split = 1 if (two_pass or columns or dual) else params.get("k1.row_split", 1)
+        single = not (two_pass or columns)
         k1 = Kernel1Config(
             block_row=params["k1.block_row"],
             block_col=params["k1.block_col"] if (two_pass or columns) else row_block_col(p.N, row_split),
             num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
             programs_per_sm=1 if columns else params["k1.programs_per_sm"], two_pass=two_pass,
             eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
-            recompute=bool(params.get("k1.recompute", False)) and not (two_pass or columns),
-            column_accumulators=bool(params.get("k1.column_accumulators", False)) and not (two_pass or columns),
-            row_split=row_split, strategy="columns" if columns else "rows",
+            recompute=bool(params.get("k1.recompute", False)) and single and not dual,
+            column_accumulators=bool(params.get("k1.column_accumulators", False)) and single and not dual,
+            row_split=row_split, strategy=strategy,
         )
         if columns:
             return BackwardConfig(k1, self.columns_kernel_2())
+        if dual:  # kernel_2's tile is the column programs'; its launch knobs do not apply
+            return BackwardConfig(k1, dataclasses.replace(self.columns_kernel_2(), block_m=params["k2.block_m"],
+                                                          block_n=params["k2.block_n"]))
         fused = bool(params.get("k2.fused", False))
         k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
                            num_warps=K2_DOMAINS["num_warps"][0] if fused else params["k2.num_warps"],
@@ -134,7 +140,7 @@ class Space:
         out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
         d = self.domains()
         k1 = config.kernel_1
-        if k1.strategy == "rows" and not k1.two_pass:
+        if k1.strategy in ("rows", "dual") and not k1.two_pass:
             out["k1.block_col"] = d["k1.block_col"][0]
         if k1.strategy == "columns":
             out["k1.two_pass"] = d["k1.two_pass"][0]
@@ -142,6 +148,10 @@ class Space:
             out.update({k: v[0] for k, v in d.items() if k.startswith("k2.")})
         if k1.strategy == "columns" or k1.two_pass:
             out["k1.row_split"] = d["k1.row_split"][0]
+        if k1.strategy == "dual":
+            out["k1.two_pass"] = d["k1.two_pass"][0]
+            out["k1.row_split"] = d["k1.row_split"][0]
+            out.update({k: v[0] for k, v in d.items() if k.startswith("k2.") and k not in ("k2.block_m", "k2.block_n")})
         return out
 
     # ---- constraints
@@ -165,8 +175,8 @@ class Space:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
         if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
             return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
-        if k1.strategy == "columns" and self.problem.M > MAX_COLUMNS_ROWS:
-            return f"the columns strategy sweeps every row: offered up to M={MAX_COLUMNS_ROWS}"
+        if k1.strategy in ("columns", "dual") and self.problem.M > MAX_COLUMNS_ROWS:
+            return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
         return None
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
@@ -179,6 +189,9 @@ class Space:
             config = dataclasses.replace(config, kernel_1=k1)
         if config.kernel_1.strategy == "columns":  # no grid knob, no kernel_2: one spelling of each
             return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), self.columns_kernel_2())
+        if config.kernel_1.strategy == "dual":  # kernel_2's launch knobs do not apply
+            config = dataclasses.replace(config, kernel_2=dataclasses.replace(
+                self.columns_kernel_2(), block_m=config.kernel_2.block_m, block_n=config.kernel_2.block_n))
         if config.kernel_2.fused:  # kernel_1's warps run the fused reduction; nothing to overlap
             config = dataclasses.replace(config, kernel_2=dataclasses.replace(
                 config.kernel_2, num_warps=K2_DOMAINS["num_warps"][0], pdl=False))
@@ -196,21 +209,25 @@ class Space:
     # ---- enumeration
     def __iter__(self) -> Iterator[BackwardConfig]:
         """Each distinct launch once: knobs a strategy ignores are fixed to their first value before the product
-        (the columns strategy has no kernel_2 and no grid knobs; single pass derives block_col)."""
+        (the columns strategy has no kernel_2 and no grid knobs, dual only kernel_2's tile; single pass and dual
+        derive block_col)."""
         d = self.domains()
         seen: set[BackwardConfig] = set()
         for strategy in d["k1.strategy"]:
             for two_pass in (d["k1.two_pass"] if strategy == "rows" else d["k1.two_pass"][:1]):
                 sub = dict(d, **{"k1.strategy": (strategy,), "k1.two_pass": (two_pass,)})
-                if strategy == "columns" or two_pass:
+                if strategy != "rows" or two_pass:
                     sub["k1.row_split"] = d["k1.row_split"][:1]
                     sub["k1.recompute"] = (False,)
                     sub["k1.column_accumulators"] = (False,)
-                if strategy == "rows" and not two_pass:
+                if strategy != "columns" and not two_pass:
                     sub["k1.block_col"] = d["k1.block_col"][:1]
                 if strategy == "columns":
                     sub["k1.programs_per_sm"] = d["k1.programs_per_sm"][:1]
                     sub.update({k: v[:1] for k, v in d.items() if k.startswith("k2.")})
+                if strategy == "dual":
+                    sub.update({k: v[:1] for k, v in d.items()
+                                if k.startswith("k2.") and k not in ("k2.block_m", "k2.block_n")})
                 keys = list(sub)
                 for values in itertools.product(*(sub[k] for k in keys)):
                     params = dict(zip(keys, values))
@@ -240,7 +257,8 @@ class Space:
         single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-8
         programs (with dw/db per column on taller tiles), and two-pass on multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm
         512x16384 in 33 µs where the single-pass default took 52); for few rows, the columns strategy (H100:
-        LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
+        LayerNorm 512x16384 39.2 vs 44.1 µs default) and the dual one; the fused reduction with wide column
+        blocks."""
         p, base = self.problem, default_config(self.problem)
         k1, k2 = base.kernel_1, base.kernel_2
         alts: list[BackwardConfig] = []
@@ -305,6 +323,13 @@ class Space:
                 alts.append(BackwardConfig(Kernel1Config(
                     block_row=tall, block_col=block_col, num_warps=warps, num_stages=stages, programs_per_sm=3,
                     eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
+        if p.M <= MAX_COLUMNS_ROWS and k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
+            # Few rows, one launch: the default's row tile writes grad_input, column programs dw/db (no partials).
+            rows = dataclasses.replace(k1, strategy="dual", recompute=False, column_accumulators=False)
+            widths = self.domains()["k2.block_n"]
+            for block_m, block_n in ((32, 64), (32, 128), (64, 64)):
+                block_n = max(b for b in widths if b <= block_n)
+                alts.append(BackwardConfig(rows, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=1)))
         if p.M <= MAX_COLUMNS_ROWS:
             for block_row, block_col in ((32, 64), (16, 128), (32, 128)):
                 if block_col not in self.domains()["k1.block_col"]:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .common import (effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
-                     store_rows)
+                     store_column_sums, store_rows)
 
 
 @triton.jit
@@ -82,7 +82,4 @@ def kernel_1_columns(
             acc_db += g
         store_rows(DX, stride_dx, grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask,
                    INT64)
-    if HAS_WEIGHT:
-        tl.store(DW + cols, tl.sum(acc_dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-    if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(acc_db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+    store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT, HAS_BIAS)

@@ -155,6 +155,15 @@ def store_rows(DX, stride_dx, dx, rows, M, cols, col_mask, INT64: tl.constexpr):
 
 
 @triton.jit
+def store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The final dw/db of `cols`: the [rows, cols] accumulators summed over rows, in the outputs' dtype."""
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(acc_dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(acc_db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
 def arrive_and_wait(COUNTER, target):
     """Add 1 to *COUNTER, then wait until it reaches `target`. The barrier before the add orders this program's
     earlier stores (made by all its threads) before the release; the one after the wait makes every thread see

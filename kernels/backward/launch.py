@@ -3,8 +3,9 @@ buffer shapes — built once and cached, and `BackwardLaunch`, which allocates o
 
 Strategies (config fields, chosen by the tuner): rows (single pass, optionally row_split; or two-pass) with
 kernel_2 as a second launch or fused into kernel_1's tail; columns (few rows: row sums, then a column sweep that
-writes dw/db itself). Grids of kernels whose programs wait for each other (row_split > 1, fused) are capped at
-what the GPU holds at once, read from the compiled kernel's registers and shared memory.
+writes dw/db itself); dual (few rows, one launch: row programs write grad_input, column programs dw/db). Grids of
+kernels whose programs wait for each other (row_split > 1, fused) are capped at what the GPU holds at once, read
+from the compiled kernel's registers and shared memory.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..heuristics import (
 )
 from .columns import kernel_1_columns, row_sums
 from .common import COUNTER_STRIDE_ELEMENTS
+from .dual import kernel_1_dual
 from .reduce import PDL_SUPPORTED, kernel_2
 from .rows import kernel_1_single_pass, kernel_1_two_pass
 
@@ -46,8 +48,8 @@ class Plan:
 
     problem: Problem
     config: BackwardConfig
-    groups: int  # partial rows (rows strategy); 0 for columns or M = 0
-    programs: int  # kernel_1's grid
+    groups: int  # partial rows (rows strategy); 0 for columns, dual or M = 0
+    programs: int  # kernel_1's grid (dual: the row programs first, then the column programs)
     phased: bool  # interpreter: waiting kernels run as two launches (see common.py)
     slots: int  # row_split exchange slots per group
     k1_kwargs: dict
@@ -58,12 +60,15 @@ class Plan:
     k1_launch: Launcher | None = None
     k2_launch: Launcher | None = None
     rs_launch: Launcher | None = None
+    row_programs: int = 0  # dual: programs that write grad_input
 
     @property
     def kernel_1(self):
         k1 = self.config.kernel_1
         if k1.strategy == "columns":
             return kernel_1_columns
+        if k1.strategy == "dual":
+            return kernel_1_dual
         return kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
 
 
@@ -81,6 +86,13 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
                 RED_STAGES=k2.num_stages, COLUMN_ACC=k1.column_accumulators, num_warps=k1.num_warps)
+
+
+def _dual_kwargs(p: Problem, config: BackwardConfig, int64: bool) -> dict:
+    k1, k2 = config.kernel_1, config.kernel_2
+    return dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+                PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, RED_BLOCK_M=k2.block_m,
+                RED_BLOCK_N=k2.block_n, num_warps=k1.num_warps)
 
 
 def _row_sums_tile(N: int) -> tuple[int, int, int]:
@@ -121,6 +133,12 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         rs_kwargs = dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
         return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb),
                     Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs))
+    if k1.strategy == "dual":
+        k1_kwargs = _dual_kwargs(p, config, int64)
+        rows = num_groups(M, config, sm_count(device))
+        programs = rows + (cdiv(N, k2.block_n) if reduce else 0)
+        return Plan(p, config, 0, programs, phased, 1, k1_kwargs, None, 0, None, 0,
+                    Launcher(kernel_1_dual, k1_kwargs), row_programs=rows)
     groups = num_groups(M, config, sm_count(device))
     fused = k2.fused and reduce
     pdl = pdl_enabled(config, device)
@@ -238,6 +256,10 @@ class BackwardLaunch:
         self._k1_args = self._k2_args = self._rs_args = None
         if M == 0:
             return
+        if k1.strategy == "dual":
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
+                             dw_arg, db_arg, M, N, pl.row_programs)
+            return
         if k1.strategy == "columns":
             c = torch.empty((2, _aligned(M)), **f32)  # c[1] starts 16-byte aligned too
             self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c[0], c[1], M, N)
@@ -319,6 +341,11 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
                                        INT64=int64, num_warps=k1.num_warps))
         return
     pl = plan(p, config, device, int64)
+    if k1.strategy == "dual":
+        pa = _placeholder_args(p, int64)
+        kernel_1_dual.warmup(*pa[:10], pa[12], pa[13], p.M, p.N, pl.row_programs, grid=(pl.programs,),
+                             **pl.k1_kwargs)
+        return
     pl.kernel_1.warmup(*_placeholder_args(p, int64, k1.row_split), grid=(pl.programs,), **pl.k1_kwargs)
     if pl.k2_kwargs is not None:
         out = wdt

@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import store_column_sums
+
 try:  # Programmatic Dependent Launch (Hopper+): kernel_2 launches while kernel_1 drains, then waits on its writes.
     from triton.backends.nvidia.compiler import CUDAOptions
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -41,10 +43,7 @@ def reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, P, N, first, step, HAS_WEIGHT
                 acc_dw += tl.load(PARTIAL_DW + offsets, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc_db += tl.load(PARTIAL_DB + offsets, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_WEIGHT:
-            tl.store(DW + cols, tl.sum(acc_dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
-        if HAS_BIAS:
-            tl.store(DB + cols, tl.sum(acc_db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit

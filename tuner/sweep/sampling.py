@@ -112,17 +112,22 @@ DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
 
 def inapplicable(key: str, params: dict[str, Any]):
     """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
-    of its domain): the single-pass column tile is derived from N, recompute and column_accumulators are
-    single-pass knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
+    of its domain): the single-pass (and dual) column tile is derived from N, recompute and column_accumulators
+    are single-pass knobs, and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
     nothing."""
-    columns = params.get("k1.strategy", "rows") == "columns"
-    two_pass = bool(params.get("k1.two_pass", False))
+    strategy = params.get("k1.strategy", "rows")
+    columns, dual = strategy == "columns", strategy == "dual"
+    two_pass = bool(params.get("k1.two_pass", False)) and not dual
     if key == "k1.block_col" and not (two_pass or columns):
         return lambda dom: dom[0]
-    if key == "k1.recompute" and two_pass:
+    if key == "k1.recompute" and (two_pass or dual):
         return lambda dom: False
-    if key == "k1.column_accumulators" and (two_pass or columns):
+    if key == "k1.row_split" and dual:
+        return lambda dom: dom[0]
+    if key == "k1.column_accumulators" and (two_pass or columns or dual):
         return lambda dom: False
+    if dual and key in ("k2.num_warps", "k2.num_stages", "k2.pdl", "k2.fused"):
+        return lambda dom: dom[0]
     return None
 
 

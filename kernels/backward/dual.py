@@ -1,0 +1,95 @@
+"""kernel_1, dual strategy (few rows): one launch in which the first ROW_PROGRAMS programs write grad_input
+(each holds whole rows, as the rows strategy's single pass does, and computes their two sums itself) and the
+others write the final dw/db, each sweeping every row of one column slice in row order. No partial buffer, no
+kernel_2 and no wait between programs: dw/db need only the inputs and the saved statistics, not grad_input. The
+column programs re-read g and the saved activation, which for such problems come from L2; the rows strategy
+would instead write and re-read fp32 partials that outweigh the inputs when each program holds a row or two.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
+                     store_column_sums, store_rows)
+
+
+@triton.jit
+def _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, M, N, pid, ROW_PROGRAMS,
+                      IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      ZERO_CENTERED: tl.constexpr, FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
+                      BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr):
+    """Row program `pid`: row tiles pid, pid + ROW_PROGRAMS, …, each whole row's two sums, then grad_input."""
+    cols = tl.arange(0, BLOCK_COL)
+    col_mask = cols < N
+    w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
+    rr = tl.arange(0, BLOCK_ROW)
+    if PREFETCH:
+        g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, pid * BLOCK_ROW + rr, M,
+                                                    cols, col_mask, IS_RMS, FROM_OUTPUT, EVICTION, INT64)
+    for tile in tl.range(pid, tl.cdiv(M, BLOCK_ROW), ROW_PROGRAMS, num_stages=NUM_STAGES):
+        rows = tile * BLOCK_ROW + rr
+        if PREFETCH:
+            g, s, r, mu = g_next, s_next, r_next, mu_next
+            g_next, s_next, r_next, mu_next = load_rows(G, stride_g, S, stride_s, RSTD, MEAN,
+                                                        rows + ROW_PROGRAMS * BLOCK_ROW, M, cols, col_mask, IS_RMS,
+                                                        FROM_OUTPUT, EVICTION, INT64)
+        else:
+            g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS,
+                                    FROM_OUTPUT, EVICTION, INT64)
+        g = g.to(tl.float32)
+        s = s.to(tl.float32)
+        xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        wg = w[None, :] * g
+        c1 = tl.sum(scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g, axis=1) / N
+        c2 = tl.sum(wg, axis=1) / N
+        store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
+
+
+@triton.jit
+def _write_column_sums(G, stride_g, S, stride_s, W, B, RSTD, MEAN, DW, DB, M, N, slice_index,
+                       IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       ZERO_CENTERED: tl.constexpr, FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
+                       INT64: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr):
+    """Column program: dw = Σ g·x̂ and db = Σ g over every row of its RED_BLOCK_N columns, in row order."""
+    cols = slice_index * RED_BLOCK_N + tl.arange(0, RED_BLOCK_N)
+    col_mask = cols < N
+    w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
+    b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
+    acc_dw = tl.zeros((RED_BLOCK_M, RED_BLOCK_N), tl.float32)
+    acc_db = tl.zeros((RED_BLOCK_M, RED_BLOCK_N), tl.float32)
+    for m0 in range(0, M, RED_BLOCK_M):
+        g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, m0 + tl.arange(0, RED_BLOCK_M), M, cols,
+                                col_mask, IS_RMS, FROM_OUTPUT, "", INT64)
+        g = g.to(tl.float32)
+        if HAS_WEIGHT:
+            acc_dw += g * normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
+                                     RECOVER_LIMIT)
+        if HAS_BIAS:
+            acc_db += g
+    store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT, HAS_BIAS)
+
+
+@triton.jit
+def kernel_1_dual(
+    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, DW, DB, M, N, ROW_PROGRAMS,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,  # the row programs' tile (BLOCK_COL covers a row)
+    NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+    RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr,  # the column programs' tile: rows per step, columns
+):
+    """Arguments as `kernel_1_columns`, without the row sums (the row programs compute them) and with the number
+    of row programs; programs past it own RED_BLOCK_N columns each."""
+    pid = tl.program_id(0)
+    if pid < ROW_PROGRAMS:
+        _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, M, N, pid, ROW_PROGRAMS,
+                          IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, FROM_OUTPUT, RECOVER_LIMIT, BLOCK_ROW,
+                          BLOCK_COL, NUM_STAGES, PREFETCH, EVICTION, INT64)
+    else:
+        _write_column_sums(G, stride_g, S, stride_s, W, B, RSTD, MEAN, DW, DB, M, N, pid - ROW_PROGRAMS, IS_RMS,
+                           HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, FROM_OUTPUT, RECOVER_LIMIT, INT64, RED_BLOCK_M,
+                           RED_BLOCK_N)
