@@ -1,0 +1,112 @@
+"""Every kernel family compiles for Hopper (sm_90) on a machine without a GPU.
+
+The interpreter runs a kernel's Python, not Triton's compiler: code it accepts can still fail to compile (a
+variable given different shapes in the two branches of a runtime `if`, a block that is not a power of two). Run as
+a script, this file records what `precompile` (the sweep's compile-ahead path) would compile for a set of
+problems and configs covering every strategy, then compiles each for sm_90 with Triton's bundled ptxas and prints
+one JSON line per kernel; the test runs it in a subprocess without the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CASES = [  # (norm, M, N, dtype, save, which seed)
+    ("layer_norm", 4096, 4096, "bf16", "input", "default"),
+    ("layer_norm", 4096, 12288, "bf16", "input", "split3"),
+    ("rms_norm", 512, 16384, "bf16", "output", "split2-fused"),
+    ("rms_norm", 4096, 65536, "bf16", "input", "two_pass"),
+    ("rms_norm", 256, 32768, "fp16", "input", "columns"),
+    ("layer_norm", 64, 4096, "bf16", "input", "dual"),
+    ("layer_norm", 64, 4096, "bf16", "input", "pdl"),
+]
+PICK = {
+    "default": lambda c, d: c == d,
+    "split3": lambda c, d: c.kernel_1.row_split == 3,
+    "split2-fused": lambda c, d: c.kernel_1.row_split == 2,
+    "two_pass": lambda c, d: c.kernel_1.two_pass,
+    "columns": lambda c, d: c.kernel_1.strategy == "columns",
+    "dual": lambda c, d: c.kernel_1.strategy == "dual",
+    "pdl": lambda c, d: c.kernel_2.pdl,
+}
+POINTERS = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.int32": "*i32"}
+
+
+def _signature(kernel, args, kwargs):
+    """Triton's signature and compile-time values for a `warmup(*args, **kwargs)` call."""
+    values = iter(args)
+    signature, constants = {}, {}
+    for p in kernel.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constants[p.name] = kwargs.get(p.name, kernel.signature.parameters[p.name].default)
+        else:
+            a = next(values)
+            signature[p.name] = POINTERS[str(a)] if "torch." in str(a) else ("fp32" if isinstance(a, float) else "i32")
+    return signature, constants
+
+
+def main() -> None:
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from normtune.kernels.backward import launch
+    from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
+    from normtune.tuner.space import Space
+
+    calls = []
+    JITFunction.warmup = lambda self, *args, grid=None, **kwargs: calls.append((self, args, kwargs)) or object()
+    launch.sm_count = lambda device: 132
+    launch.compute_capability = lambda device: (9, 0)
+    for norm, M, N, dtype, save, pick in CASES:
+        problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save)
+        default = default_config(problem)
+        config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
+        if pick == "split2-fused":
+            config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1, fused=True))
+        config.validate(problem)
+        before = len(calls)
+        launch.precompile(problem, config, 132, torch.device("cpu"))
+        for kernel, args, kwargs in calls[before:]:
+            signature, constants = _signature(kernel, args, kwargs)
+            options = {k: v for k, v in kwargs.items() if k not in signature}
+            try:
+                triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                               options=options)
+                error = None
+            except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
+                error = f"{type(err).__name__}: {str(err)[-600:]}"
+            print(json.dumps({"case": f"{norm} {M}x{N} {pick}", "kernel": kernel.fn.__name__,
+                              "config": str(config), "error": error}), flush=True)
+
+
+def _ptxas_available() -> bool:
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no NVIDIA backend with ptxas to compile with")
+def test_every_strategy_compiles_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    compiled = {(r["case"], r["kernel"]) for r in lines}
+    assert len({case for case, _ in compiled}) == len(CASES), result.stdout
+    assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
+            "kernel_2"} <= {kernel for _, kernel in compiled}
+    failed = [r for r in lines if r["error"]]
+    assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
+
+
+if __name__ == "__main__":
+    main()
