@@ -278,7 +278,8 @@ def test_dual_strategy_shapes(M, N, norm, save, device, tolerance, assert_close,
 def test_backward_launcher_strided_rows_and_output_view(norm, device, tolerance, assert_close, reference_norm,
                                                         make_norm_inputs):
     """grad and the saved x are column slices of wider tensors (row stride > N), and dx is written into a slice
-    of a NaN-filled wider buffer: the kernels use each tensor's row stride and never touch columns past N."""
+    of a NaN-filled wider buffer: the kernels (single pass, two-pass, dual) use each tensor's row stride and never
+    touch columns past N."""
     M, N = 29, 200
     has_bias = norm == "layer_norm"
     wide = make_norm_inputs((M, N + 56), torch.float32, device, has_bias=has_bias)
@@ -289,9 +290,11 @@ def test_backward_launcher_strided_rows_and_output_view(norm, device, tolerance,
                          is_rms=norm == "rms_norm")
     saved, rstd, mean = saved_for_backward(inputs, ref, norm=norm, save="input")
     assert saved.stride(0) == N + 56 and inputs["grad"].stride(0) == N + 56
-    for two_pass in (False, True):
+    single = small_config(N, torch.float32, two_pass=False)
+    dual = BackwardConfig(dataclasses.replace(single.kernel_1, strategy="dual"), Kernel2Config(block_m=4))
+    for config in (single, small_config(N, torch.float32, two_pass=True), dual):
         dx_buffer = torch.full((M, N + 24), float("nan"), dtype=torch.float32, device=device)
-        launch = poisoned_launch(problem, small_config(N, torch.float32, two_pass=two_pass), inputs["grad"], saved,
+        launch = poisoned_launch(problem, config, inputs["grad"], saved,
                                  inputs["weight"], inputs["bias"], rstd, mean, dx=dx_buffer[:, :N])
         check_backward(launch, ref, inputs["grad"], tolerance(torch.float32), assert_close)
         assert torch.isnan(dx_buffer[:, N:]).all(), "kernel_1 wrote past the row's N columns"
