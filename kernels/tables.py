@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .config import (
+    ROW_SPLITS,
     BackwardConfig,
     ConfigError,
     Problem,
@@ -205,11 +206,15 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
     if k1.strategy == "dual" and problem.M > MAX_COLUMNS_ROWS:  # its column programs sweep every row
         return default_config(problem)
     if k1.row_split > 1:  # the row's slices must stay >= 256 columns and fit one pass
-        width = row_block_col(problem.N, k1.row_split)
-        if slice_width(problem.N, k1.row_split) >= 256 and width <= MAX_SINGLE_PASS:
-            cand = BackwardConfig(dataclasses.replace(k1, block_col=width), config.kernel_2)
-            if cand.is_valid(problem):
-                return cand
+        # The rule's split if its slices still fit the rule's tile, else the next split that keeps that tile (a
+        # rule fitted at 12288 columns in 3 slices of 4096 runs 12800 in 4), else the rule's split on wider tiles.
+        fits = [s for s in ROW_SPLITS if s >= k1.row_split and row_block_col(problem.N, s) <= k1.block_col]
+        for split in fits[:1] + [k1.row_split]:
+            width = row_block_col(problem.N, split)
+            if slice_width(problem.N, split) >= 256 and width <= MAX_SINGLE_PASS:
+                cand = BackwardConfig(dataclasses.replace(k1, block_col=width, row_split=split), config.kernel_2)
+                if cand.is_valid(problem):
+                    return cand
         k1 = dataclasses.replace(k1, row_split=1)
     if sm_count:
         want = max(1, round(k1.programs_per_sm * sm_count) // 4)

@@ -230,6 +230,17 @@ def test_two_rules_where_m_splits_clearly(table, family):
     assert got.kernel_1 == dataclasses.replace(candidates(256)["A"].kernel_1, block_col=256)
 
 
+def test_a_split_rule_keeps_its_tile_on_other_widths():
+    """A split rule on another width keeps its split while the slices fit the rule's tile, else takes the next
+    split that does (3 slices of 4096 at 12288 columns → 4 at 12800), rather than doubling the tile."""
+    rule = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, recompute=True, row_split=3,
+                                        column_accumulators=True), Kernel2Config(block_m=128, block_n=32, pdl=True))
+    same = adapt(rule, Problem("layer_norm", 4096, 10240, "bf16", has_bias=True))
+    assert same.kernel_1 == rule.kernel_1 and same.kernel_2 == rule.kernel_2
+    wider = adapt(rule, Problem("layer_norm", 4096, 12800, "bf16", has_bias=True))
+    assert wider.kernel_1 == dataclasses.replace(rule.kernel_1, row_split=4)
+
+
 def test_a_dual_rule_adapts_like_single_pass_and_stops_where_dual_does():
     """A dual rule (row programs hold whole rows) re-tiles its rows to the width and keeps its column tile; past
     one pass or past MAX_COLUMNS_ROWS rows (the column programs sweep every row) it gives way to the default."""
