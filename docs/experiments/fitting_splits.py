@@ -8,7 +8,6 @@ Prints one line per config (total, kernel_1, kernel_2, fraction of the copy floo
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -23,8 +22,10 @@ from variant_timing import run  # noqa: E402
 CASES = ("layer_norm:4096x12288,layer_norm:16384x12288,rms_norm:4096x12288,rms_norm:16384x12288,"
          "layer_norm:1500x10240,layer_norm:4096x14336,layer_norm:4096x5120,rms_norm:4096x7168")
 SPLITS = (3, 5, 6, 7)
-# (block_row, num_warps, prefetch): tiles of one slice's width, dw/db per column, the raw tile kept.
-TILES = ((1, 8, True), (2, 8, False), (2, 16, False), (4, 16, False), (1, 16, True))
+# (tile elements, num_warps, programs_per_sm): one slice's width, as many rows as make the tile that big (each
+# tile pays one exchange of row sums between the group's programs, so short tiles are latency bound), dw/db per
+# column, the raw tile kept.
+TILES = ((8192, 8, 1), (16384, 8, 1), (16384, 16, 1), (32768, 16, 1), (8192, 8, 2))
 EARLY = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
 
 
@@ -33,15 +34,13 @@ def variants(p: Problem, device_name: str) -> dict[str, BackwardConfig]:
     out = {"table": table, "default": default_config(p)}
     for split in (s for s in SPLITS if fitting_split(p.N, s)):
         width = row_block_col(p.N, split)
-        for block_row, warps, prefetch in TILES:
-            k1 = Kernel1Config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
-                               eviction_policy="evict_first", prefetch=prefetch, recompute=True,
-                               row_split=split, column_accumulators=True)
-            for k2_name, k2 in (("table k2", table.kernel_2), ("k2 128x32 pdl", EARLY)):
-                if k2.fused:
-                    k2 = dataclasses.replace(k2, fused=False)
-                name = f"split{split} {block_row}x{width} w{warps}{' prefetch' if prefetch else ''} {k2_name}"
-                out[name] = BackwardConfig(k1, k2)
+        for elements, warps, per_sm in TILES:
+            block_row = max(1, elements // width)
+            k1 = Kernel1Config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=per_sm,
+                               eviction_policy="evict_first", recompute=True, row_split=split,
+                               column_accumulators=True)
+            name = f"split{split} {block_row}x{width} w{warps}{f' {per_sm}/SM' if per_sm > 1 else ''}"
+            out[name] = BackwardConfig(k1, EARLY)
     return {name: cfg for name, cfg in out.items() if cfg.is_valid(p)}
 
 
