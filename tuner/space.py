@@ -302,14 +302,21 @@ class Space:
         if next_power_of_two(p.N) >= 4096:
             # Rows of 3, 5 or 7 times a power of two (5120, 12288, 14336, …): split so that each slice fills its
             # tile (a split of 2, 4 or 8 masks a quarter or more of its lanes), dw/db per column, raw tile kept.
+            # Every tile pays one exchange of row sums, so the tile must be tall: H100, LayerNorm 16384x12288 split
+            # 3 on 4x4096 tiles 554 µs vs 600 for the table (2x4096: 712); slices of 1024-2048 columns (splits
+            # 5, 6, 7) lost to the table everywhere they were timed (docs/perf-notes.md), so only wide slices are
+            # seeded.
             tail = early if next_power_of_two(p.N) >= 8192 else k2
             for split in (s for s in self.domains()["k1.row_split"] if not is_power_of_two(s)):
                 width = row_block_col(p.N, split)
-                for block_row in (2, 4):
+                if width < 4096:
+                    continue
+                for block_row, warps, per_sm in ((16384 // width, 16, 1), (32768 // width, 16, 1),
+                                                 (8192 // width, 8, 2)):
                     if block_row * width <= MAX_COLUMN_ACC_TILE:
                         alts.append(BackwardConfig(Kernel1Config(
-                            block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                            programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                            block_row=block_row, block_col=width, num_warps=min(warps, max_warps(block_row * width)),
+                            programs_per_sm=per_sm, eviction_policy="evict_first", recompute=True, row_split=split,
                             column_accumulators=True), tail))
         if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
             # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
@@ -325,9 +332,11 @@ class Space:
                     eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
         if p.M <= MAX_COLUMNS_ROWS and k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
             # Few rows, one launch: the default's row tile writes grad_input, column programs dw/db (no partials).
-            rows = dataclasses.replace(k1, strategy="dual", recompute=False, column_accumulators=False)
+            # Without prefetch: a row program holds one or two tiles, and prefetching loads a tile past its last
+            # (H100, RMSNorm 128x8192: 7.9 µs vs 10.2 with prefetch; 64x64 column tiles fastest from 64 to 1024 rows).
+            rows = dataclasses.replace(k1, strategy="dual", recompute=False, column_accumulators=False, prefetch=False)
             widths = self.domains()["k2.block_n"]
-            for block_m, block_n in ((32, 64), (32, 128), (64, 64)):
+            for block_m, block_n in ((64, 64), (32, 64), (32, 128)):
                 block_n = max(b for b in widths if b <= block_n)
                 alts.append(BackwardConfig(rows, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=1)))
         if p.M <= MAX_COLUMNS_ROWS:
