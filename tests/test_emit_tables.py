@@ -241,6 +241,24 @@ def test_a_split_rule_keeps_its_tile_on_other_widths():
     assert wider.kernel_1 == dataclasses.replace(rule.kernel_1, row_split=4)
 
 
+def test_a_split_rule_is_checked_on_its_fitted_shapes_not_its_bounds():
+    """A 3-slice rule fitted at 12288 columns whose range reaches 14188 (halfway to the next fitted width) loads:
+    it runs the shapes it was fitted on, and a lookup at 14080 adapts it (4 slices of 4096). A config that cannot
+    run its own fitted shape is refused."""
+    data = _valid()
+    rule = BackwardConfig(Kernel1Config(block_row=4, block_col=4096, num_warps=16, recompute=True, row_split=3,
+                                        column_accumulators=True), Kernel2Config(block_m=128, block_n=32, pdl=True))
+    family = data["families"]["layer_norm/bf16/wbf16/bias/save-input"]
+    family["rules"].insert(0, {"n_max": 14188, "m_max": None, "config": rule.to_dict(), "fitted_on": ["4096x12288"]})
+    parsed = parse_table(data)
+    got = parsed.lookup(Problem("layer_norm", 4096, 14080, "bf16", has_bias=True))
+    assert got.kernel_1 == dataclasses.replace(rule.kernel_1, row_split=4)
+    got.validate(Problem("layer_norm", 4096, 14080, "bf16", has_bias=True))
+    family["rules"][0]["fitted_on"] = ["4096x14188"]
+    with pytest.raises(TableError, match=r"rule 0: kernel_1.block_col=4096 does not cover a 1/3 slice"):
+        parse_table(data)
+
+
 def test_a_dual_rule_adapts_like_single_pass_and_stops_where_dual_does():
     """A dual rule (row programs hold whole rows) re-tiles its rows to the width and keeps its column tile; past
     one pass or past MAX_COLUMNS_ROWS rows (the column programs sweep every row) it gives way to the default."""
@@ -478,7 +496,7 @@ BAD_TABLES = {
                       ["rule 0", "kernel_1.block_col=100", "power of two"]),
     "unknown-knob": (_mutate(lambda d: _first_rule(d)["config"]["kernel_2"].update(block_k=4)),
                      ["rule 0", "unknown Kernel2Config field", "block_k"]),
-    "narrow-single-pass": (_mutate(lambda d: _first_rule(d).update(n_max=2 * _first_rule(d)["n_max"])),
+    "narrow-single-pass": (_mutate(lambda d: _first_rule(d).update(fitted_on=[f"64x{2 * _first_rule(d)['n_max']}"])),
                            ["rule 0", "block_col", "< N="]),
     "bad-n-max": (_mutate(lambda d: _first_rule(d).update(n_max=0)), ["rule 0", "n_max=0"]),
     "string-m-max": (_mutate(lambda d: _first_rule(d).update(m_max="4096")), ["rule 0", "m_max='4096'"]),
