@@ -255,6 +255,19 @@ def test_measure_config(problem, device):
     assert MeasureResult(**r.to_dict()) == r
 
 
+@pytest.mark.parametrize("kernel_1, kernel_2", [
+    (Kernel1Config(block_row=2, block_col=256, num_warps=4, strategy="dual"), Kernel2Config(block_m=8, block_n=64)),
+    (Kernel1Config(block_row=8, block_col=64, num_warps=4, strategy="columns"), Kernel2Config()),
+], ids=["dual", "columns"])
+def test_no_kernel_2_reports_no_kernel_2_time(kernel_1, kernel_2, device):
+    """Without a second kernel the split's kernel_2 step is empty: its time is 0, not the events' own cost."""
+    problem = Problem("layer_norm", 24, 200, "bf16")
+    r = measure_config(make_case(problem, device, seed=2), BackwardConfig(kernel_1, kernel_2), flusher=None,
+                       bandwidth_gbps=BANDWIDTH, **FAST)
+    assert r.status == "ok", r.error
+    assert r.kernel_2_us == 0.0 and r.kernel_1_us > 0
+
+
 def test_measure_config_without_bandwidth_has_no_floor(device):
     problem = Problem("rms_norm", 6, 40, "bf16")
     r = measure_config(make_case(problem, device), default_config(problem), flusher=None, bandwidth_gbps=math.nan,

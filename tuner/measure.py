@@ -242,6 +242,8 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
     result.median_us, result.p10_us, result.p90_us, result.reps = total.median, total.p10, total.p90, total.count
     result.kernel_1_us, result.kernel_2_us = split_kernel_times(total.median, k1.median, k2.median,
                                                                 pdl=bool(getattr(launch, "pdl", False)))
+    if not getattr(launch, "has_kernel_2", True):  # the split run timed an empty step: only its events' cost
+        result.kernel_2_us = 0.0
     result.bytes_moved = bytes_moved(problem, launch.partial_rows)
     result.gbps = result.bytes_moved / (total.median * 1e3) if total.median > 0 else None
     result.floor_us = floor_us(problem, bandwidth_gbps)

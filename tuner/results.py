@@ -72,7 +72,7 @@ class MeasureResult:
     `median_us` is the GPU time of the whole backward with the host hidden (events around kernel_1 + kernel_2).
     `kernel_1_us` is kernel_1 alone; `kernel_2_us` is what the backward costs after kernel_1: kernel_2 and its
     launch gap (with programmatic dependent launch, the total minus kernel_1, since an event between the kernels
-    would break their overlap)."""
+    would break their overlap); 0 when no second kernel runs (dual, columns, the fused reduction on a GPU)."""
 
     status: str
     error: str | None = None

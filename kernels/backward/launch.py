@@ -287,6 +287,11 @@ class BackwardLaunch:
         return bool(self.plan.k2_kwargs and self.plan.k2_kwargs.get("PDL"))
 
     @property
+    def has_kernel_2(self) -> bool:
+        """A second kernel runs after kernel_1 (not for dual, columns or the fused reduction, nor M = 0)."""
+        return self.plan.programs > 0 and self.plan.k2_launch is not None
+
+    @property
     def partial_rows(self) -> int:
         """Rows of the fp32 partial buffers kernel_1 writes and kernel_2 reads (0: none, columns strategy)."""
         return self.plan.groups
