@@ -51,6 +51,25 @@ def _selection(runs: str | None, runs_of: Path | None, kind: str, git_revision: 
                        git_revisions=_names(git_revision, "--git-revision"))
 
 
+def _incumbent(keep: Path | None, runs_of: Path | None):
+    """The incumbent table: --keep's file, else the one a --runs-of table recorded (re-emission), else None."""
+    import json as _json
+
+    from normtune.kernels.tables import TableError, read_table
+    from normtune.tuner import incumbent
+
+    try:
+        if keep is not None:
+            return read_table(str(keep))
+        if runs_of is not None:
+            return incumbent.recorded(_json.loads(runs_of.read_text()), str(runs_of))
+    except TableError as err:
+        raise CLIError(f"{'--keep' if keep is not None else '--runs-of'} {err}") from None
+    except (OSError, ValueError) as err:
+        raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+    return None
+
+
 def emit(
     gpu: Gpu = "auto",
     db: Storage = DEFAULT_DB,
@@ -64,6 +83,9 @@ def emit(
     runs_of: Annotated[Optional[Path], typer.Option(help="Fit on the runs a table records (re-emit it)")] = None,
     kind: Annotated[str, typer.Option(help="Run kinds to fit on; validate and bench runs never are")]
     = "sweep,emit",
+    keep: Annotated[Optional[Path], typer.Option(help="Incumbent table: its config stays on every fitted shape "
+                                                      "where the new winner is not faster beyond the spread (with "
+                                                      "--runs-of, the incumbent that table recorded)")] = None,
     git_revision: Annotated[Optional[str], typer.Option(help="Only runs of these git revisions (prefixes, comma "
                                                              "list)")] = None,
     check: Annotated[bool, typer.Option("--check", help="Write nothing: exit 1 unless the file at --out has "
@@ -80,6 +102,7 @@ def emit(
 
     from normtune.tuner import emit as E
     from normtune.tuner.device import command_line
+    from normtune.tuner.emit_notes import dropped_summary, kept_summary
     from normtune.tuner.remeasure import remeasure_neighbours
     from normtune.tuner.store import Store
 
@@ -94,12 +117,16 @@ def emit(
         run_checked(refuse, "--user writes the table the runtime uses on a GPU, and an interpreter table never "
                             "tunes a GPU: drop --user (pass --out FILE)")
     selection = run_checked(_selection, runs, runs_of, kind, git_revision)
+    incumbent = run_checked(_incumbent, keep, runs_of)
     if interpret:
         key = "interpret"
     elif gpu == "auto" or remeasure:
         key = run_checked(device_info, gpu, False).key
     else:
         key = gpu.strip().lower()
+    if incumbent is not None and incumbent.gpu_key != key:
+        run_checked(refuse, f"--keep {keep or runs_of}: its incumbent was tuned on {incumbent.gpu_key}, this table is "
+                            f"for {key}: keep a {key} table (or emit without --keep)")
     if user:
         from normtune.kernels.table_chain import user_table_path
 
@@ -113,16 +140,19 @@ def emit(
             if interpret:
                 console.print(INTERPRETER_BANNER)
             run_id, n = run_checked(remeasure_neighbours, store, key, info, selection=selection,
-                                    command_line=command_line())
+                                    command_line=command_line(), incumbent=incumbent)
             if selection.run_ids is not None:
                 selection = E.Selection(selection.kinds, selection.run_ids + (run_id,), selection.git_revisions)
             console.print(f"re-measured {n} (problem, config) pairs on neighbouring shapes (run {run_id})")
-        table = run_checked(E.build_table, store, key, interpret=interpret, selection=selection)
+        table = run_checked(E.build_table, store, key, interpret=interpret, selection=selection,
+                            incumbent=incumbent)
     finally:
         store.close()
     text = E.dumps(table)
-    for line in E.dropped_summary(table):
-        console.print(f"[yellow]{line}[/]")
+    for line in dropped_summary(table):
+        console.print(line, style="yellow", markup=False)
+    for line in kept_summary(table):
+        console.print(line, markup=False)
     prov = table["provenance"]
     if prov["held_out_left_out"]:
         console.print(f"left out the held-out shapes {', '.join(prov['held_out_left_out'])}: the selected runs "

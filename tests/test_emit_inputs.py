@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
-from normtune.tuner import emit
+from normtune.tuner import emit, emit_notes
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.spread import Timing
@@ -178,7 +178,7 @@ def test_when_no_config_is_safe_on_the_whole_bucket_each_problem_gets_its_own_be
                                                                                          (None, x)]
     assert len(fitted.dropped) == 1 and fitted.default_unmeasured == ["4096x1024"]
     table = {"families": {RMS.key: {"dropped": fitted.dropped}}}
-    (line,) = emit.dropped_summary(table)
+    (line,) = emit_notes.dropped_summary(table)
     assert "256x1024 14.0 vs 10.0 µs" in line and "slower than the analytic default" in line
 
 

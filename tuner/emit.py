@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
-from normtune.kernels.tables import SCHEMA_VERSION, parse_table
+from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
 
 from .heldout import HELDOUT_SHAPES
+from .incumbent import configs_for, record as record_incumbent
 from .render import geomean
 from .spread import Timing, slower_beyond_spread
 
@@ -157,11 +158,14 @@ def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig
 
 
 class _Fit:
-    """Rule choice for one family: `data`, each problem's best median and its measured default."""
+    """Rule choice for one family: `data`, each problem's best median, its measured default and the config the
+    incumbent table runs it with (`emit --keep`)."""
 
-    def __init__(self, data: Data, defaults: dict[Problem, BackwardConfig]):
-        self.data, self.defaults = data, defaults
+    def __init__(self, data: Data, defaults: dict[Problem, BackwardConfig],
+                 incumbents: dict[Problem, BackwardConfig] | None = None):
+        self.data, self.defaults, self.incumbents = data, defaults, incumbents or {}
         self.best = {p: min(t.median for t in cfgs.values()) for p, cfgs in data.items()}
+        self.kept: dict[tuple[Problem, ...], BackwardConfig] = {}  # group -> the winner its incumbent outlived
 
     def losses_to_default(self, group: list[Problem], cfg: BackwardConfig) -> dict[str, dict]:
         """Problems of `group` where `cfg` is slower than the measured default beyond the spread."""
@@ -183,8 +187,35 @@ class _Fit:
         return any(self.data[p][self.defaults[p]].median > self.data[p][cfg].median * (1 + DEFAULT_TIE)
                    for p in group)
 
+    def regret(self, group: list[Problem], cfg: BackwardConfig) -> float:
+        return geomean(self.data[p][cfg].median / self.best[p] for p in group)
+
+    def incumbent_over(self, group: list[Problem], cfg: BackwardConfig) -> BackwardConfig | None:
+        """The incumbent config that stays instead of `cfg`: one the incumbent table runs on some problem of
+        `group`, measured on all of them, never slower than the default beyond the spread, and that `cfg` beats
+        beyond the spread on none (the best-scoring such one); None when `cfg` is an incumbent or none stays."""
+        anchors = {self.incumbents[p] for p in group if p in self.incumbents}
+        if cfg in anchors:
+            return None
+        usable = sorted((self.regret(group, a), a.to_json(), a) for a in anchors
+                        if all(a in self.data[p] for p in group) and not self.losses_to_default(group, a))
+        for _, _, a in usable:
+            if not any(slower_beyond_spread(self.data[p][a], self.data[p][cfg]) for p in group):
+                return a
+        return None
+
     def config_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
-        """(config, geometric-mean regret, the better-scoring config dropped for losing to the default)."""
+        """(config, geometric-mean regret, the better-scoring config dropped for losing to the default): the
+        best-scoring safe config (`choice_for`), unless an incumbent stays (`incumbent_over`)."""
+        cfg, regret, dropped = self.choice_for(group)
+        kept = self.incumbent_over(group, cfg) if cfg is not None else None
+        if kept is None:
+            return cfg, regret, dropped
+        self.kept[tuple(group)] = cfg
+        return kept, self.regret(group, kept), dropped
+
+    def choice_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
+        """`config_for` without an incumbent."""
         common = set(self.data[group[0]])
         for p in group[1:]:
             common &= set(self.data[p])
@@ -235,9 +266,11 @@ def _partitions(items: list, max_groups: int):
         yield from rec(0, k)
 
 
-def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, BackwardConfig] | None = None) -> Fitted:
-    """Rules for one family; `defaults` maps a problem to its measured analytic default (see `default_in`)."""
-    fit = _Fit(data, defaults or {})
+def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, BackwardConfig] | None = None,
+               incumbents: dict[Problem, BackwardConfig] | None = None) -> Fitted:
+    """Rules for one family; `defaults` maps a problem to its measured analytic default (see `default_in`),
+    `incumbents` to the config the incumbent table runs it with (see `incumbent.configs_for`)."""
+    fit = _Fit(data, defaults or {}, incumbents)
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
         by_n[p.N].append(p)
@@ -251,6 +284,8 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
             m_max = m_boundary(group, groups[gi + 1][0], cfg) if gi < len(groups) - 1 else None
             out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
                               "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
+            if tuple(group) in fit.kept:
+                out.rules[-1]["kept_over"] = fit.kept[tuple(group)].to_dict()
             for p in group:
                 out.expected_us[f"{p.M}x{p.N}"] = round(data[p][cfg].median, 2)
                 out.regret[f"{p.M}x{p.N}"] = round(data[p][cfg].median / fit.best[p], 4)
@@ -289,9 +324,11 @@ def single_pass_threshold(rules: list[dict]) -> int | None:
     return out
 
 
-def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection()) -> dict:
-    """The table for `gpu_key` from the selected inputs (see `select_inputs`). Raises ValueError when there is
-    nothing to fit."""
+def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection(),
+                incumbent: Table | None = None) -> dict:
+    """The table for `gpu_key` from the selected inputs (see `select_inputs`); with an `incumbent` table, its
+    configs stay wherever the new winner does not beat them beyond the spread (`incumbent.py`), and the new
+    table records the incumbent's rules. Raises ValueError when there is nothing to fit."""
     inputs = select_inputs(store, gpu_key, interpret=interpret, selection=selection)
     if not inputs.measurements:
         what = "interpreter" if interpret else gpu_key
@@ -302,7 +339,8 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     families = {}
     n_measured = 0
     for family, data in sorted(collect(inputs).items(), key=lambda kv: kv[0].key):
-        fitted = fit_family(family, data, default_in(data, latest.device.sm_count))
+        fitted = fit_family(family, data, default_in(data, latest.device.sm_count),
+                            configs_for(incumbent, data) if incumbent is not None else None)
         n_measured += sum(len(v) for v in data.values())
         families[family.key] = {
             "rules": fitted.rules,
@@ -332,6 +370,8 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
         },
         "families": families,
     }
+    if incumbent is not None:
+        table["provenance"]["incumbent"] = record_incumbent(incumbent)
     parse_table(json.loads(json.dumps(table)), "<emitted table>")  # the runtime must accept what we write
     return table
 
@@ -346,15 +386,3 @@ def recorded_runs(table: dict) -> tuple[int, ...]:
     if not runs or not all(isinstance(r, int) for r in runs):
         raise ValueError("the table records no fitted runs (provenance.runs): it cannot be re-emitted")
     return tuple(runs)
-
-
-def dropped_summary(table: dict) -> list[str]:
-    """One line per config dropped for losing to the analytic default (for the command's output)."""
-    lines = []
-    for key, fam in sorted(table["families"].items()):
-        for d in fam.get("dropped", []):
-            losses = ", ".join(f"{shape} {v['us']} vs {v['default_us']} µs"
-                               for shape, v in d["slower_than_default"].items())
-            lines.append(f"{key} {'+'.join(d['fitted_on'])}: dropped `{BackwardConfig.from_dict(d['config'])}` "
-                         f"(slower than the analytic default beyond the spread on {losses})")
-    return lines

@@ -10,6 +10,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.tables import adapt
 
 from .emit import TOP_K, Data, Selection, collect, select_inputs
+from .incumbent import configs_for
 from .spread import Timing
 
 
@@ -17,10 +18,13 @@ def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[Back
     return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
 
 
-def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
+def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None = None) \
+        -> list[tuple[Problem, BackwardConfig]]:
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
-    problems of its N bucket, and the adjacent buckets' top configs adapted to this N. Already measured pairs
-    are skipped."""
+    problems of its N bucket, and the adjacent buckets' top configs adapted to this N; with `incumbents` (problem
+    → the incumbent table's config), each problem's incumbent config on every problem of its bucket, so that
+    emission can weigh the incumbent against the new winner. Already measured pairs are skipped."""
+    incumbents = incumbents or {}
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
         by_n[p.N].append(p)
@@ -29,7 +33,7 @@ def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
     for i, n in enumerate(ns):
         cands: list[BackwardConfig] = []
         for p in by_n[n]:
-            cands += top_configs(data[p])
+            cands += top_configs(data[p]) + ([incumbents[p]] if p in incumbents else [])
         for j in (i - 1, i + 1):
             if 0 <= j < len(ns):
                 for p in by_n[ns[j]]:
@@ -43,9 +47,10 @@ def neighbour_plan(data: Data) -> list[tuple[Problem, BackwardConfig]]:
 
 
 def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Selection(), command_line: str,
-                         progress=None) -> tuple[int, int]:
-    """Measure each family's neighbour plan (see `neighbour_plan`) in a new "emit" run, as source "neighbor";
-    the run records the command and the copy bandwidth behind its floors. Returns (run id, pairs measured)."""
+                         progress=None, incumbent=None) -> tuple[int, int]:
+    """Measure each family's neighbour plan (see `neighbour_plan`; with the `incumbent` table's configs) in a new
+    "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind its floors.
+    Returns (run id, pairs measured)."""
     from .measure import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
@@ -55,7 +60,8 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
     count = 0
     try:
         for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
-            for p, c in sorted(neighbour_plan(data), key=lambda pc: (pc[0].key, pc[1].to_json())):
+            plan = neighbour_plan(data, configs_for(incumbent, data) if incumbent is not None else None)
+            for p, c in sorted(plan, key=lambda pc: (pc[0].key, pc[1].to_json())):
                 r = session.measure_problem(p, c)
                 store.add_measurement(run_id, p, c, r, source="neighbor")
                 count += 1

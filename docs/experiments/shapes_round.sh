@@ -2,13 +2,16 @@
 # A table round on a CUDA host, on a copy of results.db in OUTDIR:
 #   sweep     each shape set with the current search space (new studies when the space grew),
 #   emit      the table again from the runs it was fitted on plus these sweeps, with neighbour re-measurement,
+#             keeping the shipped table's config wherever the new winner is not faster beyond the spread,
+#   compare   the new table against the shipped one, head to head, on the seed and held-out shapes and on
+#             each swept set (OUTDIR/compare-SET.md; OUTDIR/compare-failed lists the sets that failed the gate),
 #   validate  that table on the held-out shapes, both norms (unseeded reference sweeps, resumed when stored),
 #   bench     it against the peers on the seed shapes and on each swept set.
 #
 #   bash docs/experiments/shapes_round.sh GPU_KEY OUTDIR SHAPE_SETS [SWEEP_SECONDS] [TRIALS] [PEERS] [STEPS]
 #
 # SHAPE_SETS: comma list of presets or shape files (e.g. docs/experiments/wide-rows-shapes.txt,llm); each set
-# gets SWEEP_SECONDS (default 240). STEPS: comma list of sweep, emit, validate, bench (default: all four); a
+# gets SWEEP_SECONDS (default 240). STEPS: comma list of sweep, emit, compare, validate, bench (default: all); a
 # later step without its earlier ones uses what OUTDIR already holds (OUTDIR/GPU_KEY.json).
 set -euo pipefail
 USAGE="usage: bash docs/experiments/shapes_round.sh GPU_KEY OUTDIR SHAPE_SETS [SWEEP_SECONDS] [TRIALS] [PEERS] [STEPS]"
@@ -18,7 +21,7 @@ SETS=${3:?$USAGE}
 SECONDS_BUDGET=${4:-240}
 TRIALS=${5:-30}
 PEERS=${6:-all}
-STEPS=",${7:-sweep,emit,validate,bench},"
+STEPS=",${7:-sweep,emit,compare,validate,bench},"
 mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 [ -f "$OUTDIR/results.db" ] || cp results.db "$OUTDIR/results.db"
@@ -40,10 +43,22 @@ if step emit; then
     RUNS=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
         "configs/$GPU.json")
     [ -s "$OUTDIR/sweep-runs" ] && RUNS="$RUNS,$(cat "$OUTDIR/sweep-runs")"
-    normtune emit --gpu "$GPU" --db "$DB" --runs "$RUNS" --remeasure --out "$OUTDIR/$GPU.json" 2>&1 | tail -3
+    normtune emit --gpu "$GPU" --db "$DB" --runs "$RUNS" --remeasure --keep "configs/$GPU.json" \
+        --out "$OUTDIR/$GPU.json" 2>&1 | tail -12
 fi
 TABLE="$OUTDIR/$GPU.json"
 [ -f "$TABLE" ] || TABLE="configs/$GPU.json"
+if step compare; then
+    : > "$OUTDIR/compare-failed"
+    COMPARE_SETS="seed heldout"
+    for SET in ${SETS//,/ }; do [[ " $COMPARE_SETS " == *" $SET "* ]] || COMPARE_SETS="$COMPARE_SETS $SET"; done
+    for SET in $COMPARE_SETS; do
+        NAME=$(basename "$SET" .txt)
+        if normtune compare "configs/$GPU.json" "$TABLE" --gpu "$GPU" --shapes "$SET" > "$OUTDIR/compare-$NAME.md" \
+            2> "$OUTDIR/compare-$NAME.log"; then :; else echo "$NAME" >> "$OUTDIR/compare-failed"; fi
+        tail -1 "$OUTDIR/compare-$NAME.md"
+    done
+fi
 if step validate; then
     for NORM in rms_norm layer_norm; do
         normtune validate --gpu "$GPU" --norm "$NORM" --shapes heldout --table "$TABLE" --trials 40 --db "$DB" \

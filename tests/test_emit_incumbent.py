@@ -1,0 +1,153 @@
+"""`normtune emit --keep`: an incumbent table's config stays wherever the new winner is not faster beyond the
+spread, the new table records the incumbent, and re-emitting it from its recorded runs gives the same bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
+from normtune.kernels.tables import parse_table
+from normtune.tuner import emit, emit_notes, incumbent
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.remeasure import neighbour_plan
+from normtune.tuner.spread import Timing
+from normtune.tuner.store import Store
+
+GPU = DeviceInfo(name="NVIDIA Test GPU", key="testgpu", compute_capability="9.0", sm_count=8, l2_bytes=50 * 2**20,
+                 memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0", triton="3.2.0",
+                 normtune="0.1.0", git_revision="aaaa111", host="node-1", python="3.11.9", interpret=False)
+RMS = ProblemFamily("rms_norm", "bf16", "bf16", True, False, False, "input")
+SMALL, LARGE = RMS.problem(256, 1024), RMS.problem(2048, 1024)
+runner = CliRunner()
+
+
+def cfg(warps: int, block_m: int = 64) -> BackwardConfig:
+    return BackwardConfig(Kernel1Config(block_row=1, block_col=1024, num_warps=warps),
+                          Kernel2Config(block_m=block_m, block_n=16))
+
+
+A, B = cfg(4), cfg(8)  # A: the incumbent's config; B: the new measurements' winner
+
+
+def T(median: float, spread: float = 0.01) -> Timing:
+    return Timing(median, median * (1 - spread), median * (1 + spread))
+
+
+def rules(fitted) -> list[BackwardConfig]:
+    return [BackwardConfig.from_dict(r["config"]) for r in fitted.rules]
+
+
+def test_the_incumbent_stays_unless_the_winner_beats_it_beyond_the_spread():
+    incumbents = {SMALL: A, LARGE: A}
+    # B wins by 1 % on both problems, inside the ±1 % spreads: the incumbent stays, and says what it outlived.
+    close = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {A: T(40.0), B: T(39.6)}}
+    assert rules(emit.fit_family(RMS, close)) == [B]
+    fitted = emit.fit_family(RMS, close, incumbents=incumbents)
+    assert rules(fitted) == [A] and BackwardConfig.from_dict(fitted.rules[0]["kept_over"]) == B
+    assert fitted.expected_us == {"256x1024": 10.0, "2048x1024": 40.0}
+    (line,) = emit_notes.kept_summary({"families": {RMS.key: {"rules": fitted.rules}}})
+    assert "256x1024+2048x1024: kept the incumbent" in line and f"`{B}`" in line
+    # B beats A by 10 % on the large problem, beyond the spread: B replaces it.
+    far = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {A: T(40.0), B: T(36.0)}}
+    replaced = emit.fit_family(RMS, far, incumbents=incumbents)
+    assert rules(replaced) == [B] and "kept_over" not in replaced.rules[0]
+    # An incumbent not measured on every problem of the group cannot be weighed: the winner takes the rule.
+    unmeasured = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {B: T(39.6)}}
+    assert rules(emit.fit_family(RMS, unmeasured, incumbents=incumbents)) == [B]
+
+
+def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
+    default = default_config(SMALL)
+    data = {SMALL: {A: T(10.5), B: T(10.0), default: T(10.0)}, LARGE: {A: T(40.0), B: T(39.8), default: T(44.0)}}
+    defaults = {SMALL: default, LARGE: default}
+    fitted = emit.fit_family(RMS, data, defaults, incumbents={SMALL: A, LARGE: A})
+    assert rules(fitted) == [B] and "kept_over" not in fitted.rules[0]
+
+
+def test_an_incumbent_is_recorded_and_rebuilt_with_the_same_lookups():
+    table = parse_table(_table_json([(None, None, A, ["256x1024", "2048x1024"])]), "old.json")
+    data = incumbent.record(table)
+    assert data["rules_digest"].startswith("sha256:") and set(data["families"]) == {RMS.key}
+    again = incumbent.recorded({"provenance": {"incumbent": json.loads(json.dumps(data))}}, "new.json")
+    assert again.lookup(SMALL) == table.lookup(SMALL) == A
+    assert incumbent.configs_for(again, [SMALL, LARGE, RMS.problem(8192, 65536)]) == {SMALL: A, LARGE: A}
+    assert incumbent.recorded({"provenance": {}}, "new.json") is None
+    with pytest.raises(ValueError, match="new.json: provenance.incumbent has no families"):
+        incumbent.recorded({"provenance": {"incumbent": {"gpu": {}}}}, "new.json")
+
+
+def test_neighbour_remeasurement_times_the_incumbent_on_every_problem_of_its_bucket():
+    data = {SMALL: {B: T(9.9)}, LARGE: {B: T(39.6)}}
+    assert neighbour_plan(data) == []
+    assert sorted(neighbour_plan(data, {SMALL: A}), key=lambda pc: pc[0].M) == [(SMALL, A), (LARGE, A)]
+
+
+# ------------------------------------------------------------------------------------------------- the CLI
+
+
+def _table_json(rule_list) -> dict:
+    return {"schema_version": emit.SCHEMA_VERSION,
+            "gpu": {"name": GPU.name, "key": GPU.key, "compute_capability": GPU.compute_capability,
+                    "sm_count": GPU.sm_count},
+            "families": {RMS.key: {"rules": [{"n_max": n, "m_max": m, "config": c.to_dict(), "fitted_on": f}
+                                             for n, m, c, f in rule_list]}}}
+
+
+def _store(path: Path) -> str:
+    """A sweep run where B is 1 % faster than A on both problems, inside A's ±1 % spread."""
+    store = Store(f"sqlite:///{path}")
+    run = store.start_run(GPU, kind="sweep", command_line="sweep")
+    for p, a_us in ((SMALL, 10.0), (LARGE, 40.0)):
+        for c, us in ((A, a_us), (B, a_us * 0.99)):
+            store.add_measurement(run, p, c, MeasureResult(status="ok", median_us=us, p10_us=us * 0.99,
+                                                           p90_us=us * 1.01, reps=20), source="sweep")
+    store.end_run(run)
+    store.close()
+    return str(path)
+
+
+def test_cli_keep_writes_a_table_that_re_emits_byte_for_byte_after_the_incumbent_is_gone(tmp_path):
+    db = _store(tmp_path / "r.db")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(_table_json([(None, None, A, ["256x1024", "2048x1024"])])))
+    new = tmp_path / "new.json"
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--keep", str(old), "--out", str(new)])
+    assert result.exit_code == 0, result.output
+    assert "kept the incumbent" in result.stderr
+    table = json.loads(new.read_text())
+    assert [BackwardConfig.from_dict(r["config"]) for r in table["families"][RMS.key]["rules"]] == [A]
+    assert table["provenance"]["incumbent"]["families"][RMS.key]["rules"][0]["config"] == A.to_dict()
+    old.unlink()  # the incumbent file is gone (overwritten by the new table, say): the record is enough
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--runs-of", str(new), "--out", str(new),
+                                 "--check"])
+    assert result.exit_code == 0, result.output
+    plain = tmp_path / "plain.json"
+    assert runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(plain)]).exit_code == 0
+    assert [r["config"] for r in json.loads(plain.read_text())["families"][RMS.key]["rules"]] == [B.to_dict()]
+
+
+def test_cli_keep_refusals_are_one_line_and_write_nothing(tmp_path):
+    db = _store(tmp_path / "r.db")
+    other = tmp_path / "other.json"
+    data = _table_json([(None, None, A, ["256x1024"])])
+    data["gpu"] = dict(data["gpu"], name="NVIDIA H200", key="h200")
+    other.write_text(json.dumps(data))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    out = tmp_path / "t.json"
+    cases = [(["--keep", str(tmp_path / "missing.json")], "missing.json"),
+             (["--keep", str(bad)], "not valid JSON"),
+             (["--keep", str(other)], "its incumbent was tuned on h200, this table is for testgpu")]
+    for args, needle in cases:
+        result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(out)] + args)
+        assert result.exit_code == 1, (args, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, lines)
+        assert not out.exists()
+

@@ -1,0 +1,60 @@
+"""The incumbent table of `normtune emit --keep`: the table a new emission replaces, whose rules stay where the new
+measurements do not beat them beyond the spread.
+
+Why: a re-fit on fresh measurements moves every rule whose winner changed by noise. H100 RMSNorm rows of 65536
+columns: the rule fitted on 256-1024 rows switched kernel_2 from 128x32 with programmatic dependent launch to
+128x16 without it on a re-measurement inside the spread, and the unseen 128x65536 went from 38.3 to 41.6 µs. With
+an incumbent, a rule changes only where the measurements say it pays.
+
+Reproducibility: the new table records the incumbent's rules (`record`), so re-emitting it from its recorded
+runs (`emit --runs-of`) rebuilds the same incumbent (`from_record`) even after the old file is overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from normtune.kernels.config import BackwardConfig, ConfigError, Problem
+from normtune.kernels.tables import SCHEMA_VERSION, Table, TableError, parse_table
+
+
+def record(table: Table) -> dict:
+    """What a new table stores about its incumbent: the GPU it was tuned on, its rules per family (bounds, config,
+    fitted shapes), and a digest of those rules."""
+    families = {key: {"rules": [{"n_max": r["n_max"], "m_max": r["m_max"], "config": r["config"],
+                                 "fitted_on": r.get("fitted_on", [])} for r in fam["rules"]]}
+                for key, fam in sorted(table.raw["families"].items())}
+    gpu = {k: table.raw["gpu"].get(k) for k in ("name", "key", "compute_capability", "sm_count")}
+    body = json.dumps({"gpu": gpu, "families": families}, sort_keys=True)
+    return {"gpu": gpu, "families": families, "rules_digest": "sha256:" + hashlib.sha256(body.encode()).hexdigest()}
+
+
+def from_record(data: dict, where: str) -> Table:
+    """The incumbent a table recorded (`record`), as a table the runtime could read. Raises TableError naming
+    `where` when the record is malformed."""
+    if not isinstance(data, dict) or not isinstance(data.get("families"), dict):
+        raise TableError(f"{where}: provenance.incumbent has no families")
+    return parse_table({"schema_version": SCHEMA_VERSION, "gpu": data.get("gpu"), "families": data["families"]},
+                       f"{where} (its incumbent)")
+
+
+def recorded(table: dict, where: str) -> Table | None:
+    """The incumbent a table's provenance records, or None when it was emitted without one."""
+    data = table.get("provenance", {}).get("incumbent")
+    return None if data is None else from_record(data, where)
+
+
+def configs_for(table: Table, problems) -> dict[Problem, BackwardConfig]:
+    """Problem → the config `table` runs it with (its exact family's rules only: a rule borrowed from a
+    neighbouring family was never fitted on this one), for the problems a rule covers."""
+    out = {}
+    for p in problems:
+        match = table.match(p)
+        if match.config is not None and match.exact_family:
+            try:
+                match.config.validate(p)
+            except ConfigError:
+                continue
+            out[p] = match.config
+    return out
