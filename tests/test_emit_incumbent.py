@@ -62,6 +62,29 @@ def test_the_incumbent_stays_unless_the_winner_beats_it_beyond_the_spread():
     assert rules(emit.fit_family(RMS, unmeasured, incumbents=incumbents)) == [B]
 
 
+def test_the_new_winner_takes_only_the_rows_where_it_pays():
+    """H100 RMSNorm 65536 columns, measured: X beats the incumbent A beyond the spread on 1024 rows and loses
+    2.5 % (inside the spread) on 256. Splitting off 256 rows lowers the mean regret by 0.8 %, less than SPLIT_GAIN,
+    so a fit without an incumbent gives X to every row; with A as the incumbent, the 256-row group keeps A at no
+    split cost and X takes 512 rows and more."""
+    rows = [RMS.problem(M, 65536) for M in (256, 512, 1024)]
+    a = BackwardConfig(Kernel1Config(block_row=4, block_col=8192, num_warps=16, row_split=8),
+                       Kernel2Config(block_m=128, block_n=32, pdl=True))
+    x = BackwardConfig(Kernel1Config(block_row=4, block_col=8192, num_warps=16, row_split=8),
+                       Kernel2Config(block_m=128, block_n=16))
+    best = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, row_split=8),
+                          Kernel2Config(block_m=128, block_n=16))
+    data = {rows[0]: {a: Timing(64.9, 63.6, 65.7), x: Timing(66.5, 65.5, 67.2)},
+            rows[1]: {a: Timing(111.7, 109.5, 113.9), x: Timing(111.3, 109.4, 113.3),
+                      best: Timing(110.3, 108.3, 112.9)},
+            rows[2]: {a: Timing(198.6, 194.6, 206.0), x: Timing(190.0, 186.4, 193.8)}}
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in emit.fit_family(RMS, data).rules] \
+        == [(None, x)]
+    fitted = emit.fit_family(RMS, data, incumbents={p: a for p in rows})
+    assert [(r["m_max"], r["fitted_on"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [
+        (362, ["256x65536"], a), (None, ["512x65536", "1024x65536"], x)]
+
+
 def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
     default = default_config(SMALL)
     data = {SMALL: {A: T(10.5), B: T(10.0), default: T(10.0)}, LARGE: {A: T(40.0), B: T(39.8), default: T(44.0)}}
