@@ -325,6 +325,7 @@ def test_every_field_is_varied():
         f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
     assert expected <= varied | {"k2.fused"}, expected - varied
     assert any(c.kernel_2.fused for _, c in VARIATIONS) and any(c.kernel_2.fused for _, c in SPLIT_VARIATIONS)
+    assert len(STRATEGY_RERUNS) == 6  # each named variation still exists
 
 
 def saved_inputs(problem: Problem, device, reference_norm, make_norm_inputs, shape=None):
@@ -416,10 +417,11 @@ def check_variation(config, problem, device, tolerance, assert_close, reference_
         if problem.has_bias:
             assert_close(launch.partial_db, want_dw.index_add(0, owner, g64), tol, "partial_db",
                          floor=scale["db"])
-    first = [t.clone() for t in (launch.dx, launch.dw, launch.db) if t is not None]
-    again = poisoned_run(problem, config, args)
-    for a, b in zip(first, [t for t in (again.dx, again.dw, again.db) if t is not None]):
-        assert torch.equal(a, b), "a rerun must be bitwise identical"
+    if device == "cuda":  # the interpreter runs a grid's programs one after another: no order to vary there
+        first = [t.clone() for t in (launch.dx, launch.dw, launch.db) if t is not None]
+        again = poisoned_run(problem, config, args)
+        for a, b in zip(first, [t for t in (again.dx, again.dw, again.db) if t is not None]):
+            assert torch.equal(a, b), "a rerun must be bitwise identical"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,8 +489,25 @@ def test_default_configs_valid_at_power_of_two_boundaries():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Determinism: fixed-order sums, no atomics, so reruns are bitwise identical.
+# Determinism: fixed-order sums, no atomics, so reruns are bitwise identical (every variation above reruns on
+# a GPU; here one config per strategy, also on the interpreter).
 # ---------------------------------------------------------------------------------------------------------------
+STRATEGY_RERUNS = [(name, config) for name, config in VARIATIONS + SPLIT_VARIATIONS if name in (
+    "k1.strategy=columns+block_col=64+block_row=1+w1", "k1.strategy=dual+k2.4x64+base", "k2.fused+block_m=4+base",
+    "k1.column_accumulators=True+block_row=8", "k1.row_split=3", "k1.row_split=8+k2.fused")]
+
+
+@pytest.mark.parametrize("name,config", STRATEGY_RERUNS, ids=[n for n, _ in STRATEGY_RERUNS])
+def test_every_strategy_reruns_bitwise(name, config, device, reference_norm, make_norm_inputs):
+    problem = WIDE_PROBLEMS[0] if name.startswith("k1.row_split") else VARIATION_PROBLEMS[0]
+    _, _, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
+    first = poisoned_run(problem, config, args)
+    outputs = [t.clone() for t in (first.dx, first.dw, first.db)]
+    again = poisoned_run(problem, config, args)
+    for label, a, b in zip(("dx", "dw", "db"), outputs, (again.dx, again.dw, again.db)):
+        assert torch.equal(a, b), f"{label} differs between two runs of {config}"
+
+
 @pytest.mark.parametrize("two_pass", [False, True], ids=["1pass", "2pass"])
 def test_backward_is_bitwise_deterministic(two_pass, device, reference_norm, make_norm_inputs):
     problem = Problem("layer_norm", 64, 200, "bf16", weight_dtype="fp32", has_bias=True)
