@@ -23,11 +23,10 @@ Fitting, per problem family (norm, dtypes, flags):
    rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
    fitted M and the next range's smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log
    scale.
-4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps the incumbent's config unless the
-   new winner is faster beyond the spread somewhere in it, and a split on M that leaves a group with its
-   incumbent's config needs no SPLIT_GAIN for that group: the new winner takes only the rows where it pays
-   (H100 RMSNorm 65536 columns: a re-fit won 1024 rows by 4 % and lost 256 rows by 2.5 %, inside the spread,
-   and the unseen 64 and 128 rows by 12 and 6 %).
+4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
+   faster beyond the spread somewhere in it, and an M split that leaves a group with its incumbent's config pays
+   no SPLIT_GAIN for it: the new winner takes only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit
+   won 1024 rows by 4 %, lost 256 by 2.5 % inside the spread, and the unseen 64 and 128 rows by 12 and 6 %).
 """
 
 from __future__ import annotations
