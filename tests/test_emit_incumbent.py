@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
 from normtune.kernels.tables import parse_table
-from normtune.tuner import emit, emit_notes, incumbent
+from normtune.tuner import emit, emit_notes, fit, incumbent
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.remeasure import neighbour_plan
@@ -47,19 +47,19 @@ def test_the_incumbent_stays_unless_the_winner_beats_it_beyond_the_spread():
     incumbents = {SMALL: A, LARGE: A}
     # B wins by 1 % on both problems, inside the ±1 % spreads: the incumbent stays, and says what it outlived.
     close = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {A: T(40.0), B: T(39.6)}}
-    assert rules(emit.fit_family(RMS, close)) == [B]
-    fitted = emit.fit_family(RMS, close, incumbents=incumbents)
+    assert rules(fit.fit_family(RMS, close)) == [B]
+    fitted = fit.fit_family(RMS, close, incumbents=incumbents)
     assert rules(fitted) == [A] and BackwardConfig.from_dict(fitted.rules[0]["kept_over"]) == B
     assert fitted.expected_us == {"256x1024": 10.0, "2048x1024": 40.0}
     (line,) = emit_notes.kept_summary({"families": {RMS.key: {"rules": fitted.rules}}})
     assert "256x1024+2048x1024: kept the incumbent" in line and f"`{B}`" in line
     # B beats A by 10 % on the large problem, beyond the spread: B replaces it.
     far = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {A: T(40.0), B: T(36.0)}}
-    replaced = emit.fit_family(RMS, far, incumbents=incumbents)
+    replaced = fit.fit_family(RMS, far, incumbents=incumbents)
     assert rules(replaced) == [B] and "kept_over" not in replaced.rules[0]
     # An incumbent not measured on every problem of the group cannot be weighed: the winner takes the rule.
     unmeasured = {SMALL: {A: T(10.0), B: T(9.9)}, LARGE: {B: T(39.6)}}
-    assert rules(emit.fit_family(RMS, unmeasured, incumbents=incumbents)) == [B]
+    assert rules(fit.fit_family(RMS, unmeasured, incumbents=incumbents)) == [B]
 
 
 def test_the_new_winner_takes_only_the_rows_where_it_pays():
@@ -78,9 +78,9 @@ def test_the_new_winner_takes_only_the_rows_where_it_pays():
             rows[1]: {a: Timing(111.7, 109.5, 113.9), x: Timing(111.3, 109.4, 113.3),
                       best: Timing(110.3, 108.3, 112.9)},
             rows[2]: {a: Timing(198.6, 194.6, 206.0), x: Timing(190.0, 186.4, 193.8)}}
-    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in emit.fit_family(RMS, data).rules] \
+    assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fit.fit_family(RMS, data).rules] \
         == [(None, x)]
-    fitted = emit.fit_family(RMS, data, incumbents={p: a for p in rows})
+    fitted = fit.fit_family(RMS, data, incumbents={p: a for p in rows})
     assert [(r["m_max"], r["fitted_on"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [
         (362, ["256x65536"], a), (None, ["512x65536", "1024x65536"], x)]
 
@@ -89,7 +89,7 @@ def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
     default = default_config(SMALL)
     data = {SMALL: {A: T(10.5), B: T(10.0), default: T(10.0)}, LARGE: {A: T(40.0), B: T(39.8), default: T(44.0)}}
     defaults = {SMALL: default, LARGE: default}
-    fitted = emit.fit_family(RMS, data, defaults, incumbents={SMALL: A, LARGE: A})
+    fitted = fit.fit_family(RMS, data, defaults, incumbents={SMALL: A, LARGE: A})
     assert rules(fitted) == [B] and "kept_over" not in fitted.rules[0]
 
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
-from normtune.tuner import emit, emit_notes
+from normtune.tuner import emit, emit_notes, fit
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.spread import Timing
@@ -152,7 +152,7 @@ def test_a_rule_slower_than_the_default_beyond_the_spread_is_dropped():
             mid: {default: T(20.0), x: T(10.0), y: T(10.14)},
             large: {default: T(40.0), x: T(20.0), y: T(20.28)}}
     defaults = {p: default for p in data}
-    fitted = emit.fit_family(RMS, data, defaults)
+    fitted = fit.fit_family(RMS, data, defaults)
     assert [BackwardConfig.from_dict(r["config"]) for r in fitted.rules] == [y]
     (dropped,) = fitted.dropped
     assert BackwardConfig.from_dict(dropped["config"]) == x
@@ -160,10 +160,10 @@ def test_a_rule_slower_than_the_default_beyond_the_spread_is_dropped():
     assert dropped["fitted_on"] == ["256x1024", "1024x1024", "4096x1024"] and fitted.default_unmeasured == []
     # Within the spread (±5 %: 10.25 and 10.0 overlap), X is kept: noise is no reason to drop a rule.
     noisy = {p: {c: T(t.median, 0.05) for c, t in cfgs.items()} for p, cfgs in data.items()}
-    kept = emit.fit_family(RMS, noisy, defaults)
+    kept = fit.fit_family(RMS, noisy, defaults)
     assert [BackwardConfig.from_dict(r["config"]) for r in kept.rules] == [x] and kept.dropped == []
     # Without the default measured there is nothing to check against: said so, not silently passed.
-    unchecked = emit.fit_family(RMS, data, {})
+    unchecked = fit.fit_family(RMS, data, {})
     assert unchecked.default_unmeasured == ["256x1024", "1024x1024", "4096x1024"]
 
 
@@ -173,7 +173,7 @@ def test_when_no_config_is_safe_on_the_whole_bucket_each_problem_gets_its_own_be
     x = cfg(1024, 4, 32)
     # The default itself was measured only on the small problem, so it cannot be the bucket's rule.
     data = {small: {default: T(10.0), x: T(14.0)}, large: {x: T(50.0)}}
-    fitted = emit.fit_family(RMS, data, {small: default})
+    fitted = fit.fit_family(RMS, data, {small: default})
     assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(1024, default),
                                                                                          (None, x)]
     assert len(fitted.dropped) == 1 and fitted.default_unmeasured == ["4096x1024"]

@@ -28,7 +28,7 @@ from normtune.kernels.device import gpu_key, interpret_mode
 from normtune.kernels.select import clear_caches, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
 from normtune.kernels.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
-from normtune.tuner import emit
+from normtune.tuner import emit, fit
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.spread import Timing
@@ -282,9 +282,9 @@ def test_split_needs_a_real_gain():
     probs = [RMS.problem(M, 1024) for M in MS]
     a, b = candidates(1024)["A"], candidates(1024)["B"]
     close = {p: {a: T(10.0), b: T(10.0 + (0.04 if p.M < 4096 else -0.04))} for p in probs}
-    assert len(emit.fit_family(RMS, close).rules) == 1
+    assert len(fit.fit_family(RMS, close).rules) == 1
     far = {p: {a: T(10.0), b: T(15.0 if p.M < 4096 else 5.0)} for p in probs}
-    rules = emit.fit_family(RMS, far).rules
+    rules = fit.fit_family(RMS, far).rules
     assert [r["m_max"] for r in rules] == [1448, None]
 
 
@@ -296,10 +296,10 @@ def test_a_config_that_only_ties_with_the_default_gives_way_to_it():
     a = candidates(1024)["A"]
     assert a != default
     defaults = {p: default for p in probs}
-    tie = {p: {a: T(10.0), default: T(10.0 * (1 + emit.DEFAULT_TIE / 2))} for p in probs}
-    assert [BackwardConfig.from_dict(r["config"]) for r in emit.fit_family(RMS, tie, defaults).rules] == [default]
+    tie = {p: {a: T(10.0), default: T(10.0 * (1 + fit.DEFAULT_TIE / 2))} for p in probs}
+    assert [BackwardConfig.from_dict(r["config"]) for r in fit.fit_family(RMS, tie, defaults).rules] == [default]
     gain = {p: {a: T(10.0), default: T(10.05 if p.M < 4096 else 10.5)} for p in probs}
-    assert [BackwardConfig.from_dict(r["config"]) for r in emit.fit_family(RMS, gain, defaults).rules] == [a]
+    assert [BackwardConfig.from_dict(r["config"]) for r in fit.fit_family(RMS, gain, defaults).rules] == [a]
 
 
 def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
@@ -320,7 +320,7 @@ def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():
     a, b = candidates(512)["A"], candidates(512)["B"]
     data = {RMS.problem(64, 512): {a: T(3.0)}, RMS.problem(4096, 512): {b: T(9.0)}}
-    fitted = emit.fit_family(RMS, data)
+    fitted = fit.fit_family(RMS, data)
     assert [(r["m_max"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [(512, a), (None, b)]
 
 
@@ -655,7 +655,7 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     boundary is 2048. A columns rule never reaches past the rows the columns strategy accepts."""
     from normtune.kernels.config import Problem
     from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
-    from normtune.tuner.emit import m_boundary
+    from normtune.tuner.fit import m_boundary
 
     def probs(*ms):
         return [Problem("rms_norm", m, 32768, "bf16") for m in ms]
@@ -674,7 +674,7 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
 def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
     """An unseen N takes the rules fitted nearest to it on a log scale (5376 columns: the 5120 rules, not the
     6144 ones), but a rule never serves an N its tiles would have to be widened for."""
-    from normtune.tuner.emit import n_boundary
+    from normtune.tuner.fit import n_boundary
 
     assert n_boundary(5120, 6144) == 5608  # isqrt(5120 * 6144)
     assert n_boundary(4096, 5120) == 4096  # 4097.. re-tile to 8192 columns: the 5120 rules' tiles

@@ -7,54 +7,28 @@ the runs it was fitted on and a fingerprint of every input measurement, so anyon
 database and get the same bytes (`emit_inputs` + `dumps`, with the provenance taken from the database, never
 from the clock).
 
-Fitting, per problem family (norm, dtypes, flags):
-1. N buckets: each measured N closes a bucket (previous N, N]; the last bucket is unbounded above.
-2. A config x problem matrix of measured times within each bucket: every config measured on a problem (the
-   sweep's trials, plus "neighbor" re-measurements: `remeasure.py` times each problem's top configs on the other
-   problems of its bucket, and the adjacent buckets' top configs adapted to this N).
-3. Rules: for a group of problems, the config minimizing the geometric-mean regret (time / that problem's
-   best) over the group, among configs measured on all of them and *never slower than the analytic default*
-   beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
-   loses to the default is recorded under the family's "dropped". A config that beats the default by no more
-   than DEFAULT_TIE on every problem gives way to the default itself (where the group shares one): a knob
-   leaves its analytic value only where that was measured to pay (H100 LayerNorm: kernel_2 num_stages=2 won
-   4096x3072 by 0.2 µs, inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is
-   split on M (at most into three M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN:
-   rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
-   fitted M and the next range's smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log
-   scale.
-4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
-   faster beyond the spread somewhere in it, and an M split that leaves a group with its incumbent's config pays
-   no SPLIT_GAIN for it: the new winner takes only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit
-   won 1024 rows by 4 %, lost 256 by 2.5 % inside the spread, and the unseen 64 and 128 rows by 12 and 6 %).
+Fitting (N buckets, M groups, never slower than the analytic default, the incumbent kept): `fit.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
-from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
+from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
 
+from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold
 from .heldout import HELDOUT_SHAPES
 from .incumbent import configs_for, record as record_incumbent
-from .render import geomean
-from .spread import Timing, slower_beyond_spread
+from .spread import Timing
 
 TOP_K = 3  # configs per problem carried into the matrix and re-measured on neighbours
-SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than 1%
-MAX_GROUPS = 3
-DEFAULT_TIE = 0.01  # a rule keeps the analytic default unless a config beats it by more than 1% somewhere
 FIT_KINDS = ("sweep", "emit")  # run kinds fitted on by default (emit's runs hold the neighbour re-measurements)
 NEVER_FIT = ("validate", "bench")  # run kinds, and measurement-source prefixes, that a table never learns from
 HELD_OUT = frozenset(HELDOUT_SHAPES)  # shapes a table is never fitted on, whichever run measured them
-
-Data = dict[Problem, dict[BackwardConfig, Timing]]
 
 
 @dataclass(frozen=True)
@@ -90,16 +64,6 @@ class Inputs:
             digest.update(f"{m.id}|{m.run_id}|{m.problem.key}|{m.config_hash}|{m.median_us!r}|{m.p10_us!r}|"
                           f"{m.p90_us!r}\n".encode())
         self.fingerprint = "sha256:" + digest.hexdigest()
-
-
-@dataclass
-class Fitted:
-    family: ProblemFamily
-    rules: list[dict]
-    expected_us: dict[str, float]
-    regret: dict[str, float]
-    dropped: list[dict] = field(default_factory=list)
-    default_unmeasured: list[str] = field(default_factory=list)
 
 
 def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection()) -> Inputs:
@@ -142,197 +106,6 @@ def collect(inputs: Inputs) -> dict[ProblemFamily, Data]:
         grouped[m.problem.family][m.problem][m.config].append(m)
     return {fam: {p: {c: Timing.pool(v) for c, v in cfgs.items()} for p, cfgs in probs.items()}
             for fam, probs in grouped.items()}
-
-
-def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig]:
-    """Problem → the measured config that is today's analytic default (as `default_config` returns it, or in
-    the canonical form the sweep seeds it), for the problems where it was measured."""
-    from .space import Space
-
-    out = {}
-    for p, cfgs in data.items():
-        try:
-            default = default_config(p)
-        except ConfigError:
-            continue
-        forms = [default] + ([Space(p, sm_count).canonical(default)] if sm_count else [])
-        found = [c for c in forms if c in cfgs]
-        if found:
-            out[p] = found[0]
-    return out
-
-
-class _Fit:
-    """Rule choice for one family: `data`, each problem's best median, its measured default and the config the
-    incumbent table runs it with (`emit --keep`)."""
-
-    def __init__(self, data: Data, defaults: dict[Problem, BackwardConfig],
-                 incumbents: dict[Problem, BackwardConfig] | None = None):
-        self.data, self.defaults, self.incumbents = data, defaults, incumbents or {}
-        self.best = {p: min(t.median for t in cfgs.values()) for p, cfgs in data.items()}
-        self.kept: dict[tuple[Problem, ...], BackwardConfig] = {}  # group -> the winner its incumbent outlived
-
-    def losses_to_default(self, group: list[Problem], cfg: BackwardConfig) -> dict[str, dict]:
-        """Problems of `group` where `cfg` is slower than the measured default beyond the spread."""
-        out = {}
-        for p in group:
-            d = self.defaults.get(p)
-            if d is not None and d != cfg and slower_beyond_spread(self.data[p][cfg], self.data[p][d]):
-                out[f"{p.M}x{p.N}"] = {"us": round(self.data[p][cfg].median, 2),
-                                       "default_us": round(self.data[p][d].median, 2)}
-        return out
-
-    def shared_default(self, group: list[Problem]) -> BackwardConfig | None:
-        """The measured analytic default when every problem of `group` has the same one, else None."""
-        defaults = {self.defaults.get(p) for p in group}
-        return defaults.pop() if len(defaults) == 1 else None
-
-    def gains_on_default(self, group: list[Problem], cfg: BackwardConfig) -> bool:
-        """`cfg`'s median beats the measured default's by more than DEFAULT_TIE on some problem of `group`."""
-        return any(self.data[p][self.defaults[p]].median > self.data[p][cfg].median * (1 + DEFAULT_TIE)
-                   for p in group)
-
-    def regret(self, group: list[Problem], cfg: BackwardConfig) -> float:
-        return geomean(self.data[p][cfg].median / self.best[p] for p in group)
-
-    def is_incumbent(self, group: list[Problem], cfg: BackwardConfig) -> bool:
-        """Whether the incumbent table runs every problem of `group` with `cfg`."""
-        return all(self.incumbents.get(p) == cfg for p in group)
-
-    def incumbent_over(self, group: list[Problem], cfg: BackwardConfig) -> BackwardConfig | None:
-        """The incumbent config that stays instead of `cfg`: one the incumbent table runs on some problem of
-        `group`, measured on all of them, never slower than the default beyond the spread, and that `cfg` beats
-        beyond the spread on none (the best-scoring such one); None when `cfg` is an incumbent or none stays."""
-        anchors = {self.incumbents[p] for p in group if p in self.incumbents}
-        if cfg in anchors:
-            return None
-        usable = sorted((self.regret(group, a), a.to_json(), a) for a in anchors
-                        if all(a in self.data[p] for p in group) and not self.losses_to_default(group, a))
-        for _, _, a in usable:
-            if not any(slower_beyond_spread(self.data[p][a], self.data[p][cfg]) for p in group):
-                return a
-        return None
-
-    def config_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
-        """(config, geometric-mean regret, the better-scoring config dropped for losing to the default): the
-        best-scoring safe config (`choice_for`), unless an incumbent stays (`incumbent_over`)."""
-        cfg, regret, dropped = self.choice_for(group)
-        kept = self.incumbent_over(group, cfg) if cfg is not None else None
-        if kept is None:
-            return cfg, regret, dropped
-        self.kept[tuple(group)] = cfg
-        return kept, self.regret(group, kept), dropped
-
-    def choice_for(self, group: list[Problem]) -> tuple[BackwardConfig | None, float, dict | None]:
-        """`config_for` without an incumbent."""
-        common = set(self.data[group[0]])
-        for p in group[1:]:
-            common &= set(self.data[p])
-        scored = sorted((geomean(self.data[p][c].median / self.best[p] for p in group), c.to_json(), c)
-                        for c in common)
-        dropped = None
-        for regret, _, cfg in scored:
-            losses = self.losses_to_default(group, cfg)
-            if not losses:
-                default = self.shared_default(group)
-                if default is not None and default in common and not self.gains_on_default(group, cfg):
-                    return default, geomean(self.data[p][default].median / self.best[p] for p in group), dropped
-                return cfg, regret, dropped
-            if dropped is None:
-                dropped = {"config": cfg.to_dict(), "fit_regret": round(regret, 4), "slower_than_default": losses,
-                           "fitted_on": [f"{p.M}x{p.N}" for p in group]}
-        return None, math.inf, dropped
-
-    def bucket(self, problems: list[Problem]) -> tuple[list[tuple[list[Problem], BackwardConfig]], list[dict]]:
-        """Groups of problems (contiguous in M) with their configs, and what was dropped on the way."""
-        problems = sorted(problems, key=lambda p: p.M)
-        whole, whole_regret, dropped = self.config_for(problems)
-        if whole is None:  # nothing measured on all (or safe on all): each problem its own best
-            own = [([p], min(self.data[p], key=lambda c: (self.data[p][c].median, c.to_json()))) for p in problems]
-            return own, [dropped] if dropped else []
-        choice = ([(problems, whole)], whole_regret, [dropped] if dropped else [])
-        for groups in _partitions(problems, MAX_GROUPS):
-            fitted = [(g, self.config_for(g)) for g in groups]
-            if any(cfg is None for _, (cfg, _r, _d) in fitted):
-                continue
-            regret = geomean(self.data[p][cfg].median / self.best[p] for g, (cfg, _r, _d) in fitted for p in g)
-            # A group that keeps its incumbent's config changes nothing there: only new rules pay SPLIT_GAIN.
-            new_rules = len(groups) - sum(self.is_incumbent(g, cfg) for g, (cfg, _r, _d) in fitted)
-            if regret < choice[1] * (1 - SPLIT_GAIN * max(new_rules - 1, 0)):
-                choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], regret, [d for _, (_c, _r, d) in fitted if d])
-        return choice[0], choice[2]
-
-
-def _partitions(items: list, max_groups: int):
-    """Contiguous partitions of `items` into 2..max_groups groups."""
-    n = len(items)
-    for k in range(2, min(max_groups, n) + 1):
-        def rec(start, parts_left):
-            if parts_left == 1:
-                yield [items[start:]]
-                return
-            for cut in range(start + 1, n - parts_left + 2):
-                for rest in rec(cut, parts_left - 1):
-                    yield [items[start:cut]] + rest
-        yield from rec(0, k)
-
-
-def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, BackwardConfig] | None = None,
-               incumbents: dict[Problem, BackwardConfig] | None = None) -> Fitted:
-    """Rules for one family; `defaults` maps a problem to its measured analytic default (see `default_in`),
-    `incumbents` to the config the incumbent table runs it with (see `incumbent.configs_for`)."""
-    fit = _Fit(data, defaults or {}, incumbents)
-    by_n: dict[int, list[Problem]] = defaultdict(list)
-    for p in data:
-        by_n[p.N].append(p)
-    ns = sorted(by_n)
-    out = Fitted(family, [], {}, {})
-    for i, n in enumerate(ns):
-        n_max = n_boundary(n, ns[i + 1]) if i < len(ns) - 1 else None
-        groups, dropped = fit.bucket(by_n[n])
-        out.dropped += dropped
-        for gi, (group, cfg) in enumerate(groups):
-            m_max = m_boundary(group, groups[gi + 1][0], cfg) if gi < len(groups) - 1 else None
-            out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
-                              "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
-            if tuple(group) in fit.kept:
-                out.rules[-1]["kept_over"] = fit.kept[tuple(group)].to_dict()
-            for p in group:
-                out.expected_us[f"{p.M}x{p.N}"] = round(data[p][cfg].median, 2)
-                out.regret[f"{p.M}x{p.N}"] = round(data[p][cfg].median / fit.best[p], 4)
-    out.default_unmeasured = [f"{p.M}x{p.N}" for p in sorted(data, key=lambda p: (p.N, p.M))
-                              if p not in fit.defaults]
-    return out
-
-
-def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: BackwardConfig) -> int:
-    """The largest M the lower group's rule serves: the geometric midpoint between the two groups' nearest fitted
-    M values, so that an unseen M takes the rule fitted nearest to it on a log scale (at N = 32768 the H100 table
-    had 2048 rows take the rule fitted at 4096 rather than at 1024, and ran 1.3x slower than the default there).
-    A columns or dual rule stops at the rows those strategies accept."""
-    below, above = max(p.M for p in lower), min(p.M for p in upper)
-    m_max = max(below, math.isqrt(below * above))
-    if lower_config.kernel_1.strategy in ("columns", "dual"):
-        m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
-    return m_max
-
-
-def n_boundary(n: int, next_n: int) -> int:
-    """The widest N the rules fitted at `n` columns serve: the geometric midpoint between `n` and the next fitted
-    N, so that an unseen N takes the rules fitted nearest to it on a log scale (H100: 2500x5376 took the rule
-    fitted at 6144 columns and ran slower than the default), but never past the power of two `n` rounds up to:
-    the rules' tiles cover that many columns, and a wider N re-tiles them (past 16384 columns, out of one pass)."""
-    return max(n, min(math.isqrt(n * next_n), next_power_of_two(n)))
-
-
-def single_pass_threshold(rules: list[dict]) -> int | None:
-    """The learned single-pass threshold: the widest measured N up to which every rule runs single pass."""
-    out = None
-    for r in rules:
-        if r["config"]["kernel_1"]["two_pass"]:
-            break
-        out = max([out or 0] + [int(s.split("x")[1]) for s in r["fitted_on"]])
-    return out
 
 
 def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Selection = Selection(),

@@ -9,7 +9,8 @@ from collections import defaultdict
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.tables import adapt
 
-from .emit import TOP_K, Data, Selection, collect, select_inputs
+from .emit import TOP_K, Selection, collect, select_inputs
+from .fit import Data
 from .incumbent import configs_for
 from .spread import Timing
 

@@ -13,7 +13,8 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.tables import TableError, parse_table
 
 from ..bench import OURS, summary
-from ..emit import build_table, single_pass_threshold
+from ..emit import build_table
+from ..fit import single_pass_threshold
 from ..render import MISSING, geomean, markdown_table, num, ratio, validation_summary, validation_table
 from ..validate import summarize
 from . import plots
