@@ -23,6 +23,8 @@ def compare(
     threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
                                                   "(and beyond the spread)")] = 0.03,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Time nothing (no GPU needed): list the shapes whose "
+                                                            "config changes, with both configs")] = False,
     interpret: Interpret = False,
 ):
     """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape."""
@@ -44,6 +46,9 @@ def compare(
     dt = run_checked(parse_dtype, dtype)
     shape_list = run_checked(parse_shapes_option, shapes, interpret)
     problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    if dry_run:
+        typer.echo("\n".join(C.changes_markdown(C.config_changes(*tables, problems), len(problems))))
+        return
     info = run_checked(device_info, gpu, interpret)
     if interpret:
         console.print(INTERPRETER_BANNER)

@@ -120,6 +120,22 @@ def test_compare_times_through_one_measure_session_with_its_preset(tmp_path, mon
     assert len(measured) == 4 and len({config for _, config in measured}) == 2  # 2 rounds x OLD and NEW
 
 
+def test_compare_dry_run_lists_the_changed_configs_and_times_nothing(tmp_path, monkeypatch):
+    from normtune.tuner import measure
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("--dry-run must not open a measurement session")
+
+    monkeypatch.setattr(measure.MeasureSession, "for_device", classmethod(no_session))
+    result = compare(tmp_path, GOOD, BAD, "--dry-run", "--shapes", "64x256,8x1000")
+    assert result.exit_code == 0, result.output
+    # 8x1000 lies outside the box both tables were fitted on: both run the analytic default there.
+    assert "1 of 2 shapes change config (nothing timed" in result.stdout and "8×1000" not in result.stdout
+    assert f"| rms_norm 64×256 bf16 | `{GOOD}` | `{BAD}` |" in result.stdout
+    same = compare(tmp_path, GOOD, GOOD, "--dry-run")
+    assert same.exit_code == 0 and "0 of 1 shapes change config" in same.stdout and "| problem |" not in same.stdout
+
+
 @pytest.mark.parametrize("args, needle", [(["--threshold", "-0.1"], "--threshold -0.1"),
                                           (["--rounds", "0"], "--rounds 0")])
 def test_compare_bad_options_are_one_line(tmp_path, args, needle):

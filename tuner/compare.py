@@ -92,6 +92,20 @@ def compare_tables(old, new, problems: list[Problem], session: MeasureSession, *
     return out
 
 
+def config_changes(old, new, problems: list[Problem]) -> list[Comparison]:
+    """One untimed `Comparison` per problem where the two tables pick different configs (what the gate times)."""
+    rows = [Comparison(p, config_for(old, p), config_for(new, p)) for p in problems]
+    return [r for r in rows if not r.same_config]
+
+
+def changes_markdown(changes: list[Comparison], total: int) -> list[str]:
+    """The shapes whose config changes, with both configs: the gate's plan, timed by nothing."""
+    body = [[f"{r.problem.norm} {r.problem.M}×{r.problem.N} {r.problem.dtype}", f"`{r.old_config}`",
+             f"`{r.new_config}`"] for r in changes]
+    return ([f"{len(changes)} of {total} shapes change config (nothing timed: the gate would time these).", ""]
+            + (markdown_table(["problem", "OLD", "NEW"], body) if body else []))
+
+
 def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: bool) -> list[str]:
     """The gate's table and its one-line verdict."""
     unit = "interpreter µs (host wall-clock, not GPU time)" if interpret else "µs (cold L2, median [p10–p90])"
