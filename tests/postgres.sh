@@ -87,7 +87,7 @@ else
     while port_in_use "$PORT"; do PORT=$((PORT + 1)); done
     as_owner "$BIN/pg_ctl" -D "$DIR" -l "$DIR/server.log" -w -t 60 start -o "-p $PORT -k $DIR \
         -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off \
-        -c max_connections=200" >>"$LOG" 2>&1 || fail "the server did not start"
+        -c max_connections=200 -c autovacuum=off" >>"$LOG" 2>&1 || fail "the server did not start"
 fi
 for _ in $(seq 60); do
     "$BIN/pg_isready" -q -h 127.0.0.1 -p "$PORT" && break

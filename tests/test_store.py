@@ -15,11 +15,12 @@ import os
 import queue as queue_module
 import sqlite3
 import time
-import uuid
 
 import pytest
 from sqlalchemy import create_engine, inspect, select, text, update
 from sqlalchemy.engine import make_url
+
+from pg_support import fresh_database
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
 from normtune.tuner import store as store_module
@@ -59,21 +60,6 @@ def ok(median: float, **more) -> MeasureResult:
 # ---------------------------------------------------------------------------------------------- backends
 
 
-def _postgres_database(admin_url: str):
-    """A fresh database on the test server; yields its URL and drops it afterwards."""
-    name = f"normtune_test_{uuid.uuid4().hex[:12]}"
-    admin_url = store_module.normalize_url(admin_url)
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def url(request, tmp_path):
     if request.param == "sqlite":
@@ -83,7 +69,8 @@ def url(request, tmp_path):
     if not admin_url:
         pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
                     "PostgreSQL server for the storage suite")
-    yield from _postgres_database(admin_url)
+    with fresh_database(admin_url) as db_url:
+        yield db_url
 
 
 @pytest.fixture

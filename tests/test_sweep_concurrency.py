@@ -24,15 +24,14 @@ import uuid
 
 import pytest
 from optuna.trial import TrialState as TS
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from pg_support import fresh_database
 from sweep_support import check_studies
 
 from normtune.kernels.config import Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
-from normtune.tuner.store import Store, normalize_url
+from normtune.tuner.store import Store
 from normtune.tuner.sweep import SweepOptions, study_name
 
 POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
@@ -177,22 +176,6 @@ class _SqliteFile:
         return None
 
 
-class _PostgresDatabase:
-    def __init__(self, admin_url: str):
-        self.admin_url, self.name = normalize_url(admin_url), f"normtune_test_{uuid.uuid4().hex[:12]}"
-
-    def __enter__(self):
-        self.admin = create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
-        with self.admin.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{self.name}"'))
-        return make_url(self.admin_url).set(database=self.name).render_as_string(hide_password=False)
-
-    def __exit__(self, *exc):
-        with self.admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)'))
-        self.admin.dispose()
-
-
 def test_three_workers_on_sqlite_with_random_kills(tmp_path):
     _repetitions(lambda: _SqliteFile(tmp_path), count=REPETITIONS, seed=1)
 
@@ -203,4 +186,4 @@ def test_three_workers_on_postgres_with_random_kills():
     if not admin_url:
         pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
                     "PostgreSQL server for the multi-worker tests")
-    _repetitions(lambda: _PostgresDatabase(admin_url), count=REPETITIONS, seed=2)
+    _repetitions(lambda: fresh_database(admin_url), count=REPETITIONS, seed=2)

@@ -11,12 +11,10 @@ Needs a PostgreSQL server whose role may create databases (each test gets a fres
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 from optuna.trial import TrialState as TS
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from pg_support import fresh_database
 from sweep_support import (INTERPRETER_ONLY, check_studies, kill_group, load_study, measurement_rows, running_trials, start_sweep,
                            sweep_args, sweep_env, wait_for)
 
@@ -24,7 +22,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import Space
 from normtune.tuner.sweep.sampling import DECIDED_FIRST, inapplicable
-from normtune.tuner.store import Store, normalize_url
+from normtune.tuner.store import Store
 from normtune.tuner.sweep import study_name
 
 pytestmark = [pytest.mark.postgres, INTERPRETER_ONLY]
@@ -43,16 +41,8 @@ def pg_url():
     if not admin_url:
         pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
                     "PostgreSQL server for the multi-worker sweep test")
-    name = f"normtune_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(normalize_url(admin_url), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield make_url(normalize_url(admin_url)).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with fresh_database(admin_url) as db_url:
+        yield db_url
 
 
 def run_id_of(url: str, marker: str) -> int | None:
