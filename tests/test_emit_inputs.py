@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
-from normtune.tuner import emit, emit_notes, fit
+from normtune.tuner import emit, emit_notes, fit, incumbent
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.spread import Timing
@@ -223,7 +223,8 @@ def test_committed_table_reproduces_from_its_recorded_runs(repo_db, name, tmp_pa
         if refused:
             pytest.skip(f"configs/{name} was fitted on run(s) {refused} of kind validate/bench, before emit "
                         "excluded them: re-emit it (`normtune emit --gpu ...`) to make it reproducible")
-        again = emit.build_table(store, shipped["gpu"]["key"], selection=emit.Selection(run_ids=runs))
+        again = emit.build_table(store, shipped["gpu"]["key"], selection=emit.Selection(run_ids=runs),
+                                 incumbent=incumbent.recorded(shipped, name))  # a table emitted with --keep
     for key, fam in shipped["families"].items():
         for field in ("rules", "expected_us", "fit_regret"):
             assert again["families"][key][field] == fam[field], (key, field)
