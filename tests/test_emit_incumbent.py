@@ -96,7 +96,7 @@ def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
 def test_an_incumbent_is_recorded_and_rebuilt_with_the_same_lookups():
     table = parse_table(_table_json([(None, None, A, ["256x1024", "2048x1024"])]), "old.json")
     data = incumbent.record(table)
-    assert data["rules_digest"].startswith("sha256:") and set(data["families"]) == {RMS.key}
+    assert set(data["families"]) == {RMS.key} and data["gpu"]["key"] == GPU.key
     again = incumbent.recorded({"provenance": {"incumbent": json.loads(json.dumps(data))}}, "new.json")
     assert again.lookup(SMALL) == table.lookup(SMALL) == A
     assert incumbent.configs_for(again, [SMALL, LARGE, RMS.problem(8192, 65536)]) == {SMALL: A, LARGE: A}
@@ -153,24 +153,3 @@ def test_cli_keep_writes_a_table_that_re_emits_byte_for_byte_after_the_incumbent
     plain = tmp_path / "plain.json"
     assert runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(plain)]).exit_code == 0
     assert [r["config"] for r in json.loads(plain.read_text())["families"][RMS.key]["rules"]] == [B.to_dict()]
-
-
-def test_cli_keep_refusals_are_one_line_and_write_nothing(tmp_path):
-    db = _store(tmp_path / "r.db")
-    other = tmp_path / "other.json"
-    data = _table_json([(None, None, A, ["256x1024"])])
-    data["gpu"] = dict(data["gpu"], name="NVIDIA H200", key="h200")
-    other.write_text(json.dumps(data))
-    bad = tmp_path / "bad.json"
-    bad.write_text("{")
-    out = tmp_path / "t.json"
-    cases = [(["--keep", str(tmp_path / "missing.json")], "missing.json"),
-             (["--keep", str(bad)], "not valid JSON"),
-             (["--keep", str(other)], "its incumbent was tuned on h200, this table is for testgpu")]
-    for args, needle in cases:
-        result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(out)] + args)
-        assert result.exit_code == 1, (args, result.output)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, lines)
-        assert not out.exists()
-

@@ -245,7 +245,13 @@ def test_cli_emit_refusals_are_one_line_and_write_nothing(tmp_path):
     store.close()
     db = str(tmp_path / "r.db")
     out = tmp_path / "t.json"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
     cases = [(["--runs", "3"], "--runs 3: bench runs are never fitted on"),
+             (["--keep", str(tmp_path / "missing.json")], "missing.json"),
+             (["--keep", str(bad)], "not valid JSON"),
+             (["--keep", str(CONFIGS / "h200.json")], "its incumbent was tuned on h200, this table is for testgpu"),
+             (["--runs-of", str(bad)], f"--runs-of {bad}"),
              (["--kind", "validate"], "--kind validate: a table is never fitted on"),
              (["--runs", "x"], "--runs 'x': use a comma list of run ids"),
              (["--runs", "1", "--runs-of", str(out)], "--runs and --runs-of"),
