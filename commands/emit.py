@@ -34,40 +34,47 @@ def _names(text: str | None, option: str) -> tuple[str, ...] | None:
     return values
 
 
-def _selection(runs: str | None, runs_of: Path | None, kind: str, git_revision: str | None):
+def _read_runs_of(runs: str | None, runs_of: Path | None) -> dict | None:
+    """The JSON of the table --runs-of names (read once: its runs and its incumbent both come from it)."""
     import json as _json
-
-    from normtune.tuner import emit as E
 
     if runs is not None and runs_of is not None:
         raise CLIError("--runs and --runs-of both name the runs to fit on: give one of them")
+    if runs_of is None:
+        return None
+    try:
+        data = _json.loads(runs_of.read_text())
+    except (OSError, ValueError) as err:
+        raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(data, dict):
+        raise CLIError(f"--runs-of {runs_of}: not a heuristic table (a JSON object): name a table normtune emitted")
+    return data
+
+
+def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, kind: str, git_revision: str | None):
+    from normtune.tuner import emit as E
+
     run_ids = _ints(runs, "--runs")
-    if runs_of is not None:
+    if recorded is not None:
         try:
-            run_ids = E.recorded_runs(_json.loads(runs_of.read_text()))
-        except (OSError, ValueError) as err:
-            raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+            run_ids = E.recorded_runs(recorded)
+        except ValueError as err:
+            raise CLIError(f"--runs-of {runs_of}: {err}") from None
     return E.Selection(kinds=_names(kind, "--kind"), run_ids=run_ids,
                        git_revisions=_names(git_revision, "--git-revision"))
 
 
-def _incumbent(keep: Path | None, runs_of: Path | None):
-    """The incumbent table: --keep's file, else the one a --runs-of table recorded (re-emission), else None."""
-    import json as _json
-
+def _incumbent(keep: Path | None, runs_of: Path | None, recorded: dict | None):
+    """The incumbent table: --keep's file, else the one the --runs-of table recorded (re-emission), else None."""
     from normtune.kernels.tables import TableError, read_table
     from normtune.tuner import incumbent
 
     try:
         if keep is not None:
             return read_table(str(keep))
-        if runs_of is not None:
-            return incumbent.recorded(_json.loads(runs_of.read_text()), str(runs_of))
+        return incumbent.recorded(recorded, str(runs_of)) if recorded is not None else None
     except TableError as err:
         raise CLIError(f"{'--keep' if keep is not None else '--runs-of'} {err}") from None
-    except (OSError, ValueError) as err:
-        raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
-    return None
 
 
 def emit(
@@ -116,8 +123,9 @@ def emit(
     if user and interpret:
         run_checked(refuse, "--user writes the table the runtime uses on a GPU, and an interpreter table never "
                             "tunes a GPU: drop --user (pass --out FILE)")
-    selection = run_checked(_selection, runs, runs_of, kind, git_revision)
-    incumbent = run_checked(_incumbent, keep, runs_of)
+    recorded = run_checked(_read_runs_of, runs, runs_of)
+    selection = run_checked(_selection, runs, runs_of, recorded, kind, git_revision)
+    incumbent = run_checked(_incumbent, keep, runs_of, recorded)
     if interpret:
         key = "interpret"
     elif gpu == "auto" or remeasure:
