@@ -12,22 +12,18 @@ runs (`emit --runs-of`) rebuilds the same incumbent (`from_record`) even after t
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem
 from normtune.kernels.tables import SCHEMA_VERSION, Table, TableError, parse_table
 
 
 def record(table: Table) -> dict:
-    """What a new table stores about its incumbent: the GPU it was tuned on, its rules per family (bounds, config,
-    fitted shapes), and a digest of those rules."""
+    """What a new table stores about its incumbent: the GPU it was tuned on and its rules per family (bounds,
+    config, fitted shapes)."""
     families = {key: {"rules": [{"n_max": r["n_max"], "m_max": r["m_max"], "config": r["config"],
                                  "fitted_on": r.get("fitted_on", [])} for r in fam["rules"]]}
                 for key, fam in sorted(table.raw["families"].items())}
-    gpu = {k: table.raw["gpu"].get(k) for k in ("name", "key", "compute_capability", "sm_count")}
-    body = json.dumps({"gpu": gpu, "families": families}, sort_keys=True)
-    return {"gpu": gpu, "families": families, "rules_digest": "sha256:" + hashlib.sha256(body.encode()).hexdigest()}
+    return {"gpu": {k: table.raw["gpu"].get(k) for k in ("name", "key", "compute_capability", "sm_count")},
+            "families": families}
 
 
 def from_record(data: dict, where: str) -> Table:
