@@ -28,6 +28,11 @@ OUTDIR=$(cd "$OUTDIR" && pwd)
 DB="sqlite:///$OUTDIR/results.db"
 export PYTHONUNBUFFERED=1
 step() { [[ "$STEPS" == *",$1,"* ]]; }
+with_swept() {  # the given sets, then each swept set once (a set named twice, or one given, comes once)
+    local out=" $* "
+    for SET in ${SETS//,/ }; do [[ "$out" == *" $SET "* ]] || out="$out$SET "; done
+    echo $out
+}
 sql() { python -c "import sqlite3,sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2]).fetchone()[0])" \
     "$OUTDIR/results.db" "$1"; }
 
@@ -50,9 +55,7 @@ TABLE="$OUTDIR/$GPU.json"
 [ -f "$TABLE" ] || TABLE="configs/$GPU.json"
 if step compare; then
     : > "$OUTDIR/compare-failed"
-    COMPARE_SETS="seed heldout"
-    for SET in ${SETS//,/ }; do [[ " $COMPARE_SETS " == *" $SET "* ]] || COMPARE_SETS="$COMPARE_SETS $SET"; done
-    for SET in $COMPARE_SETS; do
+    for SET in $(with_swept seed heldout); do
         NAME=$(basename "$SET" .txt)
         if normtune compare "configs/$GPU.json" "$TABLE" --gpu "$GPU" --shapes "$SET" > "$OUTDIR/compare-$NAME.md" \
             2> "$OUTDIR/compare-$NAME.log"; then :; else echo "$NAME" >> "$OUTDIR/compare-failed"; fi
@@ -66,9 +69,7 @@ if step validate; then
     done
 fi
 if step bench; then
-    BENCH_SETS=seed  # the seed shapes, then each swept set once (a set named twice, or seed itself, is benched once)
-    for SET in ${SETS//,/ }; do [[ " $BENCH_SETS " == *" $SET "* ]] || BENCH_SETS="$BENCH_SETS $SET"; done
-    for SET in $BENCH_SETS; do
+    for SET in $(with_swept seed); do
         NORMTUNE_CONFIG="$TABLE" normtune bench --gpu "$GPU" --shapes "$SET" --peers "$PEERS" --config table \
             --out "$OUTDIR/bench-$(basename "$SET" .txt)" --db "$DB" --budget 0.2 2>&1 | grep -v "━" | tail -3
     done
