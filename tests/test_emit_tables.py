@@ -671,6 +671,42 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     assert m_boundary(probs(4096), probs(65536), columns) == 4096
 
 
+def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
+    """With both rules' configs timed at both neighbouring problems, the boundary is where log(time ratio),
+    linear in log M, crosses zero; a dual rule not timed above (it accepts at most MAX_COLUMNS_ROWS rows) is
+    extrapolated as growing linearly in M. Without a crossing in between, the geometric midpoint stays."""
+    from normtune.kernels.config import Problem
+    from normtune.tuner.fit import m_boundary, m_crossover
+    from normtune.tuner.spread import Timing
+
+    lo, hi = Problem("layer_norm", 512, 3584, "bf16"), Problem("layer_norm", 4096, 3584, "bf16")
+    rows = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16), Kernel2Config(128, 16))
+    dual = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, strategy="dual"),
+                          Kernel2Config(64, 64))
+    other = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8), Kernel2Config(64, 16))
+
+    # both timed at both ends: time ratio 0.5 at 512 rows and 2.0 at 4096 -> equal halfway in log M (1448)
+    data = {lo: {other: Timing(5.0, 4.9, 5.1), rows: Timing(10.0, 9.9, 10.1)},
+            hi: {other: Timing(80.0, 79, 81), rows: Timing(40.0, 39, 41)}}
+    assert m_crossover(data, lo, hi, other, rows) == pytest.approx(512 * 8 ** 0.5)
+    # a ratio of 0.9 below and 3.0 above crosses nearer the lower rows
+    data = {lo: {other: Timing(9.0, 8.9, 9.1), rows: Timing(10.0, 9.9, 10.1)},
+            hi: {other: Timing(120.0, 119, 121), rows: Timing(40.0, 39, 41)}}
+    cross = m_crossover(data, lo, hi, other, rows)
+    assert 512 < cross < 1448
+    assert m_boundary([lo], [hi], other, rows, data) == int(cross)
+    # dual, measured below only: 12.6 against 13.6 us at 512 rows, rows 35 us at 4096 -> crosses just above 512
+    data = {lo: {dual: Timing(12.6, 12.2, 13.4), rows: Timing(13.6, 13.1, 14.4)}, hi: {rows: Timing(35.0, 34, 36)}}
+    assert 512 < m_boundary([lo], [hi], dual, rows, data) < 700
+    # no crossing (the lower rule is also faster above, or the upper rule untimed below): the midpoint
+    data = {lo: {other: Timing(9.0, 8.9, 9.1), rows: Timing(10.0, 9.9, 10.1)},
+            hi: {other: Timing(30.0, 29, 31), rows: Timing(40.0, 39, 41)}}
+    assert m_crossover(data, lo, hi, other, rows) is None
+    assert m_boundary([lo], [hi], other, rows, data) == 1448
+    assert m_crossover({lo: {other: Timing(9.0, 8.9, 9.1)}, hi: {rows: Timing(40.0, 39, 41)}}, lo, hi, other,
+                       rows) is None
+
+
 def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
     """An unseen N takes the rules fitted nearest to it on a log scale (5376 columns: the 5120 rules, not the
     6144 ones), but a rule never serves an N its tiles would have to be widened for."""

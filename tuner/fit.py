@@ -14,8 +14,8 @@ Fitting, per problem family (norm, dtypes, flags):
    4096x3072 by 0.2 µs, inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is
    split on M (at most into three M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN:
    rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
-   fitted M and the next range's smallest (`m_boundary`): an unseen M takes the rule fitted nearest to it on a log
-   scale.
+   fitted M and the next range's smallest (`m_boundary`), or where the two ranges' configs' measured times cross
+   between those two problems when both were timed on both (`m_crossover`).
 4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
    faster beyond the spread somewhere in it, and an M split that leaves a group with its incumbent's config pays
    no SPLIT_GAIN for it: the new winner takes only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit
@@ -200,7 +200,8 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
         groups, dropped = fit.bucket(by_n[n])
         out.dropped += dropped
         for gi, (group, cfg) in enumerate(groups):
-            m_max = m_boundary(group, groups[gi + 1][0], cfg) if gi < len(groups) - 1 else None
+            m_max = (m_boundary(group, groups[gi + 1][0], cfg, groups[gi + 1][1], data)
+                     if gi < len(groups) - 1 else None)
             out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
                               "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
             if tuple(group) in fit.kept:
@@ -213,16 +214,48 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
     return out
 
 
-def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: BackwardConfig) -> int:
-    """The largest M the lower group's rule serves: the geometric midpoint between the two groups' nearest fitted
-    M values, so that an unseen M takes the rule fitted nearest to it on a log scale (at N = 32768 the H100 table
-    had 2048 rows take the rule fitted at 4096 rather than at 1024, and ran 1.3x slower than the default there).
-    A columns or dual rule stops at the rows those strategies accept."""
-    below, above = max(p.M for p in lower), min(p.M for p in upper)
-    m_max = max(below, math.isqrt(below * above))
-    if lower_config.kernel_1.strategy in ("columns", "dual"):
+def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: BackwardConfig,
+               upper_config: BackwardConfig | None = None, data: Data | None = None) -> int:
+    """The largest M the lower group's rule serves. Where both groups' configs were timed on the two nearest
+    fitted problems (the lower group's largest M and the upper group's smallest), it is the M where their times
+    cross (`m_crossover`); otherwise the geometric midpoint of the two M values, so that an unseen M takes the
+    rule fitted nearest to it on a log scale (at N = 32768 the H100 table had 2048 rows take the rule fitted at
+    4096 rather than at 1024, and ran 1.3x slower than the default there). A columns or dual rule stops at the
+    rows those strategies accept."""
+    p_lo, p_hi = max(lower, key=lambda p: p.M), min(upper, key=lambda p: p.M)
+    below, above = p_lo.M, p_hi.M
+    cross = (m_crossover(data, p_lo, p_hi, lower_config, upper_config)
+             if data is not None and upper_config is not None else None)
+    m_max = max(below, math.isqrt(below * above) if cross is None else min(int(cross), above - 1))
+    if lower_config.kernel_1.strategy in ROW_SWEEPING:
         m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
     return m_max
+
+
+ROW_SWEEPING = ("columns", "dual")  # strategies whose column programs sweep every row: time grows with M
+
+
+def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: BackwardConfig) -> float | None:
+    """The M between p_lo.M and p_hi.M where config `a` (the lower rule's) stops being faster than `b` (the
+    upper rule's): log(time_a / time_b) interpolated linearly in log M between the two problems. Where `a` was
+    not timed at p_hi because its strategy sweeps every row (columns and dual accept at most MAX_COLUMNS_ROWS
+    rows), its time there is extrapolated as growing linearly in M, what a serial sweep over the rows costs at
+    least (H200 LayerNorm, 3584 columns: dual 12.6 against 13.6 µs at 512 rows, fitted up to the midpoint at
+    1448, ran 1000 rows 10 % slower than the rows rule). None when either time is missing, or when `a` is not
+    faster at p_lo or not slower at p_hi (the two did not cross in between)."""
+    lo, hi = data.get(p_lo, {}), data.get(p_hi, {})
+    if a not in lo or b not in lo or b not in hi:
+        return None
+    if a in hi:
+        t_hi = hi[a].median
+    elif a.kernel_1.strategy in ROW_SWEEPING:
+        t_hi = lo[a].median * p_hi.M / p_lo.M
+    else:
+        return None
+    r_lo, r_hi = math.log(lo[a].median / lo[b].median), math.log(t_hi / hi[b].median)
+    if r_lo >= 0 or r_hi <= 0:
+        return None
+    return p_lo.M * (p_hi.M / p_lo.M) ** (r_lo / (r_lo - r_hi))
 
 
 def n_boundary(n: int, next_n: int) -> int:
