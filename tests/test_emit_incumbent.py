@@ -66,7 +66,8 @@ def test_the_new_winner_takes_only_the_rows_where_it_pays():
     """H100 RMSNorm 65536 columns, measured: X beats the incumbent A beyond the spread on 1024 rows and loses
     2.5 % (inside the spread) on 256. Splitting off 256 rows lowers the mean regret by 0.8 %, less than SPLIT_GAIN,
     so a fit without an incumbent gives X to every row; with A as the incumbent, the 256-row group keeps A at no
-    split cost and X takes 512 rows and more."""
+    split cost and X takes 512 rows and more (from 469: where A's and X's measured times cross between 256 and
+    512 rows)."""
     rows = [RMS.problem(M, 65536) for M in (256, 512, 1024)]
     a = BackwardConfig(Kernel1Config(block_row=4, block_col=8192, num_warps=16, row_split=8),
                        Kernel2Config(block_m=128, block_n=32, pdl=True))
@@ -82,7 +83,7 @@ def test_the_new_winner_takes_only_the_rows_where_it_pays():
         == [(None, x)]
     fitted = fit.fit_family(RMS, data, incumbents={p: a for p in rows})
     assert [(r["m_max"], r["fitted_on"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [
-        (362, ["256x65536"], a), (None, ["512x65536", "1024x65536"], x)]
+        (468, ["256x65536"], a), (None, ["512x65536", "1024x65536"], x)]
 
 
 def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
