@@ -675,6 +675,25 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     assert m_boundary(probs(4096), probs(65536), columns) == 4096
 
 
+def test_a_width_fitted_on_few_rows_leaves_taller_rows_to_the_next_wider_width():
+    """A bucket fitted on few rows only (at most MAX_COLUMNS_ROWS) ends its top rule halfway (log scale) to the
+    next wider bucket's taller rows, so 2048 rows of 14336 columns take the 16384-column rule fitted there; a
+    bucket fitted on many rows, and the widest bucket, serve every M."""
+    a = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
+    b = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(64, 32))
+    few = {RMS.problem(M, 14336): {a: T(10.0), b: T(12.0)} for M in (128, 512)}
+    wide = {RMS.problem(M, 16384): {a: T(30.0), b: T(20.0)} for M in (512, 4096, 16384)}
+    rules = fit.fit_family(RMS, {**few, **wide}).rules
+    assert [(r["n_max"], r["m_max"]) for r in rules][:1] == [(15325, math.isqrt(512 * 4096))]
+    data = _valid()
+    data["families"] = {RMS.key: {"rules": rules}}
+    table = parse_table(data)
+    assert table.lookup(RMS.problem(256, 14336)).kernel_2 == a.kernel_2
+    assert table.lookup(RMS.problem(2048, 14336)).kernel_2 == b.kernel_2
+    many = {RMS.problem(M, 14336): {a: T(10.0), b: T(12.0)} for M in (128, 4096)}
+    assert fit.fit_family(RMS, {**many, **wide}).rules[0]["m_max"] is None
+
+
 def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
     """With both rules' configs timed at both neighbouring problems, the boundary is where log(time ratio),
     linear in log M, crosses zero; a dual rule not timed above (it accepts at most MAX_COLUMNS_ROWS rows) is

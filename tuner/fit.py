@@ -15,7 +15,8 @@ Fitting, per problem family (norm, dtypes, flags):
    split on M (at most into three M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN:
    rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
    fitted M and the next range's smallest (`m_boundary`), or where the two ranges' configs' measured times cross
-   between those two problems when both were timed on both (`m_crossover`).
+   between those two problems when both were timed on both (`m_crossover`). A width fitted on few rows only
+   leaves taller rows to the next wider width's rules (`top_boundary`).
 4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
    faster beyond the spread somewhere in it, and an M split that leaves a group with its incumbent's config pays
    no SPLIT_GAIN for it: the new winner takes only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit
@@ -201,7 +202,7 @@ def fit_family(family: ProblemFamily, data: Data, defaults: dict[Problem, Backwa
         out.dropped += dropped
         for gi, (group, cfg) in enumerate(groups):
             m_max = (m_boundary(group, groups[gi + 1][0], cfg, groups[gi + 1][1], data)
-                     if gi < len(groups) - 1 else None)
+                     if gi < len(groups) - 1 else top_boundary(by_n, ns, i))
             out.rules.append({"n_max": n_max, "m_max": m_max, "config": cfg.to_dict(),
                               "fitted_on": [f"{p.M}x{p.N}" for p in sorted(group, key=lambda p: p.M)]})
             if tuple(group) in fit.kept:
@@ -256,6 +257,18 @@ def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: 
     if r_lo >= 0 or r_hi <= 0:
         return None
     return p_lo.M * (p_hi.M / p_lo.M) ** (r_lo / (r_lo - r_hi))
+
+
+def top_boundary(by_n: dict[int, list[Problem]], ns: list[int], i: int) -> int | None:
+    """The largest M the top rule of the bucket at ns[i] serves: every M (None), unless the bucket was fitted on
+    few rows only (at most MAX_COLUMNS_ROWS) and the next wider bucket on more; then the log midpoint between the
+    two, and taller problems fall through to the wider bucket's rules (H100: a 14336-column bucket fitted on 128
+    and 512 rows ran 1024 and 2048 rows 10 and 17 % slower than the 16384-column rules it displaced)."""
+    top = max(p.M for p in by_n[ns[i]])
+    if i == len(ns) - 1 or top > MAX_COLUMNS_ROWS:
+        return None
+    taller = [p.M for p in by_n[ns[i + 1]] if p.M > top]
+    return max(top, math.isqrt(top * min(taller))) if taller else None
 
 
 def n_boundary(n: int, next_n: int) -> int:
