@@ -36,6 +36,8 @@ MIN_ELEMENTS_PER_THREAD = 4
 # The few-rows (columns) strategy sweeps all rows of a column slice in one program: worth it only while rows are
 # few (M of the order of the SM count); the search space offers it up to this many rows.
 MAX_COLUMNS_ROWS = 2048
+# Strategies whose column programs sweep every row of their slice: offered up to MAX_COLUMNS_ROWS, time grows with M.
+ROW_SWEEPING = ("columns", "dual")
 # Grids whose programs wait for each other (row_split, the fused reduction) hold at most this many programs per
 # SM, and never more than the compiled kernel's occupancy: every program must be resident at once.
 MAX_PROGRAMS_PER_SM_SYNC = 4
@@ -148,7 +150,7 @@ def num_programs(M: int, N: int, config: "BackwardConfig", sms: int) -> int:
 
 def partial_rows(M: int, config: "BackwardConfig", sms: int) -> int:
     """Rows of the fp32 partial dw/db buffers kernel_1 writes (one per row group; none for columns or dual)."""
-    if M <= 0 or config.kernel_1.strategy in ("columns", "dual"):
+    if M <= 0 or config.kernel_1.strategy in ROW_SWEEPING:
         return 0
     return num_groups(M, config, sms)
 

@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
-from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
+from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, ROW_SWEEPING, next_power_of_two
 
 from .render import geomean
 from .spread import Timing, slower_beyond_spread
@@ -231,9 +231,6 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     if lower_config.kernel_1.strategy in ROW_SWEEPING:
         m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
     return m_max
-
-
-ROW_SWEEPING = ("columns", "dual")  # strategies whose column programs sweep every row: time grows with M
 
 
 def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: BackwardConfig) -> float | None:

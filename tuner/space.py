@@ -20,6 +20,7 @@ from normtune.kernels.heuristics import (
     MAX_COLUMNS_ROWS,
     MAX_SINGLE_PASS,
     MIN_ELEMENTS_PER_THREAD,
+    ROW_SWEEPING,
     default_config,
     max_warps,
     next_power_of_two,
@@ -176,7 +177,7 @@ class Space:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
         if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
             return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
-        if k1.strategy in ("columns", "dual") and self.problem.M > MAX_COLUMNS_ROWS:
+        if k1.strategy in ROW_SWEEPING and self.problem.M > MAX_COLUMNS_ROWS:
             return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
         return None
 
