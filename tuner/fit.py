@@ -18,9 +18,12 @@ Fitting, per problem family (norm, dtypes, flags):
    between those two problems when both were timed on both (`m_crossover`). A width fitted on few rows only
    leaves taller rows to the next wider width's rules (`top_boundary`).
 4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
-   faster beyond the spread somewhere in it, and an M split that leaves a group with its incumbent's config pays
-   no SPLIT_GAIN for it: the new winner takes only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit
-   won 1024 rows by 4 %, lost 256 by 2.5 % inside the spread, and the unseen 64 and 128 rows by 12 and 6 %).
+   faster beyond the spread somewhere in it; no config is chosen that is slower beyond the spread than the
+   incumbent's on a problem where both were timed (what `normtune compare` fails a table for: H200 LayerNorm
+   14336 columns, a columns rule won 512 and 1024 rows and ran 2048 rows 4.5 % slower than the incumbent); and
+   an M split that leaves a group with its incumbent's config pays no SPLIT_GAIN for it: the new winner takes
+   only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit won 1024 rows by 4 %, lost 256 by 2.5 %
+   inside the spread, and the unseen 64 and 128 rows by 12 and 6 %).
 """
 
 from __future__ import annotations
@@ -91,6 +94,16 @@ class _Fit:
                                        "default_us": round(self.data[p][d].median, 2)}
         return out
 
+    def loses_to_incumbent(self, group: list[Problem], cfg: BackwardConfig) -> bool:
+        """`cfg` is slower beyond the spread than the incumbent table's config on some problem of `group` where
+        that config was measured: what `normtune compare` would fail the new table for."""
+        for p in group:
+            inc = self.incumbents.get(p)
+            if inc is not None and inc != cfg and inc in self.data[p] \
+                    and slower_beyond_spread(self.data[p][cfg], self.data[p][inc]):
+                return True
+        return False
+
     def shared_default(self, group: list[Problem]) -> BackwardConfig | None:
         """The measured analytic default when every problem of `group` has the same one, else None."""
         defaults = {self.defaults.get(p) for p in group}
@@ -141,6 +154,8 @@ class _Fit:
                         for c in common)
         dropped = None
         for regret, _, cfg in scored:
+            if self.loses_to_incumbent(group, cfg):
+                continue
             losses = self.losses_to_default(group, cfg)
             if not losses:
                 default = self.shared_default(group)
@@ -160,6 +175,7 @@ class _Fit:
             own = [([p], min(self.data[p], key=lambda c: (self.data[p][c].median, c.to_json()))) for p in problems]
             return own, [dropped] if dropped else []
         choice = ([(problems, whole)], whole_regret, [dropped] if dropped else [])
+        choice_new_rules = 1
         for groups in _partitions(problems, MAX_GROUPS):
             fitted = [(g, self.config_for(g)) for g in groups]
             if any(cfg is None for _, (cfg, _r, _d) in fitted):
@@ -167,9 +183,17 @@ class _Fit:
             regret = geomean(self.data[p][cfg].median / self.best[p] for g, (cfg, _r, _d) in fitted for p in g)
             # A group that keeps its incumbent's config changes nothing there: only new rules pay SPLIT_GAIN.
             new_rules = len(groups) - sum(self.is_incumbent(g, cfg) for g, (cfg, _r, _d) in fitted)
-            if regret < choice[1] * (1 - SPLIT_GAIN * max(new_rules - 1, 0)):
+            if regret * split_cost(new_rules) < choice[1] * split_cost(choice_new_rules):
                 choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], regret, [d for _, (_c, _r, d) in fitted if d])
+                choice_new_rules = new_rules
         return choice[0], choice[2]
+
+
+def split_cost(new_rules: int) -> float:
+    """The factor a fit's mean regret is weighed with for its new rules: each rule past the first must lower the
+    regret by SPLIT_GAIN. Candidates are compared by weighed regret, so a split adding no new rule to the best one
+    so far (a group keeping its incumbent) wins on any gain, and each extra new rule pays once."""
+    return 1 / (1 - SPLIT_GAIN * max(new_rules - 1, 0))
 
 
 def _partitions(items: list, max_groups: int):
@@ -222,14 +246,17 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     cross (`m_crossover`); otherwise the geometric midpoint of the two M values, so that an unseen M takes the
     rule fitted nearest to it on a log scale (at N = 32768 the H100 table had 2048 rows take the rule fitted at
     4096 rather than at 1024, and ran 1.3x slower than the default there). A columns or dual rule stops at the
-    rows those strategies accept."""
+    rows those strategies accept, and never past the midpoint: their time steps up with every extra tile of rows,
+    which a line through two fitted problems does not see (H200 RMSNorm, 14336 columns: dual against the rows
+    rule timed at 128 and 512 rows crosses at 288, yet ran 257 rows 6 % slower than the rows rule)."""
     p_lo, p_hi = max(lower, key=lambda p: p.M), min(upper, key=lambda p: p.M)
     below, above = p_lo.M, p_hi.M
     cross = (m_crossover(data, p_lo, p_hi, lower_config, upper_config)
              if data is not None and upper_config is not None else None)
-    m_max = max(below, math.isqrt(below * above) if cross is None else min(int(cross), above - 1))
+    midpoint = math.isqrt(below * above)
+    m_max = max(below, midpoint if cross is None else min(int(cross), above - 1))
     if lower_config.kernel_1.strategy in ROW_SWEEPING:
-        m_max = max(below, min(m_max, MAX_COLUMNS_ROWS))
+        m_max = max(below, min(m_max, midpoint, MAX_COLUMNS_ROWS))
     return m_max
 
 
