@@ -171,11 +171,8 @@ class _Fit:
         """Groups of problems (contiguous in M) with their configs, and what was dropped on the way."""
         problems = sorted(problems, key=lambda p: p.M)
         whole, whole_regret, dropped = self.config_for(problems)
-        if whole is None:  # nothing measured on all (or safe on all): each problem its own best
-            own = [([p], min(self.data[p], key=lambda c: (self.data[p][c].median, c.to_json()))) for p in problems]
-            return own, [dropped] if dropped else []
-        choice = ([(problems, whole)], whole_regret, [dropped] if dropped else [])
-        choice_new_rules = 1
+        choice = ([(problems, whole)], whole_regret, [dropped] if dropped else []) if whole is not None else None
+        choice_cost = whole_regret
         for groups in _partitions(problems, MAX_GROUPS):
             fitted = [(g, self.config_for(g)) for g in groups]
             if any(cfg is None for _, (cfg, _r, _d) in fitted):
@@ -183,10 +180,17 @@ class _Fit:
             regret = geomean(self.data[p][cfg].median / self.best[p] for g, (cfg, _r, _d) in fitted for p in g)
             # A group that keeps its incumbent's config changes nothing there: only new rules pay SPLIT_GAIN.
             new_rules = len(groups) - sum(self.is_incumbent(g, cfg) for g, (cfg, _r, _d) in fitted)
-            if regret * split_cost(new_rules) < choice[1] * split_cost(choice_new_rules):
+            if regret * split_cost(new_rules) < choice_cost:
                 choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], regret, [d for _, (_c, _r, d) in fitted if d])
-                choice_new_rules = new_rules
+                choice_cost = regret * split_cost(new_rules)
+        if choice is None:  # no config fits any M range of up to MAX_GROUPS problems: one rule per problem
+            return [([p], self.own_config(p)) for p in problems], [dropped] if dropped else []
         return choice[0], choice[2]
+
+    def own_config(self, p: Problem) -> BackwardConfig:
+        """A problem's rule fitted on it alone: `config_for`, else (nothing safe) its fastest config."""
+        cfg = self.config_for([p])[0]
+        return cfg if cfg is not None else min(self.data[p], key=lambda c: (self.data[p][c].median, c.to_json()))
 
 
 def split_cost(new_rules: int) -> float:
