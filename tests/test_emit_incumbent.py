@@ -86,6 +86,42 @@ def test_the_new_winner_takes_only_the_rows_where_it_pays():
         (468, ["256x65536"], a), (None, ["512x65536", "1024x65536"], x)]
 
 
+def test_no_rule_is_slower_than_the_incumbent_beyond_the_spread_on_a_problem_it_was_fitted_on():
+    """H200 LayerNorm 14336 columns, measured: a columns config won 512 and 1024 rows and ran 2048 rows 88.9 µs
+    against the incumbent's 87.2, beyond the spread; `normtune compare` fails such a table. With dual taking 128
+    rows, giving 2048 rows back to the incumbent lowers the mean regret by less than SPLIT_GAIN, so the split is
+    chosen only because no rule may lose to the incumbent on a problem it was fitted on."""
+    rows = [RMS.problem(M, 14336) for M in (128, 512, 1024, 2048)]
+    inc = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, row_split=2),
+                         Kernel2Config(block_m=128, block_n=32, pdl=True))
+    cols = BackwardConfig(Kernel1Config(block_row=64, block_col=64, strategy="columns"), Kernel2Config(fused=False))
+    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy="dual"),
+                          Kernel2Config(block_m=32, block_n=128))
+    data = {rows[0]: {inc: Timing(17.7, 16.3, 18.3), cols: Timing(19.0, 18.5, 19.5), dual: Timing(12.0, 11.5, 12.5)},
+            rows[1]: {inc: Timing(32.1, 31.6, 32.9), cols: Timing(30.2, 29.9, 30.5)},
+            rows[2]: {inc: Timing(51.1, 49.6, 52.3), cols: Timing(48.8, 48.0, 49.4)},
+            rows[3]: {inc: Timing(87.2, 85.7, 88.8), cols: Timing(88.9, 88.9, 90.8)}}
+    fitted = fit.fit_family(RMS, data, incumbents={p: inc for p in rows})
+    assert [(r["fitted_on"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [
+        (["128x14336"], dual), (["512x14336", "1024x14336"], cols), (["2048x14336"], inc)]
+
+
+def test_a_bucket_no_single_config_fits_is_still_split_into_m_ranges():
+    """Where the incumbent runs few rows with one config and many rows with another, no config is safe for the
+    whole bucket; the fit still splits it into M ranges (each keeping its incumbent where nothing beats it)
+    rather than one rule per problem."""
+    few, more = [RMS.problem(M, 8192) for M in (100, 128, 256)], [RMS.problem(M, 8192) for M in (2048, 4096)]
+    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16, strategy="dual"),
+                          Kernel2Config(block_m=64, block_n=64))
+    rows1 = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=32))
+    noise = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=64))
+    data = {**{p: {dual: T(p.M / 10), rows1: T(p.M / 8), noise: T(p.M / 8 * 0.995)} for p in few},
+            **{p: {dual: T(p.M / 5), rows1: T(p.M / 40), noise: T(p.M / 40 * 0.995)} for p in more}}
+    fitted = fit.fit_family(RMS, data, incumbents={**{p: dual for p in few}, **{p: rows1 for p in more}})
+    assert [(r["fitted_on"], BackwardConfig.from_dict(r["config"])) for r in fitted.rules] == [
+        (["100x8192", "128x8192", "256x8192"], dual), (["2048x8192", "4096x8192"], rows1)]
+
+
 def test_an_incumbent_slower_than_the_default_beyond_the_spread_does_not_stay():
     default = default_config(SMALL)
     data = {SMALL: {A: T(10.5), B: T(10.0), default: T(10.0)}, LARGE: {A: T(40.0), B: T(39.8), default: T(44.0)}}

@@ -730,6 +730,29 @@ def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
                        rows) is None
 
 
+def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
+    """H200 RMSNorm, 14336 columns, measured: dual 10.7 µs against the rows rule's 15.4 at 128 rows, 32.1 against
+    24.8 at 512. The times cross at 288 rows on a log-log line, but dual's time steps up with each extra row tile
+    and it ran 257 rows 6 % slower than the rows rule: a dual or columns range stops at the midpoint (256). A
+    rows rule still ends where the times cross."""
+    from normtune.kernels.config import Problem
+    from normtune.tuner.fit import m_boundary, m_crossover
+    from normtune.tuner.spread import Timing
+
+    lo, hi = Problem("rms_norm", 128, 14336, "bf16"), Problem("rms_norm", 512, 14336, "bf16")
+    rows = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
+    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy="dual"),
+                          Kernel2Config(32, 128))
+    fast_rows = BackwardConfig(Kernel1Config(block_row=2, block_col=16384, num_warps=16), Kernel2Config(64, 16))
+    data = {lo: {dual: Timing(10.7, 10.2, 11.4), rows: Timing(15.4, 14.5, 15.9)},
+            hi: {dual: Timing(32.1, 31.5, 33.2), rows: Timing(24.8, 24.0, 25.5)}}
+    assert 287 < m_crossover(data, lo, hi, dual, rows) < 290
+    assert m_boundary([lo], [hi], dual, rows, data) == 256
+    data = {lo: {fast_rows: Timing(10.7, 10.2, 11.4), rows: Timing(15.4, 14.5, 15.9)},
+            hi: {fast_rows: Timing(32.1, 31.5, 33.2), rows: Timing(24.8, 24.0, 25.5)}}
+    assert m_boundary([lo], [hi], fast_rows, rows, data) == 288
+
+
 def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
     """An unseen N takes the rules fitted nearest to it on a log scale (5376 columns: the 5120 rules, not the
     6144 ones), but a rule never serves an N its tiles would have to be widened for."""

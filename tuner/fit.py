@@ -185,6 +185,8 @@ class _Fit:
                 choice_cost = regret * split_cost(new_rules)
         if choice is None:  # no config fits any M range of up to MAX_GROUPS problems: one rule per problem
             return [([p], self.own_config(p)) for p in problems], [dropped] if dropped else []
+        if whole is None and dropped and dropped not in choice[2]:  # why the bucket has no single rule
+            return choice[0], [dropped] + choice[2]
         return choice[0], choice[2]
 
     def own_config(self, p: Problem) -> BackwardConfig:
