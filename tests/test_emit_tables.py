@@ -732,9 +732,9 @@ def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
 
 def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
     """H200 RMSNorm, 14336 columns, measured: dual 10.7 µs against the rows rule's 15.4 at 128 rows, 32.1 against
-    24.8 at 512. The times cross at 288 rows on a log-log line, but dual's time steps up with each extra row tile
-    and it ran 257 rows 6 % slower than the rows rule: a dual or columns range stops at the midpoint (256). A
-    rows rule still ends where the times cross."""
+    24.8 at 512. The times cross at 288 rows on a log-log line, but that dual config ran 257 rows 6 % slower than
+    the rows rule: a dual or columns range stops at the midpoint (256). A rows rule still ends where the times
+    cross."""
     from normtune.kernels.config import Problem
     from normtune.tuner.fit import m_boundary, m_crossover
     from normtune.tuner.spread import Timing

@@ -252,9 +252,10 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     cross (`m_crossover`); otherwise the geometric midpoint of the two M values, so that an unseen M takes the
     rule fitted nearest to it on a log scale (at N = 32768 the H100 table had 2048 rows take the rule fitted at
     4096 rather than at 1024, and ran 1.3x slower than the default there). A columns or dual rule stops at the
-    rows those strategies accept, and never past the midpoint: their time steps up with every extra tile of rows,
-    which a line through two fitted problems does not see (H200 RMSNorm, 14336 columns: dual against the rows
-    rule timed at 128 and 512 rows crosses at 288, yet ran 257 rows 6 % slower than the rows rule)."""
+    rows those strategies accept, and never past the midpoint: a few-row config's time is tied to its tiling of
+    the rows it was fitted on, which a line through two fitted problems does not see (H200 RMSNorm, 14336
+    columns: the dual config fitted on 128 rows against the rows rule crosses at 288 rows on that line, yet ran
+    257 rows 6 % slower than the rows rule)."""
     p_lo, p_hi = max(lower, key=lambda p: p.M), min(upper, key=lambda p: p.M)
     below, above = p_lo.M, p_hi.M
     cross = (m_crossover(data, p_lo, p_hi, lower_config, upper_config)
