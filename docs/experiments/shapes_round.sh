@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A table round on a CUDA host, on a copy of results.db in OUTDIR:
 #   sweep     each shape set with the current search space (new studies when the space grew),
-#   emit      the table again from the runs it was fitted on plus these sweeps, with neighbour re-measurement,
+#   emit      the table again from the runs it was fitted on plus every sweep of these sets on this GPU (earlier
+#             rounds' too: a resumed study keeps its earlier trials under their own runs), with neighbour re-measurement,
 #             keeping the shipped table's config wherever the new winner is not faster beyond the spread,
 #   compare   the new table against the shipped one, head to head, on the seed and held-out shapes and on
 #             each swept set (OUTDIR/compare-SET.md; OUTDIR/compare-failed lists the sets that failed the gate),
@@ -44,10 +45,21 @@ if step sweep; then
     done
     sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND id > $FIRST" > "$OUTDIR/sweep-runs"
 fi
-if step emit; then
-    RUNS=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
+runs_to_fit() {  # the shipped table's runs, every earlier sweep of the given sets on this GPU, and this round's
+    local runs set
+    runs=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
         "configs/$GPU.json")
-    [ -s "$OUTDIR/sweep-runs" ] && RUNS="$RUNS,$(cat "$OUTDIR/sweep-runs")"
+    for SET in ${SETS//,/ }; do  # a resumed study's earlier trials were stored under the run that measured them
+        set=$(sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND gpu_key = '$GPU'
+                   AND command_line LIKE 'normtune sweep %--shapes $SET %'")
+        [ "$set" = None ] || runs="$runs,$set"
+    done
+    [ -s "$OUTDIR/sweep-runs" ] && runs="$runs,$(cat "$OUTDIR/sweep-runs")"
+    python -c "import sys; print(','.join(map(str, sorted({int(r) for r in sys.argv[1].split(',') if r}))))" "$runs"
+}
+if step emit; then
+    RUNS=$(runs_to_fit)
+    echo "fitting on runs $RUNS"
     normtune emit --gpu "$GPU" --db "$DB" --runs "$RUNS" --remeasure --keep "configs/$GPU.json" \
         --out "$OUTDIR/$GPU.json" 2>&1 | tail -12
 fi
