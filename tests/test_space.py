@@ -295,6 +295,22 @@ def test_few_rows_get_light_dual_and_columns_seeds_that_run_correctly(norm, M, N
     assert not any(c.kernel_1.eviction_policy == "" and c.kernel_1.strategy in ("dual", "columns") for c in many)
 
 
+def test_few_rows_time_the_row_sweeping_strategies_right_after_the_default():
+    """A time-budgeted sweep measures FIRST_ROUND seeds of every problem before it searches deeper: on few rows the
+    dual and columns seeds come first (H200 rows-256 sweep: 12 seeds, all rows-strategy, then the budget ran out).
+    Above MAX_COLUMNS_ROWS the order is the strategies' own."""
+    from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, ROW_SWEEPING
+    from normtune.tuner.sweep.options import FIRST_ROUND
+
+    for norm, M, N in (("rms_norm", 256, 14336), ("layer_norm", 128, 8192), ("rms_norm", 384, 5120)):
+        s = space(norm, M, N, 132)
+        seeds, sweeping = s.seeds(), [c for c in s.strategies() if c.kernel_1.strategy in ROW_SWEEPING]
+        assert len(sweeping) >= 4 and seeds[1:1 + len(sweeping)] == sweeping
+        assert sum(c.kernel_1.strategy == "dual" for c in seeds[:FIRST_ROUND]) >= 3
+    tall = space("layer_norm", MAX_COLUMNS_ROWS * 2, 8192, 132)
+    assert tall.seeds()[1:1 + len(tall.strategies())] == tall.strategies()
+
+
 def test_seeds_move_each_knob_one_step():
     s = space("layer_norm", 4096, 1024, 132)
     base, *rest = s.seeds()

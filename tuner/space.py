@@ -382,7 +382,8 @@ class Space:
         """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
         (each knob moved to the adjacent domain value)."""
         base = self.canonical(default_config(self.problem))
-        out = [base] + self.strategies()
+        few = self.problem.M <= MAX_COLUMNS_ROWS  # few rows: dual/columns first (a time-budgeted sweep reaches them)
+        out = [base] + sorted(self.strategies(), key=lambda c: few and c.kernel_1.strategy not in ROW_SWEEPING)
         d = self.domains()
         params = self.params(base)
         for key, dom in d.items():
