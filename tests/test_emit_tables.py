@@ -740,17 +740,14 @@ def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
     from normtune.tuner.spread import Timing
 
     lo, hi = Problem("rms_norm", 128, 14336, "bf16"), Problem("rms_norm", 512, 14336, "bf16")
-    rows = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
-    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy="dual"),
-                          Kernel2Config(32, 128))
-    fast_rows = BackwardConfig(Kernel1Config(block_row=2, block_col=16384, num_warps=16), Kernel2Config(64, 16))
-    data = {lo: {dual: Timing(10.7, 10.2, 11.4), rows: Timing(15.4, 14.5, 15.9)},
-            hi: {dual: Timing(32.1, 31.5, 33.2), rows: Timing(24.8, 24.0, 25.5)}}
-    assert 287 < m_crossover(data, lo, hi, dual, rows) < 290
-    assert m_boundary([lo], [hi], dual, rows, data) == 256
-    data = {lo: {fast_rows: Timing(10.7, 10.2, 11.4), rows: Timing(15.4, 14.5, 15.9)},
-            hi: {fast_rows: Timing(32.1, 31.5, 33.2), rows: Timing(24.8, 24.0, 25.5)}}
-    assert m_boundary([lo], [hi], fast_rows, rows, data) == 288
+    upper = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
+    for strategy, boundary in (("dual", 256), ("rows", 288)):
+        lower = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy=strategy),
+                               Kernel2Config(32, 128))
+        data = {lo: {lower: Timing(10.7, 10.2, 11.4), upper: Timing(15.4, 14.5, 15.9)},
+                hi: {lower: Timing(32.1, 31.5, 33.2), upper: Timing(24.8, 24.0, 25.5)}}
+        assert 287 < m_crossover(data, lo, hi, lower, upper) < 290
+        assert m_boundary([lo], [hi], lower, upper, data) == boundary, strategy
 
 
 def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
