@@ -170,9 +170,9 @@ class _Fit:
     def bucket(self, problems: list[Problem]) -> tuple[list[tuple[list[Problem], BackwardConfig]], list[dict]]:
         """Groups of problems (contiguous in M) with their configs, and what was dropped on the way."""
         problems = sorted(problems, key=lambda p: p.M)
-        whole, whole_regret, dropped = self.config_for(problems)
-        choice = ([(problems, whole)], whole_regret, [dropped] if dropped else []) if whole is not None else None
-        choice_cost = whole_regret
+        whole, cost, dropped = self.config_for(problems)  # cost: mean regret weighed by split_cost
+        whole_dropped = [dropped] if dropped else []
+        choice = ([(problems, whole)], whole_dropped) if whole is not None else None
         for groups in _partitions(problems, MAX_GROUPS):
             fitted = [(g, self.config_for(g)) for g in groups]
             if any(cfg is None for _, (cfg, _r, _d) in fitted):
@@ -180,14 +180,15 @@ class _Fit:
             regret = geomean(self.data[p][cfg].median / self.best[p] for g, (cfg, _r, _d) in fitted for p in g)
             # A group that keeps its incumbent's config changes nothing there: only new rules pay SPLIT_GAIN.
             new_rules = len(groups) - sum(self.is_incumbent(g, cfg) for g, (cfg, _r, _d) in fitted)
-            if regret * split_cost(new_rules) < choice_cost:
-                choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], regret, [d for _, (_c, _r, d) in fitted if d])
-                choice_cost = regret * split_cost(new_rules)
+            if regret * split_cost(new_rules) < cost:
+                cost = regret * split_cost(new_rules)
+                choice = ([(g, cfg) for g, (cfg, _r, _d) in fitted], [d for _, (_c, _r, d) in fitted if d])
         if choice is None:  # no config fits any M range of up to MAX_GROUPS problems: one rule per problem
-            return [([p], self.own_config(p)) for p in problems], [dropped] if dropped else []
-        if whole is None and dropped and dropped not in choice[2]:  # why the bucket has no single rule
-            return choice[0], [dropped] + choice[2]
-        return choice[0], choice[2]
+            return [([p], self.own_config(p)) for p in problems], whole_dropped
+        rules, split_dropped = choice
+        if whole is None:  # why the bucket has no single rule
+            split_dropped = whole_dropped + [d for d in split_dropped if d not in whole_dropped]
+        return rules, split_dropped
 
     def own_config(self, p: Problem) -> BackwardConfig:
         """A problem's rule fitted on it alone: `config_for`, else (nothing safe) its fastest config."""

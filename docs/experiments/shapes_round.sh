@@ -46,13 +46,13 @@ if step sweep; then
     sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND id > $FIRST" > "$OUTDIR/sweep-runs"
 fi
 runs_to_fit() {  # the shipped table's runs, every earlier sweep of the given sets on this GPU, and this round's
-    local runs set
+    local runs found
     runs=$(python -c "import json,sys; print(','.join(str(r) for r in json.load(open(sys.argv[1]))['provenance']['runs']))" \
         "configs/$GPU.json")
     for SET in ${SETS//,/ }; do  # a resumed study's earlier trials were stored under the run that measured them
-        set=$(sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND gpu_key = '$GPU'
+        found=$(sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'sweep' AND gpu_key = '$GPU'
                    AND command_line LIKE 'normtune sweep %--shapes $SET %'")
-        [ "$set" = None ] || runs="$runs,$set"
+        [ "$found" = None ] || runs="$runs,$found"
     done
     [ -s "$OUTDIR/sweep-runs" ] && runs="$runs,$(cat "$OUTDIR/sweep-runs")"
     python -c "import sys; print(','.join(map(str, sorted({int(r) for r in sys.argv[1].split(',') if r}))))" "$runs"
