@@ -274,7 +274,7 @@ def test_few_rows_get_light_dual_and_columns_seeds_that_run_correctly(norm, M, N
     """Up to FEW_ROWS rows the seeds hold dual programs on a 1-row tile with the fewest warps the register budget
     allows and columns programs on 1-2 warps, without an eviction hint; each runs correctly (gate against the
     float64 reference; run on the small shapes, where the interpreter is quick). Above FEW_ROWS none is seeded."""
-    from normtune.tuner.space import FEW_ROWS
+    from normtune.tuner.seeds import FEW_ROWS
 
     problem = Problem(norm, M, N, "bf16")
     s = Space(problem, sm_count(torch.device(device)))

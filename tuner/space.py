@@ -4,7 +4,7 @@ configs before anything is compiled.
 The knobs are the fields of `Kernel1Config` / `Kernel2Config` (the single definition): a test checks that every
 field has a domain here. Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning
 (what would time the same kernels as another config: e.g. grids that collapse to the same program count), so
-that enumeration yields each distinct launch once.
+that enumeration yields each distinct launch once. Where a sweep starts (the seeds) is `seeds.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from normtune.kernels.heuristics import (
     MAX_SINGLE_PASS,
     MIN_ELEMENTS_PER_THREAD,
     ROW_SWEEPING,
-    default_config,
     max_warps,
     next_power_of_two,
     num_programs,
@@ -29,9 +28,6 @@ from normtune.kernels.heuristics import (
     slice_width,
 )
 
-# Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds (`Space.strategies`).
-MANY_NARROW_ROWS = 16384
-FEW_ROWS = 512  # light dual and columns seeds (`_light_few_row_seeds`) up to this many rows
 
 # Domains (ordered: neighbours in a domain are "one step" apart when seeding the search).
 K1_DOMAINS: dict[str, tuple] = {
@@ -253,123 +249,20 @@ class Space:
             n *= len(v)
         return n
 
-    # ---- seeding
+    # ---- seeding (`seeds.py`)
     def strategies(self) -> list[BackwardConfig]:
-        """Structurally different configs a local search around the default would not reach: for wide rows,
-        single pass keeping the raw tile (recompute), pipelining through shared memory, rows split over 2-8
-        programs (dw/db per column on taller tiles), two-pass on multi-row tiles (H100: 4x2048 two-pass ran
-        LayerNorm 512x16384 in 33 µs, the default 52); for few rows, the columns and dual strategies (H100:
-        columns LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
-        p, base = self.problem, default_config(self.problem)
-        k1, k2 = base.kernel_1, base.kernel_2
-        alts: list[BackwardConfig] = []
-        if next_power_of_two(p.N) >= 4096:
-            if not k1.two_pass:
-                alts += [BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2),
-                         BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2)]
-            for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
-                if block_col < next_power_of_two(p.N):
-                    alts.append(BackwardConfig(Kernel1Config(
-                        block_row=block_row, block_col=block_col, num_warps=warps, programs_per_sm=1, two_pass=True,
-                        eviction_policy="evict_first", prefetch=True), k2))
-            for split, block_row in ((2, 1), (2, 2), (4, 2)):
-                width = row_block_col(p.N, split)
-                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    alts.append(BackwardConfig(Kernel1Config(
-                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                        programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
-            # Taller split tiles with dw/db per column, keeping the raw tile (H100, 4096x32768: LayerNorm 2x8192
-            # 365 µs, RMSNorm 4x8192 361 µs; the best split tiles without them, 2x4096, ran 422 and 408 µs).
-            for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
-                width = row_block_col(p.N, split)
-                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    alts.append(BackwardConfig(Kernel1Config(
-                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                        programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
-                        column_accumulators=True), k2))
-        early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
-        if next_power_of_two(p.N) >= 8192:
-            # Wide rows: kernel_2 launched early (PDL) on 32-column blocks, under the default and the taller split
-            # tiles (H100, LayerNorm 512/1024/2048x16384: 38.1 / 59.6 / 102.7 µs vs 40.5 / 61.6 / 103.8 with the
-            # table's 16-column kernel_2; the best fused tails were 2.5-4.7 µs slower there).
-            alts.append(BackwardConfig(k1, early))
-            for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
-                width = row_block_col(p.N, split)
-                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    alts.append(BackwardConfig(Kernel1Config(
-                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                        programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
-                        column_accumulators=True), early))
-        if next_power_of_two(p.N) >= 4096:
-            # Rows of 3, 5 or 7 times a power of two (5120, 12288, 14336, …): split so that each slice fills its
-            # tile (a split of 2, 4 or 8 masks a quarter or more of its lanes), dw/db per column, raw tile kept.
-            # Every tile pays one exchange of row sums, so the tile must be tall: H100, LayerNorm 16384x12288 split
-            # 3 on 4x4096 tiles 554 µs vs 600 for the table (2x4096: 712); slices of 1024-2048 columns (splits
-            # 5, 6, 7) lost to the table everywhere they were timed (docs/perf-notes.md), so only wide slices are
-            # seeded.
-            tail = early if next_power_of_two(p.N) >= 8192 else k2
-            for split in (s for s in self.domains()["k1.row_split"] if not is_power_of_two(s)):
-                width = row_block_col(p.N, split)
-                if width < 4096:
-                    continue
-                for block_row, warps, per_sm in ((16384 // width, 16, 1), (32768 // width, 16, 1),
-                                                 (8192 // width, 8, 2)):
-                    if block_row * width <= MAX_COLUMN_ACC_TILE:
-                        alts.append(BackwardConfig(Kernel1Config(
-                            block_row=block_row, block_col=width, num_warps=min(warps, max_warps(block_row * width)),
-                            programs_per_sm=per_sm, eviction_policy="evict_first", recompute=True, row_split=split,
-                            column_accumulators=True), tail))
-        if next_power_of_two(p.N) <= 1024 and p.M >= MANY_NARROW_ROWS:
-            # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into
-            # kernel_1's tail; dw/db per column with loads pipelined through shared memory, or per tile element
-            # with prefetch. The held-out references (unseeded sweeps) settled there: 65536x768 H200 LayerNorm
-            # 84.0 µs vs 101.9 for the default, RMSNorm 82.5 vs 94.8; 262144x256 and 524288x128 likewise.
-            block_col = next_power_of_two(p.N)
-            tall = max(1, min(64, 4096 // block_col))
-            fused = Kernel2Config(block_m=64, block_n=min(16, block_col), num_warps=1, fused=True)
-            for colacc, stages, warps, prefetch in ((True, 3, 4, False), (False, 1, 8, True)):
-                alts.append(BackwardConfig(Kernel1Config(
-                    block_row=tall, block_col=block_col, num_warps=warps, num_stages=stages, programs_per_sm=3,
-                    eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
-        if p.M <= MAX_COLUMNS_ROWS and k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
-            # Few rows, one launch: the default's row tile writes grad_input, column programs dw/db; no prefetch
-            # (H100, RMSNorm 128x8192: 7.9 µs vs 10.2 with prefetch; 64x64 column tiles fastest at 64-1024 rows).
-            rows = dataclasses.replace(k1, strategy="dual", recompute=False, column_accumulators=False, prefetch=False)
-            widths = self.domains()["k2.block_n"]
-            for block_m, block_n in ((64, 64), (32, 64), (32, 128)):
-                block_n = max(b for b in widths if b <= block_n)
-                alts.append(BackwardConfig(rows, Kernel2Config(block_m=block_m, block_n=block_n, num_warps=1)))
-        alts += self._light_few_row_seeds(k1) if p.M <= FEW_ROWS else []
-        if p.M <= MAX_COLUMNS_ROWS:
-            light = ((64, 32, 2, ""), (16, 32, 1, "")) if p.M <= FEW_ROWS else ()  # see _light_few_row_seeds
-            for block_row, block_col, warps, hint in ((32, 64, 4, "evict_first"), (16, 128, 4, "evict_first"),
-                                                      (32, 128, 4, "evict_first")) + light:
-                if block_col in self.domains()["k1.block_col"]:
-                    alts.append(BackwardConfig(Kernel1Config(
-                        strategy="columns", block_row=block_row, block_col=block_col, num_warps=warps,
-                        programs_per_sm=1, eviction_policy=hint, prefetch=True), Kernel2Config()))
-        wide = min(128, next_power_of_two(p.N))
-        alts.append(BackwardConfig(k1, Kernel2Config(block_m=32, block_n=wide, num_warps=4, fused=True)))
-        return self._worth_measuring(alts)
+        """Structurally different configs a local search around the default would not reach."""
+        from .seeds import strategies  # seeds.py builds on this module
 
-    def _light_few_row_seeds(self, k1: Kernel1Config) -> list[BackwardConfig]:
-        """Few rows: dual on 1- and 2-row tiles (fewest warps the register budget allows) and columns on 1-2
-        warps, no eviction hint: where the H200 held-out references (unseeded) ran few rows and 40-72 trials from
-        the 16-warp seeds did not reach (LayerNorm 96x4096: dual 1x4096 on 2 warps 6.6 µs, table 8.0)."""
-        out = []
-        if k1.strategy == "rows" and not k1.two_pass and k1.row_split == 1:
-            for block_row, stages, per_sm, tail in ((1, 2, 1, (64, 64)), (2, 1, 0.5, (128, 64))):
-                for warps in (2, 4, 8, 16):
-                    cfg = BackwardConfig(dataclasses.replace(
-                        k1, strategy="dual", block_row=block_row, num_warps=warps, num_stages=stages,
-                        programs_per_sm=per_sm, eviction_policy="", recompute=False, column_accumulators=False,
-                        prefetch=False), Kernel2Config(block_m=tail[0], block_n=tail[1], num_warps=1))
-                    if self.why_not(cfg) is None:
-                        out.append(cfg)
-                        break
-        return out
+        return strategies(self)
 
-    def _worth_measuring(self, configs: list[BackwardConfig]) -> list[BackwardConfig]:
+    def seeds(self) -> list[BackwardConfig]:
+        """The analytic default, `strategies` and the default's one-step neighbours, in the order to time them."""
+        from .seeds import seeds
+
+        return seeds(self)
+
+    def worth_measuring(self, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Canonical forms of the configs that pass the constraints (before and after canonicalization: a
         smaller canonical row tile also gets fewer warps)."""
         out = []
@@ -377,23 +270,3 @@ class Space:
             if self.why_not(cfg) is None and self.why_not(self.canonical(cfg)) is None:
                 out.append(self.canonical(cfg))
         return out
-
-    def seeds(self) -> list[BackwardConfig]:
-        """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
-        (each knob moved to the adjacent domain value)."""
-        base = self.canonical(default_config(self.problem))
-        few = self.problem.M <= MAX_COLUMNS_ROWS  # few rows: dual/columns first (a time-budgeted sweep reaches them)
-        out = [base] + sorted(self.strategies(), key=lambda c: few and c.kernel_1.strategy not in ROW_SWEEPING)
-        d = self.domains()
-        params = self.params(base)
-        for key, dom in d.items():
-            if key == "k1.block_col" and not base.kernel_1.two_pass:
-                continue
-            cur = params.get(key)
-            if cur not in dom:
-                continue
-            i = dom.index(cur)
-            for j in (i - 1, i + 1):
-                if 0 <= j < len(dom):
-                    out += self._worth_measuring([self.config({**params, key: dom[j]})])
-        return list(dict.fromkeys(out))
