@@ -57,26 +57,14 @@ def strategies(space: Space) -> list[BackwardConfig]:
                     programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
         # Taller split tiles with dw/db per column, keeping the raw tile (H100, 4096x32768: LayerNorm 2x8192
         # 365 µs, RMSNorm 4x8192 361 µs; the best split tiles without them, 2x4096, ran 422 and 408 µs).
-        for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
-            width = row_block_col(p.N, split)
-            if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                alts.append(BackwardConfig(Kernel1Config(
-                    block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                    programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
-                    column_accumulators=True), k2))
+        alts += _tall_split_tiles(p.N, k2)
     early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
     if next_power_of_two(p.N) >= 8192:
         # Wide rows: kernel_2 launched early (PDL) on 32-column blocks, under the default and the taller split
         # tiles (H100, LayerNorm 512/1024/2048x16384: 38.1 / 59.6 / 102.7 µs vs 40.5 / 61.6 / 103.8 with the
         # table's 16-column kernel_2; the best fused tails were 2.5-4.7 µs slower there).
         alts.append(BackwardConfig(k1, early))
-        for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
-            width = row_block_col(p.N, split)
-            if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                alts.append(BackwardConfig(Kernel1Config(
-                    block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                    programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
-                    column_accumulators=True), early))
+        alts += _tall_split_tiles(p.N, early)
     if next_power_of_two(p.N) >= 4096:
         # Rows of 3, 5 or 7 times a power of two (5120, 12288, 14336, …): split so that each slice fills its
         # tile (a split of 2, 4 or 8 masks a quarter or more of its lanes), dw/db per column, raw tile kept.
@@ -128,6 +116,19 @@ def strategies(space: Space) -> list[BackwardConfig]:
     wide = min(128, next_power_of_two(p.N))
     alts.append(BackwardConfig(k1, Kernel2Config(block_m=32, block_n=wide, num_warps=4, fused=True)))
     return space.worth_measuring(alts)
+
+
+def _tall_split_tiles(N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:
+    """Rows split over 2-8 programs on tiles of 2-4 rows, dw/db per column, the raw tile kept (recompute)."""
+    out = []
+    for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
+        width = row_block_col(N, split)
+        if width <= MAX_SINGLE_PASS and slice_width(N, split) >= 256:
+            out.append(BackwardConfig(Kernel1Config(
+                block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                column_accumulators=True), kernel_2))
+    return out
 
 
 def _light_few_row_seeds(space: Space, k1: Kernel1Config) -> list[BackwardConfig]:

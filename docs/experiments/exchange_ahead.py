@@ -16,9 +16,8 @@ Every sum is added in a fixed order (slice 0, then slice 1): reruns are bitwise 
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import sys
 
 import torch
 import triton
@@ -27,8 +26,9 @@ import triton.language as tl
 from normtune.kernels.backward.common import widen
 from normtune.kernels.config import Problem
 from normtune.kernels.select import select_config
-from normtune.tuner.device import detect
-from normtune.tuner.measure import L2Flusher, MeasureSession, Timing, time_kernels
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from variant_timing import prototype_inputs, prototype_setup, record_prototype  # noqa: E402
 
 SHAPES = "2048x16384,1024x16384,4096x16384,16384x16384,512x16384"
 FLAG_STRIDE = 32  # int32 elements: one L2 line per flag
@@ -135,17 +135,7 @@ def ln_kernel_1_split2(G, X, DX, W, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, SUMS, FL
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--shapes", default=SHAPES)
-    args = ap.parse_args()
-    info = detect()
-    session = MeasureSession.for_device(info, timing=Timing(min_reps=10, max_reps=60, budget_s=0.3))
-    dev = torch.device("cuda")
-    flusher = L2Flusher(dev, info.l2_bytes)
-    print(f"{info.name}: copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    out = open(os.path.join(args.out_dir, "exchange_ahead.jsonl"), "w")
+    args, info, session, flusher, out = prototype_setup("exchange_ahead", __doc__, SHAPES)
     for shape in args.shapes.split(","):
         M, N = (int(v) for v in shape.split("x"))
         p = Problem("layer_norm", M, N, "bf16", has_bias=True)
@@ -154,31 +144,22 @@ def main() -> None:
         table = session.measure(session.case(p), cfg)
         print(f"\nlayer_norm {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} "
               f"(kernel_1 {table.kernel_1_us:.1f}) {cfg}", flush=True)
-        torch.manual_seed(0)
-        x = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-        g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(N, device=dev)).to(torch.bfloat16)
-        x64, g64, w64 = x.double(), g.double(), w.double()
-        mu64 = x64.mean(1, keepdim=True)
-        r64 = torch.rsqrt((x64 - mu64).pow(2).mean(1, keepdim=True) + 1e-5)
-        xhat = (x64 - mu64) * r64
-        wg = w64 * g64
-        dx_ref = r64 * (wg - wg.mean(1, keepdim=True) - xhat * (xhat * wg).mean(1, keepdim=True))
-        dw_ref, db_ref = (g64 * xhat).sum(0), g64.sum(0)
-        rstd, mean = r64.squeeze(1).float().contiguous(), mu64.squeeze(1).float().contiguous()
+        inp = prototype_inputs("layer_norm", M, N)
+        x, g, w, rstd, mean = inp["x"], inp["g"], inp["w"], inp["rstd"], inp["mean"]
+        dx_ref, dw_ref, db_ref = inp["dx"], inp["dw"], inp["db"]
         dx = torch.empty_like(x)
         slice_ = N // 2
         groups = info.sm_count // 2
-        flags = torch.zeros(groups * 2 * FLAG_STRIDE, device=dev, dtype=torch.int32)
-        done = torch.zeros(groups * FLAG_STRIDE, device=dev, dtype=torch.int32)
+        flags = torch.zeros(groups * 2 * FLAG_STRIDE, device="cuda", dtype=torch.int32)
+        done = torch.zeros(groups * FLAG_STRIDE, device="cuda", dtype=torch.int32)
         for block_row in (1, 2):
             for warps in (8, 16):
                 for ahead in (False, True):
                     tiles = triton.cdiv(M, block_row)
                     grid = 2 * min(groups, tiles)
-                    pdw = torch.empty(grid // 2, N, device=dev, dtype=torch.float32)
+                    pdw = torch.empty(grid // 2, N, device="cuda", dtype=torch.float32)
                     pdb = torch.empty_like(pdw)
-                    sums = torch.empty(grid // 2 * SLOTS * 2 * 2 * block_row, device=dev, dtype=torch.float32)
+                    sums = torch.empty(grid // 2 * SLOTS * 2 * 2 * block_row, device="cuda", dtype=torch.float32)
 
                     block_col = triton.next_power_of_2(slice_)
 
@@ -198,18 +179,10 @@ def main() -> None:
                     first = (dx.clone(), pdw.sum(0), pdb.sum(0))
                     refs = (dx_ref, dw_ref, db_ref)
                     errs = [((a.double() - b).norm() / b.norm()).item() for a, b in zip(first, refs)]
-                    k1 = time_kernels([launch], flusher=flusher, split=False, device=dev, min_reps=10, max_reps=60,
-                                      budget_s=0.3)[0]
                     launch()
                     same = torch.equal(dx, first[0]) and torch.equal(pdw.sum(0), first[1])
-                    line = {"gpu": info.name, "M": M, "N": N, "variant": name, "kernel_1_us": k1.median,
-                            "p10_us": k1.p10, "p90_us": k1.p90, "floor_us": floor, "rel_err": errs,
-                            "bitwise_rerun": same, "table_us": table.median_us, "table_kernel_1_us": table.kernel_1_us}
-                    out.write(json.dumps(line) + "\n")
-                    out.flush()
-                    print(f"  {name}: kernel_1 {k1.median:7.1f} us [{k1.p10:.1f}-{k1.p90:.1f}] "
-                          f"{floor / k1.median:5.2f} of floor; rel err dx/dw/db {errs[0]:.1e}/{errs[1]:.1e}/"
-                          f"{errs[2]:.1e}; rerun identical {same}", flush=True)
+                    record_prototype(out, name, launch, flusher, info, M, N, floor, table, rel_err_dx=errs[0],
+                                     rel_err_dw=errs[1], rel_err_db=errs[2], bitwise_rerun=same)
     out.close()
 
 

@@ -12,9 +12,8 @@ Prints one line per variant (kernel_1 µs, fraction of the copy floor, errors) a
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import sys
 
 import torch
 import triton
@@ -23,8 +22,9 @@ import triton.language as tl
 from normtune.kernels.config import Problem
 from normtune.kernels.heuristics import next_power_of_two
 from normtune.kernels.select import select_config
-from normtune.tuner.device import detect
-from normtune.tuner.measure import L2Flusher, MeasureSession, Timing, time_kernels
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from variant_timing import prototype_inputs, prototype_setup, record_prototype  # noqa: E402
 
 SHAPES = "16384x5120,4096x5120,16384x2560,16384x1536,16384x6144,16384x4096"
 
@@ -108,16 +108,7 @@ def pieces(N: int, two: bool) -> tuple[int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir")
-    ap.add_argument("--shapes", default=SHAPES)
-    args = ap.parse_args()
-    info = detect()
-    session = MeasureSession.for_device(info, timing=Timing(min_reps=10, max_reps=60, budget_s=0.3))
-    flusher = L2Flusher(torch.device("cuda"), info.l2_bytes)
-    print(f"{info.name}: copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    out = open(os.path.join(args.out_dir, "two_piece_rows.jsonl"), "w")
+    args, info, session, flusher, out = prototype_setup("two_piece_rows", __doc__, SHAPES)
     for shape in args.shapes.split(","):
         M, N = (int(v) for v in shape.split("x"))
         p = Problem("rms_norm", M, N, "bf16")
@@ -125,16 +116,9 @@ def main() -> None:
         table = session.measure(session.case(p), select_config(p, info.name))
         print(f"\nrms_norm {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} "
               f"(kernel_1 {table.kernel_1_us:.1f}) {select_config(p, info.name)}", flush=True)
-        torch.manual_seed(0)
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        w = (1 + 0.1 * torch.randn(N, device="cuda")).to(torch.bfloat16)
-        x64, g64, w64 = x.double(), g.double(), w.double()
-        r64 = torch.rsqrt(x64.pow(2).mean(1, keepdim=True) + 1e-6)
-        xhat = x64 * r64
-        dx_ref = r64 * (w64 * g64 - xhat * (xhat * w64 * g64).mean(1, keepdim=True))
-        dw_ref = (g64 * xhat).sum(0)
-        rstd = r64.squeeze(1).float().contiguous()
+        inp = prototype_inputs("rms_norm", M, N)
+        x, g, w, rstd = inp["x"], inp["g"], inp["w"], inp["rstd"]
+        dx_ref, dw_ref = inp["dx"], inp["dw"]
         dx = torch.empty_like(x)
         for two in (False, True):
             head, tail = pieces(N, two)
@@ -156,21 +140,14 @@ def main() -> None:
                     launch()
                     torch.cuda.synchronize()
                 except Exception as err:  # noqa: BLE001 - a variant that does not compile is a result too
-                    print(f"  {head}+{tail} w{warps} r{block_row} pf{int(prefetch)}: {type(err).__name__}: {err}"[:200])
+                    print(f"  {head}+{tail} w{warps} r{block_row} pf{int(prefetch)}: {type(err).__name__}: {err}"[:200],
+                          flush=True)
                     continue
                 err_dx = ((dx.double() - dx_ref).norm() / dx_ref.norm()).item()
                 err_dw = ((partial.double().sum(0) - dw_ref).norm() / dw_ref.norm()).item()
-                k1 = time_kernels([launch], flusher=flusher, split=False, device=torch.device("cuda"),
-                                  min_reps=10, max_reps=60, budget_s=0.3)[0]
-                line = {"gpu": info.name, "M": M, "N": N, "head": head, "tail": tail, "num_warps": warps,
-                        "block_row": block_row, "prefetch": prefetch, "kernel_1_us": k1.median,
-                        "p10_us": k1.p10, "p90_us": k1.p90, "floor_us": floor, "err_dx": err_dx, "err_dw": err_dw,
-                        "table_us": table.median_us, "table_kernel_1_us": table.kernel_1_us}
-                out.write(json.dumps(line) + "\n")
-                out.flush()
-                print(f"  {head}+{tail} w{warps} r{block_row} pf{int(prefetch)}: kernel_1 {k1.median:7.1f} us "
-                      f"[{k1.p10:.1f}-{k1.p90:.1f}] {floor / k1.median:5.2f} of floor; rel err dx {err_dx:.1e} "
-                      f"dw {err_dw:.1e}", flush=True)
+                record_prototype(out, f"{head}+{tail} w{warps} r{block_row} pf{int(prefetch)}", launch, flusher, info,
+                                 M, N, floor, table, head=head, tail=tail, num_warps=warps, block_row=block_row,
+                                 prefetch=prefetch, err_dx=err_dx, err_dw=err_dw)
     out.close()
 
 

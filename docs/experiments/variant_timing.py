@@ -1,7 +1,8 @@
 """The loop the variant experiments share (`wide_rows.py`, `reduction_tail.py`, `fitting_splits.py`): for each NORM:MxN case,
 time every named config of `variants(problem, gpu_name)` cold-L2 in one process against the float64 reference,
 print one line per config (total, kernel_1, kernel_2, fraction of the copy floor) and write JSON lines to
-OUT_DIR/<name>[-tag].jsonl."""
+OUT_DIR/<name>[-tag].jsonl. The prototypes that carry their own kernels share the helpers at the end (their setup,
+inputs with a float64 reference, and one timed line per variant)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,56 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
                       f"  floor {floor / r.median_us:5.2f}  [{time.time() - t0:4.0f} s]", flush=True)
             del case, ref
             torch.cuda.empty_cache()
+
+
+def prototype_inputs(norm: str, M: int, N: int, device: str = "cuda") -> dict:
+    """For the prototypes that carry their own kernels (`two_piece_rows.py`, `exchange_ahead.py`): bf16 x, grad
+    and weight (seed 0), fp32 rstd and mean as the forward saves them, and the float64 reference dx, dw, db."""
+    torch.manual_seed(0)
+    x = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    g = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(N, device=device)).to(torch.bfloat16)
+    x64, g64, w64 = x.double(), g.double(), w.double()
+    mu64 = x64.mean(1, keepdim=True) if norm == "layer_norm" else torch.zeros_like(x64[:, :1])
+    r64 = torch.rsqrt((x64 - mu64).pow(2).mean(1, keepdim=True) + (1e-5 if norm == "layer_norm" else 1e-6))
+    xhat = (x64 - mu64) * r64
+    wg = w64 * g64
+    c2 = wg.mean(1, keepdim=True) if norm == "layer_norm" else 0.0
+    return {"x": x, "g": g, "w": w, "rstd": r64.squeeze(1).float().contiguous(),
+            "mean": mu64.squeeze(1).float().contiguous(),
+            "dx": r64 * (wg - c2 - xhat * (xhat * wg).mean(1, keepdim=True)),
+            "dw": (g64 * xhat).sum(0), "db": g64.sum(0)}
+
+
+def record_prototype(out, label: str, launch: Callable[[], None], flusher, info, M: int, N: int, floor_us: float,
+                     table, **fields) -> None:
+    """Time a prototype's kernel_1 (`launch`, cold L2, host hidden), write one JSON line (the common fields, the
+    table's figures from the same process, and `fields`) and print it."""
+    from normtune.tuner.measure import time_kernels
+
+    k1 = time_kernels([launch], flusher=flusher, split=False, device=torch.device("cuda"), min_reps=10,
+                      max_reps=60, budget_s=0.3)[0]
+    out.write(json.dumps({"gpu": info.name, "M": M, "N": N, "variant": label, "kernel_1_us": k1.median,
+                          "p10_us": k1.p10, "p90_us": k1.p90, "floor_us": floor_us, "table_us": table.median_us,
+                          "table_kernel_1_us": table.kernel_1_us, **fields}) + "\n")
+    out.flush()
+    notes = "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
+    print(f"  {label}: kernel_1 {k1.median:7.1f} us [{k1.p10:.1f}-{k1.p90:.1f}] {floor_us / k1.median:5.2f} of "
+          f"floor; {notes}", flush=True)
+
+
+def prototype_setup(name: str, doc: str, shapes: str):
+    """A prototype's command line (OUT_DIR [--shapes MxN,...]), the device, a measuring session for the table's
+    figures, an L2 flusher and OUT_DIR/<name>.jsonl open for writing: (args, info, session, flusher, out)."""
+    from normtune.tuner.measure import L2Flusher
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--shapes", default=shapes)
+    args = ap.parse_args()
+    info = detect()
+    session = MeasureSession.for_device(info, timing=Timing(min_reps=10, max_reps=60, budget_s=0.3))
+    flusher = L2Flusher(torch.device("cuda"), info.l2_bytes)
+    print(f"{info.name}: copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    return args, info, session, flusher, open(os.path.join(args.out_dir, f"{name}.jsonl"), "w")
