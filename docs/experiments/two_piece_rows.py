@@ -113,9 +113,10 @@ def main() -> None:
         M, N = (int(v) for v in shape.split("x"))
         p = Problem("rms_norm", M, N, "bf16")
         floor = session.floor_us(p)
-        table = session.measure(session.case(p), select_config(p, info.name))
+        cfg = select_config(p, info.name)
+        table = session.measure(session.case(p), cfg)
         print(f"\nrms_norm {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} "
-              f"(kernel_1 {table.kernel_1_us:.1f}) {select_config(p, info.name)}", flush=True)
+              f"(kernel_1 {table.kernel_1_us:.1f}) {cfg}", flush=True)
         inp = prototype_inputs("rms_norm", M, N)
         x, g, w, rstd = inp["x"], inp["g"], inp["w"], inp["rstd"]
         dx_ref, dw_ref = inp["dx"], inp["dw"]

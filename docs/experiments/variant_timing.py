@@ -16,7 +16,7 @@ import torch
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureSession, Timing
+from normtune.tuner.measure import L2Flusher, MeasureSession, Timing, time_kernels
 
 Variants = Callable[[Problem, str], "dict[str, BackwardConfig]"]
 
@@ -83,8 +83,6 @@ def record_prototype(out, label: str, launch: Callable[[], None], flusher, info,
                      table, **fields) -> None:
     """Time a prototype's kernel_1 (`launch`, cold L2, host hidden), write one JSON line (the common fields, the
     table's figures from the same process, and `fields`) and print it."""
-    from normtune.tuner.measure import time_kernels
-
     k1 = time_kernels([launch], flusher=flusher, split=False, device=torch.device("cuda"), min_reps=10,
                       max_reps=60, budget_s=0.3)[0]
     out.write(json.dumps({"gpu": info.name, "M": M, "N": N, "variant": label, "kernel_1_us": k1.median,
@@ -99,8 +97,6 @@ def record_prototype(out, label: str, launch: Callable[[], None], flusher, info,
 def prototype_setup(name: str, doc: str, shapes: str):
     """A prototype's command line (OUT_DIR [--shapes MxN,...]), the device, a measuring session for the table's
     figures, an L2 flusher and OUT_DIR/<name>.jsonl open for writing: (args, info, session, flusher, out)."""
-    from normtune.tuner.measure import L2Flusher
-
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--shapes", default=shapes)

@@ -13,7 +13,7 @@ from ..measure import TIMING, Timing
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
-# Version of Space.seeds(): 2 added the structural strategies for wide rows.
+# Version of the seeds (`tuner/seeds.py`): 2 added the structural strategies for wide rows.
 # 3: kernel family v2 strategies (row_split, columns strategy, fused reduction); 4: column_accumulators;
 # 5: many narrow rows (three programs per SM, fused reduction); 6-8: wide rows, kernel_2 with PDL on
 # 32-column blocks (6 and 7 also seeded split tiles on 8 warps, dropped in 8: they ran slower, e.g. H100
