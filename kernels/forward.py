@@ -134,22 +134,27 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
             is_rms: bool, zero_centered: bool, store_mean: bool, y: torch.Tensor | None = None,
             rstd: torch.Tensor | None = None, mean: torch.Tensor | None = None):
     """Run the forward on a 2-D view (rows may be strided, last dim contiguous). Returns (y, rstd, mean);
-    `mean` is an empty tensor unless `store_mean`. y/rstd/mean may be passed in (e.g. poisoned, by tests)."""
+    `mean` is None unless `store_mean` (or passed in). y/rstd/mean may be passed in (e.g. poisoned, by tests)."""
     M, N = x2d.shape
+    device = x2d.device
+    given = y is not None or rstd is not None or mean is not None
     if y is None:
-        y = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
+        y = torch.empty((M, N), dtype=x2d.dtype, device=device)
     if rstd is None:
-        rstd = torch.empty((M,), dtype=torch.float32, device=x2d.device)
-    if mean is None:
-        mean = torch.empty((M if store_mean else 0,), dtype=torch.float32, device=x2d.device)
+        rstd = torch.empty((M,), dtype=torch.float32, device=device)
+    if mean is None and store_mean:
+        mean = torch.empty((M,), dtype=torch.float32, device=device)
     if M == 0:
         return y, rstd, mean
     int64 = max(M * x2d.stride(0), M * N) >= 2**31
     dummy = rstd  # pointer placeholder for absent tensors: never dereferenced (the constexpr flags skip it)
     w, b, mu = weight if weight is not None else dummy, bias if bias is not None else dummy, mean if store_mean else dummy
     launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64)
-    key = (M, x2d.stride(0), y.stride(0), x2d.data_ptr() & 15, y.data_ptr() & 15, w.data_ptr() & 15,
-           b.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
+    # Triton specializes on 16-byte alignment: buffers allocated here always have it, so only the others count.
+    key = (M, x2d.stride(0), y.stride(0), x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15, x2d.dtype,
+           w.dtype, b.dtype)
+    if given:
+        key += (y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
     launch(cdiv(M, block_row), (x2d, x2d.stride(0), y, y.stride(0), w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 

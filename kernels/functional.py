@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
-from .ops import EagerNorm, norm_forward
+from .ops import eager_norm, norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,15 +64,27 @@ def _explicit_config(config: BackwardConfig | dict | str | None) -> BackwardConf
     raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
 
 
-def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
-    _check_tensor("x", x)
+def explicit_config_text(config: BackwardConfig | dict | str | None, problem: Problem | None) -> str:
+    """The config as the backward op carries it (JSON text; "" picks one), checked against `problem` first."""
+    config = _explicit_config(config)
+    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():
+        try:
+            config.validate(problem)
+        except ConfigError as err:
+            raise ValueError(f"config does not fit this input ({problem.M}x{problem.N}): {err}") from None
+    return config.to_json() if isinstance(config, BackwardConfig) else (config or "")
+
+
+def check_inputs(x, weight, bias, eps, save: str, zero_centered: bool, *, name: str = "x") -> None:
+    """The rules of the module docstring, each broken one raising TypeError/ValueError naming the argument."""
+    _check_tensor(name, x)
     if x.dim() == 0:
-        raise ValueError("x is a scalar: normalization needs at least one dimension")
+        raise ValueError(f"{name} is a scalar: normalization needs at least one dimension")
     N = x.shape[-1]
     if N < 1:
-        raise ValueError(f"x has an empty last dimension (shape {tuple(x.shape)}): nothing to normalize")
+        raise ValueError(f"{name} has an empty last dimension (shape {tuple(x.shape)}): nothing to normalize")
     if N > MAX_N:
-        raise ValueError(f"x.shape[-1]={N} exceeds the supported maximum {MAX_N}: normalize fewer columns")
+        raise ValueError(f"{name}.shape[-1]={N} exceeds the supported maximum {MAX_N}: normalize fewer columns")
     if weight is not None:
         _check_tensor("weight", weight, x)
     if bias is not None:
@@ -80,24 +92,24 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
     check_options(eps, save)
     if zero_centered and weight is None:
         raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
-    config = _explicit_config(config)
-    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():
-        M = x.numel() // N
-        problem = Problem("rms_norm" if is_rms else "layer_norm", M, N, x.dtype,
+
+
+def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
+    check_inputs(x, weight, bias, eps, save, zero_centered)
+    N = x.shape[-1]
+    problem = None
+    if config is not None and not torch.compiler.is_compiling():  # shapes are symbolic while tracing
+        problem = Problem("rms_norm" if is_rms else "layer_norm", x.numel() // N, N, x.dtype,
                           weight.dtype if weight is not None else None, weight is not None, bias is not None,
                           zero_centered, save)
-        try:
-            config.validate(problem)
-        except ConfigError as err:
-            raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
-    config_text = config.to_json() if isinstance(config, BackwardConfig) else (config or "")
+    config_text = explicit_config_text(config, problem)
     if x.stride(-1) != 1:
         x = x.contiguous()
     x2d = x if x.dim() == 2 else x.reshape(-1, N)
     if torch.compiler.is_compiling():
         y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
     else:
-        y, _, _ = EagerNorm.apply(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
+        y = eager_norm(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
     return y if x.dim() == 2 else y.view(x.shape)
 
 

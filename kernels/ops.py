@@ -46,10 +46,12 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
                  zero_centered: bool, save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
     """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
     backward (JSON text, "" for automatic selection)."""
-    return _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+    y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+    return y, rstd, mean if mean is not None else rstd.new_empty((0,))
 
 
 def _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
+    """(y, rstd, mean); mean is None unless LayerNorm saves from the input (and off the Triton path, a tensor)."""
     store_mean = not is_rms and not save_output
     impl = _forward.forward if use_triton(x) else reference.forward
     return impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
@@ -72,9 +74,10 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
     return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
 
 
-# (shape, dtypes, flags, config text, device) of a backward call → (problem, config; None off the Triton path).
-# A call's config is resolved once per key: the per-call host path is then a dict lookup.
-_RESOLVED: dict[tuple, tuple[Problem, Optional[BackwardConfig]]] = {}
+# (shape, dtypes, flags, config text, device) of a backward call → (problem, config (None off the Triton path),
+# the launch plans made for it). A call's config is resolved once per key: the per-call host path is then a dict
+# lookup.
+_RESOLVED: dict[tuple, tuple[Problem, Optional[BackwardConfig], dict]] = {}
 MAX_RESOLVED = 4096
 
 
@@ -94,7 +97,7 @@ def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config):
                 resolve_config(problem, config, None)  # an explicit config is checked on every path
         if len(_RESOLVED) >= MAX_RESOLVED:  # e.g. a new row count every step: start over rather than grow
             _RESOLVED.clear()
-        hit = _RESOLVED[key] = (problem, cfg)
+        hit = _RESOLVED[key] = (problem, cfg, {})
     return hit
 
 
@@ -107,9 +110,9 @@ def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered,
     """(dx, dw, db), dw/db None where there is no weight/bias."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
-    problem, cfg = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config)
+    problem, cfg, plans = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config)
     if cfg is not None:
-        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean).run()
+        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean, plans=plans).run()
     return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
                               from_output=save_output)
 
@@ -144,21 +147,46 @@ norm_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 class EagerNorm(torch.autograd.Function):
     """The same forward/backward as the custom ops, for eager calls: a plain autograd.Function skips the custom
     ops' dispatch layers (their host cost is paid on every layer of every step). torch.compile traces the custom
-    ops instead (`functional.py` picks)."""
+    ops instead (`functional.py` picks). Its one output is y: rstd and mean are saved, never returned, which
+    spares autograd the bookkeeping of two more outputs on every call."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config):
         y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
         ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
         ctx.flags = (is_rms, zero_centered, save_output, config)
-        ctx.mark_non_differentiable(rstd, mean)
-        return y, rstd, mean
+        return y
 
     @staticmethod
-    def backward(ctx, grad_y, _grad_rstd, _grad_mean):
+    def backward(ctx, grad_y):
         saved, weight, bias, rstd, mean = ctx.saved_tensors
         is_rms, zero_centered, save_output, config = ctx.flags
         dx, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                     config)
         return (dx, dw if weight is not None else None, db if bias is not None else None,
                 None, None, None, None, None)
+
+
+def _eager_apply():
+    """`EagerNorm.apply` without its Python wrapper's per-call work (binding default arguments, a generator
+    over all eight arguments): the wrapper's own steps for a Function without transforms, done on the three
+    tensors. None where this torch lacks those entry points (then `EagerNorm.apply` is used)."""
+    try:
+        apply = super(torch.autograd.Function, EagerNorm).apply
+        unwrap = torch._C._functorch.unwrap_if_dead
+        active = torch._C._are_functorch_transforms_active
+    except AttributeError:
+        return None
+    return apply, unwrap, active
+
+
+_EAGER = _eager_apply()
+
+
+def eager_norm(x, weight, bias, eps, is_rms, zero_centered, save_output, config) -> Tensor:
+    """y = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`)."""
+    if _EAGER is None or _EAGER[2]():  # functorch transforms go through Function.apply's own handling
+        return EagerNorm.apply(x, weight, bias, eps, is_rms, zero_centered, save_output, config)
+    apply, unwrap, _ = _EAGER
+    return apply(unwrap(x), weight if weight is None else unwrap(weight), bias if bias is None else unwrap(bias),
+                 eps, is_rms, zero_centered, save_output, config)

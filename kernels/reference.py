@@ -37,9 +37,7 @@ def forward(x2d: torch.Tensor, weight, bias, eps: float, *, is_rms: bool, zero_c
         y = y * w
     if bias is not None:
         y = y + bias.float()
-    if not store_mean:
-        mean = mean.new_empty((0,))
-    return y.to(x2d.dtype), rstd, mean
+    return y.to(x2d.dtype), rstd, mean if store_mean else None
 
 
 def normalized(saved: torch.Tensor, weight, bias, rstd, mean, *, is_rms: bool, zero_centered: bool,
