@@ -418,6 +418,35 @@ def test_bench_reports_the_three_views(torch_bench):
     for needle in ("GPU time, host hidden", "Kernel sum (µs, torch.profiler)",
                    "Host µs per call (backward / forward)", "counts the time both kernels run at once only once"):
         assert needle in md, needle
+    # normtune's calls without autograd are timed too, and shown beside its autograd calls
+    ours = [r for r in rows if r["impl"] == "normtune"]
+    assert ours and all(float(r["host_direct_us"]) > 0 and float(r["forward_host_direct_us"]) > 0 for r in ours)
+    assert all(r["autograd"] == "True" for r in rows if r["impl"] != "normtune")
+    assert "(direct " in md
+
+
+def _host_row(impl, norm, host, forward, *, direct=None, autograd=True):
+    return {"impl": impl, "norm": norm, "M": 8, "N": 64, "status": "ok", "host_us": host, "forward_host_us": forward,
+            "host_direct_us": direct[0] if direct else None,
+            "forward_host_direct_us": direct[1] if direct else None, "autograd": autograd}
+
+
+def test_host_target_sets_like_beside_like():
+    from normtune.tuner.bench_output import host_target_line
+
+    rows = [  # LayerNorm: quack without autograd, so normtune's direct calls (50 / 20) face it; Liger its autograd
+        _host_row("normtune", "layer_norm", 200.0, 60.0, direct=(50.0, 20.0)),
+        _host_row("quack", "layer_norm", 70.0, 25.0, autograd=False),
+        _host_row("liger", "layer_norm", 300.0, 50.0),
+        # RMSNorm: both peers with autograd; normtune's backward is slower than quack's, its forward is not
+        _host_row("normtune", "rms_norm", 250.0, 40.0, direct=(30.0, 10.0)),
+        _host_row("quack", "rms_norm", 240.0, 45.0),
+        _host_row("liger", "rms_norm", 400.0, 90.0),
+        _host_row("torch", "rms_norm", 1.0, 1.0),  # not a host-target peer
+    ]
+    line = host_target_line(rows)
+    assert "backward 1/2, forward 1/2" in line and "liger and quack" in line
+    assert host_target_line([r for r in rows if r["impl"] in ("normtune", "torch")]) == ""
 
 
 # --------------------------------------------------------------------------------------------- shapes parser

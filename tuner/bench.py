@@ -8,7 +8,9 @@ views (see `views.py`):
   the per-kernel breakdown in `kernels`. With programmatic dependent launch (`pdl`), kernel_2's wait for
   kernel_1 is inside kernel_2's own time, so this view counts it; the GPU-time view spans the overlapped pair.
 - `host_us` / `forward_host_us`: CPU time of one backward / forward call through each implementation's public
-  API (normtune's `layer_norm`/`rms_norm` with autograd, like the peers').
+  API (normtune's `layer_norm`/`rms_norm` with autograd, like the peers'); for normtune also
+  `host_direct_us` / `forward_host_direct_us`, its functions without autograd (`kernels/direct.py`): the call
+  to set beside a peer timed without autograd (`autograd` false on its row: quack's LayerNorm).
 Rows are plain dicts (one per problem x implementation) so writers and the store stay simple.
 """
 
@@ -100,7 +102,8 @@ def _nan_to_none(x):
 def _empty_row(base: dict, impl: str) -> dict:
     return {**base, "impl": impl, "status": "ok", "error": None, "median_us": None, "p10_us": None,
             "p90_us": None, "reps": 0, "kernel_1_us": None, "kernel_2_us": None, "kernel_sum_us": None,
-            "kernels": {}, "host_us": None, "forward_host_us": None, "pdl": False, "rel_err_dx": None,
+            "kernels": {}, "host_us": None, "forward_host_us": None, "host_direct_us": None,
+            "forward_host_direct_us": None, "autograd": True, "pdl": False, "rel_err_dx": None,
             "config": None, "config_source": None, "note": ""}
 
 
@@ -203,6 +206,10 @@ def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chose
                                 None if chosen == "table" else config)
     row["host_us"] = session.host_us(api.run)
     row["forward_host_us"] = session.host_us(api.forward)
+    direct = NormtuneAPI().prepare_direct(case.problem, case.x, case.weight, case.bias, case.grad,
+                                          None if chosen == "table" else config)
+    row["host_direct_us"] = session.host_us(direct.run)
+    row["forward_host_direct_us"] = session.host_us(direct.forward)
     return row
 
 
@@ -228,6 +235,7 @@ def _time_peer(session: MeasureSession, peer, problem, case, ref) -> dict:
         out.update(_other_views(session, prepared.run, out))
         out["host_us"] = session.host_us(prepared.run)
         out["forward_host_us"] = session.host_us(prepared.forward) if prepared.forward else None
+        out["autograd"] = prepared.autograd
         return out
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}

@@ -10,7 +10,8 @@ from pathlib import Path
 from .bench import OURS, BenchReport, geomean, summary, to_json
 
 CSV_COLUMNS = ("norm", "M", "N", "dtype", "weight_dtype", "impl", "status", "median_us", "p10_us", "p90_us",
-               "reps", "kernel_1_us", "kernel_2_us", "kernel_sum_us", "host_us", "forward_host_us", "pdl",
+               "reps", "kernel_1_us", "kernel_2_us", "kernel_sum_us", "host_us", "forward_host_us", "host_direct_us",
+               "forward_host_direct_us", "autograd", "pdl",
                "floor_us", "floor_fraction", "rel_err_dx", "config_source", "config", "kernels", "note", "error")
 
 
@@ -51,7 +52,37 @@ def _view_table(report: BenchReport, norm: str, impls: list[str], metric: str, c
 def _host_cell(row: dict | None, _metric: str) -> str:
     if row is None or row["status"] != "ok":
         return "–" if row is None else row["status"]
-    return f"{_fmt(row.get('host_us'))} / {_fmt(row.get('forward_host_us'))}"
+    cell = f"{_fmt(row.get('host_us'))} / {_fmt(row.get('forward_host_us'))}"
+    if row.get("host_direct_us") is not None:
+        cell += f" (direct {_fmt(row['host_direct_us'])} / {_fmt(row.get('forward_host_direct_us'))})"
+    return cell + (" (no autograd)" if row.get("autograd") is False else "")
+
+
+HOST_PEERS = ("liger", "quack")  # the issue's host target: no slower than the lower of these, per call
+
+
+def host_target_line(rows: list[dict]) -> str:
+    """How many calls of normtune cost no more host time than the lower of Liger's and quack's, like for like:
+    against a peer called without autograd, normtune's direct functions; against the others, its autograd path."""
+    counts = {"backward": [0, 0], "forward": [0, 0]}
+    for (norm, M, N) in dict.fromkeys((r["norm"], r["M"], r["N"]) for r in rows):
+        at = {r["impl"]: r for r in rows if (r["norm"], r["M"], r["N"]) == (norm, M, N) and r["status"] == "ok"}
+        ours = at.get(OURS)
+        peers = [at[p] for p in HOST_PEERS if p in at]
+        if ours is None or not peers:
+            continue
+        for view, key in (("backward", "host_us"), ("forward", "forward_host_us")):
+            direct = "host_direct_us" if view == "backward" else "forward_host_direct_us"
+            pairs = [(ours.get(direct if p.get("autograd") is False else key), p.get(key)) for p in peers]
+            pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+            if pairs:
+                counts[view][1] += 1
+                counts[view][0] += all(a <= b for a, b in pairs)
+    if not counts["backward"][1]:
+        return ""
+    return (f"Host µs per call no more than the lower of {' and '.join(HOST_PEERS)} (like for like: normtune's "
+            f"direct functions beside a peer called without autograd): backward {counts['backward'][0]}/"
+            f"{counts['backward'][1]}, forward {counts['forward'][0]}/{counts['forward'][1]}.")
 
 
 VIEWS_NOTE = (
@@ -59,7 +90,8 @@ VIEWS_NOTE = (
     "cold L2; the view every speedup and win count rests on unless marked kernel-sum), **kernel sum** (the "
     "kernels' device times from torch.profiler, summed: how peers usually report; launch gaps are not in it), "
     "and **host µs** per call (CPU time of one backward / forward call through the public API, issued while the "
-    "GPU is busy). With programmatic dependent launch (pdl), kernel_2 starts before kernel_1 ends and waits "
+    "GPU is busy; for normtune also through its functions without autograd, \"direct\", the like-for-like call "
+    "beside a peer that has no autograd wrapper). With programmatic dependent launch (pdl), kernel_2 starts before kernel_1 ends and waits "
     "inside its own kernel; the kernel sum counts the time both kernels run at once only once.")
 
 
@@ -109,6 +141,8 @@ def markdown(report: BenchReport) -> str:
         lines += ["Kernel sum (µs, torch.profiler):", ""] + _view_table(report, norm, impls, "kernel_sum_us") + [""]
         lines += ["Host µs per call (backward / forward):", ""] + _view_table(report, norm, impls, "host_us",
                                                                               _host_cell) + [""]
+        target = host_target_line(rows)
+        lines += [target, ""] if target else []
     allg = geomean([s["speedup"] for s in summ if s["speedup"]])
     wins = sum(1 for s in summ if s["speedup"] and s["speedup"] > 1)
     total = sum(1 for s in summ if s["speedup"])

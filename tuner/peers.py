@@ -31,6 +31,7 @@ class PreparedPeer:
     run: Backward  # the backward only
     forward: Callable[[], object] | None = None  # one forward call (building the autograd graph)
     note: str = ""
+    autograd: bool = True  # False: plain function calls (the host-µs view then compares normtune's direct ones)
 
 
 def _leaves(x, weight, bias, weight_dtype=None):
@@ -177,7 +178,7 @@ class Quack(Peer):
             dx, dw, db = qr.layernorm_bwd(x, w32, grad, rstd, mean, has_bias=b32 is not None)
             return dx, dw, db
 
-        return PreparedPeer(run, forward,
+        return PreparedPeer(run, forward, autograd=False,
                             note=(note + "; " if note else "") + "LayerNorm via quack.rmsnorm.layernorm_bwd")
 
 
@@ -200,6 +201,32 @@ class NormtuneAPI:
             def forward():
                 return rms_norm(xs, ws, EPS, **kw)
         return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward)
+
+    def prepare_direct(self, problem: Problem, x, weight, bias, grad, config: BackwardConfig | None) -> PreparedPeer:
+        """normtune's functions without autograd (`normtune.kernels.direct`), for the host-µs comparison with a
+        peer that is called that way (quack's LayerNorm)."""
+        from normtune.kernels import direct
+
+        zc, out = problem.zero_centered, problem.save == "output"
+        if problem.norm == "layer_norm":
+            def forward():
+                return direct.layer_norm_forward(x, weight, bias, EPS, zero_centered=zc)
+
+            y, mean, rstd = forward()
+
+            def run():
+                return direct.layer_norm_backward(grad, y if out else x, weight, bias, mean, rstd, zero_centered=zc,
+                                                  from_output=out, config=config)
+        else:
+            def forward():
+                return direct.rms_norm_forward(x, weight, EPS, zero_centered=zc)
+
+            y, rstd = forward()
+
+            def run():
+                return direct.rms_norm_backward(grad, y if out else x, weight, rstd, zero_centered=zc,
+                                                from_output=out, config=config)
+        return PreparedPeer(run, forward, autograd=False)
 
 
 PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchEager, TorchCompile, Liger, Quack)}

@@ -1,0 +1,100 @@
+"""Forward and backward as plain functions, without autograd: for frameworks that write their own
+`autograd.Function` around normalization kernels (as Megatron-style and Fast-LLM-style trainers do), and for
+comparing host time with libraries that offer only such functions.
+
+    y, mean, rstd = layer_norm_forward(x, weight, bias, eps=1e-5)
+    dx, dw, db = layer_norm_backward(grad, x, weight, bias, mean, rstd)
+    y, rstd = rms_norm_forward(x, weight, eps=1e-6)
+    dx, dw = rms_norm_backward(grad, x, weight, rstd)
+
+The same kernels, launch configs and checks as `layer_norm` / `rms_norm` (functional.py), over the last
+dimension with any leading dims. mean and rstd are fp32, one per row. The backward may recover x̂ from the
+forward's output instead of its input (`from_output=True`: pass y where x goes; LayerNorm then needs no mean).
+dw/db come back as None where there is no weight/bias. Nothing here records an autograd graph.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .config import BackwardConfig, Problem
+from .functional import check_inputs, explicit_config_text
+from .ops import _backward_impl, _forward_impl
+
+
+def _rows(t: Tensor, N: int) -> Tensor:
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.dim() == 2 else t.reshape(-1, N)
+
+
+def _check_stats(name: str, t, M: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (the forward's fp32 per-row {name}), got {type(t).__name__}")
+    if t.dim() != 1 or t.shape[0] != M or t.dtype.itemsize != 4 or not t.dtype.is_floating_point:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} and dtype {t.dtype}: pass the forward's fp32 {name} "
+                         f"of shape ({M},)")
+    if t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous: pass the forward's {name} (or {name}.contiguous())")
+
+
+def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
+    check_inputs(x, weight, bias, eps, "input", zero_centered)
+    N = x.shape[-1]
+    x2d = _rows(x, N)
+    y, rstd, mean = _forward_impl(x2d, weight, bias, float(eps), is_rms, zero_centered, False)
+    return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
+
+
+def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config):
+    check_inputs(saved, weight, bias, 1.0, "output" if from_output else "input", zero_centered,
+                 name="y" if from_output else "x")
+    if not isinstance(grad, Tensor) or tuple(grad.shape) != tuple(saved.shape) or grad.dtype != saved.dtype:
+        shown = f"shape {tuple(grad.shape)} and dtype {grad.dtype}" if isinstance(grad, Tensor) else type(grad).__name__
+        raise ValueError(f"grad has {shown}: pass the gradient of y, shape {tuple(saved.shape)} and dtype "
+                         f"{saved.dtype}")
+    N = saved.shape[-1]
+    M = saved.numel() // N
+    _check_stats("rstd", rstd, M)
+    if not is_rms and not from_output:
+        _check_stats("mean", mean, M)
+    else:
+        mean = rstd  # not read
+    problem = None
+    if config is not None:
+        problem = Problem("rms_norm" if is_rms else "layer_norm", M, N, saved.dtype,
+                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
+                          zero_centered, "output" if from_output else "input")
+    text = explicit_config_text(config, problem)
+    dx, dw, db = _backward_impl(_rows(grad, N), _rows(saved, N), weight, bias, rstd, mean, is_rms, zero_centered,
+                                from_output, text)
+    return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
+
+
+def layer_norm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+                       zero_centered: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd) of LayerNorm over the last dimension, without autograd."""
+    y, rstd, mean = _forward(x, weight, bias, eps, False, zero_centered)
+    return y, mean, rstd
+
+
+def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor | None,
+                        rstd: Tensor, *, zero_centered: bool = False, from_output: bool = False,
+                        config: BackwardConfig | dict | str | None = None):
+    """(dx, dw, db) of LayerNorm from the forward's x (or y, `from_output=True`), mean and rstd; dw/db None where
+    there is no weight/bias. config: a `BackwardConfig` (or its dict/JSON) forcing the launch; None picks one."""
+    return _backward(grad, x, weight, bias, rstd, mean, False, zero_centered, from_output, config)
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *,
+                     zero_centered: bool = False) -> tuple[Tensor, Tensor]:
+    """(y, rstd) of RMSNorm over the last dimension, without autograd."""
+    y, rstd, _ = _forward(x, weight, None, eps, True, zero_centered)
+    return y, rstd
+
+
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *, zero_centered: bool = False,
+                      from_output: bool = False, config: BackwardConfig | dict | str | None = None):
+    """(dx, dw) of RMSNorm from the forward's x (or y, `from_output=True`) and rstd; dw None without a weight."""
+    dx, dw, _ = _backward(grad, x, weight, None, rstd, None, True, zero_centered, from_output, config)
+    return dx, dw
