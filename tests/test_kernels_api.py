@@ -45,6 +45,25 @@ def test_kernels_run_not_the_pytorch_fallback(device, monkeypatch, make_norm_inp
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+def test_eager_call_without_the_fast_apply_gives_the_same_bits(device, monkeypatch, make_norm_inputs):
+    """`ops.eager_norm` skips `Function.apply`'s Python wrapper; where that is unavailable (or functorch transforms
+    are active) it calls `EagerNorm.apply`. Both give the same y and gradients, and y is the only output."""
+    from normtune.kernels import ops
+
+    inputs = make_norm_inputs((5, N), torch.bfloat16, device, has_bias=True)
+    results = []
+    for eager in (ops._EAGER, None):
+        monkeypatch.setattr(ops, "_EAGER", eager)
+        x, w, b = (inputs[k].detach().clone().requires_grad_() for k in ("x", "weight", "bias"))
+        y = layer_norm(x, w, b)
+        assert type(y.grad_fn).__name__ == "EagerNormBackward"
+        y.backward(inputs["grad"])
+        results.append((y.detach(), x.grad, w.grad, b.grad))
+    assert ops._eager_apply() is not None  # this torch has the entry points the fast path uses
+    for fast, plain in zip(*results):
+        assert torch.equal(fast, plain)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Bad inputs: the right exception, naming the argument and the fix.
 # ---------------------------------------------------------------------------------------------------------------
