@@ -17,15 +17,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .config import BackwardConfig, Problem
-from .functional import check_inputs, explicit_config_text
+from .config import BackwardConfig
+from .functional import check_inputs, check_options, explicit_config_text, rows_2d
 from .ops import _backward_impl, _forward_impl
-
-
-def _rows(t: Tensor, N: int) -> Tensor:
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t if t.dim() == 2 else t.reshape(-1, N)
 
 
 def _check_stats(name: str, t, M: int) -> None:
@@ -39,16 +33,14 @@ def _check_stats(name: str, t, M: int) -> None:
 
 
 def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
-    check_inputs(x, weight, bias, eps, "input", zero_centered)
-    N = x.shape[-1]
-    x2d = _rows(x, N)
-    y, rstd, mean = _forward_impl(x2d, weight, bias, float(eps), is_rms, zero_centered, False)
+    check_inputs(x, weight, bias, zero_centered)
+    check_options(eps, "input")
+    y, rstd, mean = _forward_impl(rows_2d(x), weight, bias, float(eps), is_rms, zero_centered, False)
     return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
 
 
 def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config):
-    check_inputs(saved, weight, bias, 1.0, "output" if from_output else "input", zero_centered,
-                 name="y" if from_output else "x")
+    check_inputs(saved, weight, bias, zero_centered, name="y" if from_output else "x")
     if not isinstance(grad, Tensor) or tuple(grad.shape) != tuple(saved.shape) or grad.dtype != saved.dtype:
         shown = f"shape {tuple(grad.shape)} and dtype {grad.dtype}" if isinstance(grad, Tensor) else type(grad).__name__
         raise ValueError(f"grad has {shown}: pass the gradient of y, shape {tuple(saved.shape)} and dtype "
@@ -60,13 +52,9 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         _check_stats("mean", mean, M)
     else:
         mean = rstd  # not read
-    problem = None
-    if config is not None:
-        problem = Problem("rms_norm" if is_rms else "layer_norm", M, N, saved.dtype,
-                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
-                          zero_centered, "output" if from_output else "input")
-    text = explicit_config_text(config, problem)
-    dx, dw, db = _backward_impl(_rows(grad, N), _rows(saved, N), weight, bias, rstd, mean, is_rms, zero_centered,
+    text = explicit_config_text(config, saved, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+                                save="output" if from_output else "input")
+    dx, dw, db = _backward_impl(rows_2d(grad), rows_2d(saved), weight, bias, rstd, mean, is_rms, zero_centered,
                                 from_output, text)
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
 

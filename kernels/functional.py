@@ -64,10 +64,16 @@ def _explicit_config(config: BackwardConfig | dict | str | None) -> BackwardConf
     raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
 
 
-def explicit_config_text(config: BackwardConfig | dict | str | None, problem: Problem | None) -> str:
-    """The config as the backward op carries it (JSON text; "" picks one), checked against `problem` first."""
+def explicit_config_text(config: BackwardConfig | dict | str | None, saved: Tensor, weight, bias, *, is_rms: bool,
+                         zero_centered: bool, save: str) -> str:
+    """The config as the backward op carries it (JSON text; "" picks one), checked first against the problem of
+    `saved` (x, or y when save="output") and the weight and bias."""
     config = _explicit_config(config)
-    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():
+    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():  # shapes are symbolic there
+        N = saved.shape[-1]
+        problem = Problem("rms_norm" if is_rms else "layer_norm", saved.numel() // N, N, saved.dtype,
+                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
+                          zero_centered, save)
         try:
             config.validate(problem)
         except ConfigError as err:
@@ -75,8 +81,9 @@ def explicit_config_text(config: BackwardConfig | dict | str | None, problem: Pr
     return config.to_json() if isinstance(config, BackwardConfig) else (config or "")
 
 
-def check_inputs(x, weight, bias, eps, save: str, zero_centered: bool, *, name: str = "x") -> None:
-    """The rules of the module docstring, each broken one raising TypeError/ValueError naming the argument."""
+def check_inputs(x, weight, bias, zero_centered: bool, *, name: str = "x") -> None:
+    """The tensor rules of the module docstring, each broken one raising TypeError/ValueError naming the argument
+    (eps and save: `check_options`)."""
     _check_tensor(name, x)
     if x.dim() == 0:
         raise ValueError(f"{name} is a scalar: normalization needs at least one dimension")
@@ -89,23 +96,23 @@ def check_inputs(x, weight, bias, eps, save: str, zero_centered: bool, *, name: 
         _check_tensor("weight", weight, x)
     if bias is not None:
         _check_tensor("bias", bias, x)
-    check_options(eps, save)
     if zero_centered and weight is None:
         raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
 
 
+def rows_2d(t: Tensor) -> Tensor:
+    """`t` as rows of its last dimension: a view where the rows allow one, the last dimension made contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
-    check_inputs(x, weight, bias, eps, save, zero_centered)
-    N = x.shape[-1]
-    problem = None
-    if config is not None and not torch.compiler.is_compiling():  # shapes are symbolic while tracing
-        problem = Problem("rms_norm" if is_rms else "layer_norm", x.numel() // N, N, x.dtype,
-                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
-                          zero_centered, save)
-    config_text = explicit_config_text(config, problem)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    x2d = x if x.dim() == 2 else x.reshape(-1, N)
+    check_inputs(x, weight, bias, zero_centered)
+    check_options(eps, save)
+    config_text = explicit_config_text(config, x, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+                                       save=save)
+    x2d = rows_2d(x)
     if torch.compiler.is_compiling():
         y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
     else:

@@ -47,7 +47,7 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
     """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
     backward (JSON text, "" for automatic selection)."""
     y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
-    return y, rstd, mean if mean is not None else rstd.new_empty((0,))
+    return y, rstd, mean if mean is not None else _empty(rstd)
 
 
 def _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
