@@ -24,11 +24,9 @@ import triton
 import triton.language as tl
 
 from normtune.kernels.backward.common import widen
-from normtune.kernels.config import Problem
-from normtune.kernels.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from variant_timing import prototype_inputs, prototype_setup, record_prototype  # noqa: E402
+from variant_timing import prototype_baseline, prototype_inputs, prototype_setup, record_prototype  # noqa: E402
 
 SHAPES = "2048x16384,1024x16384,4096x16384,16384x16384,512x16384"
 FLAG_STRIDE = 32  # int32 elements: one L2 line per flag
@@ -137,13 +135,7 @@ def ln_kernel_1_split2(G, X, DX, W, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, SUMS, FL
 def main() -> None:
     args, info, session, flusher, out = prototype_setup("exchange_ahead", __doc__, SHAPES)
     for shape in args.shapes.split(","):
-        M, N = (int(v) for v in shape.split("x"))
-        p = Problem("layer_norm", M, N, "bf16", has_bias=True)
-        floor = session.floor_us(p)
-        cfg = select_config(p, info.name)
-        table = session.measure(session.case(p), cfg)
-        print(f"\nlayer_norm {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} "
-              f"(kernel_1 {table.kernel_1_us:.1f}) {cfg}", flush=True)
+        M, N, _, floor, table = prototype_baseline(session, info, "layer_norm", shape)
         inp = prototype_inputs("layer_norm", M, N)
         x, g, w, rstd, mean = inp["x"], inp["g"], inp["w"], inp["rstd"], inp["mean"]
         dx_ref, dw_ref, db_ref = inp["dx"], inp["dw"], inp["db"]

@@ -19,12 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from normtune.kernels.config import Problem
 from normtune.kernels.heuristics import next_power_of_two
-from normtune.kernels.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from variant_timing import prototype_inputs, prototype_setup, record_prototype  # noqa: E402
+from variant_timing import prototype_baseline, prototype_inputs, prototype_setup, record_prototype  # noqa: E402
 
 SHAPES = "16384x5120,4096x5120,16384x2560,16384x1536,16384x6144,16384x4096"
 
@@ -110,13 +108,7 @@ def pieces(N: int, two: bool) -> tuple[int, int]:
 def main() -> None:
     args, info, session, flusher, out = prototype_setup("two_piece_rows", __doc__, SHAPES)
     for shape in args.shapes.split(","):
-        M, N = (int(v) for v in shape.split("x"))
-        p = Problem("rms_norm", M, N, "bf16")
-        floor = session.floor_us(p)
-        cfg = select_config(p, info.name)
-        table = session.measure(session.case(p), cfg)
-        print(f"\nrms_norm {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} "
-              f"(kernel_1 {table.kernel_1_us:.1f}) {cfg}", flush=True)
+        M, N, _, floor, table = prototype_baseline(session, info, "rms_norm", shape)
         inp = prototype_inputs("rms_norm", M, N)
         x, g, w, rstd = inp["x"], inp["g"], inp["w"], inp["rstd"]
         dx_ref, dw_ref = inp["dx"], inp["dw"]

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.select import select_config
 from normtune.tuner.device import detect
 from normtune.tuner.measure import L2Flusher, MeasureSession, Timing, time_kernels
 
@@ -92,6 +93,18 @@ def record_prototype(out, label: str, launch: Callable[[], None], flusher, info,
     notes = "; ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
     print(f"  {label}: kernel_1 {k1.median:7.1f} us [{k1.p10:.1f}-{k1.p90:.1f}] {floor_us / k1.median:5.2f} of "
           f"floor; {notes}", flush=True)
+
+
+def prototype_baseline(session, info, norm: str, shape: str):
+    """One prototype case: (M, N, problem, floor µs, the shipped table's measurement), the table's line printed."""
+    M, N = (int(v) for v in shape.split("x"))
+    p = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
+    floor = session.floor_us(p)
+    cfg = select_config(p, info.name)
+    table = session.measure(session.case(p), cfg)
+    print(f"\n{norm} {M}x{N} floor {floor:.1f} us; table {table.median_us:.1f} (kernel_1 {table.kernel_1_us:.1f}) "
+          f"{cfg}", flush=True)
+    return M, N, p, floor, table
 
 
 def prototype_setup(name: str, doc: str, shapes: str):
