@@ -352,6 +352,8 @@ ABSENT = [
     ProblemFamily("layer_norm", "bf16", "fp32", True, False, False, "output"),  # closest: LayerNorm bf16
     ProblemFamily("rms_norm", "bf16", "bf16", True, False, True, "output"),  # zero-centered, saving y
     ProblemFamily("rms_norm", "bf16", "bf16", False, False, False, "input"),  # no weight at all
+    ProblemFamily("rms_norm", "fp16", "fp16", True, False, False, "input"),  # stand-in: RMSNorm bf16
+    ProblemFamily("layer_norm", "fp32", "fp32", True, True, False, "input"),  # stand-in, other element size
 ]
 
 
@@ -362,9 +364,10 @@ ABSENT = [
 def test_lookup_always_returns_a_valid_config(table, M, N, family, which):
     tab = parse_table(table, "emitted") if which == "emitted" else _shipped(which)
     problem = family.problem(M, N)
+    match = tab.match(problem)
     config = tab.lookup(problem)
-    assert (config is not None) == tab.covers(problem), \
-        "the closest family (same norm and dtype) answers inside its fitted box"
+    assert (config is not None) == (tab.covers(problem) and match.refused is None), \
+        "the closest family answers inside its fitted box unless its rule does not carry over to the dtype"
     (config or default_config(problem)).validate(problem)
     for rule in tab.rules(family):
         adapt(rule.config, problem, tab.sm_count).validate(problem)
@@ -372,22 +375,53 @@ def test_lookup_always_returns_a_valid_config(table, M, N, family, which):
 
 
 @settings(derandomize=True, database=None, max_examples=60, deadline=None)
-@given(M=st.integers(0, 2**20), N=st.integers(1, MAX_N))
-def test_lookup_of_another_dtype_falls_back_to_the_default(M, N):
-    problem = Problem("rms_norm", M, N, "fp16")  # the shipped tables hold only bf16
-    assert _shipped("h100.json").lookup(problem) is None
+@given(M=st.integers(1, 2**20), N=st.integers(1, MAX_N), norm=st.sampled_from(["layer_norm", "rms_norm"]),
+       which=st.sampled_from(["h100.json", "h200.json"]))
+def test_fp16_takes_the_bf16_rules(M, N, norm, which):
+    """The shipped tables hold bf16 only: fp16 (the same element size) reads the bf16 family's rule for the
+    shape, adapted and validated for fp16, and gets the same launch wherever bf16 does."""
+    tab = _shipped(which)
+    p16 = Problem(norm, M, N, "fp16", has_bias=norm == "layer_norm")
+    p16_bf16 = dataclasses.replace(p16, dtype="bf16", weight_dtype="bf16")
+    match = tab.match(p16)
+    assert match.family_key == p16_bf16.family.key and not match.exact_family and match.refused is None
+    assert tab.lookup(p16) == tab.lookup(p16_bf16)
+    if match.config is not None:
+        match.config.validate(p16)
+        assert "closest tuned family" in match.reason(p16)
+
+
+def test_fp32_takes_bf16_rules_that_do_not_hold_rows_in_registers():
+    """fp32 rows are twice the bytes: a bf16 rule that sizes its registers to the row (row_split, recompute) is
+    not carried over (the analytic default runs instead, with no warning); other rules are."""
+    tab = _shipped("h200.json")
+    wide = Problem("rms_norm", 2048, 32768, "fp32")  # the bf16 rule splits the row in 4, with recompute
+    match = tab.match(wide)
+    assert tables.holds_rows(match.rule.config) and match.config is None and tab.lookup(wide) is None
+    assert "fp32 rows overflow" in match.reason(wide)
+    few = Problem("rms_norm", 96, 4096, "fp32")  # few rows: the dual strategy
+    assert not tables.holds_rows(tab.match(few).rule.config)
+    assert tab.lookup(few) == tab.lookup(dataclasses.replace(few, dtype="bf16", weight_dtype="bf16")).validate(few)
     clear_caches()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_config(problem, H100_NAME, (9, 0)) == default_config(problem)
+        assert select_config(wide, "NVIDIA H200", (9, 0)) == default_config(wide)
+        assert select_config(few, "NVIDIA H200", (9, 0)) == tab.lookup(few)
 
 
-def test_closest_family_prefers_most_matching_flags(table):
+def test_closest_family_prefers_its_own_dtype_then_most_matching_flags(table):
     parsed = parse_table(table)
     # LayerNorm with fp32 weights differs from the tuned LayerNorm in one flag: it takes its rules.
     fam = dataclasses.replace(LN, weight_dtype="fp32")
     assert parsed.rules(fam) == parsed.families[LN.key]
-    assert parsed.rules(ProblemFamily("layer_norm", "fp32", "fp32", True, True, False, "input")) is None
+    # fp32 activations borrow bf16's rules (the stand-in) while the table has no fp32 family ...
+    fp32 = ProblemFamily("layer_norm", "fp32", "fp32", True, True, False, "input")
+    assert parsed.family_key(fp32) == LN.key
+    # ... and take a family of their own dtype first, even one with fewer flags in common.
+    own = ProblemFamily("layer_norm", "fp32", "fp32", True, False, True, "output")
+    with_fp32 = parse_table({**table, "families": {**table["families"], own.key: table["families"][LN.key]}})
+    assert with_fp32.family_key(fp32) == own.key
+    assert parsed.family_key(ProblemFamily("layer_norm", "fp16", "fp16", True, True, False, "input")) == LN.key
 
 
 # ---------------------------------------------------------------------------------------- the lookup chain
