@@ -35,8 +35,9 @@ from .device import gpu_key
 SCHEMA_VERSION = 1
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
-# row; fp32 rows hold twice the bytes, and `adapt` narrows what no longer fits (H200 held-out, analytic default
-# against the best of an unseeded sweep: fp16 200x5120 13.5 against 10.0 µs, fp32 96x4096 10.0 against 6.9).
+# row; fp32 rows hold twice the bytes, so a config sized to a bf16 row splits the row in twice the slices
+# (`split_for_itemsize`). H200 held-out, analytic default against the best of an unseeded sweep: fp16 200x5120
+# 13.5 against 10.0 µs, fp32 96x4096 10.0 against 6.9.
 STAND_IN_DTYPES = {"fp16": "bf16", "fp32": "bf16"}
 # Row widths (elements) the rules answer for when they were fitted on such widths only (`Table.aligned_width`).
 ALIGNED_WIDTH = 16
@@ -147,13 +148,17 @@ class Table:
             widest = max((r.n_max or 0) for r in rules)
             index = [i for i, r in enumerate(rules) if (r.n_max or 0) == widest][-1]
         rule = rules[index]
+        config = rule.config
         stand_in = ProblemFamily.from_key(key).dtype
-        if ITEMSIZE[stand_in] != ITEMSIZE[problem.dtype] and holds_rows(rule.config):
-            return RuleMatch(key, False, box, index, rule, past, None,
-                             f"its config holds {stand_in} rows in registers (row_split or recompute), which "
-                             f"{problem.dtype} rows overflow → the analytic default")
+        if ITEMSIZE[stand_in] != ITEMSIZE[problem.dtype] and holds_rows(config):
+            config = split_for_itemsize(config, ITEMSIZE[problem.dtype] // ITEMSIZE[stand_in])
+            if config is None:
+                return RuleMatch(key, False, box, index, rule, past, None,
+                                 f"its config holds {stand_in} rows in registers in {rule.config.kernel_1.row_split} "
+                                 f"slices, and {problem.dtype} rows would need more than {ROW_SPLITS[-1]} → the "
+                                 "analytic default")
         return RuleMatch(key, key == problem.family.key, box, index, rule, past,
-                         adapt(rule.config, problem, self.sm_count))
+                         adapt(config, problem, self.sm_count))
 
     def lookup(self, problem: Problem) -> BackwardConfig | None:
         """The table's config adapted to `problem`, or None when no rule applies (see `match`)."""
@@ -199,10 +204,22 @@ class RuleMatch:
 
 def holds_rows(config: BackwardConfig) -> bool:
     """Whether a config sizes its register tile for the element size it was fitted on: split rows (each slice
-    fills the registers) or recompute (which keeps the packed 16-bit tile live instead of fp32 values). H200
-    fp32 2048x32768 on the bf16 rule's split-in-4 recompute config: 593.7 µs against the default's 355.7."""
+    fills the registers) or recompute (which keeps the packed 16-bit tile live instead of fp32 values)."""
     k1 = config.kernel_1
-    return k1.strategy == "rows" and (k1.row_split > 1 or k1.recompute)
+    return k1.strategy == "rows" and not k1.two_pass and (k1.row_split > 1 or k1.recompute)
+
+
+def split_for_itemsize(config: BackwardConfig, factor: int) -> BackwardConfig | None:
+    """A `holds_rows` config for elements `factor` times wider: the row in `factor` times more slices, each of
+    the same bytes (recompute dropped: it only packs 16-bit values); None past the largest split. `adapt` then
+    fits the slices to the row. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was: 593.7 µs
+    (LayerNorm) against the default's 355.7; the unseeded fp32 sweep's best split it in 8."""
+    k1 = config.kernel_1
+    split = k1.row_split * factor
+    if split > ROW_SPLITS[-1]:
+        return None
+    return BackwardConfig(dataclasses.replace(k1, row_split=split, block_col=max(1, k1.block_col // factor),
+                                              recompute=False), config.kernel_2)
 
 
 def fitted_shapes(rules_data: list) -> list[tuple[int, int]] | None:

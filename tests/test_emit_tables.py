@@ -391,21 +391,31 @@ def test_fp16_takes_the_bf16_rules(M, N, norm, which):
         assert "closest tuned family" in match.reason(p16)
 
 
-def test_fp32_takes_bf16_rules_that_do_not_hold_rows_in_registers():
-    """fp32 rows are twice the bytes: a bf16 rule that sizes its registers to the row (row_split, recompute) is
-    not carried over (the analytic default runs instead, with no warning); other rules are."""
+def test_fp32_splits_bf16_rows_in_twice_the_slices():
+    """fp32 rows are twice the bytes: a bf16 rule that sizes its registers to the row (row_split, recompute) runs
+    fp32 in twice the slices of the same bytes; one already split in more than 4 cannot, and the analytic default
+    runs instead (no warning). Other rules carry over as they are."""
     tab = _shipped("h200.json")
-    wide = Problem("rms_norm", 2048, 32768, "fp32")  # the bf16 rule splits the row in 4, with recompute
+    wide = Problem("rms_norm", 2048, 32768, "fp32")  # the bf16 rule: 4 slices of 8192, recompute
     match = tab.match(wide)
-    assert tables.holds_rows(match.rule.config) and match.config is None and tab.lookup(wide) is None
-    assert "fp32 rows overflow" in match.reason(wide)
-    few = Problem("rms_norm", 96, 4096, "fp32")  # few rows: the dual strategy
+    bf16 = match.rule.config.kernel_1
+    assert tables.holds_rows(match.rule.config) and (bf16.row_split, bf16.block_col, bf16.recompute) == (4, 8192, True)
+    k1 = match.config.kernel_1
+    assert (k1.row_split, k1.block_col, k1.recompute) == (8, 4096, False) and match.refused is None
+    match.config.validate(wide)
+    widest = Problem("rms_norm", 256, 65536, "fp32")  # the bf16 rule already splits in 8
+    refused = tab.match(widest)
+    assert refused.rule.config.kernel_1.row_split == 8 and refused.config is None and tab.lookup(widest) is None
+    assert "more than 8" in refused.reason(widest)
+    assert tables.split_for_itemsize(refused.rule.config, 2) is None
+    few = Problem("rms_norm", 96, 4096, "fp32")  # few rows: the dual strategy, carried as it is
     assert not tables.holds_rows(tab.match(few).rule.config)
     assert tab.lookup(few) == tab.lookup(dataclasses.replace(few, dtype="bf16", weight_dtype="bf16")).validate(few)
     clear_caches()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_config(wide, "NVIDIA H200", (9, 0)) == default_config(wide)
+        assert select_config(widest, "NVIDIA H200", (9, 0)) == default_config(widest)
+        assert select_config(wide, "NVIDIA H200", (9, 0)) == match.config
         assert select_config(few, "NVIDIA H200", (9, 0)) == tab.lookup(few)
 
 
