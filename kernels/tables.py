@@ -153,10 +153,11 @@ class Table:
         if ITEMSIZE[stand_in] != ITEMSIZE[problem.dtype] and holds_rows(config):
             config = split_for_itemsize(config, ITEMSIZE[problem.dtype] // ITEMSIZE[stand_in])
             if config is None:
+                split = rule.config.kernel_1.row_split
+                held = ("whole" if split == 1 else
+                        f"in {split} slices, and {problem.dtype} would need more than {ROW_SPLITS[-1]}")
                 return RuleMatch(key, False, box, index, rule, past, None,
-                                 f"its config holds {stand_in} rows in registers in {rule.config.kernel_1.row_split} "
-                                 f"slices, and {problem.dtype} rows would need more than {ROW_SPLITS[-1]} → the "
-                                 "analytic default")
+                                 f"its config holds {stand_in} rows in registers ({held}) → the analytic default")
         return RuleMatch(key, key == problem.family.key, box, index, rule, past,
                          adapt(config, problem, self.sm_count))
 
@@ -210,13 +211,14 @@ def holds_rows(config: BackwardConfig) -> bool:
 
 
 def split_for_itemsize(config: BackwardConfig, factor: int) -> BackwardConfig | None:
-    """A `holds_rows` config for elements `factor` times wider: the row in `factor` times more slices, each of
-    the same bytes (recompute dropped: it only packs 16-bit values); None past the largest split. `adapt` then
-    fits the slices to the row. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was: 593.7 µs
-    (LayerNorm) against the default's 355.7; the unseeded fp32 sweep's best split it in 8."""
+    """A split-row config for elements `factor` times wider: the row in `factor` times more slices, each of the
+    same bytes (recompute dropped: it only packs 16-bit values); `adapt` then fits the slices to the row. None for
+    a whole row held in registers, or past the largest split. H200, fp32 2048x32768 on the bf16 rule's split-in-4
+    config as it was: 593.7 µs (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0.
+    H100, RMSNorm rules holding the whole bf16 row, split in 2 for fp32: 4096x12288 275.2 against 252.4."""
     k1 = config.kernel_1
     split = k1.row_split * factor
-    if split > ROW_SPLITS[-1]:
+    if k1.row_split == 1 or split > ROW_SPLITS[-1]:
         return None
     return BackwardConfig(dataclasses.replace(k1, row_split=split, block_col=max(1, k1.block_col // factor),
                                               recompute=False), config.kernel_2)

@@ -392,9 +392,9 @@ def test_fp16_takes_the_bf16_rules(M, N, norm, which):
 
 
 def test_fp32_splits_bf16_rows_in_twice_the_slices():
-    """fp32 rows are twice the bytes: a bf16 rule that sizes its registers to the row (row_split, recompute) runs
-    fp32 in twice the slices of the same bytes; one already split in more than 4 cannot, and the analytic default
-    runs instead (no warning). Other rules carry over as they are."""
+    """fp32 rows are twice the bytes: a bf16 rule that splits the row runs fp32 in twice the slices of the same
+    bytes; one holding the whole row in registers (recompute) or already split in more than 4 cannot, and the
+    analytic default runs instead (no warning). Other rules carry over as they are."""
     tab = _shipped("h200.json")
     wide = Problem("rms_norm", 2048, 32768, "fp32")  # the bf16 rule: 4 slices of 8192, recompute
     match = tab.match(wide)
@@ -408,6 +408,10 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
     assert refused.rule.config.kernel_1.row_split == 8 and refused.config is None and tab.lookup(widest) is None
     assert "more than 8" in refused.reason(widest)
     assert tables.split_for_itemsize(refused.rule.config, 2) is None
+    whole = Problem("rms_norm", 2048, 16384, "fp32")  # the bf16 rule holds the whole row (recompute, no split)
+    kept = tab.match(whole)
+    assert kept.rule.config.kernel_1.recompute and kept.rule.config.kernel_1.row_split == 1
+    assert kept.config is None and "(whole)" in kept.reason(whole)
     few = Problem("rms_norm", 96, 4096, "fp32")  # few rows: the dual strategy, carried as it is
     assert not tables.holds_rows(tab.match(few).rule.config)
     assert tab.lookup(few) == tab.lookup(dataclasses.replace(few, dtype="bf16", weight_dtype="bf16")).validate(few)
