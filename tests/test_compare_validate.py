@@ -251,4 +251,4 @@ def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
     full = V.markdown([row(8, 40), row(16, 40)], info, "t.json", 40)
     assert "short of" not in full
     short = V.markdown([row(8, 40), row(16, 12)], info, "t.json", 40)
-    assert "Reference short of 40 trials on 1 of 2 shapes" in short and "16×96 bf16 (12)" in short
+    assert "Reference short of 40 trials on 1 of 2 problems" in short and "rms_norm 16×96 bf16 (12)" in short

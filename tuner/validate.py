@@ -181,9 +181,9 @@ def markdown(rows: list[ValidationRow], info: DeviceInfo, table_path: str | None
 def _short_references(rows: list[ValidationRow], trials: int) -> list[str]:
     """A warning line naming the shapes whose reference sweep has fewer than `trials` trials (a time budget or an
     earlier run with fewer trials): their regret is measured against a weaker reference."""
-    short = [f"{r.problem.M}×{r.problem.N} {r.problem.dtype} ({r.reference_trials})" for r in rows
+    short = [f"{r.problem.norm} {r.problem.M}×{r.problem.N} {r.problem.dtype} ({r.reference_trials})" for r in rows
              if r.reference_trials is not None and r.reference_trials < trials]
     if not short:
         return []
-    return [f"**Reference short of {trials} trials on {len(short)} of {len(rows)} shapes** (their regret is against "
+    return [f"**Reference short of {trials} trials on {len(short)} of {len(rows)} problems** (their regret is against "
             f"a weaker reference): {', '.join(short)}.", ""]
