@@ -150,7 +150,7 @@ class Table:
         rule = rules[index]
         config = rule.config
         stand_in = ProblemFamily.from_key(key).dtype
-        if ITEMSIZE[stand_in] != ITEMSIZE[problem.dtype] and holds_rows(config):
+        if stand_in != problem.dtype and holds_rows(config):
             config = split_for_itemsize(config, ITEMSIZE[problem.dtype] // ITEMSIZE[stand_in])
             if config is None:
                 split = rule.config.kernel_1.row_split
@@ -211,12 +211,16 @@ def holds_rows(config: BackwardConfig) -> bool:
 
 
 def split_for_itemsize(config: BackwardConfig, factor: int) -> BackwardConfig | None:
-    """A split-row config for elements `factor` times wider: the row in `factor` times more slices, each of the
-    same bytes (recompute dropped: it only packs 16-bit values); `adapt` then fits the slices to the row. None for
-    a whole row held in registers, or past the largest split. H200, fp32 2048x32768 on the bf16 rule's split-in-4
-    config as it was: 593.7 µs (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0.
-    H100, RMSNorm rules holding the whole bf16 row, split in 2 for fp32: 4096x12288 275.2 against 252.4."""
+    """A bf16 `holds_rows` config for another dtype, `factor` times the element size, without recompute (which
+    packs bf16 only: for fp16 the kernel keeps fp32 copies as well, H100 RMSNorm fp16 2048x16384 on the bf16 rule's
+    recompute config 878.5 µs against bf16's 83.6). Same size: the same config. Twice the size: the row in twice
+    the slices, each of the same bytes, that `adapt` then fits to the row; None for a whole row held in registers,
+    or past the largest split. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was: 593.7 µs
+    (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0. H100, RMSNorm rules holding
+    the whole bf16 row, split in 2 for fp32: 4096x12288 275.2 against 252.4."""
     k1 = config.kernel_1
+    if factor == 1:
+        return BackwardConfig(dataclasses.replace(k1, recompute=False), config.kernel_2)
     split = k1.row_split * factor
     if k1.row_split == 1 or split > ROW_SPLITS[-1]:
         return None
