@@ -35,9 +35,9 @@ from .device import gpu_key
 SCHEMA_VERSION = 1
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
-# row; fp32 rows hold twice the bytes, so a config sized to a bf16 row splits the row in twice the slices
-# (`split_for_itemsize`). H200 held-out, analytic default against the best of an unseeded sweep: fp16 200x5120
-# 13.5 against 10.0 µs, fp32 96x4096 10.0 against 6.9.
+# row; fp32 rows hold twice the bytes. A config sized to a bf16 row carries over only where `carried_over` says.
+# H200 held-out, analytic default against the best of an unseeded sweep: fp16 200x5120 13.5 against 10.0 µs,
+# fp32 96x4096 10.0 against 6.9.
 STAND_IN_DTYPES = {"fp16": "bf16", "fp32": "bf16"}
 # Row widths (elements) the rules answer for when they were fitted on such widths only (`Table.aligned_width`).
 ALIGNED_WIDTH = 16
@@ -151,13 +151,9 @@ class Table:
         config = rule.config
         stand_in = ProblemFamily.from_key(key).dtype
         if stand_in != problem.dtype and holds_rows(config):
-            config = split_for_itemsize(config, ITEMSIZE[problem.dtype] // ITEMSIZE[stand_in])
+            config, why = carried_over(config, stand_in, problem.dtype)
             if config is None:
-                split = rule.config.kernel_1.row_split
-                held = ("whole" if split == 1 else
-                        f"in {split} slices, and {problem.dtype} would need more than {ROW_SPLITS[-1]}")
-                return RuleMatch(key, False, box, index, rule, past, None,
-                                 f"its config holds {stand_in} rows in registers ({held}) → the analytic default")
+                return RuleMatch(key, False, box, index, rule, past, None, f"{why} → the analytic default")
         return RuleMatch(key, key == problem.family.key, box, index, rule, past,
                          adapt(config, problem, self.sm_count))
 
@@ -210,22 +206,31 @@ def holds_rows(config: BackwardConfig) -> bool:
     return k1.strategy == "rows" and not k1.two_pass and (k1.row_split > 1 or k1.recompute)
 
 
-def split_for_itemsize(config: BackwardConfig, factor: int) -> BackwardConfig | None:
-    """A bf16 `holds_rows` config for another dtype, `factor` times the element size, without recompute (which
-    packs bf16 only: for fp16 the kernel keeps fp32 copies as well, H100 RMSNorm fp16 2048x16384 on the bf16 rule's
-    recompute config 878.5 µs against bf16's 83.6). Same size: the same config. Twice the size: the row in twice
-    the slices, each of the same bytes, that `adapt` then fits to the row; None for a whole row held in registers,
-    or past the largest split. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was: 593.7 µs
-    (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0. H100, RMSNorm rules holding
-    the whole bf16 row, split in 2 for fp32: 4096x12288 275.2 against 252.4."""
+def carried_over(config: BackwardConfig, stand_in: str, dtype: str) -> tuple[BackwardConfig | None, str]:
+    """A stand-in's `holds_rows` config for `dtype`, or None and why it does not carry over.
+
+    - recompute widens packed bf16 values again after the row reductions; for fp16 the kernel keeps fp32 copies as
+      well (H100 RMSNorm fp16 2048x16384 on the bf16 rule's recompute config: 878.5 µs, bf16 83.6), so a
+      recompute config carries over only by splitting the row anew;
+    - twice the element size (fp32): a split row in twice the slices, each of the same bytes, without recompute,
+      that `adapt` then fits to the row. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was:
+      593.7 µs (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0. A whole row held
+      in registers does not split well: H100 RMSNorm fp32 4096x12288 in 2 slices 275.2 µs against 252.4.
+    """
     k1 = config.kernel_1
+    factor = ITEMSIZE[dtype] // ITEMSIZE[stand_in]
     if factor == 1:
-        return BackwardConfig(dataclasses.replace(k1, recompute=False), config.kernel_2)
+        if k1.recompute:
+            return None, f"its config recomputes from packed {stand_in} values, which {dtype} cannot"
+        return config, ""
     split = k1.row_split * factor
-    if k1.row_split == 1 or split > ROW_SPLITS[-1]:
-        return None
+    if k1.row_split == 1:
+        return None, f"its config holds whole {stand_in} rows in registers"
+    if split > ROW_SPLITS[-1]:
+        return None, (f"its config holds {stand_in} rows in registers in {k1.row_split} slices, and {dtype} would "
+                      f"need more than {ROW_SPLITS[-1]}")
     return BackwardConfig(dataclasses.replace(k1, row_split=split, block_col=max(1, k1.block_col // factor),
-                                              recompute=False), config.kernel_2)
+                                              recompute=False), config.kernel_2), ""
 
 
 def fitted_shapes(rules_data: list) -> list[tuple[int, int]] | None:
