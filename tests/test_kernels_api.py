@@ -167,6 +167,15 @@ def test_config_reaches_the_launcher(form, device, launched_configs, make_norm_i
     assert config == expected
 
 
+def test_direct_backward_takes_an_explicit_config(device, launched_configs, make_norm_inputs):
+    from normtune.kernels import rms_norm_backward, rms_norm_forward
+
+    inputs = make_norm_inputs((6, N), torch.bfloat16, device)
+    y, rstd = rms_norm_forward(inputs["x"], inputs["weight"])
+    rms_norm_backward(inputs["grad"], inputs["x"], inputs["weight"], rstd, config=SMALL.to_json())
+    assert [config for _, config in launched_configs] == [SMALL]
+
+
 def test_module_config_and_save_reach_the_launcher(device, launched_configs, make_norm_inputs):
     module = RMSNorm(N, eps=1e-6, device=device, zero_centered=True, save="output", config=SMALL)
     inputs = make_norm_inputs((7, N), torch.float32, device)

@@ -9,7 +9,6 @@ import torch
 from normtune.kernels import (
     BackwardConfig,
     Kernel1Config,
-    Kernel2Config,
     layer_norm,
     layer_norm_backward,
     layer_norm_forward,
@@ -19,8 +18,6 @@ from normtune.kernels import (
 )
 
 N = 200
-SMALL = BackwardConfig(Kernel1Config(block_row=2, block_col=256, num_warps=2),
-                       Kernel2Config(block_m=4, block_n=64, num_warps=2))
 
 
 def _autograd(norm, x, weight, bias, grad, **kw):
@@ -74,24 +71,6 @@ def test_direct_records_no_graph(device, make_norm_inputs):
     dx, dw, db = layer_norm_backward(inputs["grad"], x, w, b, mean, rstd)
     for t in (y, mean, rstd, dx, dw, db):
         assert not t.requires_grad and t.grad_fn is None
-
-
-def test_direct_backward_takes_an_explicit_config(device, make_norm_inputs, monkeypatch):
-    from normtune.kernels import backward as backward_module
-
-    seen = []
-    real = backward_module.BackwardLaunch
-
-    class SpyLaunch(real):
-        def __init__(self, problem, config, *args, **kwargs):
-            seen.append(config)
-            super().__init__(problem, config, *args, **kwargs)
-
-    monkeypatch.setattr(backward_module, "BackwardLaunch", SpyLaunch)
-    inputs = make_norm_inputs((6, N), torch.bfloat16, device)
-    y, rstd = rms_norm_forward(inputs["x"], inputs["weight"])
-    rms_norm_backward(inputs["grad"], inputs["x"], inputs["weight"], rstd, config=SMALL.to_json())
-    assert seen == [SMALL]
 
 
 # (id, change to layer_norm_backward's arguments, exception, substrings of the message)
