@@ -28,9 +28,9 @@ def holds_rows(config: BackwardConfig) -> bool:
 def carried_over(config: BackwardConfig, stand_in: str, dtype: str) -> tuple[BackwardConfig | None, str]:
     """A stand-in's `holds_rows` config for `dtype`, or None and why it does not carry over.
 
-    - recompute widens packed bf16 values again after the row reductions; for fp16 the kernel keeps fp32 copies as
-      well (H100 RMSNorm fp16 2048x16384 on the bf16 rule's recompute config: 878.5 µs, bf16 83.6), so an fp16
-      problem does not take a recompute config (the analytic default runs);
+    - the same element size (fp16 on a bf16 rule): the config as it is. recompute widens the packed 16-bit tile
+      again after the row reductions for either dtype (`widen_again`; sm_90 compile, RMSNorm 2048x16384 on a
+      1x16384 recompute tile: 128 registers and no stack in bf16 and in fp16);
     - twice the element size (fp32): a split row in twice the slices, each of the same bytes, without recompute,
       that `adapt` then fits to the row. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was:
       593.7 µs (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0. A whole row held
@@ -39,8 +39,6 @@ def carried_over(config: BackwardConfig, stand_in: str, dtype: str) -> tuple[Bac
     k1 = config.kernel_1
     factor = ITEMSIZE[dtype] // ITEMSIZE[stand_in]
     if factor == 1:
-        if k1.recompute:
-            return None, f"its config recomputes from packed {stand_in} values, which {dtype} cannot"
         return config, ""
     split = k1.row_split * factor
     if k1.row_split == 1:

@@ -168,7 +168,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
       0-30% faster), 16 from 4096 columns.
     - prefetch (load tile i+1 before computing tile i) whenever its registers fit the hardware budget: the
       largest single win measured, kernel_1 0.78x median over the 30 seed cases. Where it does not fit (one-row
-      tiles of 16384 columns), bf16 keeps the raw tile across the reductions instead (recompute).
+      tiles of 16384 columns), 16-bit rows keep the raw tile across the reductions instead (recompute).
     - evict_first on the streaming loads (0-3% better), programs_per_sm=1: a second program per SM doubled
       kernel_2's partials for no kernel_1 gain once prefetch keeps loads in flight.
     - kernel_2: many programs of narrow columns and tall tiles (it is latency-bound: a 32x128 tile took
@@ -192,8 +192,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
         if columns.is_valid(problem):
             return columns
     split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0) if two_pass else 0
-    if split and problem.M > MAX_COLUMNS_ROWS and problem.dtype == "bf16":
-        # Many bf16 rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
+    if split and problem.M > MAX_COLUMNS_ROWS and problem.itemsize == 2:
+        # Many 16-bit rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
         # dw/db per column so that 2-4-row tiles fit. H100, 4096x32768 (docs/experiments/data/wide_rows_h100.jsonl):
         # LayerNorm 2x8192 tiles 365 µs, RMSNorm 4x8192 361 µs, against 1130 and 724 µs two-pass.
         split_k1 = Kernel1Config(block_row=2 if problem.has_bias else 4, block_col=row_block_col(problem.N, split),
@@ -218,7 +218,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     # keep their raw tile across the reductions instead of fp32 copies (recompute: 2048x16384 167 -> 126 µs on
     # the H100). RMSNorm fits without it and runs slower with it (2048x16384: 87.2 vs 84.5 µs H100, 74.3 vs
     # 68.1 µs H200).
-    recompute = (not two_pass and not prefetch and problem.dtype == "bf16" and block_row == 1
+    recompute = (not two_pass and not prefetch and problem.itemsize == 2 and block_row == 1
                  and bool(problem.has_bias))
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
                        programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
@@ -229,8 +229,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     k2 = Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps)
     # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
     # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
-    candidates = [k1, dataclasses.replace(k1, recompute=problem.dtype == "bf16"),
-                  dataclasses.replace(k1, recompute=problem.dtype == "bf16", num_warps=min(32, 2 * num_warps)),
+    candidates = [k1, dataclasses.replace(k1, recompute=problem.itemsize == 2),
+                  dataclasses.replace(k1, recompute=problem.itemsize == 2, num_warps=min(32, 2 * num_warps)),
                   Kernel1Config(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
                                 two_pass=True, eviction_policy="evict_first", prefetch=True)]
     for cand in candidates:

@@ -379,18 +379,14 @@ def test_lookup_always_returns_a_valid_config(table, M, N, family, which):
        which=st.sampled_from(["h100.json", "h200.json"]))
 def test_fp16_takes_the_bf16_rules(M, N, norm, which):
     """The shipped tables hold bf16 only: fp16 (the same element size) reads the bf16 family's rule for the
-    shape, adapted and validated for fp16, and gets the same launch as bf16 wherever that does not recompute from
-    packed bf16 values (there the analytic default runs)."""
+    shape, adapted and validated for fp16, and gets the same launch as bf16, recompute included (it widens the
+    packed fp16 tile again as it does bf16's)."""
     tab = _shipped(which)
     p16 = Problem(norm, M, N, "fp16", has_bias=norm == "layer_norm")
     p16_bf16 = dataclasses.replace(p16, dtype="bf16", weight_dtype="bf16")
     match = tab.match(p16)
     assert match.family_key == p16_bf16.family.key and not match.exact_family
-    bf16 = tab.lookup(p16_bf16)
-    if match.rule is not None and match.rule.config.kernel_1.recompute:  # packs bf16 only: the default runs
-        assert match.config is None and "recomputes from packed bf16 values" in match.reason(p16)
-    else:
-        assert match.refused is None and tab.lookup(p16) == bf16
+    assert match.refused is None and tab.lookup(p16) == tab.lookup(p16_bf16)
     if match.config is not None:
         match.config.validate(p16)
         assert "closest tuned family" in match.reason(p16)

@@ -26,6 +26,9 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 64, 4096, "bf16", "input", "dual"),
     ("rms_norm", 100, 8192, "bf16", "output", "dual"),
     ("layer_norm", 64, 4096, "bf16", "input", "pdl"),
+    ("rms_norm", 2048, 16384, "bf16", "input", "recompute"),
+    ("rms_norm", 2048, 16384, "fp16", "input", "recompute"),
+    ("rms_norm", 1, 16384, "fp16", "input", "recompute"),  # M = 1 compiles as a constant
 ]
 PICK = {
     "default": lambda c, d: c == d,
@@ -36,22 +39,38 @@ PICK = {
     "columns": lambda c, d: c.kernel_1.strategy == "columns",
     "dual": lambda c, d: c.kernel_1.strategy == "dual",
     "pdl": lambda c, d: c.kernel_2.pdl,
+    "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
 }
+# Cases whose kernel_1 must keep everything in registers (no stack frame): recompute widens the packed 16-bit
+# tile again after the row reductions instead of keeping fp32 copies live, in fp16 as in bf16.
+NO_STACK = ("recompute",)
 POINTERS = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16": "*fp16", "torch.int32": "*i32"}
 
 
 def _signature(kernel, args, kwargs):
-    """Triton's signature and compile-time values for a `warmup(*args, **kwargs)` call."""
+    """Triton's signature, compile-time values and argument attributes for a `warmup(*args, **kwargs)` call,
+    specialized as a launch on the same values is: buffers start 16-byte aligned (`launch._placeholder_args`),
+    integers divisible by 16 are marked so, and an integer 1 becomes a compile-time constant."""
     values = iter(args)
-    signature, constants = {}, {}
-    for p in kernel.params:
+    signature, constants, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
         if p.is_constexpr:
             signature[p.name] = "constexpr"
             constants[p.name] = kwargs.get(p.name, kernel.signature.parameters[p.name].default)
+            continue
+        a = next(values)
+        if "torch." in str(a):
+            signature[p.name] = POINTERS[str(a)]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, float):
+            signature[p.name] = "fp32"
+        elif a == 1 and not p.do_not_specialize:
+            signature[p.name], constants[p.name] = "constexpr", 1
         else:
-            a = next(values)
-            signature[p.name] = POINTERS[str(a)] if "torch." in str(a) else ("fp32" if isinstance(a, float) else "i32")
-    return signature, constants
+            signature[p.name] = "i32"
+            if a % 16 == 0 and not p.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constants, attrs
 
 
 def main() -> None:
@@ -79,16 +98,39 @@ def main() -> None:
         before = len(calls)
         launch.precompile(problem, config, 132, torch.device("cpu"))
         for kernel, args, kwargs in calls[before:]:
-            signature, constants = _signature(kernel, args, kwargs)
+            signature, constants, attrs = _signature(kernel, args, kwargs)
             options = {k: v for k, v in kwargs.items() if k not in signature}
+            async_copies = stack = None
             try:
-                triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                               options=options)
+                compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                                          target=GPUTarget("cuda", 90, 32), options=options)
+                async_copies = compiled.asm["ptx"].count("cp.async.c")
+                stack = _stack_bytes(compiled.asm["cubin"])
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
                 error = f"{type(err).__name__}: {str(err)[-600:]}"
-            print(json.dumps({"case": f"{norm} {M}x{N} {pick}", "kernel": kernel.fn.__name__,
-                              "config": str(config), "error": error}), flush=True)
+            print(json.dumps({"case": f"{norm} {dtype} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
+                              "config": str(config), "error": error, "async_copies": async_copies,
+                              "stack": stack}), flush=True)
+
+
+def _stack_bytes(cubin: bytes) -> int | None:
+    """The kernel's stack frame in bytes (spilled registers live there), from the cuobjdump bundled with Triton;
+    None where there is none to ask."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"STACK:(\d+)", usage)
+    return int(found.group(1)) if found else None
 
 
 def _ptxas_available() -> bool:
@@ -109,6 +151,9 @@ def test_every_strategy_compiles_for_hopper():
             "kernel_2"} <= {kernel for _, kernel in compiled}
     failed = [r for r in lines if r["error"]]
     assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
+    for r in lines:
+        if r["pick"] in NO_STACK and r["kernel"] == "kernel_1_single_pass" and r["stack"] is not None:
+            assert r["stack"] == 0, r
 
 
 if __name__ == "__main__":

@@ -451,8 +451,8 @@ def check_default_for(problem: Problem) -> None:
         assert cfg.kernel_1.block_col >= slice_width(problem.N, cfg.kernel_1.row_split)
     if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
         assert problem.N > 16384 and problem.M <= 2048
-    if cfg.kernel_1.row_split > 1:  # only many bf16 rows too wide for one pass, in slices of at most 8192
-        assert problem.N > 16384 and problem.M > 2048 and problem.dtype == "bf16"
+    if cfg.kernel_1.row_split > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
+        assert problem.N > 16384 and problem.M > 2048 and problem.itemsize == 2
         assert cfg.kernel_1.column_accumulators and slice_width(problem.N, cfg.kernel_1.row_split) <= 8192
     programs = num_programs(problem.M, problem.N, cfg, 132)
     if problem.M == 0:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normtune.kernels.backward.common import widen
+from normtune.kernels.backward.common import unprovable_zero, widen_again
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import prototype_baseline, prototype_inputs, prototype_setup, record_prototype  # noqa: E402
@@ -75,10 +75,10 @@ def _finish(SUMS, FLAGS, DX, group, part, k, g_raw, x_raw, r, mu, w, rows, M, st
     c1 = (tl.load(base + rr, cache_modifier=".cg") + tl.load(base + 2 * BLOCK_ROW + rr, cache_modifier=".cg")) / N
     c2 = (tl.load(base + BLOCK_ROW + rr, cache_modifier=".cg")
           + tl.load(base + 3 * BLOCK_ROW + rr, cache_modifier=".cg")) / N
-    # Widen the raw tiles again through bit operations (see `widen`): the compiler cannot merge this with the
+    # Widen the raw tiles again (see `widen_again`): the compiler cannot merge this with the
     # conversion before the wait, so only the packed bf16 tiles stay live across it (the shipped RECOMPUTE).
-    xhat = (widen(x_raw, True) - mu[:, None]) * r[:, None]
-    dx = (w[None, :] * widen(g_raw, True) - c2[:, None] - xhat * c1[:, None]) * r[:, None]
+    xhat = (widen_again(x_raw, unprovable_zero(M)) - mu[:, None]) * r[:, None]
+    dx = (w[None, :] * widen_again(g_raw, unprovable_zero(M)) - c2[:, None] - xhat * c1[:, None]) * r[:, None]
     mask = (rows < M)[:, None] & col_mask[None, :]
     tl.store(DX + rows[:, None].to(tl.int64) * stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 

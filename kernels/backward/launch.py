@@ -82,7 +82,6 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
     k1, k2 = config.kernel_1, config.kernel_2
     return dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
-                BF16_BITS=p.dtype == "bf16" and (p.weight_dtype == "bf16" or not p.has_weight),
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
                 RED_STAGES=k2.num_stages, COLUMN_ACC=k1.column_accumulators, num_warps=k1.num_warps)

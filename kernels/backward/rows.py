@@ -24,8 +24,9 @@ from .common import (
     recovery_bias,
     scaled_normalized,
     store_rows,
+    unprovable_zero,
     weight_from_raw,
-    widen,
+    widen_again,
 )
 from .reduce import gdc_launch_dependents, reduce_columns
 
@@ -74,8 +75,7 @@ def kernel_1_single_pass(
     NUM_STAGES: tl.constexpr,  # Triton software pipelining of the tile loop (async copies through shared memory)
     PREFETCH: tl.constexpr,  # load tile i+1 into registers before computing tile i (register double-buffering)
     RELOAD_WEIGHT: tl.constexpr,  # load w per tile (L1-resident) instead of holding it in registers
-    RECOMPUTE: tl.constexpr,  # keep the raw (bf16) tile across the row reductions, widen it again after them
-    BF16_BITS: tl.constexpr,  # the activations (and weight, for RECOMPUTE) are bf16: widen by bit operations
+    RECOMPUTE: tl.constexpr,  # keep the raw (16-bit) tile across the row reductions, widen it again after them
     EVICTION: tl.constexpr, INT64: tl.constexpr,
     PDL: tl.constexpr,  # let kernel_2 launch now: it waits (gdc_wait) for this grid's writes before reading
     ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
@@ -124,7 +124,7 @@ def kernel_1_single_pass(
                                     FROM_OUTPUT, EVICTION, INT64)
         if RELOAD_WEIGHT:
             w_raw = load_weight_raw(W, cols, col_mask, HAS_WEIGHT)
-            w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, False)
+            w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, False, 0)
         g_raw, s_raw = g, s
         g = g_raw.to(tl.float32)
         s = s_raw.to(tl.float32)
@@ -152,12 +152,13 @@ def kernel_1_single_pass(
         if PHASE != 1:
             if RECOMPUTE:
                 # Widen the raw tile again rather than keeping fp32 x̂ and w·g live across the reductions: halves
-                # the registers the tile holds there (bf16 packs two per register), so wide LayerNorm rows fit.
+                # the registers the tile holds there (16-bit values pack two per register), so wide rows fit.
+                zero = unprovable_zero(M)
                 if RELOAD_WEIGHT:
-                    w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, BF16_BITS)
-                xhat = normalized(widen(s_raw, BF16_BITS), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
+                    w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, True, zero)
+                xhat = normalized(widen_again(s_raw, zero), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
                                   RECOVER_LIMIT)
-                wg = w[None, :] * widen(g_raw, BF16_BITS)
+                wg = w[None, :] * widen_again(g_raw, zero)
             store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
     if PHASE != 1:
         partial = group * N + cols
@@ -200,7 +201,7 @@ def kernel_1_two_pass(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, BF16_BITS: tl.constexpr, EVICTION: tl.constexpr,
+    RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, EVICTION: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False,
