@@ -74,7 +74,7 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None)
                 cand = BackwardConfig(dataclasses.replace(k1, block_col=width, row_split=split), config.kernel_2)
                 if cand.is_valid(problem):
                     return cand
-        k1 = dataclasses.replace(k1, row_split=1)
+        k1 = dataclasses.replace(k1, row_split=1, pipelined_split=False)  # nothing to exchange: the plain loop
     if sm_count:
         want = max(1, round(k1.programs_per_sm * sm_count) // 4)
         while k1.block_row > 1 and -(-problem.M // k1.block_row) < want:

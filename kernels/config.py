@@ -84,6 +84,11 @@ class Kernel1Config:
     block_row times fewer accumulator registers, so taller tiles fit: fewer row-sum exchanges per row under
     row_split, and more rows in flight per load.
 
+    pipelined_split (row_split > 1): the exchange of row sums inside the tile loop waits through inline assembly
+    instead of Triton's CTA barrier, which Triton's software pipeliner refuses: with num_stages > 1 the split
+    tile loop then issues its loads num_stages - 1 tiles ahead as it does for unsplit rows (without it, a split
+    row's num_stages has no effect). Same values, same order of additions.
+
     strategy="columns" (few rows): one program per block_col-wide column slice sweeps all M rows, block_row at a
     time, and writes the final dw/db itself; the rows' two sums come from a small kernel run first. No partial
     buffer and no kernel_2 (kernel_2's fields are ignored). programs_per_sm, two_pass, row_split, recompute do
@@ -108,6 +113,7 @@ class Kernel1Config:
     row_split: int = 1
     strategy: str = "rows"
     column_accumulators: bool = False
+    pipelined_split: bool = False
 
     def __post_init__(self) -> None:
         # 2 and 2.0 are the same grid: keep one spelling so configs hash and serialize identically.
@@ -144,6 +150,11 @@ class Kernel1Config:
                               "two_pass=false and strategy='rows', or column_accumulators=false")
         _check_choice("kernel_1.strategy", self.strategy, STRATEGIES)
         _check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
+        if not isinstance(self.pipelined_split, bool):
+            raise ConfigError(f"kernel_1.pipelined_split={self.pipelined_split!r} must be true or false")
+        if self.pipelined_split and (self.row_split == 1 or self.strategy != "rows"):
+            raise ConfigError("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split "
+                              "> 1 with strategy='rows', or pipelined_split=false")
         if self.strategy == "columns":
             self._validate_columns(problem)
         elif self.strategy == "dual" and (self.two_pass or self.row_split != 1 or self.recompute):
@@ -324,7 +335,7 @@ class BackwardConfig:
         mode = "2pass" if k1.two_pass else "1pass"
         ev = f" {k1.eviction_policy}" if k1.eviction_policy else ""
         pf = ((" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
-              + (" colacc" if k1.column_accumulators else ""))
+              + (" colacc" if k1.column_accumulators else "") + (" pipelined" if k1.pipelined_split else ""))
         if k1.strategy == "columns":
             return (f"k1[columns {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages}{pf}{ev}] "
                     "k2[none]")

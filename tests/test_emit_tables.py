@@ -242,6 +242,22 @@ def test_a_split_rule_keeps_its_tile_on_other_widths():
     assert wider.kernel_1 == dataclasses.replace(rule.kernel_1, row_split=4)
 
 
+def test_a_pipelined_split_rule_on_rows_too_narrow_to_split_runs_them_whole():
+    """A rule whose split row's exchange is pipelined keeps it wherever the row still splits; on a row whose
+    slices would be under 256 columns it runs the whole row in one program, unpipelined (nothing to exchange),
+    rather than the analytic default."""
+    rule = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16, num_stages=3, row_split=2,
+                                        eviction_policy="evict_first", pipelined_split=True),
+                          Kernel2Config(block_m=128, block_n=16))
+    wide = Problem("layer_norm", 2048, 12288, "bf16", has_bias=True)
+    assert adapt(rule, wide).kernel_1 == dataclasses.replace(rule.kernel_1, block_col=8192)
+    narrow = Problem("layer_norm", 2048, 400, "bf16", has_bias=True)
+    got = adapt(rule, narrow)
+    assert got != default_config(narrow)
+    assert (got.kernel_1.row_split, got.kernel_1.pipelined_split, got.kernel_1.num_stages) == (1, False, 3)
+    got.validate(narrow)
+
+
 def test_a_split_rule_is_checked_on_its_fitted_shapes_not_its_bounds():
     """A 3-slice rule fitted at 12288 columns whose range reaches 14188 (halfway to the next fitted width) loads:
     it runs the shapes it was fitted on, and a lookup at 14080 adapts it (4 slices of 4096). A config that cannot

@@ -9,6 +9,7 @@ one JSON line per kernel; the test runs it in a subprocess without the interpret
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,10 +27,15 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 64, 4096, "bf16", "input", "dual"),
     ("rms_norm", 100, 8192, "bf16", "output", "dual"),
     ("layer_norm", 64, 4096, "bf16", "input", "pdl"),
+    ("layer_norm", 2048, 16384, "bf16", "input", "pipelined2"),
+    ("rms_norm", 1024, 28672, "fp16", "output", "pipelined7"),
+    ("layer_norm", 2048, 16384, "bf16", "input", "staged-split2"),
     ("rms_norm", 2048, 16384, "bf16", "input", "recompute"),
     ("rms_norm", 2048, 16384, "fp16", "input", "recompute"),
     ("rms_norm", 1, 16384, "fp16", "input", "recompute"),  # M = 1 compiles as a constant
 ]
+# Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
+PIPELINED = {"pipelined2": True, "pipelined7": True, "staged-split2": False}
 PICK = {
     "default": lambda c, d: c == d,
     "split3": lambda c, d: c.kernel_1.row_split == 3,
@@ -39,6 +45,10 @@ PICK = {
     "columns": lambda c, d: c.kernel_1.strategy == "columns",
     "dual": lambda c, d: c.kernel_1.strategy == "dual",
     "pdl": lambda c, d: c.kernel_2.pdl,
+    "pipelined2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
+    "pipelined7": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 7,
+    # the same split seed with its exchange plain: Triton's pipeliner skips the loop (no async copy)
+    "staged-split2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
 }
 # Cases whose kernel_1 must keep everything in registers (no stack frame): recompute widens the packed 16-bit
@@ -94,6 +104,8 @@ def main() -> None:
         config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
         if pick == "split2-fused":
             config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1, fused=True))
+        if pick == "staged-split2":
+            config = BackwardConfig(dataclasses.replace(config.kernel_1, pipelined_split=False), config.kernel_2)
         config.validate(problem)
         before = len(calls)
         launch.precompile(problem, config, 132, torch.device("cpu"))
@@ -152,6 +164,8 @@ def test_every_strategy_compiles_for_hopper():
     failed = [r for r in lines if r["error"]]
     assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
     for r in lines:
+        if r["pick"] in PIPELINED and r["kernel"] == "kernel_1_single_pass":
+            assert (r["async_copies"] > 0) == PIPELINED[r["pick"]], r
         if r["pick"] in NO_STACK and r["kernel"] == "kernel_1_single_pass" and r["stack"] is not None:
             assert r["stack"] == 0, r
 

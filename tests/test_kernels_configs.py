@@ -110,6 +110,11 @@ BAD_CONFIGS = [
     (BackwardConfig(K1(block_col=256, programs_per_sm=True)), PROBLEM, ["kernel_1.programs_per_sm=True"]),
     (BackwardConfig(K1(block_col=256, programs_per_sm="2")), PROBLEM, ["kernel_1.programs_per_sm='2'"]),
     (BackwardConfig(K1(block_col=256, recompute=1)), PROBLEM, ["kernel_1.recompute=1", "true or false"]),
+    (BackwardConfig(K1(block_col=256, pipelined_split=1)), PROBLEM, ["kernel_1.pipelined_split=1", "true or false"]),
+    (BackwardConfig(K1(block_col=256, pipelined_split=True)), PROBLEM,
+     ["kernel_1.pipelined_split=true", "row_split > 1", "pipelined_split=false"]),
+    (BackwardConfig(K1(block_col=256, strategy="dual", pipelined_split=True)), PROBLEM,
+     ["kernel_1.pipelined_split=true", "strategy='rows'"]),
     (BackwardConfig(K1(block_col=64, two_pass=True, recompute=True)), PROBLEM,
      ["kernel_1.recompute=true", "single pass", "recompute=false"]),
     (BackwardConfig(K1(block_row=True, block_col=256)), PROBLEM, ["kernel_1.block_row=True", "integer"]),
@@ -202,6 +207,7 @@ K1_VARIATIONS = {
     "strategy": ["columns", "dual"],  # columns with its slice: block_col 16..256; dual with its column tile
     "row_split": [2, 3, 4, 5, 6, 7, 8],  # on the wide problems only (slices of >= 256 columns): SPLIT_VARIATIONS
     "column_accumulators": [True],  # 2-row base tiles; taller ones below and in SPLIT_VARIATIONS
+    "pipelined_split": [True],  # split rows only: SPLIT_VARIATIONS (the GPU's exchange; the interpreter's phases)
 }
 K2_VARIATIONS = {
     "block_m": [1, 2, 16, 32],
@@ -220,7 +226,7 @@ def _k1(**fields) -> BackwardConfig:
 def _variations():
     out = [("base", BASE)]
     for name, values in K1_VARIATIONS.items():
-        if name in ("strategy", "row_split"):
+        if name in ("strategy", "row_split", "pipelined_split"):
             continue
         out += [(f"k1.{name}={v}", dataclasses.replace(BASE, kernel_1=dataclasses.replace(BASE.kernel_1, **{name: v})))
                 for v in values]
@@ -294,6 +300,12 @@ def _split_variations():
                         BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))
         out.append((f"k1.row_split={split}+k2.fused", BackwardConfig(
             base, dataclasses.replace(BASE.kernel_2, fused=True))))
+        # The exchange pipelined: three stages on the base tile; two on the tall tile keeping the raw tile.
+        for fields in ({"num_stages": 3}, {"num_stages": 2, "block_row": 4, "num_warps": 16, "recompute": True,
+                                           "column_accumulators": True}):
+            label = "+".join(f"{k}={v}" for k, v in fields.items())
+            out.append((f"k1.pipelined_split=True+row_split={split}+{label}", BackwardConfig(
+                dataclasses.replace(base, pipelined_split=True, **fields), BASE.kernel_2)))
     return out
 
 

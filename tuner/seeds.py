@@ -115,7 +115,27 @@ def strategies(space: Space) -> list[BackwardConfig]:
                     programs_per_sm=1, eviction_policy=hint, prefetch=True), Kernel2Config()))
     wide = min(128, next_power_of_two(p.N))
     alts.append(BackwardConfig(k1, Kernel2Config(block_m=32, block_n=wide, num_warps=4, fused=True)))
+    alts += _pipelined_splits(space, [base] + alts)
     return space.worth_measuring(alts)
+
+
+def _pipelined_splits(space: Space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
+    """Each split-row config (the default's, the seeds') again with its exchange pipelined (`pipelined_split`), three stages deep where the
+    staged tiles fit shared memory, else two. Without it a split tile loop compiles to no asynchronous copy
+    whatever its num_stages (the exchange's CTA barrier stops Triton's pipeliner; sm_90 compile: LayerNorm
+    2048x16384 split 2 on 1x8192 tiles, 8 warps, recompute, 3 stages, has 0 cp.async, pipelined 42)."""
+    out = []
+    for cfg in configs:
+        k1 = cfg.kernel_1
+        if k1.row_split == 1 or k1.pipelined_split:
+            continue
+        for stages in (3, 2):
+            piped = BackwardConfig(dataclasses.replace(k1, pipelined_split=True, prefetch=False, num_stages=stages),
+                                   cfg.kernel_2)
+            if space.why_not(piped) is None:
+                out.append(piped)
+                break
+    return out
 
 
 def _tall_split_tiles(N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:

@@ -45,6 +45,7 @@ K1_DOMAINS: dict[str, tuple] = {
     "prefetch": (False, True),
     "recompute": (False, True),
     "column_accumulators": (False, True),
+    "pipelined_split": (False, True),  # offered where rows split (decided after row_split and num_stages)
 }
 K2_DOMAINS: dict[str, tuple] = {
     "block_m": (32, 64, 128, 256),
@@ -88,6 +89,8 @@ class Space:
                        if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256)
                        and (is_power_of_two(s) or fitting_split(p.N, s)))
         d["k1.row_split"] = splits or (1,)
+        if len(d["k1.row_split"]) == 1:
+            d["k1.pipelined_split"] = (False,)
         modes = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.two_pass"] = modes
         d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
@@ -118,6 +121,7 @@ class Space:
             recompute=bool(params.get("k1.recompute", False)) and single and not dual,
             column_accumulators=bool(params.get("k1.column_accumulators", False)) and single and not dual,
             row_split=row_split, strategy=strategy,
+            pipelined_split=bool(params.get("k1.pipelined_split", False)) and row_split > 1,
         )
         if columns:
             return BackwardConfig(k1, self.columns_kernel_2())
@@ -171,6 +175,8 @@ class Space:
                     f"{k1.tile()}-element tile")
         if k1.prefetch and k1.num_stages > 1:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
+        if k1.pipelined_split and k1.num_stages == 1:
+            return "pipelined_split with num_stages = 1 issues the same loads as the plain exchange: use num_stages > 1"
         if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
             return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
         if k1.strategy in ROW_SWEEPING and self.problem.M > MAX_COLUMNS_ROWS:
@@ -218,6 +224,7 @@ class Space:
                     sub["k1.row_split"] = d["k1.row_split"][:1]
                     sub["k1.recompute"] = (False,)
                     sub["k1.column_accumulators"] = (False,)
+                    sub["k1.pipelined_split"] = (False,)
                 if strategy != "columns" and not two_pass:
                     sub["k1.block_col"] = d["k1.block_col"][:1]
                 if strategy == "columns":

@@ -188,6 +188,51 @@ def arrive_and_wait(COUNTER, target):
     tl.debug_barrier()
 
 
+# `arrive_and_wait` as one block of PTX, for waits inside a software-pipelined loop: Triton's pipeliner leaves a
+# loop holding `tl.debug_barrier` unpipelined, so a split row's exchange inside the tile loop would cost it every
+# async copy. The CTA barrier is `barrier.sync 0` here (ordering this program's stores before the release, and the
+# acquired sums before every thread's reads; not `.aligned`, since warp 0 reaches the second one after thread 0
+# alone has polled); thread 0 alone adds and polls. The block yields 0, a token that the
+# reads of the published sums take as an operand, so that nothing moves them ahead of the wait.
+_ARRIVE_AND_WAIT_PTX = tl.constexpr("""{
+.reg .pred %p_wait;
+.reg .u32 %tid_wait;
+.reg .s32 %count_wait;
+barrier.sync 0;
+mov.u32 %tid_wait, %tid.x;
+setp.ne.u32 %p_wait, %tid_wait, 0;
+@%p_wait bra DONE_WAIT;
+red.release.gpu.global.add.s32 [$1], 1;
+POLL_WAIT:
+ld.acquire.gpu.global.s32 %count_wait, [$1];
+setp.lt.s32 %p_wait, %count_wait, $2;
+@%p_wait bra POLL_WAIT;
+DONE_WAIT:
+barrier.sync 0;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def arrive_and_wait_in_loop(COUNTER, target):
+    """`arrive_and_wait` that Triton's pipeliner accepts inside its loop (see `_ARRIVE_AND_WAIT_PTX`); returns
+    an int32 zero for `load_after_wait`. GPU only: the interpreter runs no inline assembly (its PHASEs never
+    wait)."""
+    address = tl.full([1], 0, tl.int64) + COUNTER.to(tl.int64, bitcast=True)
+    return tl.inline_asm_elementwise(_ARRIVE_AND_WAIT_PTX, "=r,l,r", [address, tl.full([1], target, tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def load_after_wait(pointers, token):
+    """fp32 values at `pointers`, read from L2 (`ld.global.cg`) after the wait that returned `token`: inline
+    assembly that takes the token as an operand, which the pipeliner neither hoists nor turns into an early
+    asynchronous copy (a plain load of the published sums was moved ahead of the wait)."""
+    address = pointers.to(tl.int64, bitcast=True) + tl.max(token, axis=0).to(tl.int64)
+    return tl.inline_asm_elementwise("ld.global.cg.f32 $0, [$1];", "=r,l", [address], dtype=tl.float32,
+                                     is_pure=False, pack=1)
+
+
 @triton.jit
 def leave_and_reset(COUNTER, DONE, members):
     """Called once per program after its last wait on COUNTER: the last of `members` programs to leave resets

@@ -84,7 +84,8 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
                 PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
-                RED_STAGES=k2.num_stages, COLUMN_ACC=k1.column_accumulators, num_warps=k1.num_warps)
+                RED_STAGES=k2.num_stages, COLUMN_ACC=k1.column_accumulators, PIPELINED=k1.pipelined_split,
+                num_warps=k1.num_warps)
 
 
 def _dual_kwargs(p: Problem, config: BackwardConfig, int64: bool) -> dict:

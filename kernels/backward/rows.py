@@ -15,9 +15,11 @@ import triton.language as tl
 from .common import (
     COUNTER_STRIDE,
     arrive_and_wait,
+    arrive_and_wait_in_loop,
     effective_weight,
     grad_input,
     leave_and_reset,
+    load_after_wait,
     load_rows,
     load_weight_raw,
     normalized,
@@ -33,29 +35,46 @@ from .reduce import gdc_launch_dependents, reduce_columns
 
 @triton.jit
 def _exchange_row_sums(SUMS, COUNTER, group, part, k, c1_part, c2_part, ROW_SPLIT: tl.constexpr,
-                       SLOTS: tl.constexpr, BLOCK_ROW: tl.constexpr, PHASE: tl.constexpr):
+                       SLOTS: tl.constexpr, BLOCK_ROW: tl.constexpr, PHASE: tl.constexpr, PIPELINED: tl.constexpr):
     """Publish this slice's row sums of the group's k-th tile, wait for the group's other slices, and return
     the full sums added in slice order (the same bits in every program of the group). Slot k % SLOTS: with
     two slots a program cannot overwrite a slot before every member has read it (it would first have to pass
-    the wait of the tile in between, which needs every member to have arrived there)."""
+    the wait of the tile in between, which needs every member to have arrived there). PIPELINED waits and reads
+    through inline assembly, which keeps the tile loop software-pipelined (see `arrive_and_wait_in_loop`); the
+    values and their order are the same."""
     rr = tl.arange(0, BLOCK_ROW)
     base = SUMS + ((group * SLOTS + k % SLOTS) * ROW_SPLIT) * (2 * BLOCK_ROW)
     if PHASE != 2:
         tl.store(base + part * (2 * BLOCK_ROW) + rr, c1_part)
         tl.store(base + part * (2 * BLOCK_ROW) + BLOCK_ROW + rr, c2_part)
+    token = 0
     if PHASE == 0:
-        arrive_and_wait(COUNTER + group * COUNTER_STRIDE, ROW_SPLIT * (k + 1))
+        if PIPELINED:
+            token = arrive_and_wait_in_loop(COUNTER + group * COUNTER_STRIDE, ROW_SPLIT * (k + 1))
+        else:
+            arrive_and_wait(COUNTER + group * COUNTER_STRIDE, ROW_SPLIT * (k + 1))
+    AFTER_WAIT: tl.constexpr = PHASE == 0 and PIPELINED
     if (ROW_SPLIT & (ROW_SPLIT - 1)) == 0:
         parts = tl.arange(0, ROW_SPLIT)[:, None] * (2 * BLOCK_ROW) + rr[None, :]
-        c1 = tl.sum(tl.load(base + parts, cache_modifier=".cg"), axis=0)
-        c2 = tl.sum(tl.load(base + BLOCK_ROW + parts, cache_modifier=".cg"), axis=0)
+        c1 = tl.sum(_published(base + parts, token, AFTER_WAIT), axis=0)
+        c2 = tl.sum(_published(base + BLOCK_ROW + parts, token, AFTER_WAIT), axis=0)
     else:  # 3, 5, 6, 7 slices (no power-of-two block spans them): added one after another, in slice order
-        c1 = tl.load(base + rr, cache_modifier=".cg")
-        c2 = tl.load(base + BLOCK_ROW + rr, cache_modifier=".cg")
+        c1 = _published(base + rr, token, AFTER_WAIT)
+        c2 = _published(base + BLOCK_ROW + rr, token, AFTER_WAIT)
         for i in tl.static_range(1, ROW_SPLIT):
-            c1 += tl.load(base + i * (2 * BLOCK_ROW) + rr, cache_modifier=".cg")
-            c2 += tl.load(base + i * (2 * BLOCK_ROW) + BLOCK_ROW + rr, cache_modifier=".cg")
+            c1 += _published(base + i * (2 * BLOCK_ROW) + rr, token, AFTER_WAIT)
+            c2 += _published(base + i * (2 * BLOCK_ROW) + BLOCK_ROW + rr, token, AFTER_WAIT)
     return c1, c2
+
+
+@triton.jit
+def _published(pointers, token, AFTER_WAIT: tl.constexpr):
+    """Published row sums, read from L2 (the other programs wrote them): behind the inline-assembly wait that
+    returned `token` (`load_after_wait`), or as a plain load after `arrive_and_wait`."""
+    if AFTER_WAIT:
+        return load_after_wait(pointers, token)
+    else:
+        return tl.load(pointers, cache_modifier=".cg")
 
 
 @triton.jit
@@ -81,6 +100,7 @@ def kernel_1_single_pass(
     ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False,  # dw/db: one fp32 value per column, each tile's rows added in as it is done
+    PIPELINED: tl.constexpr = False,  # ROW_SPLIT: the exchange waits through inline assembly (pipelined loop)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -146,7 +166,7 @@ def kernel_1_single_pass(
         c2 = tl.sum(wg, axis=1)
         if ROW_SPLIT > 1:
             c1, c2 = _exchange_row_sums(SUMS, COUNTERS, group, part, (tile - group) // groups, c1, c2, ROW_SPLIT,
-                                        SLOTS, BLOCK_ROW, PHASE)
+                                        SLOTS, BLOCK_ROW, PHASE, PIPELINED)
         c1 = c1 / N
         c2 = c2 / N
         if PHASE != 1:
@@ -204,10 +224,10 @@ def kernel_1_two_pass(
     RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, EVICTION: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
-    COLUMN_ACC: tl.constexpr = False,
+    COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
-    ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE and COLUMN_ACC do not apply: pass 2 adds each chunk's rows to the
+    ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows to the
     partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1
     (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
     pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's

@@ -113,7 +113,8 @@ DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
 def inapplicable(key: str, params: dict[str, Any]):
     """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
     of its domain): the single-pass (and dual) column tile is derived from N, recompute and column_accumulators
-    are single-pass knobs, and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
+    are single-pass knobs, pipelined_split applies to split rows pipelined (row_split and num_stages are
+    decided before it), and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
     nothing."""
     strategy = params.get("k1.strategy", "rows")
     columns, dual = strategy == "columns", strategy == "dual"
@@ -125,6 +126,9 @@ def inapplicable(key: str, params: dict[str, Any]):
     if key == "k1.row_split" and dual:
         return lambda dom: dom[0]
     if key == "k1.column_accumulators" and (two_pass or columns or dual):
+        return lambda dom: False
+    if key == "k1.pipelined_split" and (two_pass or columns or dual or params.get("k1.row_split", 1) == 1
+                                        or params.get("k1.num_stages", 1) == 1):
         return lambda dom: False
     if dual and key in ("k2.num_warps", "k2.num_stages", "k2.pdl", "k2.fused"):
         return lambda dom: dom[0]
