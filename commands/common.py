@@ -218,10 +218,16 @@ def open_store(url: str):
 
 def read_only_store(db: str):
     """The results database for a command that only reads it (`emit` without --remeasure, `report`, `status`):
-    opened read-only, so that nothing is created, upgraded or switched to WAL."""
-    from normtune.tuner.store import Store
+    opened read-only, so that nothing is created, upgraded or switched to WAL. A SQLite file of an older schema
+    is read through an upgraded copy (`Store.for_reading`), said in one note line."""
+    from normtune.tuner.store import SCHEMA_VERSION, Store
 
-    return Store(db, read_only=True)
+    store = Store.for_reading(db)
+    if store.upgraded_from is not None:
+        typer.secho(f"note: --db {db} has schema {store.upgraded_from}; read through a copy upgraded to schema "
+                    f"{SCHEMA_VERSION} and left unchanged (a writing command such as `normtune sweep` upgrades it "
+                    "in place)", err=True)
+    return store
 
 
 def write_text(path: Path, text: str, option: str = "--out") -> None:

@@ -10,7 +10,7 @@ import typer
 
 from .common import (
     DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Storage, Tokens, WeightDtype,
-    compile_processes, device_info, problems_option, refuse, run_checked, use_interpreter,
+    compile_processes, device_info, problems_option, read_only_store, refuse, run_checked, use_interpreter,
 )
 
 
@@ -133,11 +133,10 @@ def status(
     running trials and the best time vs the default config's; the workers and whether they are alive."""
     from rich.console import Console
 
-    from normtune.tuner.store import Store
     from normtune.tuner.sweep.progress import render_table, snapshot, worker_lines
 
     console = Console()
-    with run_checked(Store, db, read_only=True) as store:
+    with run_checked(read_only_store, db) as store:
         snap = run_checked(snapshot, store, prefix)
         if not snap.problems:
             console.print(f"no sweep studies named {prefix}… in {store.display_url}")

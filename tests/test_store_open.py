@@ -3,6 +3,7 @@ and drivers, the upgrade of schema-1 files, and one-line errors (never a stateme
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sqlite3
@@ -12,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
+from normtune.kernels.config import BackwardConfig
 from normtune.tuner.store import SCHEMA_VERSION, SchemaVersionError, Store, StoreError
 from test_store import CONFIG, H100, RMS, ok
 
@@ -152,36 +154,82 @@ def test_a_schema_1_database_is_read_as_it_is_and_upgraded_when_written(tmp_path
     con.close()
 
 
-def test_a_schema_3_database_is_refused_read_only_and_upgraded_when_written(tmp_path):
-    """Schema 3 lacks k1_column_accumulators, and stored configs written before a knob existed lack its key:
-    writing adds the column (old rows ran without the knob) and rewrites each config in canonical JSON, so a
-    lookup by config finds the old measurement."""
-    path = tmp_path / "results.db"
-    url = _filled(path)
+OLDER = [("3", ("column_accumulators", "pipelined_split")), ("4", ("pipelined_split",))]
+
+
+def _aged(path: Path, version: str, knobs: tuple[str, ...]) -> tuple[str, BackwardConfig]:
+    """A database made to look written by schema `version`: without the columns of `knobs` (added since), its
+    measurement's config without their keys. Returns its URL and that config as this normtune reads it (the knobs
+    at their defaults: what an older normtune ran)."""
+    config = BackwardConfig(dataclasses.replace(CONFIG.kernel_1, **{knob: False for knob in knobs}), CONFIG.kernel_2)
+    url = f"sqlite:///{path}"
+    with Store(url) as s:
+        run_id = s.start_run(H100, kind="sweep", command_line="x")
+        s.add_measurement(run_id, RMS, config, ok(80.0), source="sweep")
+        s.end_run(run_id)
     con = sqlite3.connect(path)
-    for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql LIKE "
-                               "'%k1_column_accumulators%'").fetchall():
-        con.execute(f"DROP INDEX {name}")
-    con.execute("ALTER TABLE normtune_measurements DROP COLUMN k1_column_accumulators")
-    old_json = CONFIG.to_json().replace(',"column_accumulators":false', "").replace(',"row_split":1', "")
-    assert old_json != CONFIG.to_json()
+    old_json = config.to_json()
+    for knob in knobs:
+        for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql LIKE "
+                                   f"'%k1_{knob}%'").fetchall():
+            con.execute(f"DROP INDEX {name}")
+        con.execute(f"ALTER TABLE normtune_measurements DROP COLUMN k1_{knob}")
+        old_json = old_json.replace(f',"{knob}":false', "")
+    assert old_json != config.to_json()
     con.execute("UPDATE normtune_measurements SET config_json = ?, config_hash = 'stale'", (old_json,))
-    con.execute("UPDATE normtune_meta SET value = '3' WHERE key = 'schema_version'")
+    con.execute("UPDATE normtune_meta SET value = ? WHERE key = 'schema_version'", (version,))
     con.commit()
     con.close()
+    return url, config
+
+
+@pytest.mark.parametrize("version,knobs", OLDER)
+def test_an_older_database_is_refused_read_only_and_upgraded_when_written(tmp_path, version, knobs):
+    """Schema 3 lacks k1_column_accumulators and k1_pipelined_split, schema 4 the latter, and stored configs
+    written before a knob existed lack its key: writing adds the columns (old rows ran without the knobs) and
+    rewrites each config in canonical JSON, so a lookup by config finds the old measurement."""
+    path = tmp_path / "results.db"
+    url, config = _aged(path, version, knobs)
     before = path.read_bytes()
     with pytest.raises(SchemaVersionError, match="upgrades it in place"):
         Store(url, read_only=True)
     assert path.read_bytes() == before
     with Store(url) as s:
         assert s.schema_version == str(SCHEMA_VERSION)
-        found = s.measurements(config=CONFIG)
-        assert found and all(m.config == CONFIG for m in found)
-        assert s.count_measurements(config=CONFIG) == s.count_measurements()
+        found = s.measurements(config=config)
+        assert found and all(m.config == config for m in found)
+        assert s.count_measurements(config=config) == s.count_measurements()
     con = sqlite3.connect(path)
-    assert con.execute("SELECT DISTINCT k1_column_accumulators FROM normtune_measurements").fetchall() == [(0,)]
-    assert con.execute("SELECT DISTINCT config_json FROM normtune_measurements").fetchall() == [(CONFIG.to_json(),)]
+    for knob in knobs:
+        assert con.execute(f"SELECT DISTINCT k1_{knob} FROM normtune_measurements").fetchall() == [(0,)]
+    assert con.execute("SELECT DISTINCT config_json FROM normtune_measurements").fetchall() == [(config.to_json(),)]
     con.close()
+
+
+@pytest.mark.parametrize("version,knobs", OLDER)
+def test_an_older_database_is_read_through_an_upgraded_copy(tmp_path, version, knobs):
+    """A reading command on an older SQLite file reads an upgraded snapshot of it: lookups by today's config find
+    the old measurements, the file stays byte for byte as it was, the copy goes on close, and the command says so
+    in one line."""
+    folder = tmp_path / "db"
+    folder.mkdir()
+    url, config = _aged(folder / "results.db", version, knobs)
+    before = _files(folder)
+    with Store.for_reading(url) as s:
+        assert s.upgraded_from == version and s.read_only
+        assert [m.config for m in s.measurements(config=config)] == [config]
+        scratch = Path(s._scratch)
+        assert scratch.is_dir() and not scratch.is_relative_to(tmp_path)
+        with pytest.raises(StoreError):
+            s.start_run(H100, kind="sweep", command_line="y")
+    assert not scratch.exists() and _files(folder) == before
+    result = CliRunner().invoke(app, ["status", "--db", str(folder / "results.db")])
+    assert result.exit_code == 0, result.output
+    assert f"note: --db {folder / 'results.db'} has schema {version}; read through a copy" in result.output
+    assert _files(folder) == before
+    Store(url).close()  # upgraded in place: read as it is from now on
+    with Store.for_reading(url) as s:
+        assert s.upgraded_from is None and s._scratch is None and s.schema_version == str(SCHEMA_VERSION)
 
 
 def test_status_reads_a_database_without_changing_it(tmp_path):

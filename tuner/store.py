@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import shutil
+import tempfile
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
@@ -35,9 +37,9 @@ from normtune.tuner.results import STATUSES, MeasureResult
 
 from . import store_schema
 from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RUN_STATUSES, SCHEMA_VERSION,
-                           MeasurementModel, MeasurementRecord, MetaModel, PeerRecord, PeerResultModel, ProblemModel,
-                           RunModel, RunRecord, SchemaVersionError, StoreError, StoreIntegrityError, _check_choice,
-                           _config_hash, _figure, _measurement_record, _now, _peer_record, _problem, _run_record,
+                           MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
+                           PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
+                           StoreIntegrityError, _check_choice, _config_hash, _figure, _measurement_record, _now, _peer_record, _problem, _run_record,
                            device_columns)
 from .store_schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
 from .store_workers import WorkerCoordination
@@ -61,6 +63,8 @@ class Store(WorkerCoordination):
         self._engine = store_schema.create(self.url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._problem_ids: dict[str, int] = {}
+        self.upgraded_from: str | None = None  # `for_reading`: the older schema of the file read through a copy
+        self._scratch: str | None = None  # `for_reading`: the folder of that copy
         try:
             # Check before anything writes: a database that is not ours to change is left exactly as it was.
             self.schema_version = store_schema.check(self._engine, self.display_url, read_only=read_only)
@@ -70,6 +74,28 @@ class Store(WorkerCoordination):
         except BaseException:
             self._engine.dispose()
             raise
+
+    @classmethod
+    def for_reading(cls, url: str) -> "Store":
+        """Read-only (`read_only=True`); a SQLite file of an older schema is read through an upgraded snapshot in a
+        temporary folder, removed on `close`, and the file is left as it is (a writing command upgrades it in
+        place). `upgraded_from` then names the file's schema."""
+        try:
+            return cls(url, read_only=True)
+        except OlderSchemaError as err:
+            path, found = store_schema.sqlite_path(normalize_url(url)), err.found
+            if path is None:
+                raise
+        folder = tempfile.mkdtemp(prefix="normtune-upgraded-")
+        try:
+            copy = f"sqlite:///{store_schema.snapshot(path, folder)}"
+            cls(copy).close()  # opening it for writing upgrades it
+            store = cls(copy, read_only=True)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        store.upgraded_from, store._scratch = found, folder
+        return store
 
     def vacuum(self) -> None:
         """SQLite: give the pages of deleted rows back to the file system (no-op elsewhere)."""
@@ -113,6 +139,9 @@ class Store(WorkerCoordination):
 
     def close(self) -> None:
         self._engine.dispose()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def __enter__(self) -> "Store":
         return self

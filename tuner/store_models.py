@@ -23,14 +23,15 @@ from normtune.tuner.results import STATUSES, MeasureResult
 
 # 2: runs may end "dead" (a worker whose heartbeat stopped), and sweep workers record heartbeats and trial claims.
 # 3: the kernel family v2 knobs (k1_row_split, k1_strategy, k2_fused), with their values for older rows.
-# 4: k1_column_accumulators.
-SCHEMA_VERSION = 4
+# 4: k1_column_accumulators. 5: k1_pipelined_split.
+SCHEMA_VERSION = 5
 # Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
-READABLE_VERSIONS = ("1", "2", "3", "4")
-# Columns schemas 3 and 4 added to normtune_measurements, with the value rows measured before them take.
+READABLE_VERSIONS = ("1", "2", "3", "4", "5")
+# Columns schemas 3 to 5 added to normtune_measurements, with the value rows measured before them take.
 ADDED_COLUMNS = {"k1_row_split": "INTEGER NOT NULL DEFAULT 1", "k1_strategy": "VARCHAR(16) NOT NULL DEFAULT 'rows'",
                  "k2_fused": "BOOLEAN NOT NULL DEFAULT FALSE",
-                 "k1_column_accumulators": "BOOLEAN NOT NULL DEFAULT FALSE"}
+                 "k1_column_accumulators": "BOOLEAN NOT NULL DEFAULT FALSE",
+                 "k1_pipelined_split": "BOOLEAN NOT NULL DEFAULT FALSE"}
 RUN_STATUSES = ("running", "finished", "interrupted", "failed", "dead")
 PEER_STATUSES = ("ok", "error", "unavailable")
 
@@ -51,6 +52,15 @@ class StoreIntegrityError(StoreError):
 
 class SchemaVersionError(StoreError):
     """The database was written by a normtune with another `SCHEMA_VERSION`."""
+
+
+class OlderSchemaError(SchemaVersionError):
+    """A database of an older schema this normtune upgrades, opened read-only (so not upgraded); `found` is its
+    schema version."""
+
+    def __init__(self, message: str, found: str):
+        super().__init__(message)
+        self.found = found
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -150,6 +160,7 @@ class MeasurementModel(_TimedRowColumns, Base):
     k1_row_split: Mapped[int] = mapped_column(Integer, index=True, default=1)
     k1_strategy: Mapped[str] = mapped_column(String(16), index=True, default="rows")
     k1_column_accumulators: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
+    k1_pipelined_split: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
     k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
     k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
     k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)

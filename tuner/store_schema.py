@@ -18,7 +18,7 @@ import sqlite3
 import time
 from typing import Any, Callable
 
-from sqlalchemy import create_engine, event, inspect, select, text
+from sqlalchemy import bindparam, create_engine, event, inspect, select, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
@@ -26,7 +26,10 @@ from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, N
 from normtune.kernels.config import BackwardConfig
 
 from .store_models import (ADDED_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
-                           MetaModel, RunModel, SchemaVersionError, StoreError, _config_hash)
+                           MetaModel, OlderSchemaError, RunModel, SchemaVersionError, StoreError, _config_hash)
+
+# Versions a writing command upgrades in place (every readable one but the current).
+OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
 
 # How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
 # Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
@@ -76,6 +79,20 @@ def sqlite_path(url: str) -> str | None:
     if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
         return None
     return u.database
+
+
+def snapshot(path: str, folder: str) -> str:
+    """A copy of the SQLite file `path` in `folder` through SQLite's backup (what its write-ahead log holds
+    included), opened read-only: the file is left as it is. Returns the copy's path."""
+    copy = os.path.join(folder, os.path.basename(path))
+    source = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+    target = sqlite3.connect(copy)
+    try:
+        source.backup(target)
+    finally:
+        target.close()
+        source.close()
+    return copy
 
 
 def create(url: str, *, read_only: bool) -> Engine:
@@ -165,11 +182,11 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
             f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by "
             f"{'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to start "
             f"afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
-    if found in ("1", "2", "3"):
+    if found in OLDER_VERSIONS:
         if read_only:
-            raise SchemaVersionError(
+            raise OlderSchemaError(
                 f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by an older "
-                "normtune and was left unchanged; a writing command (e.g. normtune sweep) upgrades it in place.")
+                "normtune and was left unchanged; a writing command (e.g. normtune sweep) upgrades it in place.", found)
         missing = [m for m in missing if m.split(".", 1)[1] not in ADDED_COLUMNS]
     if missing:
         # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
@@ -197,12 +214,12 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     found = check(engine, shown, read_only=False)
     if found == "1":
         _upgrade_from_1(engine, url, shown)
-    if found in ("1", "2", "3"):
+    if found in OLDER_VERSIONS:
         _add_columns(engine, shown)
 
 
 def _add_columns(engine: Engine, shown: str) -> None:
-    """Schema 2 or 3 -> 4: the kernel knobs' columns added since (those missing), then the version; one
+    """Schema 2, 3 or 4 -> 5: the kernel knobs' columns added since (those missing), then the version; one
     transaction."""
     try:
         with engine.begin() as conn:
@@ -220,13 +237,18 @@ def _add_columns(engine: Engine, shown: str) -> None:
 def _canonical_configs(conn) -> None:
     """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
     measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
-    existed."""
+    existed. One statement for all rows (executemany): tens of thousands of measurements take seconds."""
     table = MeasurementModel.__table__
+    canonical: dict[str, str] = {}
+    changed = []
     for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
-        canonical = BackwardConfig.from_json(stored).to_json()
-        if canonical != stored:
-            conn.execute(table.update().where(table.c.id == row_id)
-                         .values(config_json=canonical, config_hash=_config_hash(canonical)))
+        if stored not in canonical:
+            canonical[stored] = BackwardConfig.from_json(stored).to_json()
+        if canonical[stored] != stored:
+            changed.append({"row_id": row_id, "json": canonical[stored], "hash": _config_hash(canonical[stored])})
+    if changed:
+        conn.execute(table.update().where(table.c.id == bindparam("row_id"))
+                     .values(config_json=bindparam("json"), config_hash=bindparam("hash")), changed)
 
 
 def _enable_wal(conn) -> None:
