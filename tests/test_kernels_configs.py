@@ -29,6 +29,7 @@ from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.heuristics import num_programs, partial_rows, row_block_col, slice_width
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
+from normtune.tuner.space import Space
 
 # ---------------------------------------------------------------------------------------------------------------
 # Config values.
@@ -337,7 +338,7 @@ def test_every_field_is_varied():
         f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
     assert expected <= varied | {"k2.fused"}, expected - varied
     assert any(c.kernel_2.fused for _, c in VARIATIONS) and any(c.kernel_2.fused for _, c in SPLIT_VARIATIONS)
-    assert len(STRATEGY_RERUNS) == 6  # each named variation still exists
+    assert len(STRATEGY_RERUNS) == 7  # each named variation still exists
 
 
 def saved_inputs(problem: Problem, device, reference_norm, make_norm_inputs, shape=None):
@@ -506,12 +507,13 @@ def test_default_configs_valid_at_power_of_two_boundaries():
 # ---------------------------------------------------------------------------------------------------------------
 STRATEGY_RERUNS = [(name, config) for name, config in VARIATIONS + SPLIT_VARIATIONS if name in (
     "k1.strategy=columns+block_col=64+block_row=1+w1", "k1.strategy=dual+k2.4x64+base", "k2.fused+block_m=4+base",
-    "k1.column_accumulators=True+block_row=8", "k1.row_split=3", "k1.row_split=8+k2.fused")]
+    "k1.column_accumulators=True+block_row=8", "k1.row_split=3", "k1.row_split=8+k2.fused",
+    "k1.pipelined_split=True+row_split=2+num_stages=3")]
 
 
 @pytest.mark.parametrize("name,config", STRATEGY_RERUNS, ids=[n for n, _ in STRATEGY_RERUNS])
 def test_every_strategy_reruns_bitwise(name, config, device, reference_norm, make_norm_inputs):
-    problem = WIDE_PROBLEMS[0] if name.startswith("k1.row_split") else VARIATION_PROBLEMS[0]
+    problem = WIDE_PROBLEMS[0] if name.startswith(("k1.row_split", "k1.pipelined_split")) else VARIATION_PROBLEMS[0]
     _, _, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
     first = poisoned_run(problem, config, args)
     outputs = [t.clone() for t in (first.dx, first.dw, first.db)]
@@ -572,3 +574,27 @@ def test_gpu_bitwise_deterministic_at_scale(M, N, norm, reference_norm, make_nor
         for other in runs[1:]:
             b = getattr(other, name)
             assert (a is None and b is None) or torch.equal(a, b), f"{name} differs between runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm,M,N,dtype,split", [("layer_norm", 2048, 16384, "bf16", 2),
+                                                  ("rms_norm", 1024, 28672, "fp16", 7),
+                                                  ("layer_norm", 4096, 32768, "bf16", 4)])
+def test_gpu_pipelined_split_is_correct_and_bitwise_at_scale(norm, M, N, dtype, split, tolerance, assert_close,
+                                                             reference_norm, make_norm_inputs):
+    """The pipelined exchange (inline-assembly wait inside a software-pipelined loop) on wide rows, each of the
+    space's pipelined seeds of that split: float64 reference on poisoned outputs, and three runs bitwise equal."""
+    problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm")
+    seeds = [c for c in Space(problem, torch.cuda.get_device_properties(0).multi_processor_count).seeds()
+             if c.kernel_1.pipelined_split and c.kernel_1.row_split == split]
+    assert seeds, "the space seeds this split pipelined"
+    inputs, ref, args = saved_inputs(problem, "cuda", reference_norm, make_norm_inputs)
+    tol, scale = tolerance(TORCH_DTYPE[dtype], "input"), ref["scale"]
+    for config in seeds:
+        runs = [poisoned_run(problem, config, args) for _ in range(3)]
+        for name in ("dx", "dw", "db"):
+            first = getattr(runs[0], name)
+            if first is None:
+                continue
+            assert_close(first, ref[name], tol, f"{name} of {config}", floor=scale[name])
+            assert all(torch.equal(first, getattr(r, name)) for r in runs[1:]), f"{name} differs between runs"
