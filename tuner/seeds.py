@@ -120,10 +120,11 @@ def strategies(space: Space) -> list[BackwardConfig]:
 
 
 def _pipelined_splits(space: Space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
-    """Each split-row config (the default's, the seeds') again with its exchange pipelined (`pipelined_split`), three stages deep where the
-    staged tiles fit shared memory, else two. Without it a split tile loop compiles to no asynchronous copy
-    whatever its num_stages (the exchange's CTA barrier stops Triton's pipeliner; sm_90 compile: LayerNorm
-    2048x16384 split 2 on 1x8192 tiles, 8 warps, recompute, 3 stages, has 0 cp.async, pipelined 42)."""
+    """Each split-row config (the default's, the seeds') again with its exchange pipelined (`pipelined_split`),
+    three stages deep where the staged tiles fit shared memory, else two. Without it a split tile loop compiles to
+    no asynchronous copy whatever its num_stages (the exchange's CTA barrier stops Triton's pipeliner; sm_90
+    compile: LayerNorm 2048x16384 split 2 on 1x8192 tiles, 8 warps, recompute, 3 stages, has 0 cp.async,
+    pipelined 42)."""
     out = []
     for cfg in configs:
         k1 = cfg.kernel_1

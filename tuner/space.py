@@ -176,7 +176,8 @@ class Space:
         if k1.prefetch and k1.num_stages > 1:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
         if k1.pipelined_split and k1.num_stages == 1:
-            return "pipelined_split with num_stages = 1 issues the same loads as the plain exchange: use num_stages > 1"
+            return ("pipelined_split with num_stages = 1 issues the same loads as the plain exchange: use "
+                    "num_stages > 1")
         if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
             return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
         if k1.strategy in ROW_SWEEPING and self.problem.M > MAX_COLUMNS_ROWS:

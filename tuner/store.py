@@ -39,8 +39,8 @@ from . import store_schema
 from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
-                           StoreIntegrityError, _check_choice, _config_hash, _figure, _measurement_record, _now, _peer_record, _problem, _run_record,
-                           device_columns)
+                           StoreIntegrityError, _check_choice, _config_hash, _figure, _measurement_record, _now,
+                           _peer_record, _problem, _run_record, device_columns)
 from .store_schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
 from .store_workers import WorkerCoordination
 

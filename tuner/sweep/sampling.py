@@ -114,8 +114,8 @@ def inapplicable(key: str, params: dict[str, Any]):
     """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
     of its domain): the single-pass (and dual) column tile is derived from N, recompute and column_accumulators
     are single-pass knobs, pipelined_split applies to split rows pipelined (row_split and num_stages are
-    decided before it), and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial params, so the sampler does not learn from values that changed
-    nothing."""
+    decided before it), and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial
+    params, so the sampler does not learn from values that changed nothing."""
     strategy = params.get("k1.strategy", "rows")
     columns, dual = strategy == "columns", strategy == "dual"
     two_pass = bool(params.get("k1.two_pass", False)) and not dual
