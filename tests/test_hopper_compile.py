@@ -30,12 +30,15 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 2048, 16384, "bf16", "input", "pipelined2"),
     ("rms_norm", 1024, 28672, "fp16", "output", "pipelined7"),
     ("layer_norm", 2048, 16384, "bf16", "input", "staged-split2"),
+    ("rms_norm", 4096, 32768, "bf16", "input", "pipelined8"),  # 4-row tiles, dw/db per column, 3 stages
+    ("rms_norm", 512, 16384, "bf16", "output", "pipelined2-fused"),
     ("rms_norm", 2048, 16384, "bf16", "input", "recompute"),
     ("rms_norm", 2048, 16384, "fp16", "input", "recompute"),
     ("rms_norm", 1, 16384, "fp16", "input", "recompute"),  # M = 1 compiles as a constant
 ]
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
-PIPELINED = {"pipelined2": True, "pipelined7": True, "staged-split2": False}
+PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
+             "staged-split2": False}
 PICK = {
     "default": lambda c, d: c == d,
     "split3": lambda c, d: c.kernel_1.row_split == 3,
@@ -47,6 +50,8 @@ PICK = {
     "pdl": lambda c, d: c.kernel_2.pdl,
     "pipelined2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     "pipelined7": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 7,
+    "pipelined8": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 8,
+    "pipelined2-fused": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     # the same split seed with its exchange plain: Triton's pipeliner skips the loop (no async copy)
     "staged-split2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
@@ -102,7 +107,7 @@ def main() -> None:
         problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save)
         default = default_config(problem)
         config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
-        if pick == "split2-fused":
+        if pick in ("split2-fused", "pipelined2-fused"):
             config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1, fused=True))
         if pick == "staged-split2":
             config = BackwardConfig(dataclasses.replace(config.kernel_1, pipelined_split=False), config.kernel_2)
