@@ -87,7 +87,7 @@ class Kernel1Config:
     pipelined_split (row_split > 1): the exchange of row sums inside the tile loop waits through inline assembly
     instead of Triton's CTA barrier, which Triton's software pipeliner refuses: with num_stages > 1 the split
     tile loop then issues its loads num_stages - 1 tiles ahead as it does for unsplit rows (without it, a split
-    row's num_stages has no effect). Same values, same order of additions.
+    row's num_stages has no effect). The same slice sums, added in the same order by every program of a group.
 
     strategy="columns" (few rows): one program per block_col-wide column slice sweeps all M rows, block_row at a
     time, and writes the final dw/db itself; the rows' two sums come from a small kernel run first. No partial

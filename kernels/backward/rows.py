@@ -41,7 +41,7 @@ def _exchange_row_sums(SUMS, COUNTER, group, part, k, c1_part, c2_part, ROW_SPLI
     two slots a program cannot overwrite a slot before every member has read it (it would first have to pass
     the wait of the tile in between, which needs every member to have arrived there). PIPELINED waits and reads
     through inline assembly, which keeps the tile loop software-pipelined (see `arrive_and_wait_in_loop`); the
-    values and their order are the same."""
+    slices are added in the same order."""
     rr = tl.arange(0, BLOCK_ROW)
     base = SUMS + ((group * SLOTS + k % SLOTS) * ROW_SPLIT) * (2 * BLOCK_ROW)
     if PHASE != 2:
