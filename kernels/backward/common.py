@@ -192,8 +192,8 @@ def arrive_and_wait(COUNTER, target):
 # loop holding `tl.debug_barrier` unpipelined, so a split row's exchange inside the tile loop would cost it every
 # async copy. The CTA barrier is `barrier.sync 0` here (ordering this program's stores before the release, and the
 # acquired sums before every thread's reads; not `.aligned`, since warp 0 reaches the second one after thread 0
-# alone has polled); thread 0 alone adds and polls. The block yields 0, a token that the
-# reads of the published sums take as an operand, so that nothing moves them ahead of the wait.
+# alone has polled); thread 0 alone adds and polls. The block yields 0, a token that the reads of the published
+# sums take as an operand, so that nothing moves them ahead of the wait.
 _ARRIVE_AND_WAIT_PTX = tl.constexpr("""{
 .reg .pred %p_wait;
 .reg .u32 %tid_wait;

@@ -227,9 +227,8 @@ def kernel_1_two_pass(
     COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
-    ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows to the
-    partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1
-    (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
+    ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows
+    to the partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
     pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's
     partial row (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before
     computing j."""
