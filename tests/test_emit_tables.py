@@ -413,12 +413,13 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
     bytes; one holding the whole row in registers (recompute) or already split in more than 4 cannot, and the
     analytic default runs instead (no warning). Other rules carry over as they are."""
     tab = _shipped("h200.json")
-    wide = Problem("rms_norm", 2048, 32768, "fp32")  # the bf16 rule: 4 slices of 8192, recompute
+    wide = Problem("layer_norm", 2048, 12288, "fp32")  # the bf16 rule: 4 slices of 4096, recompute, pipelined
     match = tab.match(wide)
     bf16 = match.rule.config.kernel_1
-    assert tables.holds_rows(match.rule.config) and (bf16.row_split, bf16.block_col, bf16.recompute) == (4, 8192, True)
+    assert tables.holds_rows(match.rule.config) and (bf16.row_split, bf16.block_col, bf16.recompute) == (4, 4096, True)
     k1 = match.config.kernel_1
-    assert (k1.row_split, k1.block_col, k1.recompute) == (8, 4096, False) and match.refused is None
+    assert (k1.row_split, k1.block_col, k1.recompute) == (8, 2048, False) and match.refused is None
+    assert k1.pipelined_split == bf16.pipelined_split and k1.num_stages == bf16.num_stages
     match.config.validate(wide)
     widest = Problem("rms_norm", 256, 65536, "fp32")  # the bf16 rule already splits in 8
     refused = tab.match(widest)
