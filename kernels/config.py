@@ -23,6 +23,7 @@ from .heuristics import (
     register_budget,
     row_block_col,
     slice_width,
+    staged_shared_bytes,
 )
 from .problem import (  # noqa: F401 - the problem's names are re-exported: `from .config import Problem` works
     DTYPES,
@@ -197,13 +198,13 @@ class Kernel1Config:
                 f"keeps ~{regs} fp32 values per thread (budget {budget} at {self.num_warps} warps): use more warps, "
                 "a smaller block_row, prefetch=false, or two_pass with a narrower block_col"
             )
-        if self.num_stages > 1:
-            staged = (self.num_stages - 1) * self.tile() * 2 * problem.itemsize
-            if staged > SHARED_MEMORY_BUDGET:
-                raise ConfigError(
-                    f"kernel_1.num_stages={self.num_stages} stages {staged // 1024} KB of tiles in shared memory "
-                    f"(budget {SHARED_MEMORY_BUDGET // 1024} KB): use fewer stages or a smaller tile"
-                )
+        staged = staged_shared_bytes(problem, self.block_row, self.block_col, self.num_stages,
+                                     self.two_pass and self.strategy == "rows", self.prefetch, self.num_warps)
+        if staged > SHARED_MEMORY_BUDGET:
+            raise ConfigError(
+                f"kernel_1.num_stages={self.num_stages} stages {staged // 1024} KB of tiles in shared memory "
+                f"(budget {SHARED_MEMORY_BUDGET // 1024} KB): use fewer stages or a smaller tile"
+            )
 
 
     def _validate_columns(self, problem: Problem) -> None:

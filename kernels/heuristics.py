@@ -10,6 +10,8 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from .problem import ITEMSIZE
+
 if TYPE_CHECKING:  # the value types import this module for their limits; defaults import them lazily
     from .config import BackwardConfig, Problem
 
@@ -47,6 +49,25 @@ SHARED_MEMORY_PER_SM = 228 * 1024
 SLICE_ALIGN = 16
 # Widest slice the analytic default gives a program of a split row (rows wider than MAX_SINGLE_PASS).
 SPLIT_SLICE = 8192
+
+
+def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_stages: int, two_pass: bool,
+                        prefetch: bool, num_warps: int) -> int:
+    """Shared memory kernel_1's pipelined tile loop asks for at num_stages. Single pass stages the grad and saved
+    tiles. Two-pass also stages, per column chunk, the weight (and the bias when x̂ is recovered from the output)
+    and the fp32 partial dw/db rows its second pass reads back (with prefetch, only those), plus in 16-bit the
+    warps' reduction scratch. For two-pass this is what Triton 3.6 compiles for sm_90: exact on 246 of 254 compiled
+    configs, never under, up to 16 KB over (docs/perf-notes.md)."""
+    if num_stages <= 1:
+        return 0
+    tiles = 2 * block_row * block_col * problem.itemsize
+    if not two_pass:
+        return (num_stages - 1) * tiles
+    weight = problem.has_weight * (ITEMSIZE[problem.weight_dtype] + 4)
+    bias = bool(problem.has_bias) * (4 + (problem.save == "output") * ITEMSIZE[problem.weight_dtype])
+    per_stage = (0 if prefetch else tiles) + block_col * (weight + bias)
+    scratch = 1024 * num_warps if problem.itemsize < 4 else 0  # fp32 tiles reuse a stage's buffer for it
+    return (num_stages - 1) * per_stage + scratch
 
 
 def register_budget(num_warps: int) -> int:

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET
+
 CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 4096, 4096, "bf16", "input", "default"),
     ("layer_norm", 4096, 12288, "bf16", "input", "split3"),
@@ -35,6 +37,7 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("rms_norm", 2048, 16384, "bf16", "input", "recompute"),
     ("rms_norm", 2048, 16384, "fp16", "input", "recompute"),
     ("rms_norm", 1, 16384, "fp16", "input", "recompute"),  # M = 1 compiles as a constant
+    ("layer_norm", 2048, 16384, "bf16", "output", "two_pass-staged"),  # staged weight, bias and partial rows
 ]
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
@@ -55,6 +58,7 @@ PICK = {
     # the same split seed with its exchange plain: Triton's pipeliner skips the loop (no async copy)
     "staged-split2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
+    "two_pass-staged": lambda c, d: c == d,  # made two-pass, 2x4096 tiles, 3 stages below
 }
 # Cases whose kernel_1 must keep everything in registers (no stack frame): recompute widens the packed 16-bit
 # tile again after the row reductions instead of keeping fp32 copies live, in fp16 as in bf16.
@@ -97,6 +101,7 @@ def main() -> None:
 
     from normtune.kernels.backward import launch
     from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
+    from normtune.kernels.heuristics import staged_shared_bytes
     from normtune.tuner.space import Space
 
     calls = []
@@ -111,24 +116,33 @@ def main() -> None:
             config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1, fused=True))
         if pick == "staged-split2":
             config = BackwardConfig(dataclasses.replace(config.kernel_1, pipelined_split=False), config.kernel_2)
+        if pick == "two_pass-staged":
+            config = BackwardConfig(dataclasses.replace(
+                config.kernel_1, two_pass=True, row_split=1, pipelined_split=False, recompute=False, prefetch=False,
+                column_accumulators=False, block_row=2, block_col=4096, num_warps=8, num_stages=3), config.kernel_2)
         config.validate(problem)
+        k1 = config.kernel_1
         before = len(calls)
         launch.precompile(problem, config, 132, torch.device("cpu"))
         for kernel, args, kwargs in calls[before:]:
             signature, constants, attrs = _signature(kernel, args, kwargs)
             options = {k: v for k, v in kwargs.items() if k not in signature}
-            async_copies = stack = None
+            async_copies = stack = shared = None
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                           target=GPUTarget("cuda", 90, 32), options=options)
                 async_copies = compiled.asm["ptx"].count("cp.async.c")
                 stack = _stack_bytes(compiled.asm["cubin"])
+                shared = compiled.metadata.shared
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
                 error = f"{type(err).__name__}: {str(err)[-600:]}"
             print(json.dumps({"case": f"{norm} {dtype} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
                               "config": str(config), "error": error, "async_copies": async_copies,
-                              "stack": stack}), flush=True)
+                              "stack": stack, "shared": shared, "num_stages": k1.num_stages,
+                              "staged_estimate": staged_shared_bytes(
+                                  problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
+                                  k1.num_warps)}), flush=True)
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -173,6 +187,11 @@ def test_every_strategy_compiles_for_hopper():
             assert (r["async_copies"] > 0) == PIPELINED[r["pick"]], r
         if r["pick"] in NO_STACK and r["kernel"] == "kernel_1_single_pass" and r["stack"] is not None:
             assert r["stack"] == 0, r
+        # The space's shared-memory estimate bounds what a two-pass kernel_1 asks for (a config over the budget is
+        # refused before it reaches the GPU), and every kernel fits the budget.
+        assert r["shared"] <= SHARED_MEMORY_BUDGET, r
+        if r["kernel"] == "kernel_1_two_pass" and r["num_stages"] > 1:
+            assert r["shared"] <= r["staged_estimate"], r
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.kernels.heuristics import next_power_of_two, num_programs, row_block_col, slice_width
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
@@ -375,3 +375,35 @@ def test_the_columns_slice_width_is_a_sampled_knob():
         if config.kernel_1.strategy == "columns":
             widths.add(config.kernel_1.block_col)
     assert len(widths) > 1, widths
+
+
+# Shared memory of kernel_1_two_pass compiled for sm_90 by Triton 3.6; the first three are also the figures an H100
+# refused to launch (OutOfResources) in sweep runs 257 and 261.
+TWO_PASS_SHARED = [  # (norm, dtype, block_row, block_col, num_warps, num_stages, prefetch, bytes)
+    ("layer_norm", "bf16", 1, 8192, 4, 3, False, 233472),
+    ("layer_norm", "bf16", 2, 8192, 16, 3, False, 311296),
+    ("rms_norm", "bf16", 2, 8192, 32, 3, False, 262144),
+    ("layer_norm", "fp32", 1, 8192, 8, 3, False, 327680),
+    ("layer_norm", "bf16", 1, 8192, 8, 2, True, 90112),
+    ("rms_norm", "bf16", 4, 2048, 8, 4, False, 143360),
+]
+
+
+@pytest.mark.parametrize("norm,dtype,block_row,block_col,num_warps,num_stages,prefetch,shared", TWO_PASS_SHARED)
+def test_two_pass_shared_memory_estimate_matches_the_compiler(norm, dtype, block_row, block_col, num_warps,
+                                                             num_stages, prefetch, shared):
+    """Two-pass stages its column chunk's weight and fp32 partial dw/db rows beside the tiles: the estimate gives
+    the compiler's figure, and the space refuses the configs past the 227 KB a block may have."""
+    from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET, staged_shared_bytes
+
+    problem = Problem(norm, 2048, 32768, dtype, has_bias=norm == "layer_norm")
+    assert staged_shared_bytes(problem, block_row, block_col, num_stages, True, prefetch, num_warps) == shared
+    k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
+                       two_pass=True, prefetch=prefetch)
+    config = BackwardConfig(k1, default_config(problem).kernel_2)
+    try:
+        config.validate(problem)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
