@@ -198,12 +198,12 @@ class Kernel1Config:
                 f"keeps ~{regs} fp32 values per thread (budget {budget} at {self.num_warps} warps): use more warps, "
                 "a smaller block_row, prefetch=false, or two_pass with a narrower block_col"
             )
-        staged = staged_shared_bytes(problem, self.block_row, self.block_col, self.num_stages,
-                                     self.two_pass and self.strategy == "rows", self.prefetch, self.num_warps)
+        staged = staged_shared_bytes(problem, self.block_row, self.block_col, self.num_stages, self.two_pass,
+                                     self.prefetch, self.num_warps)
         if staged > SHARED_MEMORY_BUDGET:
             raise ConfigError(
-                f"kernel_1.num_stages={self.num_stages} stages {staged // 1024} KB of tiles in shared memory "
-                f"(budget {SHARED_MEMORY_BUDGET // 1024} KB): use fewer stages or a smaller tile"
+                f"kernel_1.num_stages={self.num_stages} stages {staged // 1024} KB in shared memory (budget "
+                f"{SHARED_MEMORY_BUDGET // 1024} KB): use fewer stages or a smaller tile"
             )
 
 

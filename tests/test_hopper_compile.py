@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET
+from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET, staged_shared_bytes
 
 CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 4096, 4096, "bf16", "input", "default"),
@@ -101,7 +101,6 @@ def main() -> None:
 
     from normtune.kernels.backward import launch
     from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
-    from normtune.kernels.heuristics import staged_shared_bytes
     from normtune.tuner.space import Space
 
     calls = []
