@@ -20,7 +20,7 @@ import triton.language as tl
 import functools
 
 from .backward.common import effective_weight
-from .heuristics import cdiv, next_power_of_two
+from .heuristics import next_power_of_two
 from .launcher import Launcher
 
 SINGLE_PASS_MAX_COLS = 8192
@@ -146,16 +146,19 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         mean = torch.empty((M,), dtype=torch.float32, device=device)
     if M == 0:
         return y, rstd, mean
-    int64 = max(M * x2d.stride(0), M * N) >= 2**31
+    x_stride = x2d.stride(0)
+    int64 = M * max(x_stride, N) >= 2**31
     dummy = rstd  # pointer placeholder for absent tensors: never dereferenced (the constexpr flags skip it)
-    w, b, mu = weight if weight is not None else dummy, bias if bias is not None else dummy, mean if store_mean else dummy
+    w = dummy if weight is None else weight
+    b = dummy if bias is None else bias
+    mu = mean if store_mean else dummy
     launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64)
-    # Triton specializes on 16-byte alignment: buffers allocated here always have it, so only the others count.
-    key = (M, x2d.stride(0), y.stride(0), x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15, x2d.dtype,
-           w.dtype, b.dtype)
+    # Triton specializes on 16-byte alignment and dtypes: buffers allocated here are aligned, y is contiguous.
+    key = (M, x_stride, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
     if given:
-        key += (y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
-    launch(cdiv(M, block_row), (x2d, x2d.stride(0), y, y.stride(0), w, b, rstd, mu, M, N, eps), key)
+        key += (y.stride(0), y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
+    launch((M + block_row - 1) // block_row, (x2d, x_stride, y, y.stride(0) if given else N, w, b, rstd, mu, M, N,
+                                              eps), key)
     return y, rstd, mean
 
 

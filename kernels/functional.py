@@ -81,9 +81,20 @@ def explicit_config_text(config: BackwardConfig | dict | str | None, saved: Tens
     return config.to_json() if isinstance(config, BackwardConfig) else (config or "")
 
 
+def _fits(t: Any, x: Tensor, N: int) -> bool:
+    """weight/bias `t` follows the rules for x (the fast path's test; `_check_tensor` says which rule broke)."""
+    return isinstance(t, Tensor) and t.shape == (N,) and t.dtype in (x.dtype, torch.float32) and t.device == x.device
+
+
 def check_inputs(x, weight, bias, zero_centered: bool, *, name: str = "x") -> None:
     """The tensor rules of the module docstring, each broken one raising TypeError/ValueError naming the argument
-    (eps and save: `check_options`)."""
+    (eps and save: `check_options`). Inputs that follow every rule return after one pass over their attributes
+    (this runs on every call); the rules are then checked one by one, for the message."""
+    if isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES and x.dim():
+        N = x.shape[-1]
+        if (0 < N <= MAX_N and (weight is None or _fits(weight, x, N)) and (bias is None or _fits(bias, x, N))
+                and (weight is not None or not zero_centered)):
+            return
     _check_tensor(name, x)
     if x.dim() == 0:
         raise ValueError(f"{name} is a scalar: normalization needs at least one dimension")

@@ -30,6 +30,10 @@ except ImportError:  # pragma: no cover - older Triton: every launch goes throug
 MAX_KEYS = 4096
 
 
+# The unbound method: no bound method is made per argument.
+_data_ptr = torch._C.TensorBase.data_ptr
+
+
 def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
@@ -73,7 +77,8 @@ class Launcher:
         launch(grid, args, key)     # args: the runtime arguments in signature order; key: see the module doc
 
     `key` must change whenever Triton would specialize differently: integer arguments (value 1, divisibility
-    by 16, 32 vs 64 bits), pointer alignment (16 bytes) and dtypes. The current device is added here.
+    by 16, 32 vs 64 bits), pointer alignment (16 bytes) and dtypes. The current device is added here. The calls
+    of one key pass tensors at the same positions (pointer arguments are tensors, the others are not).
     """
 
     __slots__ = ("kernel", "constexprs", "_tail", "_compiled")
@@ -97,13 +102,16 @@ class Launcher:
         device = current_device_index()
         entry = self._compiled.get((device, key))
         if entry is None:
-            self._remember((device, key), self.kernel[(grid,)](*args, **self.constexprs), device)
+            self._remember((device, key), self.kernel[(grid,)](*args, **self.constexprs), device, args)
             return
-        run, function, packed, compiled = entry
+        run, function, packed, compiled, tensors = entry
         stream = _current_stream(device)
         # Addresses as integers: the launcher then neither calls data_ptr() nor asks the driver about each pointer
-        # (cuPointerGetAttribute), which it does for every tensor argument.
-        args = tuple([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+        # (cuPointerGetAttribute), which it does for every tensor argument. The positions of the tensors were
+        # found once, on the key's first launch.
+        args = list(args)
+        for i in tensors:
+            args[i] = _data_ptr(args[i])
         enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
         if not _hooked(enter) and not _hooked(leave):
             run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self._tail)
@@ -112,10 +120,11 @@ class Launcher:
         run(grid, 1, 1, stream, function, packed, compiled.launch_metadata((grid, 1, 1), stream, *full), enter,
             leave, *full)
 
-    def _remember(self, key: Hashable, compiled: Any, device: int) -> None:
+    def _remember(self, key: Hashable, compiled: Any, device: int, args: tuple) -> None:
+        tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         try:
             compiled._init_handles()
-            entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled)
+            entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled, tensors)
         except Exception:  # noqa: BLE001 - a compiled-kernel layout this code does not know: stay generic
             self._tail = None
             return

@@ -61,6 +61,8 @@ class Plan:
     k2_launch: Launcher | None = None
     rs_launch: Launcher | None = None
     row_programs: int = 0  # dual: programs that write grad_input
+    waits: bool = False  # kernel_1's programs wait for each other (takes the stream's sync counters)
+    slice: int = 0  # columns of a row_split slice (the rows strategy's last argument)
 
     @property
     def kernel_1(self):
@@ -158,7 +160,8 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         k2_grid = programs if fused else cdiv(N, k2.block_n)
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
     return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0,
-                Launcher(kernel, k1_kwargs), Launcher(kernel_2, k2_kwargs) if k2_kwargs is not None else None)
+                Launcher(kernel, k1_kwargs), Launcher(kernel_2, k2_kwargs) if k2_kwargs is not None else None,
+                waits=_waits(config, p), slice=slice_width(N, k1.row_split))
 
 
 def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
@@ -232,9 +235,14 @@ class BackwardLaunch:
         runtime keeps one per resolved call, so that a call does not hash the problem and config again)."""
         M, N = problem.M, problem.N
         device = grad.device
-        self.dx = dx = dx if dx is not None else torch.empty((M, N), dtype=grad.dtype, device=device)
-        g_stride, s_stride, dx_stride = grad.stride(0), saved.stride(0), dx.stride(0)
-        int64 = needs_int64(M, N, g_stride, s_stride, dx_stride)
+        g_stride, s_stride = grad.stride(0), saved.stride(0)
+        if dx is None:  # allocated here: contiguous and aligned
+            dx = torch.empty((M, N), dtype=grad.dtype, device=device)
+            dx_stride, dx_align = N, 0
+        else:
+            dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
+        self.dx = dx
+        int64 = M * max(g_stride, s_stride, dx_stride, N) >= 2**31
         pl = plans.get(int64) if plans is not None else None
         if pl is None:
             pl = plan(problem, config, device, int64)
@@ -242,50 +250,57 @@ class BackwardLaunch:
                 plans[int64] = pl
         self.plan = pl
         self.problem, self.config = problem, config
-        wdt = weight.dtype if weight is not None else grad.dtype
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
-        self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
-        self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
-        f32 = dict(dtype=torch.float32, device=device)
-        self.partial_dw = torch.empty((pl.groups, N), **f32) if has_w else None
-        self.partial_db = torch.empty((pl.groups, N), **f32) if has_b else None
+        wdt = weight.dtype if weight is not None else grad.dtype
+        f32 = torch.float32
+        # The fp32 partial rows kernel_1 writes (rows strategy; None where nothing is reduced or no rows).
+        self.partial_dw = self.partial_db = None
+        dw_arg = db_arg = partial_dw = partial_db = rstd
+        if has_w:
+            self.dw = dw_arg = torch.empty((N,), dtype=wdt, device=device)
+            if pl.groups:
+                self.partial_dw = partial_dw = torch.empty((pl.groups, N), dtype=f32, device=device)
+        else:
+            self.dw = None
+        if has_b:
+            self.db = db_arg = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device)
+            if pl.groups:
+                self.partial_db = partial_db = torch.empty((pl.groups, N), dtype=f32, device=device)
+        else:
+            self.db = None
         # Absent tensors get a placeholder pointer (rstd) that the kernels never dereference.
         weight_arg = weight if weight is not None else rstd
         bias_arg = bias if bias is not None else rstd
         mean_arg = mean if (problem.norm == "layer_norm" and problem.save == "input") else rstd
-        dw_arg = self.dw if has_w else rstd
-        db_arg = self.db if has_b else rstd
-        k1 = config.kernel_1
         # What Triton's specialization of these launches depends on beyond the plan: the row strides and the
         # alignment of the tensors this call did not allocate (see launcher.py).
-        self._key = (g_stride, s_stride, dx_stride, grad.data_ptr() & 15, saved.data_ptr() & 15,
-                     dx.data_ptr() & 15, weight_arg.data_ptr() & 15, bias_arg.data_ptr() & 15,
-                     rstd.data_ptr() & 15, mean_arg.data_ptr() & 15)
+        self._key = (g_stride, s_stride, dx_stride, grad.data_ptr() & 15, saved.data_ptr() & 15, dx_align,
+                     weight_arg.data_ptr() & 15, bias_arg.data_ptr() & 15, rstd.data_ptr() & 15,
+                     mean_arg.data_ptr() & 15)
         self._k1_args = self._k2_args = self._rs_args = None
         if M == 0:
             return
-        if k1.strategy == "dual":
+        strategy = config.kernel_1.strategy
+        if strategy == "rows":
+            if pl.waits:
+                group_a, group_b, global_counters = sync_counters(device)
+            else:  # nothing waits: placeholders the kernel never dereferences
+                group_a = group_b = global_counters = rstd
+            k1 = config.kernel_1
+            sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), dtype=f32,
+                                device=device) if k1.row_split > 1 else rstd)
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
+                             partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b, global_counters, M, N,
+                             pl.slice)
+            self._k2_args = (partial_dw, partial_db, dw_arg, db_arg, pl.groups, N)
+        elif strategy == "dual":
             self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
                              dw_arg, db_arg, M, N, pl.row_programs)
-            return
-        if k1.strategy == "columns":
-            c = torch.empty((2, _aligned(M)), **f32)  # c[1] starts 16-byte aligned too
+        else:  # columns
+            c = torch.empty((2, _aligned(M)), dtype=f32, device=device)  # c[1] starts 16-byte aligned too
             self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c[0], c[1], M, N)
             self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
                              c[0], c[1], dw_arg, db_arg, M, N)
-            return
-        if _waits(config, problem):
-            group_a, group_b, global_counters = sync_counters(device)
-        else:  # nothing waits: placeholders the kernel never dereferences
-            group_a = group_b = global_counters = rstd
-        sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), **f32)
-                if k1.row_split > 1 else rstd)
-        partial_dw = self.partial_dw if has_w else rstd
-        partial_db = self.partial_db if has_b else rstd
-        self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
-                         partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b, global_counters, M, N,
-                         slice_width(N, k1.row_split))
-        self._k2_args = (partial_dw, partial_db, dw_arg, db_arg, pl.groups, N)
 
     @property
     def programs(self) -> int:
