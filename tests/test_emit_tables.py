@@ -410,8 +410,9 @@ def test_fp16_takes_the_bf16_rules(M, N, norm, which):
 
 def test_fp32_splits_bf16_rows_in_twice_the_slices():
     """fp32 rows are twice the bytes: a bf16 rule that splits the row runs fp32 in twice the slices of the same
-    bytes; one holding the whole row in registers (recompute) or already split in more than 4 cannot, and the
-    analytic default runs instead (no warning). Other rules carry over as they are."""
+    bytes; one already split in 8 keeps 8 slices on tiles of half the rows, and one split in 8 on single-row tiles
+    cannot carry over, nor one holding the whole row in registers (recompute): the analytic default runs instead (no
+    warning). Other rules carry over as they are."""
     tab = _shipped("h200.json")
     wide = Problem("layer_norm", 2048, 12288, "fp32")  # the bf16 rule: 4 slices of 4096, recompute, pipelined
     match = tab.match(wide)
@@ -421,11 +422,16 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
     assert (k1.row_split, k1.block_col, k1.recompute) == (8, 2048, False) and match.refused is None
     assert k1.pipelined_split == bf16.pipelined_split and k1.num_stages == bf16.num_stages
     match.config.validate(wide)
-    widest = Problem("rms_norm", 256, 65536, "fp32")  # the bf16 rule already splits in 8
-    refused = tab.match(widest)
-    assert refused.rule.config.kernel_1.row_split == 8 and refused.config is None and tab.lookup(widest) is None
-    assert "more than 8" in refused.reason(widest)
-    assert tables.carried_over(refused.rule.config, "bf16", "fp32")[0] is None
+    widest = Problem("rms_norm", 256, 65536, "fp32")  # the bf16 rule already splits in 8, on 2-row tiles
+    halved = tab.match(widest)
+    rule_k1 = halved.rule.config.kernel_1
+    assert (rule_k1.row_split, rule_k1.block_row, rule_k1.block_col) == (8, 2, 8192) and halved.refused is None
+    k1 = halved.config.kernel_1
+    assert (k1.row_split, k1.block_row, k1.block_col, k1.recompute) == (8, 1, 8192, False)
+    halved.config.validate(widest)
+    single = BackwardConfig(dataclasses.replace(rule_k1, block_row=1), halved.rule.config.kernel_2)
+    config, why = tables.carried_over(single, "bf16", "fp32")
+    assert config is None and "more than 8" in why and "one row" in why
     whole = Problem("rms_norm", 2048, 16384, "fp32")  # the bf16 rule holds the whole row (recompute, no split)
     kept = tab.match(whole)
     assert kept.rule.config.kernel_1.recompute and kept.rule.config.kernel_1.row_split == 1
@@ -436,7 +442,8 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
     clear_caches()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert select_config(widest, "NVIDIA H200", (9, 0)) == default_config(widest)
+        assert select_config(whole, "NVIDIA H200", (9, 0)) == default_config(whole)
+        assert select_config(widest, "NVIDIA H200", (9, 0)) == halved.config
         assert select_config(wide, "NVIDIA H200", (9, 0)) == match.config
         assert select_config(few, "NVIDIA H200", (9, 0)) == tab.lookup(few)
 

@@ -218,7 +218,7 @@ def _pointer_args(args):
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("norm,M,N", [("layer_norm", 37, 200), ("rms_norm", 130, 1000), ("layer_norm", 9, 3000)])
-def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy):
+def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, device):
     """`precompile` (the sweep's compile-ahead workers) compiles with placeholders that Triton counts as 16-byte
     aligned and the integers of contiguous rows. A launch on aligned, contiguous inputs must pass exactly that,
     or the measuring process compiles every trial's kernel again (a sync-counter slice 8 bytes off did)."""
@@ -229,7 +229,7 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy):
     config = next((c for c in Space(problem, 4).seeds() if STRATEGIES[strategy](c)), None)
     if config is None:
         pytest.skip(f"the search space has no {strategy} seed for {problem.key}")
-    launch = make_case(problem, "cpu").launch(config)
+    launch = make_case(problem, device).launch(config)
     for args in (launch._k1_args, launch._k2_args, launch._rs_args):
         for t in _pointer_args(args or ()):
             assert t.data_ptr() % 16 == 0, f"a {strategy} launch passes a pointer off 16-byte alignment"

@@ -28,6 +28,7 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
     ap.add_argument("--cases", default=cases, help="comma-separated NORM:MxN")
     ap.add_argument("--variants", default="", help="comma-separated variant names to keep (default: all)")
     ap.add_argument("--tag", default="", help="written with every line (e.g. which build ran)")
+    ap.add_argument("--dtype", default="bf16", help="activations and weights: bf16, fp16 or fp32")
     args = ap.parse_args()
     keep = set(filter(None, args.variants.split(",")))
     info = detect()
@@ -40,7 +41,7 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
         for item in args.cases.split(","):
             norm, shape = item.split(":")
             M, N = (int(v) for v in shape.split("x"))
-            p = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
+            p = Problem(norm, M, N, args.dtype, has_bias=norm == "layer_norm")
             case = session.case(p)
             ref = case.reference()
             floor = session.floor_us(p)
@@ -49,7 +50,7 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
                 if keep and label not in keep:
                     continue
                 r = session.measure(case, cfg, reference_grads=ref)
-                out.write(json.dumps({"norm": norm, "M": M, "N": N, "variant": label, "config": cfg.to_dict(),
+                out.write(json.dumps({"norm": norm, "M": M, "N": N, "dtype": args.dtype, "variant": label, "config": cfg.to_dict(),
                                       "gpu": info.name, "tag": args.tag, **r.to_dict()}) + "\n")
                 out.flush()
                 if r.status != "ok":
