@@ -20,7 +20,7 @@ import triton.language as tl
 import functools
 
 from .backward.common import effective_weight
-from .heuristics import next_power_of_two
+from .heuristics import cdiv, needs_int64, next_power_of_two
 from .launcher import Launcher
 
 SINGLE_PASS_MAX_COLS = 8192
@@ -147,7 +147,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if M == 0:
         return y, rstd, mean
     x_stride = x2d.stride(0)
-    int64 = M * max(x_stride, N) >= 2**31
+    int64 = needs_int64(M, N, x_stride)
     dummy = rstd  # pointer placeholder for absent tensors: never dereferenced (the constexpr flags skip it)
     w = dummy if weight is None else weight
     b = dummy if bias is None else bias
@@ -157,8 +157,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     key = (M, x_stride, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
     if given:
         key += (y.stride(0), y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
-    launch((M + block_row - 1) // block_row, (x2d, x_stride, y, y.stride(0) if given else N, w, b, rstd, mu, M, N,
-                                              eps), key)
+    launch(cdiv(M, block_row), (x2d, x_stride, y, y.stride(0) if given else N, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 
 

@@ -102,6 +102,11 @@ def next_power_of_two(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def needs_int64(M: int, N: int, *strides: int) -> bool:
+    """Whether offsets into M rows of N columns (at these row strides, if given) can pass 32 bits."""
+    return M * max((*strides, N)) >= 2**31
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

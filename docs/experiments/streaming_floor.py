@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from normtune.kernels.config import Problem
 from normtune.kernels.select import select_config
 from normtune.tuner.device import detect
 from normtune.tuner.measure import MeasureSession, Timing
 from normtune.tuner.views import kernel_sum
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from variant_timing import case_problems  # noqa: E402
 
 SEED = ",".join(f"rms_norm:{M}x{N}" for M, N in (
     (32768, 1024), (16384, 2048), (8192, 4096), (4096, 8192), (2048, 16384),
@@ -40,10 +43,8 @@ def main() -> None:
     print(f"{info.name}: copy bandwidth {session.bandwidth_gbps:.0f} GB/s", flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "streaming_floor.jsonl"), "w") as out:
-        for item in args.cases.split(","):
-            norm, shape = item.split(":")
-            M, N = (int(v) for v in shape.split("x"))
-            p = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
+        for p in case_problems(args.cases):
+            norm, M, N = p.norm, p.M, p.N
             floor = session.floor_us(p)
             case = session.case(p)
             a, b = case.grad, case.x

@@ -22,6 +22,16 @@ from normtune.tuner.measure import L2Flusher, MeasureSession, Timing, time_kerne
 Variants = Callable[[Problem, str], "dict[str, BackwardConfig]"]
 
 
+def case_problems(cases: str, dtype: str = "bf16") -> list[Problem]:
+    """The problems of a comma-separated NORM:MxN list (LayerNorm with a bias), in `dtype`."""
+    out = []
+    for item in cases.split(","):
+        norm, shape = item.split(":")
+        M, N = (int(v) for v in shape.split("x"))
+        out.append(Problem(norm, M, N, dtype, has_bias=norm == "layer_norm"))
+    return out
+
+
 def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> None:
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("out_dir", help=f"folder for {name}.jsonl")
@@ -38,10 +48,8 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
     with open(os.path.join(args.out_dir, f"{name}{args.tag and '-' + args.tag}.jsonl"), "w") as out:
-        for item in args.cases.split(","):
-            norm, shape = item.split(":")
-            M, N = (int(v) for v in shape.split("x"))
-            p = Problem(norm, M, N, args.dtype, has_bias=norm == "layer_norm")
+        for p in case_problems(args.cases, args.dtype):
+            norm, M, N = p.norm, p.M, p.N
             case = session.case(p)
             ref = case.reference()
             floor = session.floor_us(p)

@@ -24,6 +24,7 @@ from ..heuristics import (
     MAX_PROGRAMS_PER_SM_SYNC,
     cdiv,
     max_warps,
+    needs_int64,
     next_power_of_two,
     num_groups,
     occupancy,
@@ -36,10 +37,6 @@ from .reduce import PDL_SUPPORTED, kernel_2
 from .rows import kernel_1_single_pass, kernel_1_two_pass
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def needs_int64(M: int, N: int, *strides: int) -> bool:
-    return max(M * max(strides, default=N), M * N) >= 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +142,8 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
     fused = k2.fused and reduce
     pdl = pdl_enabled(config, device)
     slots = cdiv(cdiv(M, k1.block_row), groups) if phased else 2
-    if _waits(config, p) and not phased:
+    waits = _waits(config, p)
+    if waits and not phased:
         groups = min(groups, _resident_programs(p, config, device, int64, groups) // k1.row_split)
     programs = groups * k1.row_split
     phase = 1 if (phased and k1.row_split > 1) else 0
@@ -161,7 +159,7 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
     return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0,
                 Launcher(kernel, k1_kwargs), Launcher(kernel_2, k2_kwargs) if k2_kwargs is not None else None,
-                waits=_waits(config, p), slice=slice_width(N, k1.row_split))
+                waits=waits, slice=slice_width(N, k1.row_split))
 
 
 def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
@@ -242,7 +240,7 @@ class BackwardLaunch:
         else:
             dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
         self.dx = dx
-        int64 = M * max(g_stride, s_stride, dx_stride, N) >= 2**31
+        int64 = needs_int64(M, N, g_stride, s_stride, dx_stride)
         pl = plans.get(int64) if plans is not None else None
         if pl is None:
             pl = plan(problem, config, device, int64)
