@@ -19,8 +19,8 @@ import triton.language as tl
 
 import functools
 
-from .backward.common import effective_weight
-from .heuristics import cdiv, needs_int64, next_power_of_two
+from .backward.common import assume_multiple, effective_weight
+from .heuristics import alignment_hint, cdiv, needs_int64, next_power_of_two
 from .launcher import Launcher
 
 SINGLE_PASS_MAX_COLS = 8192
@@ -51,7 +51,9 @@ def _forward_kernel(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     STORE_MEAN: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, SINGLE_PASS: tl.constexpr, INT64: tl.constexpr,
+    HINT: tl.constexpr = 1,  # N and the row strides are multiples of this (`assume_multiple`)
 ):
+    N, stride_x, stride_y = assume_multiple(N, HINT), assume_multiple(stride_x, HINT), assume_multiple(stride_y, HINT)
     rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
     if INT64:
@@ -147,26 +149,29 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if M == 0:
         return y, rstd, mean
     x_stride = x2d.stride(0)
-    int64 = needs_int64(M, N, x_stride)
+    y_stride = y.stride(0) if given else N
+    int64 = needs_int64(M, N, x_stride, y_stride)
+    hint = alignment_hint(N, x_stride, y_stride)
     dummy = rstd  # pointer placeholder for absent tensors: never dereferenced (the constexpr flags skip it)
     w = dummy if weight is None else weight
     b = dummy if bias is None else bias
     mu = mean if store_mean else dummy
-    launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64)
+    launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean, int64,
+                                  hint)
     # Triton specializes on 16-byte alignment and dtypes: buffers allocated here are aligned, y is contiguous.
     key = (M, x_stride, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15, x2d.dtype, w.dtype, b.dtype)
     if given:
-        key += (y.stride(0), y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
-    launch(cdiv(M, block_row), (x2d, x_stride, y, y.stride(0) if given else N, w, b, rstd, mu, M, N, eps), key)
+        key += (y_stride, y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
+    launch(cdiv(M, block_row), (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 
 
 @functools.lru_cache(maxsize=1024)
 def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
-              int64: bool) -> tuple[Launcher, int]:
-    """The forward's launcher for one row width and set of flags, and its rows per program."""
+              int64: bool, hint: int = 1) -> tuple[Launcher, int]:
+    """The forward's launcher for one row width, set of flags and alignment hint, and its rows per program."""
     block_row, block_col, single, num_warps = forward_launch_params(N)
     return Launcher(_forward_kernel, dict(
         IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
         STORE_MEAN=store_mean, BLOCK_ROW=block_row, BLOCK_COL=block_col, SINGLE_PASS=single, INT64=int64,
-        num_warps=num_warps)), block_row
+        HINT=hint, num_warps=num_warps)), block_row

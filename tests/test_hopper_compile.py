@@ -38,6 +38,8 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("rms_norm", 2048, 16384, "fp16", "input", "recompute"),
     ("rms_norm", 1, 16384, "fp16", "input", "recompute"),  # M = 1 compiles as a constant
     ("layer_norm", 2048, 16384, "bf16", "output", "two_pass-staged"),  # staged weight, bias and partial rows
+    ("layer_norm", 20000, 3000, "bf16", "input", "unaligned"),  # rows of 3000 columns: 16-byte vectors all the same
+    ("rms_norm", 64, 1000, "bf16", "output", "unaligned-dual"),
 ]
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
@@ -59,7 +61,14 @@ PICK = {
     "staged-split2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
     "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
     "two_pass-staged": lambda c, d: c == d,  # made two-pass, 2x4096 tiles, 3 stages below
+    "unaligned": lambda c, d: c == d,
+    "unaligned-dual": lambda c, d: c.kernel_1.strategy == "dual",
 }
+# Cases whose kernels must move 16-bit rows in vectors only: widths that are multiples of 8 but not of 16, which
+# only the kernels' alignment hint tells the compiler. What may stay narrow is the final dw/db store (one column
+# per thread, as at aligned widths: at most 2 accesses); without the hint there were 88 (LayerNorm 20000x3000's
+# kernel_1) and 134 (the dual kernel at 1000 columns), and 32 in the forward at 3000.
+VECTORIZED = ("unaligned", "unaligned-dual")
 # Cases whose kernel_1 must keep everything in registers (no stack frame): recompute widens the packed 16-bit
 # tile again after the row reductions instead of keeping fp32 copies live, in fp16 as in bf16.
 NO_STACK = ("recompute",)
@@ -126,11 +135,12 @@ def main() -> None:
         for kernel, args, kwargs in calls[before:]:
             signature, constants, attrs = _signature(kernel, args, kwargs)
             options = {k: v for k, v in kwargs.items() if k not in signature}
-            async_copies = stack = shared = None
+            async_copies = stack = shared = narrow = None
             try:
                 compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                           target=GPUTarget("cuda", 90, 32), options=options)
                 async_copies = compiled.asm["ptx"].count("cp.async.c")
+                narrow = _narrow_accesses(compiled.asm["ptx"])
                 stack = _stack_bytes(compiled.asm["cubin"])
                 shared = compiled.metadata.shared
                 error = None
@@ -138,10 +148,40 @@ def main() -> None:
                 error = f"{type(err).__name__}: {str(err)[-600:]}"
             print(json.dumps({"case": f"{norm} {dtype} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
                               "config": str(config), "error": error, "async_copies": async_copies,
-                              "stack": stack, "shared": shared, "num_stages": k1.num_stages,
+                              "stack": stack, "shared": shared, "narrow": narrow, "num_stages": k1.num_stages,
                               "staged_estimate": staged_shared_bytes(
                                   problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
                                   k1.num_warps)}), flush=True)
+    print(json.dumps(dict(_forward_case(3000), pick="forward")), flush=True)
+
+
+def _narrow_accesses(ptx: str) -> int:
+    """Global loads and stores of one 16-bit element (`ld.global….b16`, `st.global….b16`) in a kernel's PTX."""
+    import re
+
+    return len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.b16\b", ptx))
+
+
+def _forward_case(N: int) -> dict:
+    """The forward kernel for bf16 rows of N columns (LayerNorm with weight and bias), compiled for sm_90 as its
+    launcher specializes it, with its PTX's narrow accesses."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from normtune.kernels.forward import _forward_kernel, _launcher
+    from normtune.kernels.heuristics import alignment_hint
+
+    launcher, _ = _launcher(N, False, True, True, False, True, False, alignment_hint(N))
+    kwargs = dict(launcher.constexprs)
+    act, f32 = torch.bfloat16, torch.float32
+    signature, constants, attrs = _signature(_forward_kernel, (act, N, act, N, act, act, f32, f32, 20000, N, 1e-5),
+                                             kwargs)
+    options = {k: v for k, v in kwargs.items() if k not in signature}
+    compiled = triton.compile(ASTSource(_forward_kernel, signature, constants, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    return {"case": f"forward bf16 {N}", "kernel": "forward", "narrow": _narrow_accesses(compiled.asm["ptx"])}
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -175,6 +215,9 @@ def test_every_strategy_compiles_for_hopper():
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    forward = [r for r in lines if r["pick"] == "forward"]
+    assert len(forward) == 1 and forward[0]["narrow"] == 0, forward  # the forward's rows of 3000 too
+    lines = [r for r in lines if r["pick"] != "forward"]
     compiled = {(r["case"], r["kernel"]) for r in lines}
     assert len({case for case, _ in compiled}) == len(CASES), result.stdout
     assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
@@ -189,6 +232,8 @@ def test_every_strategy_compiles_for_hopper():
         # The space's shared-memory estimate bounds what a two-pass kernel_1 asks for (a config over the budget is
         # refused before it reaches the GPU), and every kernel fits the budget.
         assert r["shared"] <= SHARED_MEMORY_BUDGET, r
+        if r["pick"] in VECTORIZED:
+            assert r["narrow"] <= 2, r
         if r["kernel"] == "kernel_1_two_pass" and r["num_stages"] > 1:
             assert r["shared"] <= r["staged_estimate"], r
 

@@ -26,7 +26,7 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.heuristics import num_programs, partial_rows, row_block_col, slice_width
+from normtune.kernels.heuristics import alignment_hint, num_programs, partial_rows, row_block_col, slice_width
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 from normtune.tuner.space import Space
@@ -598,3 +598,13 @@ def test_gpu_pipelined_split_is_correct_and_bitwise_at_scale(norm, M, N, dtype, 
                 continue
             assert_close(first, ref[name], tol, f"{name} of {config}", floor=scale[name])
             assert all(torch.equal(first, getattr(r, name)) for r in runs[1:]), f"{name} differs between runs"
+
+
+def test_alignment_hint_is_what_every_width_and_stride_shares():
+    """Up to 8, and 1 where Triton's own specialization already knows (all multiples of 16) or nothing is shared."""
+    assert alignment_hint(3000) == 8  # bf16 rows of 3000 columns start on 16-byte boundaries
+    assert alignment_hint(3000, 3000, 3004) == 4
+    assert alignment_hint(4096, 4102) == 2
+    assert alignment_hint(4096, 8192) == 1 and alignment_hint(4096) == 1
+    assert alignment_hint(1001) == 1 and alignment_hint(1) == 1
+    assert alignment_hint(24, 48) == 8 and alignment_hint(12) == 4

@@ -196,7 +196,7 @@ def check_forward(inputs, *, norm, zero_centered, eps, tolerance, assert_close, 
 FORWARD_CASES = ([pytest.param(*case.values, 37, 200, id=f"{case.id}-37x200") for case in FLAG_DTYPE_CASES]
                  + [pytest.param(*case.values, M, N, id=f"{case.id}-{M}x{N}")
                     for case in _flag_dtype_cases(tuple(zip(DTYPES, DTYPE_IDS))[:2])
-                    for M, N in [(1, 1), (0, 7), (64, 1000), (3, 10000)]])  # 10000: the chunked forward
+                    for M, N in [(1, 1), (0, 7), (5, 300), (9, 202), (64, 1000), (3, 10000)]])  # 10000: chunked
 
 
 @pytest.mark.parametrize("norm,has_weight,has_bias,zero_centered,dtype,param_dtype,M,N", FORWARD_CASES)
@@ -209,16 +209,19 @@ def test_forward_launcher(norm, has_weight, has_bias, zero_centered, dtype, para
                   assert_close=assert_close, reference_norm=reference_norm)
 
 
+@pytest.mark.parametrize("width,y_width", [(264, 272), (202, 206)], ids=["hint8", "hint2"])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
-def test_forward_writes_only_its_columns(norm, device, tolerance, assert_close, reference_norm, make_norm_inputs):
+def test_forward_writes_only_its_columns(norm, width, y_width, device, tolerance, assert_close, reference_norm,
+                                         make_norm_inputs):
     """Strided rows in and out: x is a column slice of a wider tensor and y a slice of a NaN-filled wider buffer;
-    the forward must read and write exactly the N columns of each row."""
-    M, N, width = 19, 200, 264
+    the forward must read and write exactly the N columns of each row (with row strides that are multiples of 8,
+    or of 2 only, as the kernel is told)."""
+    M, N = 19, 200
     inputs = make_norm_inputs((M, width), torch.bfloat16, device, has_bias=norm == "layer_norm")
     inputs["x"] = inputs["x"][:, :N]
     inputs["weight"] = inputs["weight"][:N]
     inputs["bias"] = inputs["bias"][:N] if inputs["bias"] is not None else None
-    y_buffer = torch.empty((M, width + 8), dtype=torch.bfloat16, device=device)
+    y_buffer = torch.empty((M, y_width), dtype=torch.bfloat16, device=device)
     y_buffer.fill_(float("nan"))
     y_view = y_buffer[:, :N]
     check_forward(inputs, norm=norm, zero_centered=False, eps=1e-5, tolerance=tolerance, assert_close=assert_close,
@@ -229,7 +232,8 @@ def test_forward_writes_only_its_columns(norm, device, tolerance, assert_close, 
 # ---------------------------------------------------------------------------------------------------------------
 # Shapes: empty, single rows and columns, widths that are not powers of two, two-pass with narrow chunks.
 # ---------------------------------------------------------------------------------------------------------------
-SHAPES = [(0, 200), (1, 200), (1, 1), (6, 1), (7, 3), (37, 200), (64, 1000), (3, 5000)]
+# Widths 200, 1000, 5000 are multiples of 8 (the kernels assume it: `alignment_hint`), 300 of 4, 202 of 2 only.
+SHAPES = [(0, 200), (1, 200), (1, 1), (6, 1), (7, 3), (37, 200), (5, 300), (9, 202), (64, 1000), (3, 5000)]
 
 
 @pytest.mark.parametrize("two_pass", [False, True], ids=["1pass", "2pass"])
@@ -274,28 +278,34 @@ def test_dual_strategy_shapes(M, N, norm, save, device, tolerance, assert_close,
         assert launch.programs == 0 and bool((launch.dw == 0).all())
 
 
+# (columns past N in the inputs' rows, in dx's rows; the multiple of N and the three strides the kernels assume)
+STRIDED = [(56, 24, 8), (4, 24, 4), (2, 6, 2), (56, 1, 1)]
+
+
+@pytest.mark.parametrize("extra,dx_extra,hint", STRIDED, ids=[f"hint{h}-{e}-{d}" for e, d, h in STRIDED])
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
-def test_backward_launcher_strided_rows_and_output_view(norm, device, tolerance, assert_close, reference_norm,
-                                                        make_norm_inputs):
+def test_backward_launcher_strided_rows_and_output_view(norm, extra, dx_extra, hint, device, tolerance, assert_close,
+                                                        reference_norm, make_norm_inputs):
     """grad and the saved x are column slices of wider tensors (row stride > N), and dx is written into a slice
     of a NaN-filled wider buffer: the kernels (single pass, two-pass, dual) use each tensor's row stride and never
-    touch columns past N."""
+    touch columns past N; the multiple they assume of the strides is the one the strides have, not N's."""
     M, N = 29, 200
     has_bias = norm == "layer_norm"
-    wide = make_norm_inputs((M, N + 56), torch.float32, device, has_bias=has_bias)
-    inputs = {"x": wide["x"][:, :N], "grad": wide["grad"][:, 8:N + 8], "weight": wide["weight"][:N],
+    wide = make_norm_inputs((M, N + extra), torch.float32, device, has_bias=has_bias)
+    inputs = {"x": wide["x"][:, :N], "grad": wide["grad"][:, min(8, extra):N + min(8, extra)], "weight": wide["weight"][:N],
               "bias": wide["bias"][:N] if has_bias else None}
     problem = make_problem(norm, M, N, torch.float32, torch.float32, True, has_bias, False, "input")
     ref = reference_norm(inputs["x"], inputs["weight"], inputs["bias"], 1e-5, inputs["grad"],
                          is_rms=norm == "rms_norm")
     saved, rstd, mean = saved_for_backward(inputs, ref, norm=norm, save="input")
-    assert saved.stride(0) == N + 56 and inputs["grad"].stride(0) == N + 56
+    assert saved.stride(0) == N + extra and inputs["grad"].stride(0) == N + extra
     single = small_config(N, torch.float32, two_pass=False)
     dual = BackwardConfig(dataclasses.replace(single.kernel_1, strategy="dual"), Kernel2Config(block_m=4))
     for config in (single, small_config(N, torch.float32, two_pass=True), dual):
-        dx_buffer = torch.full((M, N + 24), float("nan"), dtype=torch.float32, device=device)
+        dx_buffer = torch.full((M, N + dx_extra), float("nan"), dtype=torch.float32, device=device)
         launch = poisoned_launch(problem, config, inputs["grad"], saved,
                                  inputs["weight"], inputs["bias"], rstd, mean, dx=dx_buffer[:, :N])
+        assert launch.plan.k1_kwargs["HINT"] == hint
         check_backward(launch, ref, inputs["grad"], tolerance(torch.float32), assert_close)
         assert torch.isnan(dx_buffer[:, N:]).all(), "kernel_1 wrote past the row's N columns"
 

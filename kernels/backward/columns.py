@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
+from .common import (assume_multiple, effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
                      store_column_sums, store_rows)
 
 
@@ -19,9 +19,10 @@ def row_sums(
     G, stride_g, S, stride_s, W, B, RSTD, MEAN, C1, C2, M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
-    INT64: tl.constexpr,
+    INT64: tl.constexpr, HINT: tl.constexpr = 1,
 ):
     """c1 = mean(x̂·w·g) and c2 = mean(w·g) of BLOCK_ROW rows per program, over column chunks of BLOCK_COL."""
+    N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
     rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     chunk = tl.arange(0, BLOCK_COL)
     acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
@@ -49,9 +50,12 @@ def kernel_1_columns(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
+    HINT: tl.constexpr = 1,
 ):
     """Program p: columns [p·BLOCK_COL, (p+1)·BLOCK_COL) of every row, BLOCK_ROW rows at a time in row order;
     writes grad_input there and the columns' final dw/db (fixed order: reruns are bitwise identical)."""
+    N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
+    stride_dx = assume_multiple(stride_dx, HINT)
     cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)

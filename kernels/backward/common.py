@@ -36,6 +36,17 @@ COUNTER_STRIDE = tl.constexpr(COUNTER_STRIDE_ELEMENTS)
 
 
 @triton.jit
+def assume_multiple(v, HINT: tl.constexpr):
+    """v (a row width or row stride), told to the compiler to be a multiple of HINT, which the host checked
+    (`heuristics.alignment_hint`; 1: no hint). Triton marks integer arguments divisible by 16 itself, and only
+    those: rows of other widths whose starts still fall on 16-byte boundaries (bf16 rows of 3000 columns) would
+    load and store one element at a time instead of 16 bytes at a time."""
+    if HINT > 1:
+        v = (v // HINT) * HINT
+    return v
+
+
+@triton.jit
 def unprovable_zero(M):
     """An int16 0 that the compiler cannot prove is 0 (M, a row count, is never negative): see `widen_again`."""
     return tl.cast(M < 0, tl.int16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
+from .common import (assume_multiple, effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
                      store_column_sums, store_rows)
 
 
@@ -81,9 +81,12 @@ def kernel_1_dual(
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,  # the row programs' tile (BLOCK_COL covers a row)
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
     RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr,  # the column programs' tile: rows per step, columns
+    HINT: tl.constexpr = 1,
 ):
     """Arguments as `kernel_1_columns`, without the row sums (the row programs compute them) and with the number
     of row programs; programs past it own RED_BLOCK_N columns each."""
+    N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
+    stride_dx = assume_multiple(stride_dx, HINT)
     pid = tl.program_id(0)
     if pid < ROW_PROGRAMS:
         _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, M, N, pid, ROW_PROGRAMS,

@@ -22,6 +22,7 @@ from ..device import compute_capability, interpret_mode, sm_count
 from ..launcher import Launcher
 from ..heuristics import (
     MAX_PROGRAMS_PER_SM_SYNC,
+    alignment_hint,
     cdiv,
     max_warps,
     needs_int64,
@@ -71,15 +72,16 @@ class Plan:
         return kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
 
 
-def _flags(p: Problem) -> dict:
+def _flags(p: Problem, hint: int) -> dict:
     return dict(IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
-                ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output", RECOVER_LIMIT=RECOVER_LIMITS[p.dtype])
+                ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output", RECOVER_LIMIT=RECOVER_LIMITS[p.dtype],
+                HINT=hint)
 
 
 def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, fused: bool, phase: int,
-                 slots: int) -> dict:
+                 slots: int, hint: int) -> dict:
     k1, k2 = config.kernel_1, config.kernel_2
-    return dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+    return dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
@@ -87,9 +89,9 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
                 num_warps=k1.num_warps)
 
 
-def _dual_kwargs(p: Problem, config: BackwardConfig, int64: bool) -> dict:
+def _dual_kwargs(p: Problem, config: BackwardConfig, int64: bool, hint: int) -> dict:
     k1, k2 = config.kernel_1, config.kernel_2
-    return dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+    return dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, RED_BLOCK_M=k2.block_m,
                 RED_BLOCK_N=k2.block_n, num_warps=k1.num_warps)
 
@@ -115,9 +117,10 @@ def _waits(config: BackwardConfig, p: Problem) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool) -> Plan:
+def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool, hint: int = 1) -> Plan:
     """The cached plan; validates the config once. A grid whose programs wait for each other is capped at the
-    compiled kernel's occupancy (compiling it here, once)."""
+    compiled kernel's occupancy (compiling it here, once). `int64`: offsets need 64 bits; `hint`: the row width
+    and strides are multiples of it (`heuristics.alignment_hint`)."""
     config.validate(problem)
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     M, N = p.M, p.N
@@ -127,13 +130,13 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         return Plan(p, config, 0, 0, phased, 1, {}, None, 0, None, 0)
     if k1.strategy == "columns":
         rb, rc, rw = _row_sums_tile(N)
-        k1_kwargs = dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+        k1_kwargs = dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                          PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
-        rs_kwargs = dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
+        rs_kwargs = dict(_flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
         return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb),
                     Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs))
     if k1.strategy == "dual":
-        k1_kwargs = _dual_kwargs(p, config, int64)
+        k1_kwargs = _dual_kwargs(p, config, int64, hint)
         rows = num_groups(M, config, sm_count(device))
         programs = rows + (cdiv(N, k2.block_n) if reduce else 0)
         return Plan(p, config, 0, programs, phased, 1, k1_kwargs, None, 0, None, 0,
@@ -144,15 +147,16 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
     slots = cdiv(cdiv(M, k1.block_row), groups) if phased else 2
     waits = _waits(config, p)
     if waits and not phased:
-        groups = min(groups, _resident_programs(p, config, device, int64, groups) // k1.row_split)
+        groups = min(groups, _resident_programs(p, config, device, int64, groups, hint) // k1.row_split)
     programs = groups * k1.row_split
     phase = 1 if (phased and k1.row_split > 1) else 0
-    k1_kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl, fused=fused and not phased, phase=phase, slots=slots)
+    k1_kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl, fused=fused and not phased, phase=phase, slots=slots,
+                             hint=hint)
     k2_kwargs, k2_grid = None, 0
     if reduce and (not fused or phased):
         warps = k1.num_warps if fused else k2.num_warps  # the interpreter runs a fused reduction as kernel_2
         k2_kwargs = dict(HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias), BLOCK_M=k2.block_m,
-                         BLOCK_N=k2.block_n, NUM_STAGES=k2.num_stages, PDL=pdl, num_warps=warps)
+                         BLOCK_N=k2.block_n, NUM_STAGES=k2.num_stages, PDL=pdl, HINT=hint, num_warps=warps)
         if pdl:
             k2_kwargs["launch_pdl"] = True
         k2_grid = programs if fused else cdiv(N, k2.block_n)
@@ -162,11 +166,13 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
                 waits=waits, slice=slice_width(N, k1.row_split))
 
 
-def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int) -> int:
+def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int,
+                       hint: int) -> int:
     """Programs of kernel_1 the GPU runs at once (every SM full), from the compiled kernel's resources."""
     k1 = config.kernel_1
     fused = config.kernel_2.fused and (p.has_weight or bool(p.has_bias))  # as `plan` launches it
-    kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=fused, phase=0, slots=2)
+    kwargs = _rows_kwargs(p, config, int64=int64, pdl=pdl_enabled(config, device), fused=fused, phase=0, slots=2,
+                          hint=hint)
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
     args = _placeholder_args(p, int64, k1.row_split)
     compiled = kernel.warmup(*args, grid=(groups * k1.row_split,), **kwargs)
@@ -229,8 +235,9 @@ class BackwardLaunch:
     def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor,
                  mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None):
-        """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by int64 indexing (the
-        runtime keeps one per resolved call, so that a call does not hash the problem and config again)."""
+        """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by int64 indexing and
+        alignment hint (the runtime keeps one per resolved call, so that a call does not hash the problem and config
+        again)."""
         M, N = problem.M, problem.N
         device = grad.device
         g_stride, s_stride = grad.stride(0), saved.stride(0)
@@ -241,11 +248,12 @@ class BackwardLaunch:
             dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
         self.dx = dx
         int64 = needs_int64(M, N, g_stride, s_stride, dx_stride)
-        pl = plans.get(int64) if plans is not None else None
+        hint = alignment_hint(N, g_stride, s_stride, dx_stride)
+        pl = plans.get((int64, hint)) if plans is not None else None
         if pl is None:
-            pl = plan(problem, config, device, int64)
+            pl = plan(problem, config, device, int64, hint)
             if plans is not None:
-                plans[int64] = pl
+                plans[(int64, hint)] = pl
         self.plan = pl
         self.problem, self.config = problem, config
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
@@ -355,21 +363,21 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
         return
     device = device or torch.device("cuda", torch.cuda.current_device())
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
-    int64 = needs_int64(p.M, p.N)
+    int64, hint = needs_int64(p.M, p.N), alignment_hint(p.N)
     f32, act = torch.float32, TORCH_DTYPES[p.dtype]
     wdt = TORCH_DTYPES[p.weight_dtype]
     if k1.strategy == "columns":
         rb, rc, rw = _row_sums_tile(p.N)
         pa = _placeholder_args(p, int64)
         row_sums.warmup(act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, p.M, p.N, grid=(cdiv(p.M, rb),),
-                        **dict(_flags(p), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw))
+                        **dict(_flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw))
         kernel_1_columns.warmup(act, p.N, act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, pa[12], pa[13],
                                 p.M, p.N, grid=(cdiv(p.N, k1.block_col),),
-                                **dict(_flags(p), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col,
+                                **dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col,
                                        NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy,
                                        INT64=int64, num_warps=k1.num_warps))
         return
-    pl = plan(p, config, device, int64)
+    pl = plan(p, config, device, int64, hint)
     if k1.strategy == "dual":
         pa = _placeholder_args(p, int64)
         kernel_1_dual.warmup(*pa[:10], pa[12], pa[13], p.M, p.N, pl.row_programs, grid=(pl.programs,),

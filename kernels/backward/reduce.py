@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import store_column_sums
+from .common import assume_multiple, store_column_sums
 
 try:  # Programmatic Dependent Launch (Hopper+): kernel_2 launches while kernel_1 drains, then waits on its writes.
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -52,11 +52,11 @@ def kernel_2(
     DW, DB,  # [N] outputs, in the weight's dtype
     P, N,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, HINT: tl.constexpr = 1,  # N is a multiple of HINT
 ):
     """Program i reduces column blocks i, i + programs, … (one block each on the usual cdiv(N, block_n) grid;
     the interpreter runs a fused config's reduction on kernel_1's grid instead)."""
     if PDL:
         gdc_wait()  # launched early (programmatic dependent launch): wait until kernel_1's partials are visible
-    reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, P, N, tl.program_id(0), tl.num_programs(0), HAS_WEIGHT,
+    reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, P, assume_multiple(N, HINT), tl.program_id(0), tl.num_programs(0), HAS_WEIGHT,
                    HAS_BIAS, BLOCK_M, BLOCK_N, NUM_STAGES)

@@ -16,6 +16,7 @@ from .common import (
     COUNTER_STRIDE,
     arrive_and_wait,
     arrive_and_wait_in_loop,
+    assume_multiple,
     effective_weight,
     grad_input,
     leave_and_reset,
@@ -101,9 +102,13 @@ def kernel_1_single_pass(
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False,  # dw/db: one fp32 value per column, each tile's rows added in as it is done
     PIPELINED: tl.constexpr = False,  # ROW_SPLIT: the exchange waits through inline assembly (pipelined loop)
+    HINT: tl.constexpr = 1,  # N, SLICE and the row strides are multiples of this (`assume_multiple`)
 ):
     if PDL:
         gdc_launch_dependents()
+    N, SLICE = assume_multiple(N, HINT), assume_multiple(SLICE, HINT)
+    stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
+                                     assume_multiple(stride_dx, HINT))
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     group = pid // ROW_SPLIT
@@ -224,7 +229,7 @@ def kernel_1_two_pass(
     RELOAD_WEIGHT: tl.constexpr, RECOMPUTE: tl.constexpr, EVICTION: tl.constexpr,
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
-    COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False,
+    COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False, HINT: tl.constexpr = 1,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
     ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows
@@ -234,6 +239,9 @@ def kernel_1_two_pass(
     computing j."""
     if PDL:
         gdc_launch_dependents()
+    N = assume_multiple(N, HINT)
+    stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
+                                     assume_multiple(stride_dx, HINT))
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     chunk = tl.arange(0, BLOCK_COL)
