@@ -111,12 +111,11 @@ def alignment_hint(*values: int) -> int:
     """The multiple that the kernels may assume of a row width and row strides (`assume_multiple`): the largest
     power of two up to 8 dividing them all, or 1 where they are all multiples of 16 (Triton specializes those
     itself) or share no factor of 2. bf16 rows of 3000 columns: 8, so their loads are 16-byte vectors."""
-    common = 0
-    for v in values:
-        common = math.gcd(common, v)
-    if common == 0 or common % 16 == 0:
-        return 1
-    return min(8, common & -common)
+    bits = 0
+    for v in values:  # the lowest set bit of their OR is the largest power of two dividing them all
+        bits |= v
+    low = bits & -bits
+    return 1 if low == 0 or low >= 16 else low
 
 
 def cdiv(a: int, b: int) -> int:

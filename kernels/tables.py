@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .adapt import STAND_IN_DTYPES, adapt, carried_over, holds_rows  # noqa: F401 - re-exported for table users
-from .config import ITEMSIZE, BackwardConfig, ConfigError, Problem, ProblemFamily
+from .config import BackwardConfig, ConfigError, Problem, ProblemFamily
 from .heuristics import next_power_of_two
 from .device import gpu_key
 
 SCHEMA_VERSION = 1
-# Rows (in bytes) the rules answer for when they were fitted on such rows only (`Table.aligned_width`).
-ALIGNED_ROW_BYTES = 16
+# Row widths (elements) the rules answer for when they were fitted on such widths only (`Table.aligned_width`).
+ALIGNED_WIDTH = 16
 
 
 class TableError(ValueError):
@@ -58,7 +58,7 @@ class Table:
     raw: dict
     # Per family, the (M, N) box of the shapes its rules were fitted on: (min M, max M, min N, max N).
     fitted: dict[str, tuple[int, int, int, int]] = dataclasses.field(default_factory=dict)
-    # Families fitted on rows that are all multiples of ALIGNED_ROW_BYTES (see `aligned_width`).
+    # Families fitted on row widths that are all multiples of ALIGNED_WIDTH (see `aligned_width`).
     aligned_only: frozenset[str] = frozenset()
 
     @property
@@ -112,15 +112,12 @@ class Table:
                                and self.aligned_width(problem))
 
     def aligned_width(self, problem: Problem) -> bool:
-        """False for rows that are not a multiple of ALIGNED_ROW_BYTES when every fitted row was one. Such rows
-        (bf16 rows of 3000 columns) load and store in 16-byte vectors as the fitted ones do (the kernels assume the
-        multiple of 8 columns: `heuristics.alignment_hint`); others move narrower pieces and run another kernel,
-        which the rules never measured. H100, bf16, the rule of the nearest multiple of 16 against the analytic
-        default, both with the hint: 0.955 of its time over 8 problems of 16-byte rows (LayerNorm 2048x12296 87.2
-        against 106.6 µs, worst RMSNorm 4096x5000 59.6 against 58.1); at rows of 1004 and 1002 columns 29.4 / 31.3
-        and 30.4 / 29.5 (`docs/experiments/unaligned_rows.py`)."""
-        return (problem.N * ITEMSIZE[problem.dtype] % ALIGNED_ROW_BYTES == 0
-                or self.family_key(problem.family) not in self.aligned_only)
+        """False for a row width that is not a multiple of ALIGNED_WIDTH when every fitted width was one: the
+        rules were never measured on such rows, and do not carry over to them reliably. bf16 rows of 3000 columns
+        move in 16-byte vectors as the fitted ones do (the kernels assume the multiple of 8: `alignment_hint`), yet
+        the H200 rule of the nearest multiple of 16 ran LayerNorm 20000x3000 at 137.4 µs against the analytic
+        default's 116.2 (H100: 140.1 against 145.9; `docs/experiments/unaligned_rows.py`)."""
+        return problem.N % ALIGNED_WIDTH == 0 or self.family_key(problem.family) not in self.aligned_only
 
     def match(self, problem: Problem) -> "RuleMatch":
         """Which rule answers `problem` and with what config (None: no rule applies — no family of this norm and
@@ -179,8 +176,8 @@ class RuleMatch:
         if self.rule is None:
             m0, m1, n0, n1 = self.box
             if m0 <= problem.M <= m1 and n0 <= problem.N <= n1:
-                return (f"family {family}: {problem.dtype} rows of N={problem.N} are not a multiple of "
-                        f"{ALIGNED_ROW_BYTES} bytes and the rules were fitted on such rows only → the analytic default")
+                return (f"family {family}: N={problem.N} is not a multiple of {ALIGNED_WIDTH} and the rules were "
+                        f"fitted on multiples of {ALIGNED_WIDTH} only → the analytic default")
             return (f"family {family}: {problem.M}x{problem.N} lies outside the fitted box (M {m0}…{m1}, "
                     f"N {n0}…{n1}) → the analytic default")
         bound = lambda v: "∞" if v is None else str(v)  # noqa: E731
@@ -302,8 +299,7 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
         if (shapes := fitted_shapes(rules_data)) is not None:
             ms, ns = [m for m, _ in shapes], [n for _, n in shapes]
             fitted[key] = (min(ms), max(ms), min(ns), max(ns))
-            itemsize = ITEMSIZE[family.dtype]
-            if all(n * itemsize % ALIGNED_ROW_BYTES == 0 for n in ns):
+            if all(n % ALIGNED_WIDTH == 0 for n in ns):
                 aligned.add(key)
     return Table(path=path, gpu_name=gpu["name"], gpu_key=gpu.get("key") or gpu_key(gpu["name"]),
                  compute_capability=gpu.get("compute_capability"), sm_count=gpu.get("sm_count"),
