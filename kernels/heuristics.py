@@ -38,6 +38,9 @@ MIN_ELEMENTS_PER_THREAD = 4
 # The few-rows (columns) strategy sweeps all rows of a column slice in one program: worth it only while rows are
 # few (M of the order of the SM count); the search space offers it up to this many rows.
 MAX_COLUMNS_ROWS = 2048
+# From this many rows the default gives 16-bit RMSNorm rows of 8193-16384 columns prefetch with recompute:
+# measured from 512 rows up (`default_config`).
+WIDE_PREFETCH_MIN_ROWS = 512
 # Strategies whose column programs sweep every row of their slice: offered up to MAX_COLUMNS_ROWS, time grows with M.
 ROW_SWEEPING = ("columns", "dual")
 # Grids whose programs wait for each other (row_split, the fused reduction) hold at most this many programs per
@@ -200,6 +203,9 @@ def default_config(problem: "Problem") -> "BackwardConfig":
       single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
       reads each element once. Wider rows: the columns strategy up to MAX_COLUMNS_ROWS rows, then rows split
       over programs in 8192-column slices; where neither fits, two-pass on 4096-column chunks, 8 warps.
+    - 16-bit RMSNorm rows of 8193-16384 columns, from WIDE_PREFETCH_MIN_ROWS rows: prefetch with recompute (the
+      shipped tables' form there; 1.05-1.26x faster than without on the H100 and H200,
+      docs/experiments/wide_default.py).
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
     - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
       0-30% faster), 16 from 4096 columns.
@@ -257,6 +263,13 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     # 68.1 µs H200).
     recompute = (not two_pass and not prefetch and problem.itemsize == 2 and block_row == 1
                  and bool(problem.has_bias))
+    if not prefetch and not two_pass and n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 \
+            and problem.M >= WIDE_PREFETCH_MIN_ROWS and problem.norm == "rms_norm":
+        # 16-bit RMSNorm rows of 8193-16384 columns: prefetch fits once the raw tile is kept across the
+        # reductions (the shipped tables' rule at 16384 columns). Against the plain whole-row tile
+        # (docs/experiments/wide_default.py, 5 shapes from 512x12296 to 4096x16384): 1.05-1.15x faster on the
+        # H100, 1.11-1.26x on the H200 (4096x10000: 101.3 against 116.5 µs, H100).
+        prefetch = recompute = True
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
                        programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
                        recompute=recompute)

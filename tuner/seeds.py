@@ -74,9 +74,9 @@ def strategies(space: Space) -> list[BackwardConfig]:
         # seeded.
         tail = early if next_power_of_two(p.N) >= 8192 else k2
         for split in (s for s in space.domains()["k1.row_split"] if not is_power_of_two(s)):
-            width = row_block_col(p.N, split)
-            if width < 4096:
+            if _narrow_odd_split(p.N, split):
                 continue
+            width = row_block_col(p.N, split)
             for block_row, warps, per_sm in ((16384 // width, 16, 1), (32768 // width, 16, 1),
                                              (8192 // width, 8, 2)):
                 if block_row * width <= MAX_COLUMN_ACC_TILE:
@@ -170,6 +170,11 @@ def _light_few_row_seeds(space: Space, k1: Kernel1Config) -> list[BackwardConfig
     return out
 
 
+def _narrow_odd_split(N: int, split: int) -> bool:
+    """A split of 3, 5, 6 or 7 whose slices are narrower than 4096 columns: never seeded (see `strategies`)."""
+    return not is_power_of_two(split) and row_block_col(N, split) < 4096
+
+
 def seeds(space: Space) -> list[BackwardConfig]:
     """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
     (each knob moved to the adjacent domain value)."""
@@ -187,5 +192,7 @@ def seeds(space: Space) -> list[BackwardConfig]:
         i = dom.index(cur)
         for j in (i - 1, i + 1):
             if 0 <= j < len(dom):
+                if key == "k1.row_split" and _narrow_odd_split(space.problem.N, dom[j]):
+                    continue  # as in `strategies`: odd splits only where each slice is 4096 columns or wider
                 out += space.worth_measuring([space.config({**params, key: dom[j]})])
     return list(dict.fromkeys(out))
