@@ -11,8 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (assume_multiple, effective_weight, grad_input, load_rows, normalized, recovery_bias, scaled_normalized,
-                     store_column_sums, store_rows)
+from .common import (assume_multiple, effective_weight, grad_input, load_rows, normalized, recovery_bias,
+                     scaled_normalized, store_column_sums, store_rows)
 
 
 @triton.jit

@@ -58,5 +58,5 @@ def kernel_2(
     the interpreter runs a fused config's reduction on kernel_1's grid instead)."""
     if PDL:
         gdc_wait()  # launched early (programmatic dependent launch): wait until kernel_1's partials are visible
-    reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, P, assume_multiple(N, HINT), tl.program_id(0), tl.num_programs(0), HAS_WEIGHT,
-                   HAS_BIAS, BLOCK_M, BLOCK_N, NUM_STAGES)
+    reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, P, assume_multiple(N, HINT), tl.program_id(0), tl.num_programs(0),
+                   HAS_WEIGHT, HAS_BIAS, BLOCK_M, BLOCK_N, NUM_STAGES)
