@@ -32,7 +32,12 @@ def case_problems(cases: str, dtype: str = "bf16") -> list[Problem]:
     return out
 
 
-def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> None:
+# Timings a caller adds per case beside the variants' (e.g. the forward): (session, case, backward floor µs) →
+# {label: {"median_us", "p10_us", "p90_us", "floor_us"}}, written and printed as variant lines of their own.
+Extra = Callable[[MeasureSession, object, float], "dict[str, dict]"]
+
+
+def run(name: str, variants: Variants, cases: str, doc: str | None = None, extra: Extra | None = None) -> None:
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("out_dir", help=f"folder for {name}.jsonl")
     ap.add_argument("--cases", default=cases, help="comma-separated NORM:MxN")
@@ -66,6 +71,11 @@ def run(name: str, variants: Variants, cases: str, doc: str | None = None) -> No
                     continue
                 print(f"  {label:44s} {r.median_us:8.1f} us  k1 {r.kernel_1_us or 0:7.1f}  k2 {r.kernel_2_us or 0:5.1f}"
                       f"  floor {floor / r.median_us:5.2f}  [{time.time() - t0:4.0f} s]", flush=True)
+            for label, fields in (extra(session, case, floor) if extra else {}).items():
+                out.write(json.dumps({"norm": norm, "M": M, "N": N, "dtype": args.dtype, "variant": label,
+                                      "gpu": info.name, "tag": args.tag, **fields}) + "\n")
+                print(f"  {label:44s} {fields['median_us']:8.1f} us  floor "
+                      f"{fields['floor_us'] / fields['median_us']:5.2f}", flush=True)
             del case, ref
             torch.cuda.empty_cache()
 
