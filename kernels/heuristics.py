@@ -38,9 +38,9 @@ MIN_ELEMENTS_PER_THREAD = 4
 # The few-rows (columns) strategy sweeps all rows of a column slice in one program: worth it only while rows are
 # few (M of the order of the SM count); the search space offers it up to this many rows.
 MAX_COLUMNS_ROWS = 2048
-# From this many rows the default gives 16-bit RMSNorm rows of 8193-16384 columns prefetch with recompute:
-# measured from 512 rows up (`default_config`).
-WIDE_PREFETCH_MIN_ROWS = 512
+# From this many rows the default gives 16-bit rows of 8193-16384 columns the shipped tables' form there (RMSNorm:
+# prefetch with recompute; LayerNorm: the row split in 4): measured from 512 rows up (`default_config`).
+WIDE_DEFAULT_MIN_ROWS = 512
 # Strategies whose column programs sweep every row of their slice: offered up to MAX_COLUMNS_ROWS, time grows with M.
 ROW_SWEEPING = ("columns", "dual")
 # Grids whose programs wait for each other (row_split, the fused reduction) hold at most this many programs per
@@ -203,9 +203,10 @@ def default_config(problem: "Problem") -> "BackwardConfig":
       single-pass tile on 16 warps beat every two-pass config (LayerNorm 102 vs 108-120 µs kernel_1), since it
       reads each element once. Wider rows: the columns strategy up to MAX_COLUMNS_ROWS rows, then rows split
       over programs in 8192-column slices; where neither fits, two-pass on 4096-column chunks, 8 warps.
-    - 16-bit RMSNorm rows of 8193-16384 columns, from WIDE_PREFETCH_MIN_ROWS rows: prefetch with recompute (the
-      shipped tables' form there; 1.05-1.26x faster than without on the H100 and H200,
-      docs/experiments/wide_default.py).
+    - 16-bit rows of 8193-16384 columns, from WIDE_DEFAULT_MIN_ROWS rows, take the shipped tables' form there
+      (docs/experiments/wide_default.py, H100 and H200): RMSNorm prefetch with recompute (1.05-1.26x faster than
+      the plain whole-row tile), LayerNorm the row split in 4 slices of 4-row tiles, one program per SM, the
+      pipelined exchange (1.17-1.50x faster: its two fp32 accumulators per column no longer fill the registers).
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
     - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
       0-30% faster), 16 from 4096 columns.
@@ -246,6 +247,19 @@ def default_config(problem: "Problem") -> "BackwardConfig":
             split_cfg = BackwardConfig(k1, Kernel2Config(block_m=128, block_n=16, num_warps=4))
             if split_cfg.is_valid(problem):
                 return split_cfg
+    if n_pow2 == MAX_SINGLE_PASS and problem.N > MAX_SINGLE_PASS // 2 and problem.itemsize == 2 \
+            and problem.M >= WIDE_DEFAULT_MIN_ROWS and problem.norm == "layer_norm":
+        # 16-bit LayerNorm rows of 8193-16384 columns: 4 slices of 4-row tiles, dw/db per column, 3 stages through
+        # the pipelined exchange (the shipped tables' rule from 2048 rows). Against the whole-row tile, 10 shapes
+        # from 512x12296 to 4096x16384: 1.17-1.50x faster on the H100 (2048x12296: 83.7 against 106.0 µs),
+        # 1.17-1.45x on the H200.
+        wide = BackwardConfig(
+            Kernel1Config(block_row=4, block_col=row_block_col(problem.N, 4), num_warps=8, num_stages=3,
+                          programs_per_sm=1, eviction_policy="", row_split=4, column_accumulators=True,
+                          pipelined_split=True),
+            Kernel2Config(block_m=64, block_n=16, num_warps=1, pdl=True))
+        if wide.is_valid(problem):
+            return wide
     block_col = 4096 if two_pass else n_pow2
     # Up to 64 rows (the space's largest block_row): a cap of 16 left rows of <= 256 columns with 2048-4096
     # element tiles, under the ~8192 the tuned N=1024/2048 seed rules settled on.
@@ -264,7 +278,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     recompute = (not two_pass and not prefetch and problem.itemsize == 2 and block_row == 1
                  and bool(problem.has_bias))
     if not prefetch and not two_pass and n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 \
-            and problem.M >= WIDE_PREFETCH_MIN_ROWS and problem.norm == "rms_norm":
+            and problem.M >= WIDE_DEFAULT_MIN_ROWS and problem.norm == "rms_norm":
         # 16-bit RMSNorm rows of 8193-16384 columns: prefetch fits once the raw tile is kept across the
         # reductions (the shipped tables' rule at 16384 columns). Against the plain whole-row tile
         # (docs/experiments/wide_default.py, 5 shapes from 512x12296 to 4096x16384): 1.05-1.15x faster on the

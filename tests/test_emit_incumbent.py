@@ -143,9 +143,25 @@ def test_an_incumbent_is_recorded_and_rebuilt_with_the_same_lookups():
 
 
 def test_neighbour_remeasurement_times_the_incumbent_on_every_problem_of_its_bucket():
-    data = {SMALL: {B: T(9.9)}, LARGE: {B: T(39.6)}}
+    data = {p: {B: T(t), default_config(p): T(2 * t)} for p, t in ((SMALL, 9.9), (LARGE, 39.6))}
     assert neighbour_plan(data) == []
     assert sorted(neighbour_plan(data, {SMALL: A}), key=lambda pc: pc[0].M) == [(SMALL, A), (LARGE, A)]
+
+
+def test_neighbour_remeasurement_times_the_default_where_no_run_did():
+    """Emission weighs every rule against the analytic default: a default changed since the sweeps (never timed
+    on a fitted problem) is planned there, once, in the form default_config gives; the canonical form the sweep
+    seeds counts as measured."""
+    from normtune.tuner.space import Space
+
+    few = RMS.problem(8, 1024)  # the canonical form differs: 8 rows fill half the programs of an 8-SM GPU
+    canonical = Space(few, GPU.sm_count).canonical(default_config(few))
+    assert canonical != default_config(few)
+    data = {SMALL: {B: T(9.9)}, few: {B: T(3.0), canonical: T(4.0)}}
+    plan = neighbour_plan(data, sm_count=GPU.sm_count)
+    assert plan.count((SMALL, default_config(SMALL))) == 1 and (few, default_config(few)) not in plan
+    assert all(cfg not in data[p] for p, cfg in plan)
+    assert (few, default_config(few)) in neighbour_plan(data)  # without the SM count only the plain form counts
 
 
 # ------------------------------------------------------------------------------------------------- the CLI

@@ -26,7 +26,7 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.heuristics import WIDE_PREFETCH_MIN_ROWS, alignment_hint, num_programs, partial_rows, row_block_col, slice_width
+from normtune.kernels.heuristics import WIDE_DEFAULT_MIN_ROWS, alignment_hint, num_programs, partial_rows, row_block_col, slice_width
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 from normtune.tuner.space import Space
@@ -464,11 +464,13 @@ def check_default_for(problem: Problem) -> None:
         assert cfg.kernel_1.block_col >= slice_width(problem.N, cfg.kernel_1.row_split)
     if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
         assert problem.N > 16384 and problem.M <= 2048
-    if cfg.kernel_1.row_split > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
+    wide_16_bit = 8192 < problem.N <= 16384 and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
+    if problem.norm == "layer_norm" and wide_16_bit:  # LayerNorm's wide rows: split in 4, pipelined exchange
+        assert cfg.kernel_1.row_split == 4 and cfg.kernel_1.pipelined_split and cfg.kernel_1.column_accumulators
+    elif cfg.kernel_1.row_split > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
         assert problem.N > 16384 and problem.M > 2048 and problem.itemsize == 2
         assert cfg.kernel_1.column_accumulators and slice_width(problem.N, cfg.kernel_1.row_split) <= 8192
-    elif (problem.norm == "rms_norm" and 8192 < problem.N <= 16384 and problem.itemsize == 2
-          and problem.M >= WIDE_PREFETCH_MIN_ROWS):
+    elif problem.norm == "rms_norm" and wide_16_bit:
         assert cfg.kernel_1.prefetch and cfg.kernel_1.block_col == 16384  # recompute where prefetch needs it
     programs = num_programs(problem.M, problem.N, cfg, 132)
     if problem.M == 0:

@@ -1,16 +1,18 @@
 """Neighbour re-measurement for `normtune emit --remeasure`: each problem's top configs timed on the other problems
 of its N bucket, and the adjacent buckets' top configs adapted to its N, so that emission compares rules on a
-complete config × problem matrix rather than on whatever the sweeps happened to measure everywhere."""
+complete config × problem matrix rather than on whatever the sweeps happened to measure everywhere; and each
+problem's analytic default where no run timed it (a rule gives way to the default where it is not faster, so a
+default changed since the sweeps must be timed again before the table can be re-emitted against it)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 from normtune.kernels.tables import adapt
 
 from .emit import TOP_K, Selection, collect, select_inputs
-from .fit import Data
+from .fit import Data, default_in
 from .incumbent import configs_for
 from .spread import Timing
 
@@ -19,12 +21,13 @@ def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[Back
     return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
 
 
-def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None = None) \
-        -> list[tuple[Problem, BackwardConfig]]:
+def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None = None,
+                   sm_count: int | None = None) -> list[tuple[Problem, BackwardConfig]]:
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
     problems of its N bucket, and the adjacent buckets' top configs adapted to this N; with `incumbents` (problem
     → the incumbent table's config), each problem's incumbent config on every problem of its bucket, so that
-    emission can weigh the incumbent against the new winner. Already measured pairs are skipped."""
+    emission can weigh the incumbent against the new winner; each problem's analytic default where it is not
+    measured in either of its forms (see `fit.default_in`). Already measured pairs are skipped."""
     incumbents = incumbents or {}
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
@@ -44,6 +47,13 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
                 c = adapt(c, p)
                 if c not in data[p]:
                     plan.append((p, c))
+    measured_defaults = default_in(data, sm_count)
+    for p in sorted(data, key=lambda q: (q.N, q.M)):
+        if p not in measured_defaults:
+            try:
+                plan.append((p, default_config(p)))
+            except ConfigError:
+                continue
     return list(dict.fromkeys(plan))
 
 
@@ -61,7 +71,8 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
     count = 0
     try:
         for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
-            plan = neighbour_plan(data, configs_for(incumbent, data) if incumbent is not None else None)
+            plan = neighbour_plan(data, configs_for(incumbent, data) if incumbent is not None else None,
+                                  info.sm_count)
             for p, c in sorted(plan, key=lambda pc: (pc[0].key, pc[1].to_json())):
                 r = session.measure_problem(p, c)
                 store.add_measurement(run_id, p, c, r, source="neighbor")
