@@ -247,12 +247,11 @@ def default_config(problem: "Problem") -> "BackwardConfig":
             split_cfg = BackwardConfig(k1, Kernel2Config(block_m=128, block_n=16, num_warps=4))
             if split_cfg.is_valid(problem):
                 return split_cfg
-    if n_pow2 == MAX_SINGLE_PASS and problem.N > MAX_SINGLE_PASS // 2 and problem.itemsize == 2 \
-            and problem.M >= WIDE_DEFAULT_MIN_ROWS and problem.norm == "layer_norm":
-        # 16-bit LayerNorm rows of 8193-16384 columns: 4 slices of 4-row tiles, dw/db per column, 3 stages through
-        # the pipelined exchange (the shipped tables' rule from 2048 rows). Against the whole-row tile, 10 shapes
-        # from 512x12296 to 4096x16384: 1.17-1.50x faster on the H100 (2048x12296: 83.7 against 106.0 µs),
-        # 1.17-1.45x on the H200.
+    # 16-bit rows of 8193-16384 columns, enough of them to measure: the shipped tables' forms (docstring).
+    wide_16_bit = n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
+    if wide_16_bit and problem.norm == "layer_norm":
+        # 4 slices of 4-row tiles, dw/db per column, 3 stages through the pipelined exchange (the tables' rule from
+        # 2048 rows). H100, 2048x12296: 83.7 against the whole-row tile's 106.0 µs.
         wide = BackwardConfig(
             Kernel1Config(block_row=4, block_col=row_block_col(problem.N, 4), num_warps=8, num_stages=3,
                           programs_per_sm=1, eviction_policy="", row_split=4, column_accumulators=True,
@@ -277,12 +276,9 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     # 68.1 µs H200).
     recompute = (not two_pass and not prefetch and problem.itemsize == 2 and block_row == 1
                  and bool(problem.has_bias))
-    if not prefetch and not two_pass and n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 \
-            and problem.M >= WIDE_DEFAULT_MIN_ROWS and problem.norm == "rms_norm":
-        # 16-bit RMSNorm rows of 8193-16384 columns: prefetch fits once the raw tile is kept across the
-        # reductions (the shipped tables' rule at 16384 columns). Against the plain whole-row tile
-        # (docs/experiments/wide_default.py, 5 shapes from 512x12296 to 4096x16384): 1.05-1.15x faster on the
-        # H100, 1.11-1.26x on the H200 (4096x10000: 101.3 against 116.5 µs, H100).
+    if wide_16_bit and not prefetch and problem.norm == "rms_norm":
+        # Prefetch fits once the raw tile is kept across the reductions (the tables' rule at 16384 columns).
+        # H100, 4096x10000: 101.3 against the plain whole-row tile's 116.5 µs.
         prefetch = recompute = True
     k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
                        programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
