@@ -6,7 +6,10 @@ CPU time per launch on a GPU host, paid on every layer of every step. A `Launche
 *specialization key* — a cheap tuple the caller derives from what the specialization depends on (the integer
 arguments, the alignment of pointers it did not allocate itself), per current device — and afterwards calls the
 compiled kernel's own launcher directly (a few µs): same binary, same stream (the current stream of the current
-device, as `JITFunction.run` uses), same launch options (warps, PDL), profiler launch hooks honoured.
+device, as `JITFunction.run` uses), same launch options (warps, PDL), profiler launch hooks honoured. Where the
+compiled kernel's launcher object is Triton's CUDA launcher in a form this module knows (no scratch memory, no
+sanitizer) and no hook is set, its C function is called straight, skipping the Python wrapper around it
+(`raw_launch`).
 
 The first launch of a key, the interpreter, a kernel whose compile-time arguments are not all at the end of its
 signature, and a Triton whose compiled kernels lack the launcher interface all go through `JITFunction.run`.
@@ -14,6 +17,8 @@ signature, and a Triton whose compiled kernels lack the launcher interface all g
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, Hashable
 
 import torch
@@ -28,6 +33,11 @@ except ImportError:  # pragma: no cover - older Triton: every launch goes throug
 
 # Specializations remembered per launcher before the table starts over.
 MAX_KEYS = 4096
+
+
+# Call Triton's C launch function straight where `raw_launch` knows the launcher (experiments turn it off to
+# compare; keys remembered before a change keep their route).
+RAW_LAUNCH = True
 
 
 # The unbound method: no bound method is made per argument.
@@ -62,6 +72,46 @@ def constexpr_tail(kernel: Any, constexprs: dict[str, Any]) -> tuple | None:
         elif tail:
             return None
     return tuple(tail)
+
+
+# The parameters of the CUDA launcher object's `__call__` in the two forms `raw_launch` knows. "flat" (e.g. Triton
+# 3.6): its C function takes the scratch pointers, then the metadata, hooks and kernel arguments as they came.
+# "packed" (e.g. Triton 3.9): one generic C function taking the metadata and hooks first, then the argument
+# annotations and the kernel arguments as one tuple.
+_CALL_FORMS = {
+    ("self", "gridX", "gridY", "gridZ", "stream", "function", "args"): "flat",
+    ("self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+     "launch_enter_hook", "launch_exit_hook", "args"): "packed",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _call_form(cls: type) -> str | None:
+    try:
+        names = tuple(inspect.signature(cls.__call__).parameters)
+    except (TypeError, ValueError):
+        return None
+    return _CALL_FORMS.get(names)
+
+
+def raw_launch(run: Any) -> tuple | None:
+    """(C launch function, flat, cooperative, pdl, annotations, signature) where Triton's CUDA launcher object
+    `run` would do nothing but call its C launch function with those and the call's own values (no scratch to
+    allocate, no sanitizer, no other launch route, a `__call__` of a known form); else None.
+    `tests/test_launcher.py` checks, against the installed Triton's own `__call__`, that both routes pass the C
+    function the same arguments."""
+    form = _call_form(type(run)) if type(run).__name__ == "CudaLauncher" else None
+    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size",
+             "num_ctas") + (("arg_annotations", "kernel_signature") if form == "packed" else ())
+    if form is None or not all(hasattr(run, n) for n in names):
+        return None
+    if run.global_scratch_size or run.profile_scratch_size or run.num_ctas != 1:
+        return None
+    if getattr(run, "gsan_enabled", False) or any(n.startswith("_tvmffi") for n in vars(run)):
+        return None
+    if form == "flat":
+        return run.launch, True, run.launch_cooperative_grid, run.launch_pdl, None, None
+    return run.launch, False, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations, run.kernel_signature
 
 
 def _hooked(hook: Any) -> bool:
@@ -104,7 +154,7 @@ class Launcher:
         if entry is None:
             self._remember((device, key), self.kernel[(grid,)](*args, **self.constexprs), device, args)
             return
-        run, function, packed, compiled, tensors = entry
+        run, function, packed, compiled, tensors, raw = entry
         stream = _current_stream(device)
         # Addresses as integers: the launcher then neither calls data_ptr() nor asks the driver about each pointer
         # (cuPointerGetAttribute), which it does for every tensor argument. The positions of the tensors were
@@ -114,7 +164,16 @@ class Launcher:
             args[i] = _data_ptr(args[i])
         enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
         if not _hooked(enter) and not _hooked(leave):
-            run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self._tail)
+            if raw is None:
+                run(grid, 1, 1, stream, function, packed, None, None, None, *args, *self._tail)
+            else:
+                c_launch, flat, cooperative, pdl, annotations, signature = raw
+                if flat:
+                    c_launch(grid, 1, 1, stream, function, cooperative, pdl, None, None, packed, None, None, None,
+                             *args, *self._tail)
+                else:
+                    c_launch(grid, 1, 1, stream, function, cooperative, pdl, packed, None, None, None, None, None,
+                             annotations, signature, (*args, *self._tail))
             return
         full = (*args, *self._tail)
         run(grid, 1, 1, stream, function, packed, compiled.launch_metadata((grid, 1, 1), stream, *full), enter,
@@ -124,7 +183,9 @@ class Launcher:
         tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         try:
             compiled._init_handles()
-            entry = (compiled.run, compiled.function, compiled.packed_metadata, compiled, tensors)
+            run = compiled.run
+            entry = (run, compiled.function, compiled.packed_metadata, compiled, tensors,
+                     raw_launch(run) if RAW_LAUNCH else None)
         except Exception:  # noqa: BLE001 - a compiled-kernel layout this code does not know: stay generic
             self._tail = None
             return

@@ -150,6 +150,74 @@ def test_the_key_table_starts_over_when_full(on_fake_gpu, monkeypatch):
     assert len(launch._compiled) <= 3
 
 
+def _triton_cuda_launcher(monkeypatch, log, **overrides):
+    """The installed Triton's own CUDA launcher object, built without a GPU, its C launch function recording."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    if not torch.cuda.is_available():  # its __call__ looks up the active driver first
+        import triton
+
+        monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(), raising=False)
+    run = object.__new__(driver.CudaLauncher)
+    fields = dict(launch=lambda *args: log.append(args), launch_cooperative_grid=False, launch_pdl=True,
+                  arg_annotations=("annotations",), kernel_signature=b"signature", global_scratch_size=0,
+                  global_scratch_align=1, profile_scratch_size=0, profile_scratch_align=1, num_ctas=1,
+                  gsan_enabled=False)
+    for name, value in {**fields, **overrides}.items():
+        setattr(run, name, value)
+    return run
+
+
+def test_raw_launch_passes_the_c_function_what_triton_launcher_passes(on_fake_gpu, monkeypatch):
+    """The raw route must be Triton's own `CudaLauncher.__call__` minus the Python wrapper: same arguments to the
+    same C function, for the installed Triton (the GPU hosts run this test on theirs too)."""
+    log: list = []
+    kernel = FakeKernel()
+    kernel.compiled.run = _triton_cuda_launcher(monkeypatch, log)
+    if launcher.raw_launch(kernel.compiled.run) is None:
+        pytest.skip("this Triton's CUDA launcher has a form raw_launch does not know: launches keep its __call__")
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    t = torch.arange(4.0)
+    launch(3, (t, 5), key=0)  # Triton's JIT path
+    launch(3, (t, 5), key=0)  # raw
+    assert len(log) == 1
+    kernel.compiled.run(3, 1, 1, 1000, "fn", ("warps", 4), None, None, None, t.data_ptr(), 5, 64, True)
+    assert len(log) == 2 and log[0] == log[1]
+
+
+class CudaLauncher:
+    """The flat form of Triton's CUDA launcher object (Triton 3.6), as `raw_launch` expects it: the C function
+    takes the scratch pointers before the metadata, hooks and kernel arguments."""
+
+    def __init__(self, log):
+        self.launch = lambda *args: log.append(args)
+        self.launch_cooperative_grid, self.launch_pdl, self.num_ctas = False, True, 1
+        self.global_scratch_size = self.profile_scratch_size = 0
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                    None, *args)
+
+
+def test_raw_launch_of_the_flat_form(on_fake_gpu):
+    log: list = []
+    kernel = FakeKernel()
+    kernel.compiled.run = CudaLauncher(log)
+    assert launcher.raw_launch(kernel.compiled.run) is not None
+    launch = launcher.Launcher(kernel, {"BLOCK": 64})
+    launch(3, ("x", 5), key=0)
+    launch(3, ("x", 5), key=0)
+    kernel.compiled.run(3, 1, 1, 1000, "fn", ("warps", 4), None, None, None, "x", 5, 64, True)
+    assert len(log) == 2 and log[0] == log[1]
+
+
+@pytest.mark.parametrize("field,value", [("global_scratch_size", 128), ("profile_scratch_size", 64),
+                                         ("num_ctas", 2), ("gsan_enabled", True)])
+def test_launchers_with_scratch_or_a_sanitizer_keep_their_python_call(on_fake_gpu, monkeypatch, field, value):
+    run = _triton_cuda_launcher(monkeypatch, [], **{field: value})
+    assert launcher.raw_launch(run) is None
+    assert launcher.raw_launch(SimpleNamespace(**vars(_triton_cuda_launcher(monkeypatch, [])))) is None  # not Triton's
+
+
 def test_the_interpreter_never_launches_directly():
     kernel = FakeKernel()
     launch = launcher.Launcher(kernel, {"BLOCK": 64})
@@ -247,7 +315,7 @@ def test_polled_counters_each_have_a_cache_line():
     one 128-byte L2 line queue behind each other's polls (H100, 4096x32768 split 4: 352.7 -> 346.3 µs once they
     were apart). The kernels step COUNTER_STRIDE elements from one group's counter to the next."""
     from normtune.kernels.backward.common import COUNTER_STRIDE_ELEMENTS
-    from normtune.kernels.backward.launch import sync_counters
+    from normtune.kernels.backward.workspace import sync_counters
 
     polled, leave, barrier = sync_counters(torch.device("cpu"))
     line = 128  # offsets from the buffer's start (the barrier's counters): CUDA allocations start 512-byte aligned

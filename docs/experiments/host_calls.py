@@ -5,6 +5,10 @@ builds (PYTHONPATH pointing at another checkout's parent folder), so that two bu
 within minutes: the host's speed drifts more than the differences measured.
 
     python docs/experiments/host_calls.py OUT_DIR [--tag TAG] [--shapes 4096x4096,...] [--rounds 3] [--peers quack,liger]
+                                          [--wrapper]
+
+--wrapper launches through the compiled kernel's Python launcher object instead of its C function
+(`launcher.RAW_LAUNCH`), to measure what calling the C function straight saves.
 
 Writes OUT_DIR/host_calls[-TAG].jsonl: one line per (norm, shape, call, round).
 """
@@ -18,7 +22,7 @@ import os
 import torch
 
 import normtune
-from normtune.kernels import direct
+from normtune.kernels import direct, launcher
 from normtune.kernels.config import Problem
 from normtune.tuner.peers import NormtuneAPI, PeerUnavailable, make_peer
 from normtune.tuner.views import host_us_per_call
@@ -56,6 +60,7 @@ def calls_for(norm: str, M: int, N: int, dev: torch.device, peers: list[str]) ->
     out["torch.empty (M,) fp32"] = lambda: torch.empty((M,), dtype=torch.float32, device=dev)
     stats = torch.empty((2, M), dtype=torch.float32, device=dev)
     out["view of a row (stats[1])"] = lambda: stats[1]
+    out["torch.empty (2, M) fp32 + unbind"] = lambda: torch.empty((2, M), dtype=torch.float32, device=dev).unbind(0)
     return out
 
 
@@ -66,7 +71,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="4096x4096,1024x8192,16384x1024")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--peers", default="", help="comma list of peers timed too (quack, liger)")
+    ap.add_argument("--wrapper", action="store_true", help="launch through Triton's Python launcher object")
     args = ap.parse_args()
+    if args.wrapper:
+        launcher.RAW_LAUNCH = False
     dev = torch.device("cuda")
     print(f"{torch.cuda.get_device_name()}; normtune from {os.path.dirname(normtune.__file__)}; tag {args.tag!r}",
           flush=True)

@@ -32,10 +32,10 @@ from ..heuristics import (
     slice_width,
 )
 from .columns import kernel_1_columns, row_sums
-from .common import COUNTER_STRIDE_ELEMENTS
 from .dual import kernel_1_dual
 from .reduce import PDL_SUPPORTED, kernel_2
 from .rows import kernel_1_single_pass, kernel_1_two_pass
+from .workspace import scratch, sync_counters
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +61,9 @@ class Plan:
     row_programs: int = 0  # dual: programs that write grad_input
     waits: bool = False  # kernel_1's programs wait for each other (takes the stream's sync counters)
     slice: int = 0  # columns of a row_split slice (the rows strategy's last argument)
+    # fp32 scratch shapes (`workspace.scratch`): rows (partial dw, partial db, split-row exchange), None where
+    # absent; columns (the per-row sums, twice)
+    scratch: tuple = ()
 
     @property
     def kernel_1(self):
@@ -134,7 +137,8 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
                          PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
         rs_kwargs = dict(_flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
         return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb),
-                    Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs))
+                    Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs),
+                    scratch=((M,), (M,)))
     if k1.strategy == "dual":
         k1_kwargs = _dual_kwargs(p, config, int64, hint)
         rows = num_groups(M, config, sm_count(device))
@@ -161,9 +165,12 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
             k2_kwargs["launch_pdl"] = True
         k2_grid = programs if fused else cdiv(N, k2.block_n)
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
+    partials = (groups, N) if groups else None
+    exchange = (groups * slots * k1.row_split * 2 * k1.block_row,) if k1.row_split > 1 else None
     return Plan(p, config, groups, programs, phased, slots, k1_kwargs, k2_kwargs, k2_grid, None, 0,
                 Launcher(kernel, k1_kwargs), Launcher(kernel_2, k2_kwargs) if k2_kwargs is not None else None,
-                waits=waits, slice=slice_width(N, k1.row_split))
+                waits=waits, slice=slice_width(N, k1.row_split),
+                scratch=(partials if p.has_weight else None, partials if p.has_bias else None, exchange))
 
 
 def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device, int64: bool, groups: int,
@@ -194,33 +201,6 @@ def _placeholder_args(p: Problem, int64: bool, row_split: int = 1) -> tuple:
     return (act, p.N, act, p.N, act, p.N, wdt if p.has_weight else f32, wdt if p.has_bias else f32, f32, f32,
             f32, f32, out_dt if p.has_weight else f32, out_dt if p.has_bias else f32, f32, i32, i32, i32,
             p.M, p.N, slice_width(p.N, row_split))
-
-
-@functools.lru_cache(maxsize=None)
-def _sync_buffer(device: torch.device, stream: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int32 counters, zero between launches (each waiting kernel resets what it used), as the three parts
-    kernel_1 takes: (per-group polled counters, one per COUNTER_STRIDE elements; per-group leave counters; the
-    grid barrier's two counters). Polled counters each have a 128-byte line of their own. One buffer per stream,
-    so two streams never share counters; the parts are views made once."""
-    stride = COUNTER_STRIDE_ELEMENTS
-    buf = torch.zeros(stride * (1 + groups) + groups, dtype=torch.int32, device=device)
-    return buf[stride:stride * (1 + groups)], buf[stride * (1 + groups):], buf[:2]
-
-
-# Every buffer a kernel gets starts on a 16-byte boundary (4 fp32/int32 elements): Triton specializes pointer
-# arguments on that alignment, and the compile-ahead path (`precompile`, whose placeholders count as aligned) must
-# build exactly the kernel a launch runs, or the launch compiles it again.
-ALIGN_ELEMENTS = 4
-
-
-def _aligned(n: int) -> int:
-    return cdiv(n, ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-
-
-def sync_counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The current stream's counters (see `_sync_buffer`): (per-group polled, per-group leave, global)."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    return _sync_buffer(device, stream, _aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
 
 
 class BackwardLaunch:
@@ -258,25 +238,17 @@ class BackwardLaunch:
         self.problem, self.config = problem, config
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
         wdt = weight.dtype if weight is not None else grad.dtype
-        f32 = torch.float32
-        # The fp32 partial rows kernel_1 writes (rows strategy; None where nothing is reduced or no rows).
+        self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
+        self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
+        # The rows strategy's fp32 partial rows (None where nothing is reduced) and exchange, the columns
+        # strategy's row sums: the stream's scratch (`workspace.scratch`), not allocated per call.
+        work = scratch(device, pl.scratch) if pl.scratch else ()
         self.partial_dw = self.partial_db = None
-        dw_arg = db_arg = partial_dw = partial_db = rstd
-        if has_w:
-            self.dw = dw_arg = torch.empty((N,), dtype=wdt, device=device)
-            if pl.groups:
-                self.partial_dw = partial_dw = torch.empty((pl.groups, N), dtype=f32, device=device)
-        else:
-            self.dw = None
-        if has_b:
-            self.db = db_arg = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device)
-            if pl.groups:
-                self.partial_db = partial_db = torch.empty((pl.groups, N), dtype=f32, device=device)
-        else:
-            self.db = None
         # Absent tensors get a placeholder pointer (rstd) that the kernels never dereference.
         weight_arg = weight if weight is not None else rstd
         bias_arg = bias if bias is not None else rstd
+        dw_arg = self.dw if has_w else rstd
+        db_arg = self.db if has_b else rstd
         mean_arg = mean if (problem.norm == "layer_norm" and problem.save == "input") else rstd
         # What Triton's specialization of these launches depends on beyond the plan: the row strides and the
         # alignment of the tensors this call did not allocate (see launcher.py).
@@ -292,9 +264,10 @@ class BackwardLaunch:
                 group_a, group_b, global_counters = sync_counters(device)
             else:  # nothing waits: placeholders the kernel never dereferences
                 group_a = group_b = global_counters = rstd
-            k1 = config.kernel_1
-            sums = (torch.empty((pl.groups * pl.slots * k1.row_split * 2 * k1.block_row,), dtype=f32,
-                                device=device) if k1.row_split > 1 else rstd)
+            self.partial_dw, self.partial_db, exchange = work
+            partial_dw = rstd if self.partial_dw is None else self.partial_dw
+            partial_db = rstd if self.partial_db is None else self.partial_db
+            sums = rstd if exchange is None else exchange
             self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
                              partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b, global_counters, M, N,
                              pl.slice)
@@ -303,10 +276,10 @@ class BackwardLaunch:
             self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
                              dw_arg, db_arg, M, N, pl.row_programs)
         else:  # columns
-            c = torch.empty((2, _aligned(M)), dtype=f32, device=device)  # c[1] starts 16-byte aligned too
-            self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c[0], c[1], M, N)
+            c0, c1 = work  # per-row sums
+            self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c0, c1, M, N)
             self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
-                             c[0], c[1], dw_arg, db_arg, M, N)
+                             c0, c1, dw_arg, db_arg, M, N)
 
     @property
     def programs(self) -> int:
