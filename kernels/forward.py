@@ -132,9 +132,9 @@ def forward_launch_params(N: int) -> tuple[int, int, bool, int]:
     return block_row, block_col, single, num_warps
 
 
-# A forward whose outputs are allocated here, by (rows, width, row stride, the dtypes of x, weight and bias, which
-# of weight/bias are absent, flags, the 16-byte alignment of x, weight and bias) -> (launcher, grid, launcher key):
-# what every such call would otherwise derive again (offset width, alignment hint, launcher, key).
+# Launcher and grid of a forward whose outputs are allocated here, by its launcher key: (rows, width, row stride,
+# the dtypes of x, weight and bias, which of weight/bias are absent, flags, the 16-byte alignment of x, weight and
+# bias). Every such call would otherwise derive them again (offset width, alignment hint, launcher).
 _CALLS: dict[tuple, tuple] = {}
 MAX_CALLS = 4096
 
@@ -146,42 +146,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     `mean` is None unless `store_mean` (or passed in). y/rstd/mean may be passed in (e.g. poisoned, by tests)."""
     M, N = x2d.shape
     device = x2d.device
-    if y is not None or rstd is not None or mean is not None:
-        return _forward_into(x2d, weight, bias, eps, is_rms, zero_centered, store_mean, y, rstd, mean)
-    y = torch.empty((M, N), dtype=x2d.dtype, device=device)
-    rstd = torch.empty((M,), dtype=torch.float32, device=device)
-    mean = torch.empty((M,), dtype=torch.float32, device=device) if store_mean else None
-    if M == 0:
-        return y, rstd, mean
-    x_stride = x2d.stride(0)
-    w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
-    b = rstd if bias is None else bias
-    call = (M, N, x_stride, x2d.dtype, w.dtype, b.dtype, weight is None, bias is None, is_rms, zero_centered,
-            store_mean, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15)
-    planned = _CALLS.get(call)
-    if planned is None:
-        if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
-            _CALLS.clear()
-        planned = _CALLS[call] = _plan_call(M, N, x_stride, N, weight is not None, bias is not None, is_rms,
-                                            zero_centered, store_mean, call[3:6] + call[11:])
-    launch, grid, key = planned
-    launch(grid, (x2d, x_stride, y, N, w, b, rstd, mean if store_mean else rstd, M, N, eps), key)
-    return y, rstd, mean
-
-
-def _plan_call(M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool, is_rms: bool,
-               zero_centered: bool, store_mean: bool, key: tuple) -> tuple[Launcher, int, tuple]:
-    """(launcher, grid, launcher key) of a forward; `key`: what else Triton specializes on (dtypes, alignments)."""
-    int64 = needs_int64(M, N, x_stride, y_stride)
-    hint = alignment_hint(N, x_stride, y_stride)
-    launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint)
-    return launch, cdiv(M, block_row), (M, x_stride, y_stride, *key)
-
-
-def _forward_into(x2d, weight, bias, eps, is_rms, zero_centered, store_mean, y, rstd, mean):
-    """`forward` into outputs the caller passed (any of y, rstd, mean; the others allocated here)."""
-    M, N = x2d.shape
-    device = x2d.device
+    given = y is not None or rstd is not None or mean is not None
     if y is None:
         y = torch.empty((M, N), dtype=x2d.dtype, device=device)
     if rstd is None:
@@ -190,15 +155,26 @@ def _forward_into(x2d, weight, bias, eps, is_rms, zero_centered, store_mean, y, 
         mean = torch.empty((M,), dtype=torch.float32, device=device)
     if M == 0:
         return y, rstd, mean
-    x_stride, y_stride = x2d.stride(0), y.stride(0)
-    w = rstd if weight is None else weight
+    x_stride = x2d.stride(0)
+    y_stride = y.stride(0) if given else N
+    w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
     b = rstd if bias is None else bias
     mu = mean if store_mean else rstd
-    # Triton specializes on 16-byte alignment and dtypes: every pointer's alignment is in the key here.
-    launch, grid, key = _plan_call(M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
-                                   zero_centered, store_mean,
-                                   (x2d.dtype, w.dtype, b.dtype, x2d.data_ptr() & 15, w.data_ptr() & 15,
-                                    b.data_ptr() & 15, y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15))
+    # Triton specializes on dtypes and 16-byte alignment: buffers allocated here are aligned, y is contiguous.
+    key = (M, N, x_stride, x2d.dtype, w.dtype, b.dtype, weight is None, bias is None, is_rms, zero_centered,
+           store_mean, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15)
+    if given:
+        key += (y_stride, y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
+    planned = _CALLS.get(key)
+    if planned is None:
+        if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
+            _CALLS.clear()
+        int64 = needs_int64(M, N, x_stride, y_stride)
+        hint = alignment_hint(N, x_stride, y_stride)
+        launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean,
+                                      int64, hint)
+        planned = _CALLS[key] = (launch, cdiv(M, block_row))
+    launch, grid = planned
     launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 
