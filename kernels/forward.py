@@ -148,11 +148,11 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     device = x2d.device
     given = y is not None or rstd is not None or mean is not None
     if y is None:
-        y = torch.empty((M, N), dtype=x2d.dtype, device=device)
+        y = torch.empty(M, N, dtype=x2d.dtype, device=device)
     if rstd is None:
-        rstd = torch.empty((M,), dtype=torch.float32, device=device)
+        rstd = torch.empty(M, dtype=torch.float32, device=device)
     if mean is None and store_mean:
-        mean = torch.empty((M,), dtype=torch.float32, device=device)
+        mean = torch.empty(M, dtype=torch.float32, device=device)
     if M == 0:
         return y, rstd, mean
     x_stride = x2d.stride(0)

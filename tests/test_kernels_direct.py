@@ -77,6 +77,31 @@ def test_direct_records_no_graph(device, make_norm_inputs):
         assert not t.requires_grad and t.grad_fn is None
 
 
+def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs, monkeypatch):
+    """A resolved call remembers its launch plan per (grad, x, dx) row strides, which decide int64 indexing and the
+    alignment hint: rows sliced from tensors of other widths (strides 200, 203, 204, 208) each get their own plan and
+    compute what contiguous rows compute, and the memo starts over when full."""
+    from normtune.kernels import ops
+    from normtune.kernels.backward import launch
+
+    monkeypatch.setattr(launch, "MAX_PLANS_PER_CALL", 3)
+    inputs = make_norm_inputs((6, N), torch.float32, device, has_bias=True)
+    x, w, b, g = inputs["x"], inputs["weight"], inputs["bias"], inputs["grad"]
+    _, mean, rstd = layer_norm_forward(x, w, b)
+    want = layer_norm_backward(g, x, w, b, mean, rstd)
+    memos = []
+    for width in (N, N + 3, N + 4, N + 8, N + 3):
+        xs, gs = (torch.zeros(6, width, dtype=x.dtype, device=x.device)[:, :N] for _ in range(2))
+        xs.copy_(x)
+        gs.copy_(g)
+        got = layer_norm_backward(gs, xs, w, b, mean, rstd)
+        for out, ref in zip(got, want):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        memos = [plans for _, cfg, plans in ops._RESOLVED.values() if cfg is not None and plans]
+    assert memos and all(len(plans) <= 3 for plans in memos)
+    assert all(len(key) == 3 for plans in memos for key in plans)
+
+
 # (id, change to layer_norm_backward's arguments, exception, substrings of the message)
 BAD = [
     ("grad-shape", lambda a: a.update(grad=a["grad"][:5]), ValueError, ["grad has shape (5, 200)", "shape (6, 200)"]),

@@ -38,6 +38,8 @@ from .rows import kernel_1_single_pass, kernel_1_two_pass
 from .workspace import scratch, sync_counters
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Row-stride triples remembered per resolved call (`BackwardLaunch`'s `plans`) before the memo starts over.
+MAX_PLANS_PER_CALL = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,31 +217,32 @@ class BackwardLaunch:
     def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor,
                  mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None):
-        """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by int64 indexing and
-        alignment hint (the runtime keeps one per resolved call, so that a call does not hash the problem and config
-        again)."""
+        """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by the row strides of
+        grad, saved and dx (which decide int64 indexing and the alignment hint; the runtime keeps one memo per
+        resolved call, so that a call does not hash the problem and config again)."""
         M, N = problem.M, problem.N
         device = grad.device
         g_stride, s_stride = grad.stride(0), saved.stride(0)
         if dx is None:  # allocated here: contiguous and aligned
-            dx = torch.empty((M, N), dtype=grad.dtype, device=device)
+            dx = torch.empty(M, N, dtype=grad.dtype, device=device)
             dx_stride, dx_align = N, 0
         else:
             dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
         self.dx = dx
-        int64 = needs_int64(M, N, g_stride, s_stride, dx_stride)
-        hint = alignment_hint(N, g_stride, s_stride, dx_stride)
-        pl = plans.get((int64, hint)) if plans is not None else None
+        strides = (g_stride, s_stride, dx_stride)
+        pl = plans.get(strides) if plans is not None else None
         if pl is None:
-            pl = plan(problem, config, device, int64, hint)
+            pl = plan(problem, config, device, needs_int64(M, N, *strides), alignment_hint(N, *strides))
             if plans is not None:
-                plans[(int64, hint)] = pl
+                if len(plans) >= MAX_PLANS_PER_CALL:  # e.g. rows sliced from ever new widths: start over
+                    plans.clear()
+                plans[strides] = pl
         self.plan = pl
         self.problem, self.config = problem, config
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
         wdt = weight.dtype if weight is not None else grad.dtype
-        self.dw = torch.empty((N,), dtype=wdt, device=device) if has_w else None
-        self.db = torch.empty((N,), dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
+        self.dw = torch.empty(N, dtype=wdt, device=device) if has_w else None
+        self.db = torch.empty(N, dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
         # The rows strategy's fp32 partial rows (None where nothing is reduced) and exchange, the columns
         # strategy's row sums: the stream's scratch (`workspace.scratch`), not allocated per call.
         work = scratch(device, pl.scratch) if pl.scratch else ()

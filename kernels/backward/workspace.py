@@ -43,10 +43,19 @@ def aligned(n: int) -> int:
     return cdiv(n, ALIGN_ELEMENTS) * ALIGN_ELEMENTS
 
 
+# Whether a device is a CUDA device, per device object: `torch.device.type` builds its string on every read.
+_IS_CUDA: dict[torch.device, bool] = {}
+
+
+def _is_cuda(device: torch.device) -> bool:
+    cuda = _IS_CUDA.get(device)
+    if cuda is None:
+        cuda = _IS_CUDA[device] = device.type == "cuda"
+    return cuda
+
+
 def _stream(device: torch.device) -> int | None:
-    """The current stream of `device` (0 on CPU), or None while it is being captured."""
-    if device.type != "cuda":
-        return 0
+    """The current stream of CUDA `device` (with its index), or None while it is being captured."""
     if torch._C._cuda_isCurrentStreamCapturing():
         return None
     return torch._C._cuda_getCurrentRawStream(device.index)
@@ -78,9 +87,12 @@ def _carve(buffer: torch.Tensor, shapes: Shapes) -> tuple:
 def scratch(device: torch.device, shapes: Shapes) -> tuple:
     """fp32 tensors of `shapes` (None stays None), each 16-byte aligned, for one backward on the current stream.
     Their contents are whatever the last backward on this stream left: kernels write before they read."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = _stream(device)
+    if not _is_cuda(device):
+        stream = 0
+    else:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = _stream(device)
     key = (device, stream)
     entry = _SCRATCH.get(key) if stream is not None else None
     if entry is not None:
@@ -119,5 +131,5 @@ def _sync_buffer(device: torch.device, stream: int, groups: int) -> tuple[torch.
 
 def sync_counters(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The current stream's counters (see `_sync_buffer`): (per-group polled, per-group leave, global)."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if _is_cuda(device) else 0
     return _sync_buffer(device, stream, aligned(MAX_PROGRAMS_PER_SM_SYNC * sm_count(device)))
