@@ -138,6 +138,8 @@ def forward_launch_params(N: int) -> tuple[int, int, bool, int]:
 _CALLS: dict[tuple, tuple] = {}
 MAX_CALLS = 4096
 
+_data_ptr = torch._C.TensorBase.data_ptr  # unbound: no bound method made per call
+
 
 def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
             is_rms: bool, zero_centered: bool, store_mean: bool, y: torch.Tensor | None = None,
@@ -160,23 +162,63 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
     b = rstd if bias is None else bias
     mu = mean if store_mean else rstd
-    # Triton specializes on dtypes and 16-byte alignment: buffers allocated here are aligned, y is contiguous.
-    key = (M, N, x_stride, x2d.dtype, w.dtype, b.dtype, weight is None, bias is None, is_rms, zero_centered,
-           store_mean, x2d.data_ptr() & 15, w.data_ptr() & 15, b.data_ptr() & 15)
+    key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
     if given:
-        key += (y_stride, y.data_ptr() & 15, rstd.data_ptr() & 15, mu.data_ptr() & 15)
+        key += (y_stride, _data_ptr(y) & 15, _data_ptr(rstd) & 15, _data_ptr(mu) & 15)
+    launch, grid = _planned(key, M, N, x_stride, y_stride, is_rms, zero_centered, store_mean)
+    launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
+    return y, rstd, mean
+
+
+def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, store_mean) -> tuple:
+    """The launcher key of a forward on x2d whose outputs are allocated here (Triton specializes on dtypes and
+    16-byte alignment: buffers allocated here are aligned, y is contiguous)."""
+    M, N = x2d.shape
+    return (M, N, x_stride, x2d.dtype, w.dtype, b.dtype, no_weight, no_bias, is_rms, zero_centered, store_mean,
+            _data_ptr(x2d) & 15, _data_ptr(w) & 15, _data_ptr(b) & 15)
+
+
+def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, is_rms: bool, zero_centered: bool,
+             store_mean: bool) -> tuple:
+    """(launcher, grid) of a launcher key, derived once."""
     planned = _CALLS.get(key)
     if planned is None:
         if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
             _CALLS.clear()
         int64 = needs_int64(M, N, x_stride, y_stride)
         hint = alignment_hint(N, x_stride, y_stride)
-        launch, block_row = _launcher(N, is_rms, weight is not None, bias is not None, zero_centered, store_mean,
-                                      int64, hint)
+        launch, block_row = _launcher(N, is_rms, not key[6], not key[7], zero_centered, store_mean, int64, hint)
         planned = _CALLS[key] = (launch, cdiv(M, block_row))
-    launch, grid = planned
-    launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
-    return y, rstd, mean
+    return planned
+
+
+def call_plan(x: torch.Tensor, x2d: torch.Tensor, weight, bias, is_rms: bool, zero_centered: bool,
+              store_mean: bool) -> tuple | None:
+    """What a later forward on inputs like these (same shape, strides, dtypes, device, alignment) needs to allocate
+    its outputs and launch without deriving anything again (`run_plan`): None where `x2d` is a copy of `x`, or
+    there are no rows. Outputs: like x where x is contiguous, else (rows, width) viewed as x's shape."""
+    M, N = x2d.shape
+    if M == 0 or _data_ptr(x2d) != _data_ptr(x):
+        return None
+    x_stride = x2d.stride(0)
+    rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs
+    w = rstd if weight is None else weight
+    b = rstd if bias is None else bias
+    key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
+    launch, grid = _planned(key, M, N, x_stride, N, is_rms, zero_centered, store_mean)
+    contiguous = x.is_contiguous()
+    return launch, grid, key, M, N, x_stride, contiguous, None if contiguous or x.dim() == 2 else x.shape, store_mean
+
+
+def run_plan(plan: tuple, x: torch.Tensor, weight, bias, eps: float, device: torch.device):
+    """(y, rstd, mean) of a forward on inputs that match `plan` (see `call_plan`); mean None unless stored."""
+    launch, grid, key, M, N, x_stride, contiguous, view_shape, store_mean = plan
+    y = torch.empty_like(x) if contiguous else torch.empty(M, N, dtype=x.dtype, device=device)
+    rstd = torch.empty(M, dtype=torch.float32, device=device)
+    mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
+    launch(grid, (x, x_stride, y, N, rstd if weight is None else weight, rstd if bias is None else bias, rstd,
+                  mean if store_mean else rstd, M, N, eps), key)
+    return (y if view_shape is None else y.view(view_shape)), rstd, mean
 
 
 @functools.lru_cache(maxsize=1024)

@@ -103,6 +103,87 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
     assert all(len(key) == 3 for plans in memos for key in plans)
 
 
+def _layouts(device):
+    """(id, x of 6 rows of N columns in that memory layout, whether a repeated call can reuse the first's plan)."""
+    flat = torch.randn(6 * N + 1, device=device) + 0.5
+    wide = torch.randn(6, N + 8, device=device) + 0.5
+    return [
+        ("contiguous", flat[:6 * N].view(6, N), True),
+        ("contiguous-3d", flat[:6 * N].view(2, 3, N), True),
+        ("unaligned", flat[1:].view(6, N), True),  # another 16-byte alignment: another signature
+        ("row-strided", wide[:, :N], True),
+        ("row-strided-3d", wide.view(2, 3, N + 8)[..., :N], True),
+        ("lone-middle-dim", torch.empty_strided((6, 1, N), (N, 7, 1), device=device).copy_(flat[:6 * N].view(6, 1, N)),
+         True),
+        ("copied-rows", torch.randn(2, 4, N, device=device)[:, :3], False),  # rows_2d must copy: no plan
+    ]
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("has_weight,has_bias", [(True, True), (True, False), (False, False)])
+def test_forward_plans_serve_repeated_calls_like_first_calls(norm, has_weight, has_bias, device, make_norm_inputs,
+                                                             monkeypatch):
+    """A forward whose inputs match an earlier call's signature skips the checks and the planning: in every
+    layout it returns, bitwise, what the first call (checked and planned) returned, close to float64."""
+    from normtune.kernels import direct, reference
+
+    if norm == "rms_norm":
+        has_bias = False
+    inputs = make_norm_inputs((N,), torch.float32, device, has_weight=has_weight, has_bias=has_bias)
+    w, b = inputs["weight"], inputs["bias"]
+    forward = (lambda x: layer_norm_forward(x, w, b)) if norm == "layer_norm" else (lambda x: rms_norm_forward(x, w))
+    direct._PLANS.clear()
+    for name, x, planned in _layouts(device):
+        first = forward(x)
+        assert (len(direct._PLANS) == 1) == planned, name
+        with monkeypatch.context() as m:  # a planned call must not need the checks again
+            if planned:
+                m.setattr(direct, "check_inputs", lambda *a, **k: pytest.fail("checked again"))
+            again = forward(x)
+        for got, want in zip(again, first):
+            assert got.shape == want.shape and torch.equal(got, want), name
+        assert first[0].shape == x.shape
+        y64, rstd64, _ = reference.forward(x.reshape(-1, N).double(), w if w is None else w.double(),
+                                           b if b is None else b.double(), 1e-5 if norm == "layer_norm" else 1e-6,
+                                           is_rms=norm == "rms_norm", zero_centered=False, store_mean=False)
+        torch.testing.assert_close(again[0].reshape(-1, N).double(), y64, rtol=1e-4, atol=1e-4)
+        direct._PLANS.clear()
+
+
+def test_forward_plans_never_skip_a_check(device, make_norm_inputs):
+    """After a planned call, inputs that break a rule are still refused with the rule named: whatever the
+    checks read is in the signature, and eps is checked on every call."""
+    inputs = make_norm_inputs((6, N), torch.bfloat16, device, has_bias=True)
+    x, w, b = inputs["x"], inputs["weight"], inputs["bias"]
+    for _ in range(2):
+        layer_norm_forward(x, w, b)
+    cases = [
+        (dict(weight=w.half()), TypeError, "weight has dtype torch.float16"),
+        (dict(weight=w[:-1]), ValueError, f"weight has shape ({N - 1},)"),
+        (dict(bias=b.to("meta")), ValueError, "bias is on meta"),
+        (dict(eps=0.0), ValueError, "eps must be a positive finite number"),
+        (dict(eps=float("inf")), ValueError, "eps must be a positive finite number"),
+        (dict(x=x.int()), TypeError, "x has dtype torch.int32"),
+        (dict(weight=None, zero_centered=True), ValueError, "zero_centered=True needs a weight"),
+    ]
+    for change, exc, needle in cases:
+        args = dict(x=x, weight=w, bias=b, eps=1e-5, zero_centered=False) | change
+        with pytest.raises(exc, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            layer_norm_forward(args.pop("x"), args.pop("weight"), args.pop("bias"), args.pop("eps"), **args)
+
+
+def test_forward_plans_are_bounded(device, make_norm_inputs, monkeypatch):
+    from normtune.kernels import direct
+
+    monkeypatch.setattr(direct, "MAX_PLANS", 2)
+    direct._PLANS.clear()
+    for rows in (1, 2, 3, 4):
+        x = make_norm_inputs((rows, N), torch.float32, device)["x"]
+        rms_norm_forward(x)
+        assert len(direct._PLANS) <= 2
+    direct._PLANS.clear()
+
+
 # (id, change to layer_norm_backward's arguments, exception, substrings of the message)
 BAD = [
     ("grad-shape", lambda a: a.update(grad=a["grad"][:5]), ValueError, ["grad has shape (5, 200)", "shape (6, 200)"]),
