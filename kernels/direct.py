@@ -15,14 +15,11 @@ dw/db come back as None where there is no weight/bias. Nothing here records an a
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from . import forward as _forward_kernel
+from . import forward_calls
 from .config import BackwardConfig
-from .device import use_triton
 from .functional import check_inputs, check_options, explicit_config_text, rows_2d
 from .ops import _backward_impl, _forward_impl
 
@@ -42,43 +39,16 @@ def _stats_fit(t, M: int) -> bool:
     return isinstance(t, Tensor) and t.shape == (M,) and t.dtype == torch.float32 and t.stride(0) == 1
 
 
-# Forward calls whose inputs passed every check, by signature (x's shape, strides, dtype, device and 16-byte
-# alignment, the same of weight and bias, the flags) → the plan that allocates and launches without deriving
-# anything again (`forward.call_plan`). Only inputs that passed the checks are ever stored, and everything the
-# checks read is in the signature, so a stored signature needs no checks.
-_PLANS: dict[tuple, tuple] = {}
-MAX_PLANS = 4096
-_data_ptr = torch._C.TensorBase.data_ptr
-_NO_TENSOR = (None,)
-
-
-def _operand(t) -> tuple:
-    """The part of a forward signature that describes weight or bias."""
-    if t is None:
-        return _NO_TENSOR
-    return type(t), t.shape, t.dtype, t.device, _data_ptr(t) & 15
-
-
 def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
-    signature = None
-    if (type(x) is Tensor and type(eps) is float and 0.0 < eps < math.inf
-            and (weight is None or isinstance(weight, Tensor)) and (bias is None or isinstance(bias, Tensor))):
-        device = x.device
-        signature = (x.shape, x.stride(), x.dtype, device, _data_ptr(x) & 15, _operand(weight), _operand(bias),
-                     is_rms, zero_centered)
-        plan = _PLANS.get(signature)
-        if plan is not None:
-            return _forward_kernel.run_plan(plan, x, weight, bias, eps, device)
+    sig = forward_calls.signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms)
+    plan = forward_calls.lookup(sig)
+    if plan is not None:  # inputs like an earlier call's, which passed the checks
+        return forward_calls.run(plan, x, weight, bias, eps)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, "input")
     x2d = rows_2d(x)
     y, rstd, mean = _forward_impl(x2d, weight, bias, float(eps), is_rms, zero_centered, False)
-    if signature is not None and use_triton(x):
-        plan = _forward_kernel.call_plan(x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
-        if plan is not None:
-            if len(_PLANS) >= MAX_PLANS:  # e.g. a new row count every step: start over rather than grow
-                _PLANS.clear()
-            _PLANS[signature] = plan
+    forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
     return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
 
 

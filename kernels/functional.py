@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
+from . import forward_calls
 from .ops import eager_norm, norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -121,15 +122,24 @@ def rows_2d(t: Tensor) -> Tensor:
 
 
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
+    compiling = torch.compiler.is_compiling()
+    sig = None
+    if config is None and not compiling and (save == "input" or save == "output"):
+        store_mean = not is_rms and save == "input"
+        sig = forward_calls.signature(x, weight, bias, eps, is_rms, zero_centered, store_mean)
+        plan = forward_calls.lookup(sig)
+        if plan is not None:  # inputs like an earlier call's, which passed the checks
+            return eager_norm(x, weight, bias, eps, is_rms, zero_centered, save == "output", "", plan)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)
     config_text = explicit_config_text(config, x, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                        save=save)
     x2d = rows_2d(x)
-    if torch.compiler.is_compiling():
+    if compiling:
         y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
     else:
         y = eager_norm(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
+        forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms and save == "input")
     return y if x.dim() == 2 else y.view(x.shape)
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import backward as _backward
 from . import forward as _forward
+from . import forward_calls
 from . import reference
 from .config import BackwardConfig, Problem
 from .device import compute_capability, device_name, use_triton
@@ -151,8 +152,12 @@ class EagerNorm(torch.autograd.Function):
     spares autograd the bookkeeping of two more outputs on every call."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config):
-        y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+    def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None):
+        """x: rows (2-D); or, with a `forward_calls` plan, x as the caller passed it (y then has x's shape)."""
+        if plan is None:
+            y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+        else:
+            y, rstd, mean = forward_calls.run(plan, x, weight, bias, eps)
         ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
         ctx.flags = (is_rms, zero_centered, save_output, config)
         return y
@@ -161,10 +166,13 @@ class EagerNorm(torch.autograd.Function):
     def backward(ctx, grad_y):
         saved, weight, bias, rstd, mean = ctx.saved_tensors
         is_rms, zero_centered, save_output, config = ctx.flags
+        shape = grad_y.shape
+        if len(shape) != 2:  # a planned forward took x with its leading dims: the kernels take rows
+            grad_y, saved = grad_y.reshape(-1, shape[-1]), saved.reshape(-1, shape[-1])
         dx, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                     config)
-        return (dx, dw if weight is not None else None, db if bias is not None else None,
-                None, None, None, None, None)
+        return (dx if len(shape) == 2 else dx.view(shape), dw if weight is not None else None,
+                db if bias is not None else None, None, None, None, None, None, None)
 
 
 def _eager_apply():
@@ -183,10 +191,10 @@ def _eager_apply():
 _EAGER = _eager_apply()
 
 
-def eager_norm(x, weight, bias, eps, is_rms, zero_centered, save_output, config) -> Tensor:
+def eager_norm(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None) -> Tensor:
     """y = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`)."""
     if _EAGER is None or _EAGER[2]():  # functorch transforms go through Function.apply's own handling
-        return EagerNorm.apply(x, weight, bias, eps, is_rms, zero_centered, save_output, config)
+        return EagerNorm.apply(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan)
     apply, unwrap, _ = _EAGER
     return apply(unwrap(x), weight if weight is None else unwrap(weight), bias if bias is None else unwrap(bias),
-                 eps, is_rms, zero_centered, save_output, config)
+                 eps, is_rms, zero_centered, save_output, config, plan)

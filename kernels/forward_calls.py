@@ -1,0 +1,73 @@
+"""Forward calls planned once per input signature: the host path that a layer's forward takes on every step.
+
+A forward call checks its inputs (`functional.check_inputs`, `check_options`), flattens x into rows and derives its
+launch (`forward.forward`). The second call on inputs with the same *signature* — x's shape, strides, dtype,
+device and 16-byte alignment, the same of weight and bias (and their types), and the flags — would repeat all
+of it and reach the same answers. So the first call stores a plan under that signature (`remember`), and later
+calls only look the signature up (`lookup`) and run the plan (`forward.run_plan`: allocate, launch).
+
+Why no check is skipped wrongly: only signatures whose call passed every check are stored, and every attribute the
+checks read is part of the signature. eps is a runtime argument, so a fast call checks it itself (a positive
+finite float; anything else takes the checked path). Inputs whose rows need a copy (a last dimension that is
+not contiguous, leading dims that cannot be flattened in place) get no plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import forward as _forward
+from .device import use_triton
+
+_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
+
+_data_ptr = torch._C.TensorBase.data_ptr  # unbound: no bound method made per call
+_ABSENT = (None,)
+
+
+def _operand(t) -> tuple:
+    """The part of a signature that describes weight or bias."""
+    if t is None:
+        return _ABSENT
+    return type(t), t.shape, t.dtype, t.device, _data_ptr(t) & 15
+
+
+def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple | None:
+    """The call's signature, or None where it cannot have a plan (x not a plain tensor, weight/bias not tensors,
+    eps not a positive finite float)."""
+    if (type(x) is not Tensor or type(eps) is not float or not 0.0 < eps < math.inf
+            or not (weight is None or isinstance(weight, Tensor)) or not (bias is None or isinstance(bias, Tensor))):
+        return None
+    return (x.shape, x.stride(), x.dtype, x.device, _data_ptr(x) & 15, _operand(weight), _operand(bias), is_rms,
+            zero_centered, store_mean)
+
+
+def lookup(sig: tuple | None) -> tuple | None:
+    """The plan stored under `sig` (None: none yet, or no signature)."""
+    return _PLANS.get(sig) if sig is not None else None
+
+
+def remember(sig: tuple | None, x: Tensor, x2d: Tensor, weight, bias, is_rms: bool, zero_centered: bool,
+             store_mean: bool) -> None:
+    """Store the plan of a call that passed every check (x2d: x as rows, as the call launched it)."""
+    if sig is None or not use_triton(x):
+        return
+    plan = _forward.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+    if plan is None:
+        return
+    if len(_PLANS) >= MAX_PLANS:  # e.g. a new row count every step: start over rather than grow
+        _PLANS.clear()
+    _PLANS[sig] = plan
+
+
+def run(plan: tuple, x: Tensor, weight, bias, eps: float):
+    """(y, rstd, mean) of a planned call: y shaped like x; mean None unless the plan stores it."""
+    return _forward.run_plan(plan, x, weight, bias, eps, x.device)
+
+
+def clear() -> None:
+    _PLANS.clear()
