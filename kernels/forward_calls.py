@@ -38,12 +38,15 @@ def _operand(t) -> tuple:
 
 def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple | None:
     """The call's signature, or None where it cannot have a plan (x not a plain tensor, weight/bias not tensors,
-    eps not a positive finite float)."""
+    eps not a positive finite float, a tensor without storage)."""
     if (type(x) is not Tensor or type(eps) is not float or not 0.0 < eps < math.inf
             or not (weight is None or isinstance(weight, Tensor)) or not (bias is None or isinstance(bias, Tensor))):
         return None
-    return (x.shape, x.stride(), x.dtype, x.device, _data_ptr(x) & 15, _operand(weight), _operand(bias), is_rms,
-            zero_centered, store_mean)
+    try:
+        return (x.shape, x.stride(), x.dtype, x.device, _data_ptr(x) & 15, _operand(weight), _operand(bias), is_rms,
+                zero_centered, store_mean)
+    except RuntimeError:  # a tensor without storage (e.g. functorch's wrappers): the checked path says what fails
+        return None
 
 
 def lookup(sig: tuple | None) -> tuple | None:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
 from . import forward_calls
+from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
 from .ops import eager_norm, norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

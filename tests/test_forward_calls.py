@@ -137,3 +137,21 @@ def test_forward_plans_are_bounded(device, make_norm_inputs, monkeypatch):
         x = make_norm_inputs((rows, N), torch.float32, device)["x"]
         rms_norm_forward(x)
         assert len(forward_calls._PLANS) <= 2
+
+
+def test_tensors_without_storage_get_no_signature(device):
+    """Under functorch's transforms x is a wrapper without storage: no signature (and so no plan), and the call
+    takes the checked path, which fails as it did before plans existed, not on reading a data pointer."""
+    x, w = torch.randn(4, N, device=device), torch.ones(N, device=device)
+    seen = []
+
+    def probe(t):
+        seen.append(forward_calls.signature(t, w, None, 1e-5, True, False, False))
+        return t.sum()
+
+    torch.func.grad(probe)(x)
+    assert seen == [None]
+    assert forward_calls.signature(x, w, None, 1e-5, True, False, False) is not None
+    with pytest.raises(RuntimeError) as info:
+        torch.func.grad(lambda t: rms_norm(t, w).sum())(x)
+    assert "data pointer" not in str(info.value)
