@@ -21,7 +21,7 @@ import functools
 
 from .backward.common import assume_multiple, effective_weight
 from .heuristics import alignment_hint, cdiv, needs_int64, next_power_of_two
-from .launcher import Launcher
+from .launcher import Launcher, data_ptr
 
 SINGLE_PASS_MAX_COLS = 8192
 CHUNK_COLS = 4096
@@ -138,8 +138,6 @@ def forward_launch_params(N: int) -> tuple[int, int, bool, int]:
 _CALLS: dict[tuple, tuple] = {}
 MAX_CALLS = 4096
 
-_data_ptr = torch._C.TensorBase.data_ptr  # unbound: no bound method made per call
-
 
 def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, *,
             is_rms: bool, zero_centered: bool, store_mean: bool, y: torch.Tensor | None = None,
@@ -164,7 +162,7 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     mu = mean if store_mean else rstd
     key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
     if given:
-        key += (y_stride, _data_ptr(y) & 15, _data_ptr(rstd) & 15, _data_ptr(mu) & 15)
+        key += (y_stride, data_ptr(y) & 15, data_ptr(rstd) & 15, data_ptr(mu) & 15)
     launch, grid = _planned(key, M, N, x_stride, y_stride, is_rms, zero_centered, store_mean)
     launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
@@ -175,7 +173,7 @@ def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, 
     16-byte alignment: buffers allocated here are aligned, y is contiguous)."""
     M, N = x2d.shape
     return (M, N, x_stride, x2d.dtype, w.dtype, b.dtype, no_weight, no_bias, is_rms, zero_centered, store_mean,
-            _data_ptr(x2d) & 15, _data_ptr(w) & 15, _data_ptr(b) & 15)
+            data_ptr(x2d) & 15, data_ptr(w) & 15, data_ptr(b) & 15)
 
 
 def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, is_rms: bool, zero_centered: bool,
@@ -198,7 +196,7 @@ def call_plan(x: torch.Tensor, x2d: torch.Tensor, weight, bias, is_rms: bool, ze
     its outputs and launch without deriving anything again (`run_plan`): None where `x2d` is a copy of `x`, or
     there are no rows. Outputs: like x where x is contiguous, else (rows, width) viewed as x's shape."""
     M, N = x2d.shape
-    if M == 0 or _data_ptr(x2d) != _data_ptr(x):
+    if M == 0 or data_ptr(x2d) != data_ptr(x):
         return None
     x_stride = x2d.stride(0)
     rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs

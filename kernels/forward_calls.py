@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from . import forward as _forward
 from .device import use_triton
+from .launcher import data_ptr
 
 _PLANS: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
 
-_data_ptr = torch._C.TensorBase.data_ptr  # unbound: no bound method made per call
 _ABSENT = (None,)
 
 
@@ -33,7 +32,7 @@ def _operand(t) -> tuple:
     """The part of a signature that describes weight or bias."""
     if t is None:
         return _ABSENT
-    return type(t), t.shape, t.dtype, t.device, _data_ptr(t) & 15
+    return type(t), t.shape, t.dtype, t.device, data_ptr(t) & 15
 
 
 def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple | None:
@@ -43,7 +42,7 @@ def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mea
             or not (weight is None or isinstance(weight, Tensor)) or not (bias is None or isinstance(bias, Tensor))):
         return None
     try:
-        return (x.shape, x.stride(), x.dtype, x.device, _data_ptr(x) & 15, _operand(weight), _operand(bias), is_rms,
+        return (x.shape, x.stride(), x.dtype, x.device, data_ptr(x) & 15, _operand(weight), _operand(bias), is_rms,
                 zero_centered, store_mean)
     except RuntimeError:  # a tensor without storage (e.g. functorch's wrappers): the checked path says what fails
         return None

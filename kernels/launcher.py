@@ -40,8 +40,8 @@ MAX_KEYS = 4096
 RAW_LAUNCH = True
 
 
-# The unbound method: no bound method is made per argument.
-_data_ptr = torch._C.TensorBase.data_ptr
+# The unbound method: no bound method is made per argument (the forward's call path uses it too).
+data_ptr = torch._C.TensorBase.data_ptr
 
 
 def _current_stream(device_index: int) -> int:
@@ -161,7 +161,7 @@ class Launcher:
         # found once, on the key's first launch.
         args = list(args)
         for i in tensors:
-            args[i] = _data_ptr(args[i])
+            args[i] = data_ptr(args[i])
         enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
         if not _hooked(enter) and not _hooked(leave):
             if raw is None:
