@@ -10,7 +10,8 @@ views (see `views.py`):
 - `host_us` / `forward_host_us`: CPU time of one backward / forward call through each implementation's public
   API (normtune's `layer_norm`/`rms_norm` with autograd, like the peers'); for normtune also
   `host_direct_us` / `forward_host_direct_us`, its functions without autograd (`kernels/direct.py`): the call
-  to set beside a peer timed without autograd (`autograd` false on its row: quack's LayerNorm).
+  to set beside a peer timed without autograd (`autograd` false on its row: quack's LayerNorm). Every
+  implementation of a case is host-timed in the same interleaved rounds, once all are prepared (`host_rounds.py`).
 Rows are plain dicts (one per problem x implementation) so writers and the store stay simple.
 """
 
@@ -30,6 +31,7 @@ from normtune.kernels.select import select_config
 
 from .cases import relative_error
 from .device import DeviceInfo, peer_versions
+from .host_rounds import HostCall, measure_rounds
 from .measure import TIMING, MeasureSession, Timing
 from .peers import NormtuneAPI, PeerUnavailable, make_peer
 from .views import kernel_sum
@@ -139,9 +141,8 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
             base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
                     "floor_us": _nan_to_none(floor)}
             config, chosen = resolve_bench_config(config_spec, problem, info)
-            report.rows.append(_finish(_time_ours(session, case, ref, config, chosen, _empty_row(base, OURS)),
-                                       floor))
-            say(f"{norm} {M}x{N} normtune", report.rows[-1])
+            host: list[HostCall] = []  # every implementation's calls, host-timed together once all are ready
+            rows = [_time_ours(session, case, ref, config, chosen, _empty_row(base, OURS), host)]
             for name, peer in peers.items():
                 row = _empty_row(base, name)
                 if peer is None:
@@ -151,10 +152,13 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
                 elif (why := peer.supports(problem)) is not None:
                     row.update(status="unavailable", error=why)
                 else:
-                    row.update(_time_peer(session, peer, problem, case, ref))
+                    row.update(_time_peer(session, peer, problem, case, ref, row, host))
+                rows.append(row)
+            measure_rounds(host, session.timing.host_reps, lambda fn: session.host_us(fn, reps=1))
+            for row in rows:
                 report.rows.append(_finish(row, floor))
-                say(f"{norm} {M}x{N} {name}", report.rows[-1])
-            del case, ref
+                say(f"{norm} {M}x{N} {row['impl']}", row)
+            del case, ref, host, rows
             if session.on_gpu:
                 torch.cuda.empty_cache()
     report.finished_at = dt.datetime.now(dt.timezone.utc)
@@ -189,7 +193,9 @@ def _join(*notes: str) -> str:
     return "; ".join(n for n in notes if n)
 
 
-def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chosen: str, row: dict) -> dict:
+def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chosen: str, row: dict,
+               host: list[HostCall]) -> dict:
+    """normtune's row: its GPU time and kernel sum; its four host-timed calls are added to `host`."""
     res, retimed = steadier(lambda: session.measure(case, config, reference_grads=ref),
                             lambda r: spread(r.p10_us, r.p90_us) if r.status == "ok" else 1.0, retake=session.on_gpu)
     row.update(status=res.status, error=res.error, median_us=res.median_us, p10_us=res.p10_us, p90_us=res.p90_us,
@@ -204,12 +210,10 @@ def _time_ours(session: MeasureSession, case, ref, config: BackwardConfig, chose
     row.update(_other_views(session, launch.run, row))
     api = NormtuneAPI().prepare(case.problem, case.x, case.weight, case.bias, case.grad,
                                 None if chosen == "table" else config)
-    row["host_us"] = session.host_us(api.run)
-    row["forward_host_us"] = session.host_us(api.forward)
     direct = NormtuneAPI().prepare_direct(case.problem, case.x, case.weight, case.bias, case.grad,
                                           None if chosen == "table" else config)
-    row["host_direct_us"] = session.host_us(direct.run)
-    row["forward_host_direct_us"] = session.host_us(direct.forward)
+    host += [HostCall(row, "host_us", api.run), HostCall(row, "forward_host_us", api.forward),
+             HostCall(row, "host_direct_us", direct.run), HostCall(row, "forward_host_direct_us", direct.forward)]
     return row
 
 
@@ -222,7 +226,8 @@ def _other_views(session: MeasureSession, backward: Callable[[], object], row: d
     return {"kernels": kernels, "kernel_sum_us": kernel_sum(kernels)} if kernels else {}
 
 
-def _time_peer(session: MeasureSession, peer, problem, case, ref) -> dict:
+def _time_peer(session: MeasureSession, peer, problem, case, ref, row: dict, host: list[HostCall]) -> dict:
+    """A peer's GPU time and kernel sum (the updates to its `row`); its host-timed calls are added to `host`."""
     try:
         prepared = peer.prepare(problem, case.x, case.weight, case.bias, case.grad)
         got = prepared.run()
@@ -233,9 +238,10 @@ def _time_peer(session: MeasureSession, peer, problem, case, ref) -> dict:
         out = {"rel_err_dx": relative_error(got[0], ref[0]), "note": _join(prepared.note, retimed)}
         out.update(median_us=stats.median, p10_us=stats.p10, p90_us=stats.p90, reps=stats.count)
         out.update(_other_views(session, prepared.run, out))
-        out["host_us"] = session.host_us(prepared.run)
-        out["forward_host_us"] = session.host_us(prepared.forward) if prepared.forward else None
         out["autograd"] = prepared.autograd
+        host.append(HostCall(row, "host_us", prepared.run))
+        if prepared.forward:
+            host.append(HostCall(row, "forward_host_us", prepared.forward))
         return out
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}

@@ -90,9 +90,10 @@ VIEWS_NOTE = (
     "cold L2; the view every speedup and win count rests on unless marked kernel-sum), **kernel sum** (the "
     "kernels' device times from torch.profiler, summed: how peers usually report; launch gaps are not in it), "
     "and **host µs** per call (CPU time of one backward / forward call through the public API, issued while the "
-    "GPU is busy; for normtune also through its functions without autograd, \"direct\", the like-for-like call "
-    "beside a peer that has no autograd wrapper). With programmatic dependent launch (pdl), kernel_2 starts before kernel_1 ends and waits "
-    "inside its own kernel; the kernel sum counts the time both kernels run at once only once.")
+    "GPU is busy; every implementation of a shape timed in the same interleaved rounds, the median kept; for "
+    "normtune also through its functions without autograd, \"direct\", the like-for-like call beside a peer that "
+    "has no autograd wrapper). With programmatic dependent launch (pdl), kernel_2 starts before kernel_1 ends and "
+    "waits inside its own kernel; the kernel sum counts the time both kernels run at once only once.")
 
 
 def markdown(report: BenchReport) -> str:

@@ -44,7 +44,8 @@ CYCLES_PER_US = 2000
 @dataclass(frozen=True)
 class Timing:
     """How long to time: warm-up calls, repetitions (at least min_reps, at most max_reps, stopping once budget_s
-    has passed), profiler repetitions for the kernel-sum view, and calls x repetitions for host µs."""
+    has passed), profiler repetitions for the kernel-sum view, and calls x repetitions for host µs (in the bench,
+    host_reps interleaved rounds over every implementation of a case: `host_rounds.py`)."""
 
     warmup: int = 3
     min_reps: int = 20
@@ -334,10 +335,10 @@ class MeasureSession:
         """The copy bandwidth as a run records it: None where there is none (the interpreter)."""
         return self.bandwidth_gbps if math.isfinite(self.bandwidth_gbps) else None
 
-    def host_us(self, fn: Callable[[], object], *, calls: int | None = None) -> float:
+    def host_us(self, fn: Callable[[], object], *, calls: int | None = None, reps: int | None = None) -> float:
         """Host µs per call of `fn` (see `views.host_us_per_call`)."""
         t = self.timing
-        return views.host_us_per_call(fn, device=self.device, calls=calls or t.host_calls, reps=t.host_reps,
+        return views.host_us_per_call(fn, device=self.device, calls=calls or t.host_calls, reps=reps or t.host_reps,
                                       cycles_per_us=self.cycles_per_us if self.on_gpu else CYCLES_PER_US)
 
     def time_callable(self, fn: Callable[[], object]) -> Stats:
