@@ -163,7 +163,8 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
     if given:
         key += (y_stride, data_ptr(y) & 15, data_ptr(rstd) & 15, data_ptr(mu) & 15)
-    launch, grid = _planned(key, M, N, x_stride, y_stride, is_rms, zero_centered, store_mean)
+    launch, grid = _planned(key, M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
+                            zero_centered, store_mean)
     launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
 
@@ -176,8 +177,8 @@ def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, 
             data_ptr(x2d) & 15, data_ptr(w) & 15, data_ptr(b) & 15)
 
 
-def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, is_rms: bool, zero_centered: bool,
-             store_mean: bool) -> tuple:
+def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
+             is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple:
     """(launcher, grid) of a launcher key, derived once."""
     planned = _CALLS.get(key)
     if planned is None:
@@ -185,7 +186,7 @@ def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, is_rms: b
             _CALLS.clear()
         int64 = needs_int64(M, N, x_stride, y_stride)
         hint = alignment_hint(N, x_stride, y_stride)
-        launch, block_row = _launcher(N, is_rms, not key[6], not key[7], zero_centered, store_mean, int64, hint)
+        launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint)
         planned = _CALLS[key] = (launch, cdiv(M, block_row))
     return planned
 
@@ -203,7 +204,8 @@ def call_plan(x: torch.Tensor, x2d: torch.Tensor, weight, bias, is_rms: bool, ze
     w = rstd if weight is None else weight
     b = rstd if bias is None else bias
     key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
-    launch, grid = _planned(key, M, N, x_stride, N, is_rms, zero_centered, store_mean)
+    launch, grid = _planned(key, M, N, x_stride, N, weight is not None, bias is not None, is_rms, zero_centered,
+                            store_mean)
     contiguous = x.is_contiguous()
     return launch, grid, key, M, N, x_stride, contiguous, None if contiguous or x.dim() == 2 else x.shape, store_mean
 
