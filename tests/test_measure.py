@@ -565,6 +565,73 @@ def test_kernel_sum_counts_overlapping_kernels_once():
     assert kernel_sum(kernels) == pytest.approx(34.0)
 
 
+FLUSH, SPIN = "FillFunctor<int>", "spin_kernel(long)"
+
+
+def _prologue_run(t: float, flush_us: float = 30.0) -> list:
+    return [(FLUSH, t, t + flush_us, flush_us), (SPIN, t + flush_us, t + flush_us + 100.0, 100.0)]
+
+
+def test_call_kernels_takes_the_prologue_out_by_position():
+    """The prologue's kernels (flush, spin) are taken out run by run, whatever each run of them cost, so none of
+    their time leaks into the call's kernels; a call's own kernel named like the flush is kept."""
+    from normtune.tuner.views import call_kernels
+
+    prologue = _prologue_run(0.0) + _prologue_run(1000.0)
+    kernels, t = [], 0.0
+    for rep, flush_us in enumerate((31.0, 35.0)):  # the flush ran longer than in its own profile
+        kernels += _prologue_run(t, flush_us)
+        t += flush_us + 100.0
+        kernels += [("kernel_1", t, t + 20.0, 20.0), (FLUSH, t + 20.0, t + 21.0, 1.0)]  # the call's own fill
+        t += 500.0
+    own = call_kernels(kernels, prologue, reps=2)
+    assert [k[0] for k in own] == ["kernel_1", FLUSH, "kernel_1", FLUSH]
+    assert sum(k[3] for k in own) == pytest.approx(42.0)
+    assert call_kernels(kernels, prologue, reps=3) is None  # the prologue's profile is not 3 runs of one sequence
+    assert call_kernels(kernels[2:], prologue, reps=2) is None  # a run of the prologue missing from the calls'
+    assert call_kernels(kernels, _prologue_run(0.0) + [(SPIN, 1.0, 2.0, 1.0)], reps=2) is None  # runs differ
+    assert call_kernels(kernels, [], reps=2) is None
+
+
+def test_profile_kernels_counts_only_the_calls_kernels(monkeypatch):
+    """A flush slower in the calls' profile than in its own used to leave its excess as a kernel of the call's
+    (and a faster one was dropped, never subtracted): the kernel sum of a call is now its own kernels' alone."""
+    from normtune.tuner import views
+
+    class Event:
+        def __init__(self, name, start, end):
+            from torch.autograd import DeviceType
+
+            self.name, self.device_type, self.device_time_total = name, DeviceType.CUDA, end - start
+            self.time_range = type("Span", (), {"start": start, "end": end})()
+
+    profiles = iter([  # the calls' profile, then the prologue's alone
+        [Event(*k[:3]) for k in _prologue_run(0.0, 33.0) + [("kernel_1", 133.0, 153.0), ("kernel_2", 150.0, 156.0)]
+         + _prologue_run(1000.0, 34.0) + [("kernel_1", 1134.0, 1154.0), ("kernel_2", 1151.0, 1157.0)]],
+        [Event(*k[:3]) for k in _prologue_run(0.0) + _prologue_run(1000.0)],
+    ])
+
+    class Profile:
+        def __init__(self, **_):
+            self.recorded = next(profiles)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def events(self):
+            return self.recorded
+
+    monkeypatch.setattr("torch.profiler.profile", Profile)
+    monkeypatch.setattr(views.torch.cuda, "synchronize", lambda device=None: None)
+    out = views.profile_kernels(lambda: None, prologue=lambda: None, device=torch.device("cpu"), reps=2)
+    assert out == {"kernel_1": pytest.approx(20.0), "kernel_2": pytest.approx(6.0),
+                   views.OVERLAP: pytest.approx(-3.0)}
+    assert views.kernel_sum(out) == pytest.approx(23.0)
+
+
 def test_host_us_per_call_divides_by_the_number_of_calls(monkeypatch):
     from normtune.tuner import views
 

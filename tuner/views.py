@@ -14,6 +14,7 @@ Both follow the cold-L2 protocol of `measure.py` (flush and spin before every ca
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -44,36 +45,64 @@ def overlap_us(intervals: list[tuple[float, float]]) -> float:
     return total - union
 
 
-def _kernel_intervals(prof) -> list[tuple[float, float]]:
+# One kernel as the profiler saw it: (name, start µs, end µs, device µs).
+Kernel = tuple[str, float, float, float]
+
+
+def _device_kernels(prof) -> list[Kernel]:
+    """The device events of a torch.profiler session, in the order they started."""
     from torch.autograd import DeviceType
 
     out = []
-    for evt in prof.events():
-        span = getattr(evt, "time_range", None)
-        if getattr(evt, "device_type", None) == DeviceType.CUDA and span is not None:
-            out.append((float(span.start), float(span.end)))
-    return out
-
-
-def _device_events(prof) -> dict[str, float]:
-    """Total device time (µs) per kernel name recorded by a torch.profiler session."""
-    from torch.autograd import DeviceType
-
-    totals: dict[str, float] = {}
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA:
             continue
         t = getattr(evt, "device_time_total", None)
         if t is None:
             t = getattr(evt, "cuda_time_total", 0.0)
-        totals[evt.name] = totals.get(evt.name, 0.0) + float(t)
+        span = getattr(evt, "time_range", None)
+        start, end = (float(span.start), float(span.end)) if span is not None else (math.nan, math.nan)
+        out.append((evt.name, start, end, float(t)))
+    return sorted(out, key=lambda k: k[1])
+
+
+def call_kernels(kernels: list[Kernel], prologue: list[Kernel], reps: int) -> list[Kernel] | None:
+    """The kernels of `reps` calls profiled one after another, each behind the prologue (flush + spin) whose own
+    profile, `reps` runs of it alone, is `prologue`: every run of the prologue's kernel sequence (by name, in
+    stream order) is taken out, by position, so that none of its time is counted and a call's own kernels
+    of the same names (a peer's fills) are kept. None when the prologue's runs cannot be told apart (its profile
+    is not `reps` times one sequence, or the calls' profile does not hold exactly `reps` runs of it)."""
+    if reps <= 0 or not prologue or len(prologue) % reps:
+        return None
+    names = [k[0] for k in prologue]
+    size = len(names) // reps
+    sequence = names[:size]
+    if names != sequence * reps:
+        return None
+    out, found, i = [], 0, 0
+    while i < len(kernels):
+        if [k[0] for k in kernels[i:i + size]] == sequence:
+            found += 1
+            i += size
+        else:
+            out.append(kernels[i])
+            i += 1
+    return out if found == reps else None
+
+
+def _by_name(kernels: list[Kernel]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for name, _, _, t in kernels:
+        totals[name] = totals.get(name, 0.0) + t
     return totals
 
 
 def profile_kernels(fn: Callable[[], object], *, prologue: Callable[[], None], device: torch.device,
                     reps: int = 5) -> dict[str, float]:
     """Device time (µs per call) of each kernel `fn` launches, slowest first. `prologue` (flush + spin) runs
-    before every call; it is profiled alone too and subtracted by kernel name, so a peer's own fills are kept."""
+    before every call; it is profiled alone too, and its kernels are taken out of the calls' profile by position
+    (`call_kernels`). Where they cannot be, its per-name totals are subtracted instead (noisier: what is left of
+    a flush that ran longer than in its own profile counts as a kernel of the call's)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -89,15 +118,18 @@ def profile_kernels(fn: Callable[[], object], *, prologue: Callable[[], None], d
         for _ in range(reps):
             prologue()
         torch.cuda.synchronize(device)
-    totals, overhead = _device_events(prof), _device_events(base)
-    out = {}
-    for name, t in totals.items():
-        per_call = (t - overhead.get(name, 0.0)) / reps
-        if per_call > 0.05:
-            out[name] = per_call
-    out = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    kernels, overhead = _device_kernels(prof), _device_kernels(base)
+    own = call_kernels(kernels, overhead, reps)
+    if own is not None:
+        totals = {name: t / reps for name, t in _by_name(own).items()}
+    else:
+        own = kernels
+        less = _by_name(overhead)
+        totals = {name: (t - less.get(name, 0.0)) / reps for name, t in _by_name(kernels).items()}
+        totals = {name: t for name, t in totals.items() if t > 0.05}
+    out = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
     # The prologue's kernels run alone (stream order); only the call's own kernels can overlap (PDL).
-    twice = overlap_us(_kernel_intervals(prof)) / reps
+    twice = overlap_us([(k[1], k[2]) for k in own if k[1] == k[1]]) / reps
     if twice > 0.05:
         out[OVERLAP] = -twice
     return out
