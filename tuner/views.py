@@ -61,9 +61,9 @@ def _device_kernels(prof) -> list[Kernel]:
         if t is None:
             t = getattr(evt, "cuda_time_total", 0.0)
         span = getattr(evt, "time_range", None)
-        start, end = (float(span.start), float(span.end)) if span is not None else (math.nan, math.nan)
+        start, end = (float(span.start), float(span.end)) if span is not None else (math.inf, math.inf)
         out.append((evt.name, start, end, float(t)))
-    return sorted(out, key=lambda k: k[1])
+    return sorted(out, key=lambda k: k[1])  # an event without a time range (none seen) sorts last
 
 
 def call_kernels(kernels: list[Kernel], prologue: list[Kernel], reps: int) -> list[Kernel] | None:
@@ -129,7 +129,7 @@ def profile_kernels(fn: Callable[[], object], *, prologue: Callable[[], None], d
         totals = {name: t for name, t in totals.items() if t > 0.05}
     out = dict(sorted(totals.items(), key=lambda kv: -kv[1]))
     # The prologue's kernels run alone (stream order); only the call's own kernels can overlap (PDL).
-    twice = overlap_us([(k[1], k[2]) for k in own if k[1] == k[1]]) / reps
+    twice = overlap_us([(k[1], k[2]) for k in own if math.isfinite(k[1])]) / reps
     if twice > 0.05:
         out[OVERLAP] = -twice
     return out
