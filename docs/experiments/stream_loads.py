@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from normtune.kernels.heuristics import num_programs
+from normtune.kernels.heuristics import num_groups
 from normtune.kernels.select import select_config
 from normtune.tuner.device import detect
 from normtune.tuner.measure import MeasureSession, Timing
@@ -111,8 +111,10 @@ def main() -> None:
             grids = [float(g) for g in args.programs_per_sm.split(",") if g] or [k1.programs_per_sm]
             fns = {"torch add": lambda: torch.add(a, b, out=c), "normtune": case.launch(config).run}
             for ppsm in grids:
-                tiled = dataclasses.replace(config, kernel_1=dataclasses.replace(k1, programs_per_sm=ppsm))
-                grid = (num_programs(p.M, p.N, tiled, info.sm_count),)
+                # whole rows per program: the table's row programs (a dual table's column programs, a split
+                # table's slices are not streams of whole rows)
+                whole = dataclasses.replace(k1, programs_per_sm=ppsm, row_split=1)
+                grid = (num_groups(p.M, dataclasses.replace(config, kernel_1=whole), info.sm_count),)
                 for s in stages:
                     for kind, kernel in (("ptr", stream_pointers), ("tma", stream_descriptors)):
                         for rows in (False, True):
