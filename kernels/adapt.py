@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from .config import ITEMSIZE, ROW_SPLITS, BackwardConfig, Problem
-from .heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, default_config, next_power_of_two, row_block_col, slice_width
+from .heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, default_config, next_power_of_two, row_block_col,
+                         slice_width, wide_fp32_rows)
 
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
@@ -25,8 +26,8 @@ def holds_rows(config: BackwardConfig) -> bool:
     return k1.strategy == "rows" and not k1.two_pass and (k1.row_split > 1 or k1.recompute)
 
 
-def carried_over(config: BackwardConfig, stand_in: str, dtype: str) -> tuple[BackwardConfig | None, str]:
-    """A stand-in's `holds_rows` config for `dtype`, or None and why it does not carry over.
+def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tuple[BackwardConfig | None, str]:
+    """A stand-in's `holds_rows` config for `problem`'s dtype, or None and why it does not carry over.
 
     - the same element size (fp16 on a bf16 rule): the config as it is. recompute widens the packed 16-bit tile
       again after the row reductions for either dtype (`widen_again`; sm_90 compile, RMSNorm 2048x16384 on a
@@ -39,11 +40,18 @@ def carried_over(config: BackwardConfig, stand_in: str, dtype: str) -> tuple[Bac
       holds fewer rows for the rest (a rule in 8 slices of 4x4096 runs fp32 in 8 slices of 2x4096): the best
       configs of unseeded fp32 sweeps of 2048x32768 split in 8, on 2x4096 (LayerNorm) and 1x4096 (RMSNorm) tiles
       (H100 held-out validation, run 271: 297 µs against the analytic default's 459 for RMSNorm).
+    - fp32 rows of 8193-16384 columns from 512 rows (`heuristics.wide_fp32_rows`): none; the analytic default
+      splits them in slices of 4096 columns on 2-row tiles, level with or faster than the bf16 LayerNorm rules
+      carried in 8 slices of 4 x 2048 on every shape timed (H200, 512-16384 rows of 9216-16384 columns: 1.01-1.24x,
+      within the spread at 512 and 1024 x 16384; docs/experiments/fp32_wide_rows.py).
     """
     k1 = config.kernel_1
+    dtype = problem.dtype
     factor = ITEMSIZE[dtype] // ITEMSIZE[stand_in]
     if factor == 1:
         return config, ""
+    if wide_fp32_rows(problem):
+        return None, f"{dtype} rows of 8193-16384 columns from 512 rows split in the analytic default's slices"
     split = k1.row_split * factor
     if k1.row_split == 1:
         return None, f"its config holds whole {stand_in} rows in registers"

@@ -41,6 +41,9 @@ MAX_COLUMNS_ROWS = 2048
 # From this many rows the default gives 16-bit rows of 8193-16384 columns the shipped tables' form there (RMSNorm:
 # prefetch with recompute; LayerNorm: the row split in 4): measured from 512 rows up (`default_config`).
 WIDE_DEFAULT_MIN_ROWS = 512
+# fp32 rows of 8193-16384 columns, from WIDE_DEFAULT_MIN_ROWS rows, split in slices of at most this many columns:
+# a 2 x 4096 fp32 tile holds the bytes of the 16-bit rule's 4 x 4096 (`default_config`).
+WIDE_FP32_SLICE = 4096
 # Strategies whose column programs sweep every row of their slice: offered up to MAX_COLUMNS_ROWS, time grows with M.
 ROW_SWEEPING = ("columns", "dual")
 # Grids whose programs wait for each other (row_split, the fused reduction) hold at most this many programs per
@@ -195,6 +198,13 @@ def partial_rows(M: int, config: "BackwardConfig", sms: int) -> int:
     return num_groups(M, config, sms)
 
 
+def wide_fp32_rows(problem: "Problem") -> bool:
+    """fp32 rows of 8193-16384 columns, enough of them to measure: the analytic default splits them, and an fp32
+    problem takes that default rather than a bf16 rule carried over (`adapt.carried_over`)."""
+    return next_power_of_two(problem.N) == MAX_SINGLE_PASS and problem.itemsize == 4 and \
+        problem.M >= WIDE_DEFAULT_MIN_ROWS
+
+
 def default_config(problem: "Problem") -> "BackwardConfig":
     """Analytic launch rules, used when no tuned table covers the problem. Every rule is about keeping a
     streaming kernel's loads in flight without spilling registers (figures: H200, bf16, docs/perf-notes.md):
@@ -207,6 +217,13 @@ def default_config(problem: "Problem") -> "BackwardConfig":
       (docs/experiments/wide_default.py, H100 and H200): RMSNorm prefetch with recompute (1.05-1.26x faster than
       the plain whole-row tile), LayerNorm the row split in 4 slices of 4-row tiles, one program per SM, the
       pipelined exchange (1.17-1.50x faster: its two fp32 accumulators per column no longer fill the registers).
+    - fp32 rows of 8193-16384 columns, from WIDE_DEFAULT_MIN_ROWS rows, split in the fewest slices whose tile is at
+      most WIDE_FP32_SLICE columns (3 up to 12288, else 4), on 2-row tiles with prefetch and dw/db per column: the
+      best config of 7 of the 8 unseeded fp32 validation sweeps at 1024 and 2048 x 16384 (both norms, H100 and
+      H200, runs 250-254: 1.08-1.15x faster than what the runtime then ran); on 12 shapes of
+      512-8192 rows (H200, docs/experiments/fp32_wide_rows.py) 1.04-1.09x faster than the whole-row tile RMSNorm ran
+      and 1.01-1.24x than the bf16 rules LayerNorm carried (within the spread at 512 and 1024 x 16384). Under 512
+      rows it won on some shapes and lost on others (0.95-1.13x).
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
     - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
       0-30% faster), 16 from 4096 columns.
@@ -247,6 +264,17 @@ def default_config(problem: "Problem") -> "BackwardConfig":
             split_cfg = BackwardConfig(k1, Kernel2Config(block_m=128, block_n=16, num_warps=4))
             if split_cfg.is_valid(problem):
                 return split_cfg
+    if wide_fp32_rows(problem):
+        # The references' form (docstring). H200, against the whole-row tile: RMSNorm 1024x16384 71.7 vs 77.0 µs,
+        # 4096x12288 188.8 vs 206.4; LayerNorm, against the bf16 rule in 8 slices: 8192x9216 323.4 vs 400.3.
+        split = next(s for s in range(2, 9) if row_block_col(problem.N, s) <= WIDE_FP32_SLICE)
+        wide = BackwardConfig(
+            Kernel1Config(block_row=2, block_col=row_block_col(problem.N, split), num_warps=16, num_stages=1,
+                          programs_per_sm=1, eviction_policy="", prefetch=True, row_split=split,
+                          column_accumulators=True),
+            Kernel2Config(block_m=64, block_n=16, num_warps=4, pdl=True))
+        if wide.is_valid(problem):
+            return wide
     # 16-bit rows of 8193-16384 columns, enough of them to measure: the shipped tables' forms (docstring).
     wide_16_bit = n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
     if wide_16_bit and problem.norm == "layer_norm":

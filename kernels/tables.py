@@ -140,7 +140,7 @@ class Table:
         config = rule.config
         stand_in = ProblemFamily.from_key(key).dtype
         if stand_in != problem.dtype and holds_rows(config):
-            config, why = carried_over(config, stand_in, problem.dtype)
+            config, why = carried_over(config, stand_in, problem)
             if config is None:
                 return RuleMatch(key, False, box, index, rule, past, None, f"{why} → the analytic default")
         return RuleMatch(key, key == problem.family.key, box, index, rule, past,

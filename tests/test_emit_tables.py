@@ -411,17 +411,24 @@ def test_fp16_takes_the_bf16_rules(M, N, norm, which):
 def test_fp32_splits_bf16_rows_in_twice_the_slices():
     """fp32 rows are twice the bytes: a bf16 rule that splits the row runs fp32 in twice the slices of the same
     bytes; one already split in 8 keeps 8 slices on tiles of half the rows, and one split in 8 on single-row tiles
-    cannot carry over, nor one holding the whole row in registers (recompute): the analytic default runs instead (no
+    cannot carry over, nor one holding the whole row in registers (recompute), nor any at 8193-16384 columns from
+    512 rows, which the analytic default splits in its own slices: the analytic default runs instead (no
     warning). Other rules carry over as they are."""
     tab = _shipped("h200.json")
-    wide = Problem("layer_norm", 2048, 12288, "fp32")  # the bf16 rule: 4 slices of 4096, pipelined
-    match = tab.match(wide)
+    short = Problem("layer_norm", 384, 16384, "fp32")  # the bf16 rule: 4 slices of 4096, pipelined
+    match = tab.match(short)
     bf16 = match.rule.config.kernel_1
     assert tables.holds_rows(match.rule.config) and (bf16.row_split, bf16.block_col) == (4, 4096)
     k1 = match.config.kernel_1
     assert (k1.row_split, k1.block_col, k1.recompute) == (8, 2048, False) and match.refused is None
     assert k1.pipelined_split == bf16.pipelined_split and k1.num_stages == bf16.num_stages
-    match.config.validate(wide)
+    match.config.validate(short)
+    wide = Problem("layer_norm", 2048, 12288, "fp32")  # the same rule, but rows the default splits itself
+    split = tab.match(wide)
+    assert tables.holds_rows(split.rule.config) and split.config is None
+    assert "split in the analytic default's slices" in split.reason(wide)
+    own = default_config(wide).kernel_1
+    assert (own.row_split, own.block_row, own.block_col, own.prefetch) == (3, 2, 4096, True)
     widest = Problem("rms_norm", 256, 65536, "fp32")  # the bf16 rule already splits in 8, on 2-row tiles
     halved = tab.match(widest)
     rule_k1 = halved.rule.config.kernel_1
@@ -430,9 +437,9 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
     assert (k1.row_split, k1.block_row, k1.block_col, k1.recompute) == (8, 1, 8192, False)
     halved.config.validate(widest)
     single = BackwardConfig(dataclasses.replace(rule_k1, block_row=1), halved.rule.config.kernel_2)
-    config, why = tables.carried_over(single, "bf16", "fp32")
+    config, why = tables.carried_over(single, "bf16", widest)
     assert config is None and "more than 8" in why and "one row" in why
-    whole = Problem("rms_norm", 2048, 16384, "fp32")  # the bf16 rule holds the whole row (recompute, no split)
+    whole = Problem("rms_norm", 384, 16384, "fp32")  # the bf16 rule holds the whole row (recompute, no split)
     kept = tab.match(whole)
     assert kept.rule.config.kernel_1.recompute and kept.rule.config.kernel_1.row_split == 1
     assert kept.config is None and "holds whole bf16 rows" in kept.reason(whole)
@@ -444,7 +451,8 @@ def test_fp32_splits_bf16_rows_in_twice_the_slices():
         warnings.simplefilter("error")
         assert select_config(whole, "NVIDIA H200", (9, 0)) == default_config(whole)
         assert select_config(widest, "NVIDIA H200", (9, 0)) == halved.config
-        assert select_config(wide, "NVIDIA H200", (9, 0)) == match.config
+        assert select_config(short, "NVIDIA H200", (9, 0)) == match.config
+        assert select_config(wide, "NVIDIA H200", (9, 0)) == default_config(wide)
         assert select_config(few, "NVIDIA H200", (9, 0)) == tab.lookup(few)
 
 

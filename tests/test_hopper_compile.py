@@ -40,6 +40,7 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 2048, 16384, "bf16", "output", "two_pass-staged"),  # staged weight, bias and partial rows
     ("layer_norm", 20000, 3000, "bf16", "input", "unaligned"),  # rows of 3000 columns: 16-byte vectors all the same
     ("rms_norm", 64, 1000, "bf16", "output", "unaligned-dual"),
+    ("layer_norm", 2048, 12288, "fp32", "input", "default"),  # fp32's wide rows: 3 slices of 2 x 4096, prefetch
 ]
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,

@@ -394,6 +394,17 @@ def test_fitting_row_split_is_correct(split, N, save, device, tolerance, assert_
                     make_norm_inputs)
 
 
+@pytest.mark.parametrize("norm,N,save", [("layer_norm", 8200, "output"), ("rms_norm", 16384, "input")])
+def test_wide_fp32_default_is_correct(norm, N, save, device, tolerance, assert_close, reference_norm,
+                                      make_norm_inputs):
+    """The analytic default of fp32 rows of 8193-16384 columns, as it runs: the rows split in 3 or 4 slices of
+    2 x 4096 tiles (the last slice partly masked at 8200 columns), prefetch, dw/db per column."""
+    problem = Problem(norm, WIDE_DEFAULT_MIN_ROWS, N, "fp32", has_bias=norm == "layer_norm", save=save)
+    config = default_config(problem)
+    assert config.kernel_1.row_split == (3 if N <= 12288 else 4) and config.kernel_1.prefetch
+    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+
+
 def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs):
     """Poisoned outputs against the float64 reference, the grid the heuristics promise, each row group's
     partial rows, and a bitwise-identical rerun."""
@@ -464,9 +475,14 @@ def check_default_for(problem: Problem) -> None:
         assert cfg.kernel_1.block_col >= slice_width(problem.N, cfg.kernel_1.row_split)
     if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
         assert problem.N > 16384 and problem.M <= 2048
-    wide_16_bit = 8192 < problem.N <= 16384 and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
+    wide = 8192 < problem.N <= 16384 and problem.M >= WIDE_DEFAULT_MIN_ROWS
+    wide_16_bit = wide and problem.itemsize == 2
     if problem.norm == "layer_norm" and wide_16_bit:  # LayerNorm's wide rows: split in 4, pipelined exchange
         assert cfg.kernel_1.row_split == 4 and cfg.kernel_1.pipelined_split and cfg.kernel_1.column_accumulators
+    elif wide and problem.itemsize == 4:  # fp32's wide rows: 3-4 slices of at most 4096 columns, 2-row tiles
+        k1 = cfg.kernel_1
+        assert k1.row_split == (3 if problem.N <= 12288 else 4) and (k1.block_row, k1.block_col) == (2, 4096)
+        assert k1.prefetch and k1.column_accumulators and not k1.pipelined_split
     elif cfg.kernel_1.row_split > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
         assert problem.N > 16384 and problem.M > 2048 and problem.itemsize == 2
         assert cfg.kernel_1.column_accumulators and slice_width(problem.N, cfg.kernel_1.row_split) <= 8192
