@@ -220,10 +220,10 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     - fp32 rows of 8193-16384 columns, from WIDE_DEFAULT_MIN_ROWS rows, split in the fewest slices whose tile is at
       most WIDE_FP32_SLICE columns (3 up to 12288, else 4), on 2-row tiles with prefetch and dw/db per column: the
       best config of 7 of the 8 unseeded fp32 validation sweeps at 1024 and 2048 x 16384 (both norms, H100 and
-      H200, runs 250-254: 1.08-1.15x faster than what the runtime then ran); on 12 shapes of
-      512-8192 rows (H200, docs/experiments/fp32_wide_rows.py) 1.04-1.09x faster than the whole-row tile RMSNorm ran
-      and 1.01-1.24x than the bf16 rules LayerNorm carried (within the spread at 512 and 1024 x 16384). Under 512
-      rows it won on some shapes and lost on others (0.95-1.13x).
+      H200, runs 250-254: 1.08-1.15x faster than what the runtime then ran); on 12 shapes of 512-8192 rows (H200,
+      docs/experiments/fp32_wide_rows.py) 1.04-1.09x faster than the whole-row tile RMSNorm ran and 1.01-1.24x
+      than the bf16 rules LayerNorm carried (within the spread at 512 and 1024 x 16384). Under 512 rows it won on
+      some shapes and lost on others (0.95-1.13x).
     - block_row fills the tile up to ~8192 elements (N=1024 → 8 rows), so a short row still issues wide loads.
     - num_warps: 8 for rows up to 2048 columns (with prefetch, halving the warps of a 16-warp 8x1024 tile was
       0-30% faster), 16 from 4096 columns.
@@ -236,7 +236,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
       7-42 µs because N=1024 gave 8 programs that each looped over the partials): 128x16. PDL off: on an H100
       it changed nothing measurable (total x1.002 median over the 30 seed cases).
     """
-    from .config import BackwardConfig, Kernel1Config, Kernel2Config
+    from .config import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
 
     n_pow2 = next_power_of_two(problem.N)
     two_pass = n_pow2 > MAX_SINGLE_PASS
@@ -267,7 +267,7 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     if wide_fp32_rows(problem):
         # The references' form (docstring). H200, against the whole-row tile: RMSNorm 1024x16384 71.7 vs 77.0 µs,
         # 4096x12288 188.8 vs 206.4; LayerNorm, against the bf16 rule in 8 slices: 8192x9216 323.4 vs 400.3.
-        split = next(s for s in range(2, 9) if row_block_col(problem.N, s) <= WIDE_FP32_SLICE)
+        split = next(s for s in ROW_SPLITS[1:] if row_block_col(problem.N, s) <= WIDE_FP32_SLICE)
         wide = BackwardConfig(
             Kernel1Config(block_row=2, block_col=row_block_col(problem.N, split), num_warps=16, num_stages=1,
                           programs_per_sm=1, eviction_policy="", prefetch=True, row_split=split,
