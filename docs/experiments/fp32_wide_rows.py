@@ -7,9 +7,11 @@ fp32 runs it in 8 slices of 4 x 2048. The unseeded 40-trial reference sweeps of 
 beat both, 1.08-1.15x on the H100 and the H200, and 7 of their 8 best configs at 1024 and 2048 x 16384 are one
 form: 4 slices of 2 x 4096 tiles (the bf16 tile's bytes), 16 warps, prefetch, dw/db per column, one program per
 SM. This times that form ("split 2-row"), the same slices with the bf16 rule's pipelined exchange ("split 2-row
-pipelined"), and today's runtime choice, on shapes the references did not time (512 and 4096 rows, narrower rows
+pipelined"), and the runtime's choice, on shapes the references did not time (512 and 4096 rows, narrower rows
 split in 3 slices of at most 4096 columns). The split is the fewest slices whose power-of-two tile is at most 4096
-columns wide ("fitted": the slices that pad the row least, where that differs).
+columns wide ("fitted": the slices that pad the row least, where that differs). Since 310f6e7 the runtime's
+choice from 512 rows is this form itself (`heuristics.wide_fp32_rows`); the committed data
+(docs/experiments/data/fp32_wide_rows_h200.jsonl) was taken on the tree before, whose choice is described above.
 
     python docs/experiments/fp32_wide_rows.py OUT_DIR --dtype fp32 [--cases rms_norm:512x16384,...]
 
@@ -23,7 +25,7 @@ import os
 import sys
 
 from normtune.kernels.config import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
-from normtune.kernels.heuristics import row_block_col
+from normtune.kernels.heuristics import WIDE_FP32_SLICE, row_block_col
 from normtune.kernels.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -34,9 +36,9 @@ CASES = ",".join(f"{norm}:{shape}" for norm in ("rms_norm", "layer_norm")
 
 
 def split_two_row(N: int, fitted: bool = False) -> BackwardConfig:
-    """The references' form: the fewest slices whose tile is at most 4096 columns, 2-row tiles; `fitted`: the
-    slices whose tiles pad the row least (10240 columns: 5 of 2048 rather than 3 of 4096)."""
-    fits = [s for s in ROW_SPLITS[1:] if row_block_col(N, s) <= 4096]
+    """The references' form: the fewest slices whose tile is at most WIDE_FP32_SLICE columns, 2-row tiles;
+    `fitted`: the slices whose tiles pad the row least (10240 columns: 5 of 2048 rather than 3 of 4096)."""
+    fits = [s for s in ROW_SPLITS[1:] if row_block_col(N, s) <= WIDE_FP32_SLICE]
     split = min(fits, key=lambda s: (s * row_block_col(N, s), s)) if fitted else fits[0]
     return BackwardConfig(
         Kernel1Config(block_row=2, block_col=row_block_col(N, split), num_warps=16, num_stages=1, programs_per_sm=1,
