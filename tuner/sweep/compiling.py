@@ -19,7 +19,7 @@ def compile_pool(workers: int, device_index: int) -> ProcessPoolExecutor | None:
     if workers <= 0:
         return None
     pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_compile_init,
-                               initargs=(device_index,))
+                               initargs=(device_index, os.getpid()))
     for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
         pool.submit(_warm_up)
     return pool
@@ -64,11 +64,13 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
             return "ok", None, None
 
 
-def _compile_init(device_index: int) -> None:
+def _compile_init(device_index: int, parent_pid: int) -> None:
     import torch
 
+    from .lifeline import die_with_parent
     from .measuring import ignore_stop_signals
 
+    die_with_parent(parent_pid)
     ignore_stop_signals()
     torch.cuda.set_device(device_index)
 

@@ -36,8 +36,11 @@ def options_from_dict(data: dict) -> SweepOptions:
                            "timing": Timing(**data["timing"])})
 
 
-def _worker_main(opts_dict: dict, url: str) -> None:
+def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
     os.setpgid(0, 0)
+    from .lifeline import die_with_parent
+
+    die_with_parent(parent_pid, signal.SIGTERM)  # a killed launcher: each worker finishes its trial and stops
     from ..device import detect
     from ..store import Store
     from .driver import Sweep
@@ -63,7 +66,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     ctx = mp.get_context("spawn")
     procs = []
     for worker in worker_options(opts, devices):
-        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url)))
+        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url, os.getpid())))
     received: list[int] = []
 
     def forward(signum, frame):

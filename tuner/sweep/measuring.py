@@ -10,6 +10,7 @@ import signal
 from normtune.kernels.config import BackwardConfig, Problem
 
 from ..measure import MeasureResult, Timing
+from .lifeline import die_with_parent
 
 
 def ignore_stop_signals() -> None:
@@ -19,10 +20,19 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _measure_loop(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
+def _measure_loop(conn, parent_pid: int, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
     """Body of the measuring process: owns the CUDA context and one `MeasureSession` (bandwidth, L2 flush, spin,
-    timing), which keeps one problem's inputs at a time."""
+    timing), which keeps one problem's inputs at a time. It dies with the sweep that started it, and a sweep gone
+    while it was busy (its pipe closed) ends it quietly: nothing is left to report to."""
+    die_with_parent(parent_pid)
     ignore_stop_signals()
+    try:
+        _serve(conn, device_index, interpret, l2_bytes, timing)
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        os._exit(0)
+
+
+def _serve(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
@@ -66,7 +76,7 @@ class MeasuringProcess:
         copy bandwidth: seconds) overlaps the sweep's own setup and the first compiles. `measure` waits."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_measure_loop, args=(child, *self._args), daemon=True)
+        self._proc = ctx.Process(target=_measure_loop, args=(child, os.getpid(), *self._args), daemon=True)
         self._proc.start()
         self._conn, self._ready = parent, False
 
@@ -86,7 +96,12 @@ class MeasuringProcess:
                 self.kill()
                 return MeasureResult(status="error", error="the measuring process died while starting",
                                      interpret=self._args[1])
-        self._conn.send(("measure", problem.to_dict(), config.to_json()))
+        try:
+            self._conn.send(("measure", problem.to_dict(), config.to_json()))
+        except (BrokenPipeError, ConnectionResetError):
+            self.kill()
+            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
+                                 interpret=self._args[1])
         if not self._conn.poll(timeout_s):
             self.kill()
             return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
