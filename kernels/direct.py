@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import forward_calls
 from .config import BackwardConfig
-from .functional import check_inputs, check_options, explicit_config_text, rows_2d
+from .functional import check_inputs, check_options, contiguous_operand, explicit_config_text, rows_2d
 from .ops import _backward_impl, _forward_impl
 
 
@@ -47,8 +47,10 @@ def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, "input")
     x2d = rows_2d(x)
-    y, rstd, mean = _forward_impl(x2d, weight, bias, float(eps), is_rms, zero_centered, False)
-    forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
+    w, b = contiguous_operand(weight), contiguous_operand(bias)
+    y, rstd, mean = _forward_impl(x2d, w, b, float(eps), is_rms, zero_centered, False)
+    if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
+        forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
     return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
 
 
@@ -69,8 +71,8 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         mean = rstd  # not read
     text = explicit_config_text(config, saved, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                 save="output" if from_output else "input")
-    dx, dw, db = _backward_impl(rows_2d(grad), rows_2d(saved), weight, bias, rstd, mean, is_rms, zero_centered,
-                                from_output, text)
+    dx, dw, db = _backward_impl(rows_2d(grad), rows_2d(saved), contiguous_operand(weight),
+                                contiguous_operand(bias), rstd, mean, is_rms, zero_centered, from_output, text)
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
 
 

@@ -2,14 +2,15 @@
 
 A forward call checks its inputs (`functional.check_inputs`, `check_options`), flattens x into rows and derives its
 launch (`forward.forward`). The second call on inputs with the same *signature* — x's shape, strides, dtype,
-device and 16-byte alignment, the same of weight and bias (and their types), and the flags — would repeat all
-of it and reach the same answers. So the first call stores a plan under that signature (`remember`), and later
-calls only look the signature up (`lookup`) and run the plan (`forward.run_plan`: allocate, launch).
+device and 16-byte alignment, the same of weight and bias (and their types and strides), and the flags — would
+repeat all of it and reach the same answers. So the first call stores a plan under that signature (`remember`), and
+later calls only look the signature up (`lookup`) and run the plan (`forward.run_plan`: allocate, launch).
 
 Why no check is skipped wrongly: only signatures whose call passed every check are stored, and every attribute the
 checks read is part of the signature. eps is a runtime argument, so a fast call checks it itself (a positive
 finite float; anything else takes the checked path). Inputs whose rows need a copy (a last dimension that is
-not contiguous, leading dims that cannot be flattened in place) get no plan.
+not contiguous, leading dims that cannot be flattened in place) get no plan, nor do calls whose weight or bias is
+not contiguous (the call copies it; a plan would launch on the strided tensor).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _operand(t) -> tuple:
     """The part of a signature that describes weight or bias."""
     if t is None:
         return _ABSENT
-    return type(t), t.shape, t.dtype, t.device, data_ptr(t) & 15
+    return type(t), t.shape, t.stride(), t.dtype, t.device, data_ptr(t) & 15
 
 
 def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple | None:

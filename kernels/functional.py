@@ -2,7 +2,9 @@
 
 Input rules (each violation raises TypeError/ValueError naming the argument and the fix):
 - x: float32, bfloat16 or float16, at least 1-D, last dimension 1..MAX_N.
-- weight/bias: shape (N,), dtype x's or float32, on x's device.
+- weight/bias: shape (N,), dtype x's or float32, on x's device. Any strides (a slice, a column of a matrix, an
+  expanded scalar): one that is not contiguous is copied once per call (N elements) and its gradient flows back
+  through that copy to the tensor passed.
 - Rows may be strided (a slice of a wider tensor) and are read in place. A last dimension that is not
   contiguous (stride != 1) is copied once, as is a tensor whose leading dims cannot be flattened into rows
   without a copy (the same rule as `Tensor.reshape`).
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from . import forward_calls
 from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
-from .ops import eager_norm, norm_forward
+from .ops import contiguous_operand, eager_norm, norm_forward
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -135,11 +137,13 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
     config_text = explicit_config_text(config, x, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                        save=save)
     x2d = rows_2d(x)
+    w, b = contiguous_operand(weight), contiguous_operand(bias)
     if compiling:
-        y, _, _ = norm_forward(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
+        y, _, _ = norm_forward(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", config_text)
     else:
-        y = eager_norm(x2d, weight, bias, float(eps), is_rms, zero_centered, save == "output", config_text)
-        forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+        y = eager_norm(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", config_text)
+        if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
+            forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, store_mean)
     return y if x.dim() == 2 else y.view(x.shape)
 
 

@@ -27,6 +27,12 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
+def contiguous_operand(t: Optional[Tensor]) -> Optional[Tensor]:
+    """weight or bias as the kernels read it, N contiguous elements: a strided or expanded one is copied (under
+    autograd the copy is differentiable, so its gradient reaches the tensor passed, with that tensor's layout)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def backward_problem(grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, is_rms: bool,
                      zero_centered: bool, save_output: bool) -> Problem:
     M, N = grad.shape
@@ -47,6 +53,7 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
                  zero_centered: bool, save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
     """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
     backward (JSON text, "" for automatic selection)."""
+    weight, bias = contiguous_operand(weight), contiguous_operand(bias)
     y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
     return y, rstd, mean if mean is not None else _empty(rstd)
 
@@ -71,7 +78,8 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
                   mean: Tensor, is_rms: bool, zero_centered: bool, save_output: bool,
                   config: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
-    dx, dw, db = _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config)
+    dx, dw, db = _backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
+                                zero_centered, save_output, config)
     return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
 
 

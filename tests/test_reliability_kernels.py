@@ -1,0 +1,188 @@
+"""Weights and biases in any layout, on every entry point: a strided, column or expanded weight/bias gives the
+same outputs and gradients as its contiguous copy (and its gradient reaches the tensor passed), through the
+autograd functions, the modules, the functions without autograd, the custom ops and the planned forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normtune.kernels import forward_calls, layer_norm, layer_norm_backward, layer_norm_forward, rms_norm
+from normtune.kernels import rms_norm_backward, rms_norm_forward
+from normtune.kernels.modules import LayerNorm, RMSNorm
+
+N = 40
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    forward_calls.clear()
+    yield
+    forward_calls.clear()
+
+
+LAYOUTS = ["step2", "step3", "column", "expanded"]
+
+
+def _leaf(kind: str, values: torch.Tensor) -> torch.Tensor:
+    """A tensor whose `_view_of(kind, ·)` holds `values` (N,): a wider vector sliced with step 2 or 3, a matrix
+    whose column 3 it is, or (kind "expanded", values[0] only) one element expanded to N with stride 0."""
+    n = values.shape[0]
+    if kind == "expanded":
+        return values[:1].clone()
+    base = torch.zeros({"step2": (2 * n,), "step3": (3 * n + 1,), "column": (n, 5)}[kind], dtype=values.dtype)
+    _view_of(kind, base).copy_(values)
+    return base
+
+
+def _operands(kind, dtype, has_bias, device):
+    """Leaves (weight, bias) that require grad, in `kind`'s layout (`_view_of` takes the operand from them)."""
+    w = _leaf(kind, (1.0 + 0.3 * torch.randn(N)).to(dtype))
+    b = _leaf(kind, (0.5 * torch.randn(N)).to(dtype)) if has_bias else None
+    return [t.to(device).requires_grad_() if t is not None else None for t in (w, b)]
+
+
+def _view_of(kind, leaf):
+    """The strided view of a leaf, built under autograd (the same layout as `_strided`)."""
+    if leaf is None:
+        return None
+    if kind == "step2":
+        return leaf[::2]
+    if kind == "step3":
+        return leaf[1::3]
+    if kind == "column":
+        return leaf[:, 3]
+    return leaf.expand(N)
+
+
+def _reference(is_rms, x, w, b, g, eps):
+    """float64 torch autograd on contiguous copies: y, dx, dw, db."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().contiguous().requires_grad_()
+    b64 = b.detach().double().contiguous().requires_grad_() if b is not None else None
+    if is_rms:
+        y = torch.nn.functional.rms_norm(x64, (N,), w64, eps)
+    else:
+        y = torch.nn.functional.layer_norm(x64, (N,), w64, b64, eps)
+    y.backward(g.double())
+    return y.detach(), x64.grad, w64.grad, b64.grad if b64 is not None else None
+
+
+def _leaf_grad_matches(kind, leaf, view_grad64, assert_close, tol, what):
+    """leaf.grad holds the view's gradient at the view's elements (summed for an expanded scalar), zeros
+    elsewhere."""
+    assert leaf.grad is not None, f"{what}: no gradient reached the tensor passed"
+    assert leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape
+    if kind == "expanded":
+        want = view_grad64.sum().reshape(1)
+        assert_close(leaf.grad, want, tol, what, floor=view_grad64.abs().sum().item())
+        return
+    want = torch.zeros(leaf.shape, dtype=torch.float64)
+    _view_of(kind, want).copy_(view_grad64)
+    assert_close(leaf.grad, want, tol, what, floor=view_grad64.norm().item())
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("norm,dtype,save", [("rms_norm", torch.bfloat16, "input"),
+                                             ("layer_norm", torch.bfloat16, "input"),
+                                             ("layer_norm", torch.float32, "output")])
+def test_strided_weight_and_bias_through_autograd(kind, norm, dtype, save, device, assert_close, tolerance):
+    is_rms = norm == "rms_norm"
+    eps = 1e-6 if is_rms else 1e-5
+    wleaf, bleaf = _operands(kind, dtype, not is_rms, device)
+    x = (torch.randn(8, N) + 0.5).to(device, dtype)
+    g = torch.randn(8, N).to(device, dtype)
+    w, b = _view_of(kind, wleaf), _view_of(kind, bleaf)
+    assert not w.is_contiguous()
+    y_ref, dx_ref, dw_ref, db_ref = _reference(is_rms, x, w, b, g, eps)
+    for attempt in range(2):  # the second call may take a planned forward: it must not read the view as contiguous
+        xs = x.detach().clone().requires_grad_()
+        wleaf.grad = None
+        if bleaf is not None:
+            bleaf.grad = None
+        w, b = _view_of(kind, wleaf), _view_of(kind, bleaf)
+        y = rms_norm(xs, w, eps, save=save) if is_rms else layer_norm(xs, w, b, eps, save=save)
+        y.backward(g)
+        tol = tolerance(dtype, save)
+        assert_close(y, y_ref, tol, f"y ({kind}, call {attempt})")
+        assert_close(xs.grad, dx_ref, tol, f"dx ({kind}, call {attempt})")
+        _leaf_grad_matches(kind, wleaf, dw_ref, assert_close, tol, f"dw ({kind}, call {attempt})")
+        if bleaf is not None:
+            _leaf_grad_matches(kind, bleaf, db_ref, assert_close, tol, f"db ({kind}, call {attempt})")
+
+
+def test_planned_forward_is_not_reused_for_a_strided_weight(device, assert_close, tolerance):
+    """A plan made for a contiguous weight, then the same call with a strided weight of the same shape, dtype
+    and alignment: the strided call must not run the contiguous call's plan."""
+    x = (torch.randn(6, N) + 0.5).to(device)
+    base = (1.0 + 0.3 * torch.randn(2 * N)).to(device)
+    contiguous = base[:N]
+    strided = base[::2]  # the same data pointer as `contiguous`
+    for _ in range(2):
+        rms_norm_forward(x, contiguous)
+    assert len(forward_calls._PLANS) == 1
+    for w in (strided, strided):
+        y, _ = rms_norm_forward(x, w)
+        y_ref = _reference(True, x, w, None, torch.ones_like(x), 1e-6)[0]
+        assert_close(y, y_ref, tolerance(torch.float32), "y with a strided weight after a planned call")
+        y2 = rms_norm(x, w)
+        assert_close(y2, y_ref, tolerance(torch.float32), "autograd y with a strided weight after a planned call")
+
+
+@pytest.mark.parametrize("kind", LAYOUTS)
+def test_strided_weight_and_bias_without_autograd(kind, device, assert_close, tolerance):
+    x = (torch.randn(5, N) + 0.5).to(device, torch.bfloat16)
+    g = torch.randn(5, N).to(device, torch.bfloat16)
+    w, b = (_view_of(kind, t.detach()) for t in _operands(kind, torch.float32, True, device))
+    y_ref, dx_ref, dw_ref, db_ref = _reference(False, x, w, b, g, 1e-5)
+    tol = tolerance(torch.bfloat16)
+    y, mean, rstd = layer_norm_forward(x, w, b)
+    assert_close(y, y_ref, tol, "layer_norm_forward y")
+    dx, dw, db = layer_norm_backward(g, x, w, b, mean, rstd)
+    assert dw.shape == db.shape == (N,) and dw.dtype == db.dtype == torch.float32
+    assert_close(dx, dx_ref, tol, "dx")
+    assert_close(dw, dw_ref, tol, "dw")
+    assert_close(db, db_ref, tol, "db")
+    dx, dw, db = layer_norm_backward(g, y, w, b, None, rstd, from_output=True)
+    assert_close(dx, dx_ref, tolerance(torch.bfloat16, "output"), "dx from y")
+    y, rstd = rms_norm_forward(x, w)
+    y_ref, dx_ref, dw_ref, _ = _reference(True, x, w, None, g, 1e-6)
+    assert_close(y, y_ref, tol, "rms_norm_forward y")
+    dx, dw = rms_norm_backward(g, x, w, rstd)
+    assert_close(dx, dx_ref, tol, "rms dx")
+    assert_close(dw, dw_ref, tol, "rms dw")
+
+
+@pytest.mark.parametrize("kind", ["step2", "expanded"])
+def test_strided_operands_through_the_custom_ops(kind, device, assert_close, tolerance):
+    x = (torch.randn(4, N) + 0.5).to(device)
+    g = torch.randn(4, N).to(device)
+    w, b = (_view_of(kind, t.detach()) for t in _operands(kind, torch.float32, True, device))
+    y_ref, dx_ref, dw_ref, db_ref = _reference(False, x, w, b, g, 1e-5)
+    y, rstd, mean = torch.ops.normtune.norm_forward(x, w, b, 1e-5, False, False, False, "")
+    assert_close(y, y_ref, tolerance(torch.float32), "custom op y")
+    dx, dw, db = torch.ops.normtune.norm_backward(g, x, w, b, rstd, mean, False, False, False, "")
+    assert_close(dx, dx_ref, tolerance(torch.float32), "custom op dx")
+    assert_close(dw, dw_ref, tolerance(torch.float32), "custom op dw")
+    assert_close(db, db_ref, tolerance(torch.float32), "custom op db")
+
+
+@pytest.mark.parametrize("module_cls", [LayerNorm, RMSNorm])
+def test_module_with_strided_parameters(module_cls, device, assert_close, tolerance):
+    module = module_cls(N, device=device)
+    is_rms = module_cls is RMSNorm
+    with torch.no_grad():
+        module.weight = torch.nn.Parameter((1.0 + 0.3 * torch.randn(N, 3)).to(device)[:, 1])
+        if not is_rms:
+            module.bias = torch.nn.Parameter((0.5 * torch.randn(2 * N)).to(device)[::2])
+    assert not module.weight.is_contiguous()
+    x = (torch.randn(3, 2, N) + 0.5).to(device).requires_grad_()
+    g = torch.randn(3, 2, N).to(device)
+    module(x).backward(g)
+    eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+    y_ref, dx_ref, dw_ref, db_ref = _reference(is_rms, x, module.weight, module.bias, g, eps)
+    tol = tolerance(torch.float32)
+    assert_close(x.grad, dx_ref, tol, "module dx")
+    assert_close(module.weight.grad, dw_ref, tol, "module dw")
+    if not is_rms:
+        assert_close(module.bias.grad, db_ref, tol, "module db")
