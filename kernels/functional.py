@@ -8,6 +8,11 @@ Input rules (each violation raises TypeError/ValueError naming the argument and 
 - Rows may be strided (a slice of a wider tensor) and are read in place. A last dimension that is not
   contiguous (stride != 1) is copied once, as is a tensor whose leading dims cannot be flattened into rows
   without a copy (the same rule as `Tensor.reshape`).
+
+Double backward (`torch.autograd.grad(..., create_graph=True)`, e.g. a gradient penalty): that backward runs a
+differentiable fp32 PyTorch composite of the same math (`composite.py`) instead of the kernels, so second-order
+gradients are exact. It needs save="input" (save="output" raises a RuntimeError saying so); under torch.compile,
+torch itself refuses double backward.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import backward as _backward
+from . import composite
 from . import forward as _forward
 from . import forward_calls
 from . import reference
@@ -138,14 +139,19 @@ def _setup_context(ctx, inputs, output):
     x, weight, bias, eps, is_rms, zero_centered, save_output, config = inputs
     y, rstd, mean = output
     ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
-    ctx.flags = (is_rms, zero_centered, save_output, config)
+    ctx.flags = (is_rms, zero_centered, save_output, config, eps)
     ctx.mark_non_differentiable(rstd, mean)
 
 
 def _autograd_backward(ctx, grad_y, _grad_rstd, _grad_mean):
     saved, weight, bias, rstd, mean = ctx.saved_tensors
-    is_rms, zero_centered, save_output, config = ctx.flags
-    dx, dw, db = norm_backward(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config)
+    is_rms, zero_centered, save_output, config, eps = ctx.flags
+    if composite.needs_graph(grad_y, saved, weight, bias):  # create_graph=True: a differentiable backward
+        dx, dw, db = composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
+                                        save_output=save_output)
+    else:
+        dx, dw, db = norm_backward(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
+                                   config)
     return (dx, dw if weight is not None else None, db if bias is not None else None,
             None, None, None, None, None)
 
@@ -167,13 +173,17 @@ class EagerNorm(torch.autograd.Function):
         else:
             y, rstd, mean = forward_calls.run(plan, x, weight, bias, eps)
         ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
-        ctx.flags = (is_rms, zero_centered, save_output, config)
+        ctx.flags = (is_rms, zero_centered, save_output, config, eps)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         saved, weight, bias, rstd, mean = ctx.saved_tensors
-        is_rms, zero_centered, save_output, config = ctx.flags
+        is_rms, zero_centered, save_output, config, eps = ctx.flags
+        if composite.needs_graph(grad_y, saved, weight, bias):  # create_graph=True: a differentiable backward
+            dx, dw, db = composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms,
+                                            zero_centered=zero_centered, save_output=save_output)
+            return dx, dw, db, None, None, None, None, None, None
         shape = grad_y.shape
         if len(shape) != 2:  # a planned forward took x with its leading dims: the kernels take rows
             grad_y, saved = grad_y.reshape(-1, shape[-1]), saved.reshape(-1, shape[-1])

@@ -186,3 +186,107 @@ def test_module_with_strided_parameters(module_cls, device, assert_close, tolera
     assert_close(module.weight.grad, dw_ref, tol, "module dw")
     if not is_rms:
         assert_close(module.bias.grad, db_ref, tol, "module db")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Double backward: create_graph=True gives a gradient with a graph, and second-order gradients match torch's.
+# ---------------------------------------------------------------------------------------------------------------
+def _penalty_grads(norm_fn, x, w, b, c):
+    """A gradient-penalty loss: ‖∂(Σ c·y)/∂x‖² + Σ c·y, differentiated to x, w, b. Returns (gx, grads)."""
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    y = norm_fn(*leaves)
+    loss = (c * y).sum()
+    gx, = torch.autograd.grad(loss, leaves[0], create_graph=True)
+    assert gx.requires_grad and gx.grad_fn is not None, "create_graph=True returned a gradient without a graph"
+    (gx.pow(2).sum() + loss).backward()
+    return gx.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+DOUBLE_CASES = [  # (norm, dtype, has_bias, zero_centered, planned: x 3-D so that a second call runs a plan)
+    ("rms_norm", torch.float32, False, False, False),
+    ("rms_norm", torch.float32, False, True, True),
+    ("layer_norm", torch.float32, True, False, True),
+    ("layer_norm", torch.bfloat16, True, True, False),
+]
+
+
+@pytest.mark.parametrize("norm,dtype,has_bias,zero_centered,planned", DOUBLE_CASES)
+def test_double_backward_matches_torch(norm, dtype, has_bias, zero_centered, planned, device, assert_close,
+                                       tolerance):
+    is_rms = norm == "rms_norm"
+    shape = (2, 3, N) if planned else (6, N)
+    x = (torch.randn(shape) + 0.5).to(device, dtype)
+    c = torch.randn(shape).to(device, dtype)
+    w = ((0.2 if zero_centered else 1.0) + 0.3 * torch.randn(N)).to(device)
+    b = (0.5 * torch.randn(N)).to(device) if has_bias else None
+    eps = 1e-5
+
+    def ours(x, w, b):
+        if is_rms:
+            return rms_norm(x, w, eps, zero_centered=zero_centered)
+        return layer_norm(x, w, b, eps, zero_centered=zero_centered)
+
+    def theirs(x, w, b):
+        w_eff = 1.0 + w if zero_centered else w
+        if is_rms:
+            return torch.nn.functional.rms_norm(x, (N,), w_eff, eps)
+        return torch.nn.functional.layer_norm(x, (N,), w_eff, b, eps)
+
+    ref_gx, ref = _penalty_grads(theirs, x.double(), w.double(), b.double() if b is not None else None, c.double())
+    for attempt in range(2 if planned else 1):
+        gx, got = _penalty_grads(ours, x, w, b, c)
+        tol = 2 * tolerance(dtype)
+        assert_close(gx, ref_gx, tol, f"first-order dx (call {attempt})")
+        for name, a, r in zip(("x.grad", "w.grad", "b.grad"), got, ref):
+            assert_close(a, r, tol, f"second-order {name} (call {attempt})", floor=r.norm().item() if r is not None
+                         else 0.0)
+
+
+def test_double_backward_through_module_and_third_order(device, assert_close):
+    module = RMSNorm(N, eps=1e-6, device=device)
+    with torch.no_grad():
+        module.weight.copy_(1.0 + 0.3 * torch.randn(N))
+    x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
+    c = torch.randn(4, N).to(device)
+    gx, = torch.autograd.grad((c * module(x)).sum(), x, create_graph=True)
+    ggx, = torch.autograd.grad(gx.pow(2).sum(), x, create_graph=True)
+    gggx, = torch.autograd.grad(ggx.sum(), x)
+    x64 = x.detach().double().requires_grad_()
+    w64 = module.weight.detach().double()
+    r1, = torch.autograd.grad((c.double() * torch.nn.functional.rms_norm(x64, (N,), w64, 1e-6)).sum(), x64,
+                              create_graph=True)
+    r2, = torch.autograd.grad(r1.pow(2).sum(), x64, create_graph=True)
+    r3, = torch.autograd.grad(r2.sum(), x64)
+    assert_close(ggx, r2, 1e-4, "second order")
+    assert_close(gggx, r3, 1e-3, "third order")
+
+
+def test_double_backward_through_the_custom_op(device, assert_close):
+    x = (torch.randn(5, N) + 0.5).to(device)
+    w = (1.0 + 0.3 * torch.randn(N)).to(device)
+    b = (0.5 * torch.randn(N)).to(device)
+    c = torch.randn(5, N).to(device)
+
+    def op(x, w, b):
+        return torch.ops.normtune.norm_forward(x, w, b, 1e-5, False, False, False, "")[0]
+
+    def ref(x, w, b):
+        return torch.nn.functional.layer_norm(x, (N,), w, b, 1e-5)
+
+    gx, got = _penalty_grads(op, x, w, b, c)
+    ref_gx, want = _penalty_grads(ref, x.double(), w.double(), b.double(), c.double())
+    for name, a, r in zip(("x.grad", "w.grad", "b.grad"), got, want):
+        assert_close(a, r, 1e-4, f"custom op second-order {name}")
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_double_backward_with_save_output_raises_clearly(norm, device):
+    x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
+    w = (1.0 + 0.3 * torch.randn(N)).to(device).requires_grad_()
+    y = rms_norm(x, w, save="output") if norm == "rms_norm" else layer_norm(x, w, None, save="output")
+    with pytest.raises(RuntimeError, match="double backward.*save='input'"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    # first order is unaffected
+    y = rms_norm(x, w, save="output") if norm == "rms_norm" else layer_norm(x, w, None, save="output")
+    gx, = torch.autograd.grad(y.pow(2).sum(), x)
+    assert torch.isfinite(gx).all()
