@@ -25,6 +25,7 @@ from normtune.commands.compare import compare
 from normtune.commands.emit import emit
 from normtune.commands.prune import prune
 from normtune.commands.report import report
+from normtune.commands.slim import slim
 from normtune.commands.sweep import status, sweep
 from normtune.commands.validate import validate
 from normtune.commands.where import where
@@ -34,7 +35,7 @@ from normtune.commands.where import where
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 
-for command in (bench, sweep, status, emit, validate, compare, report, where, prune):
+for command in (bench, sweep, status, emit, validate, compare, report, where, prune, slim):
     app.command()(command)
 
 

@@ -65,6 +65,8 @@ class Store(WorkerCoordination):
         self._problem_ids: dict[str, int] = {}
         self.upgraded_from: str | None = None  # `for_reading`: the older schema of the file read through a copy
         self._scratch: str | None = None  # `for_reading`: the folder of that copy
+        # A read-only open of a WAL file creates its -wal/-shm files; `close` removes those it created.
+        self._sidecars = store_schema.missing_sidecars(self.url) if read_only else []
         try:
             # Check before anything writes: a database that is not ours to change is left exactly as it was.
             self.schema_version = store_schema.check(self._engine, self.display_url, read_only=read_only)
@@ -139,6 +141,7 @@ class Store(WorkerCoordination):
 
     def close(self) -> None:
         self._engine.dispose()
+        store_schema.release_sidecars(self.url, self._sidecars)
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

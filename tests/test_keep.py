@@ -1,0 +1,121 @@
+"""`normtune slim` (tuner/keep.py): the shipped results.db keeps the runs its tables were fitted on and each GPU's
+latest validate and bench runs, drops the rest and Optuna's studies, and a table still re-emits from it byte for
+byte. Also: a read-only command leaves no -wal/-shm files beside a WAL database, and the committed file's size."""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+from pathlib import Path
+
+import pytest
+from test_report import GPU, LN, RMS, add_bench, add_sweep, add_validation, config, ok
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.tuner import emit, keep
+from normtune.tuner.store import Store
+
+REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
+SIZE_LIMIT = 30_000_000  # bytes: the most results.db may weigh in the repository (docs/results-db.md)
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """Runs 1 (sweep, fitted), 2 (sweep, not fitted), 3 (validate), 4 (bench bf16), 5 (sweep of another GPU),
+    6 (validate, later), 7 (bench fp16); run 2's measurements name an Optuna study."""
+    path = tmp_path_factory.mktemp("keep") / "results.db"
+    store = Store(f"sqlite:///{path}")
+    assert add_sweep(store) == 1
+    run = store.start_run(GPU, kind="sweep", command_line="normtune sweep (not fitted)")
+    store.add_measurement(run, LN, config(LN, 2, 8), ok(8.0), source="sweep", study_name="normtune:testgpu:ln",
+                          trial_number=0)
+    store.end_run(run)
+    add_validation(store)
+    add_bench(store)
+    other = store.start_run(dataclasses.replace(GPU, key="othergpu"), kind="sweep", command_line="other")
+    store.add_measurement(other, RMS, config(RMS, 1, 8), ok(5.0), source="sweep")
+    store.end_run(other)
+    add_validation(store)
+    bench = store.start_run(GPU, kind="bench", command_line="normtune bench --dtype fp16")
+    fp16 = dataclasses.replace(LN, dtype="fp16", weight_dtype="fp16")
+    store.add_measurement(bench, fp16, config(fp16, 1, 8), ok(12.0), source="bench-table")
+    store.add_peer_result(bench, fp16, "torch", status="ok", median_us=20.0, reps=20)
+    store.end_run(bench)
+    import optuna
+
+    optuna.create_study(storage=store.optuna_storage(), study_name="normtune:testgpu:ln")
+    table = emit.build_table(store, "testgpu", selection=emit.Selection(run_ids=(1,)))
+    store.close()
+    return path, table
+
+
+def test_plan_keeps_the_fitted_runs_and_the_latest_validate_and_benches(full):
+    path, table = full
+    with Store(f"sqlite:///{path}", read_only=True) as store:
+        kept = keep.plan(store, {"testgpu.json": table})
+    assert {r.id: r.reasons for r in kept} == {
+        1: ("fitted testgpu.json",), 6: ("latest testgpu validate",),
+        4: ("latest testgpu bf16 bench of its 2 shapes",), 7: ("latest testgpu fp16 bench of its 1 shapes",)}
+
+
+def test_slim_copy_reproduces_the_table_and_drops_the_rest(full, tmp_path):
+    path, table = full
+    out = tmp_path / "slim.db"
+    result = CliRunner().invoke(app, ["slim", "--db", f"sqlite:///{path}", "--out", str(out),
+                                      "--table", str(_write(tmp_path / "testgpu.json", table))])
+    assert result.exit_code == 0, result.output
+    assert "keep run    1 sweep" in result.output and f"wrote {out}: 4 runs" in result.output
+    with Store(f"sqlite:///{out}", read_only=True) as slim:
+        assert [r.id for r in slim.runs()] == [1, 4, 6, 7]
+        assert emit.dumps(emit.build_table(slim, "testgpu", selection=emit.Selection(run_ids=(1,)))) == \
+            emit.dumps(table)
+        assert len(slim.peer_results(run_id=4)) == 4 and not slim.measurements(run_id=2)
+        assert all(m.study_name is None for m in slim.measurements())
+    con = sqlite3.connect(f"file:{out}?mode=ro", uri=True)
+    try:
+        assert con.execute("SELECT count(*) FROM studies").fetchone() == (0,)
+        assert con.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+    finally:
+        con.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slim.db", "testgpu.json"]
+    # The source is only read, and an existing output is never overwritten.
+    again = CliRunner().invoke(app, ["slim", "--db", f"sqlite:///{path}", "--out", str(out),
+                                     "--table", str(tmp_path / "testgpu.json")])
+    assert again.exit_code == 1 and "already exists" in again.stderr
+
+
+def test_a_table_fitted_on_missing_runs_is_refused(full, tmp_path):
+    path, table = full
+    table = {**table, "provenance": {**table["provenance"], "runs": [1, 99]}}
+    with Store(f"sqlite:///{path}", read_only=True) as store, pytest.raises(ValueError, match="runs 99"):
+        keep.plan(store, {"t.json": table})
+
+
+def test_a_read_only_command_leaves_no_wal_files(full, tmp_path):
+    import shutil
+
+    path, _ = full
+    db = tmp_path / "results.db"
+    shutil.copy(path, db)
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    con.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
+    result = CliRunner().invoke(app, ["report", "--gpu", "testgpu", "--db", f"sqlite:///{db}",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "results.db"]
+
+
+def test_the_committed_results_db_is_within_its_size_limit():
+    """docs/results-db.md: the file keeps only what its policy names; `normtune slim` writes it."""
+    assert REPO_DB.is_file(), "results.db is missing from the repository root"
+    size = REPO_DB.stat().st_size
+    assert size <= SIZE_LIMIT, (f"results.db is {size / 1e6:.1f} MB, above {SIZE_LIMIT / 1e6:.0f} MB: rebuild it "
+                                "with `normtune slim --out slim.db` (docs/results-db.md) and commit that file")
+
+
+def _write(path: Path, table: dict) -> Path:
+    path.write_text(emit.dumps(table))
+    return path
