@@ -9,7 +9,8 @@ comparing host time with libraries that offer only such functions.
 
 The same kernels, launch configs and checks as `layer_norm` / `rms_norm` (functional.py), over the last
 dimension with any leading dims. mean and rstd are fp32, one per row. The backward may recover x̂ from the
-forward's output instead of its input (`from_output=True`: pass y where x goes; LayerNorm then needs no mean).
+forward's output instead of its input (`from_output=True`: pass y where x goes; LayerNorm then needs no mean),
+where the weight and bias allow it (`saving.py`'s rule; otherwise a ValueError says to pass x).
 dw/db come back as None where there is no weight/bias. Nothing here records an autograd graph.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import forward_calls
+from . import forward_calls, saving
 from .config import BackwardConfig
 from .functional import check_inputs, check_options, contiguous_operand, explicit_config_text, rows_2d
 from .ops import _backward_impl, _forward_impl
@@ -67,6 +68,8 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         _check_stats("rstd", rstd, M)
         if uses_mean:
             _check_stats("mean", mean, M)
+    if from_output and not saving.recovers(weight, bias, saved.dtype, zero_centered):
+        raise ValueError(saving.refusal("from_output=True"))
     if not uses_mean:
         mean = rstd  # not read
     text = explicit_config_text(config, saved, weight, bias, is_rms=is_rms, zero_centered=zero_centered,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import forward_calls
+from . import forward_calls, saving
 from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
 from .ops import contiguous_operand, eager_norm, norm_forward
 
@@ -128,8 +128,22 @@ def rows_2d(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def _output_recovers(x, weight, bias, zero_centered: bool) -> bool:
+    """`saving.recovers` for this call's weight and bias; True for inputs that break a rule of `check_inputs`
+    (which then names the rule)."""
+    if not (isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES and x.dim()):
+        return True
+    N = x.shape[-1]
+    if (weight is not None and not _fits(weight, x, N)) or (bias is not None and not _fits(bias, x, N)) or (
+            zero_centered and weight is None):
+        return True
+    return saving.recovers(weight, bias, x.dtype, zero_centered)
+
+
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
     compiling = torch.compiler.is_compiling()
+    if save == "output" and not compiling and not _output_recovers(x, weight, bias, zero_centered):
+        save = "input"  # y would not determine x̂ as precisely as x does (saving.py's rule): save x for this call
     store_mean = not is_rms and save == "input"
     sig = None
     if config is None and not compiling and (save == "input" or save == "output"):
@@ -159,7 +173,9 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 
     zero_centered: the weight is stored as w' with w = 1 + w' (Gemma-style).
     save: "input" saves x (with fp32 μ and r) for the backward; "output" saves y and recovers x̂ = (y − b)/w,
-    which saves an activation when the next layer keeps y anyway.
+    which saves an activation when the next layer keeps y anyway. Where y cannot determine x̂ as precisely as x
+    (some column with |w| below the dtype's smallest normal number or |b| > |w|; see `saving.py`), the call
+    saves x instead; under torch.compile, where the weights cannot be read while tracing, it raises instead.
     config: a `BackwardConfig` (or its dict/JSON) forcing the backward launch; None picks one for the GPU.
     """
     return _norm(x, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save, config=config)

@@ -19,6 +19,7 @@ from . import composite
 from . import forward as _forward
 from . import forward_calls
 from . import reference
+from . import saving
 from .config import BackwardConfig, Problem
 from .device import compute_capability, device_name, use_triton
 from .select import resolve_config
@@ -55,6 +56,8 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
     """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
     backward (JSON text, "" for automatic selection)."""
     weight, bias = contiguous_operand(weight), contiguous_operand(bias)
+    if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
+        raise RuntimeError(saving.refusal("save='output' under torch.compile (normtune::norm_forward)"))
     y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
     return y, rstd, mean if mean is not None else _empty(rstd)
 
@@ -79,6 +82,8 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
                   mean: Tensor, is_rms: bool, zero_centered: bool, save_output: bool,
                   config: str) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
+    if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
+        raise RuntimeError(saving.refusal("normtune::norm_backward from the output"))
     dx, dw, db = _backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
                                 zero_centered, save_output, config)
     return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)

@@ -290,3 +290,124 @@ def test_double_backward_with_save_output_raises_clearly(norm, device):
     y = rms_norm(x, w, save="output") if norm == "rms_norm" else layer_norm(x, w, None, save="output")
     gx, = torch.autograd.grad(y.pow(2).sum(), x)
     assert torch.isfinite(gx).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save="output" near zero weights: exact (the call saves x where y cannot determine x̂), never NaN, never silent.
+# ---------------------------------------------------------------------------------------------------------------
+SMALL_WEIGHTS = [0.0, 1e-9, 1e-3, 0.01]
+
+
+def _weights_with_small_columns(value, zero_centered, *, big_bias: bool):
+    """A weight of ~1 whose columns 3, 7 and 11 hold `value` (stored as w' = value − 1 when zero-centered), and a
+    bias of 0.1·randn with 10s in those columns (None unless big_bias)."""
+    w = 1.0 + 0.1 * torch.randn(N)
+    w[[3, 7, 11]] = value
+    b = None
+    if big_bias:
+        b = 0.1 * torch.randn(N)
+        b[[3, 7, 11]] = torch.tensor([10.0, -8.0, 12.0])
+    return (w - 1.0 if zero_centered else w), b
+
+
+def _saved_activation(y):
+    """The activation the autograd node of y saved (y or x)."""
+    return y.grad_fn.saved_tensors[0]
+
+
+@pytest.mark.parametrize("value", SMALL_WEIGHTS)
+@pytest.mark.parametrize("norm,dtype,param_dtype,zero_centered", [
+    ("layer_norm", torch.bfloat16, torch.float32, False),
+    ("layer_norm", torch.float16, torch.float16, True),
+    ("rms_norm", torch.float16, torch.float32, False),
+    ("rms_norm", torch.bfloat16, torch.bfloat16, True),
+])
+def test_save_output_near_zero_weights_matches_float64(value, norm, dtype, param_dtype, zero_centered, device,
+                                                       reference_norm, assert_close, tolerance):
+    is_rms = norm == "rms_norm"
+    w, b = _weights_with_small_columns(value, zero_centered, big_bias=not is_rms)
+    w = w.to(device, param_dtype)
+    b = b.to(device, param_dtype) if b is not None else None
+    x = (torch.randn(7, N) + 0.5).to(device, dtype)
+    g = torch.randn(7, N).to(device, dtype)
+    eps = 1e-5
+    ref = reference_norm(x, w, b, eps, g, is_rms=is_rms, zero_centered=zero_centered)
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    xs, ws, bs = leaves
+    if is_rms:
+        y = rms_norm(xs, ws, eps, zero_centered=zero_centered, save="output")
+    else:
+        y = layer_norm(xs, ws, bs, eps, zero_centered=zero_centered, save="output")
+    y.backward(g)
+    tol = tolerance(dtype, "output")
+    assert_close(y, ref["y"], tol, "y")
+    assert_close(xs.grad, ref["dx"], tol, "dx", floor=ref["scale"]["dx"])
+    assert_close(ws.grad, ref["dw"], tol, "dw", floor=ref["scale"]["dw"])
+    if bs is not None:
+        assert_close(bs.grad, ref["db"], tol, "db", floor=ref["scale"]["db"])
+    # per column too: the small-weight columns are where recovery from y went wrong
+    cols = [3, 7, 11]
+    assert_close(ws.grad[cols], ref["dw"][cols], tol, "dw of the small-weight columns",
+                 floor=ref["scale"]["dw"] / N ** 0.5)
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+def test_save_output_keeps_y_where_it_determines_the_input(norm, device):
+    """The rule only falls back where it must: ordinary weights still save y (the memory save="output" is for)."""
+    is_rms = norm == "rms_norm"
+    x = (torch.randn(4, N) + 0.5).to(device, torch.bfloat16).requires_grad_()
+    w, b = _weights_with_small_columns(1.0, False, big_bias=False)
+    w = w.to(device).requires_grad_()
+    b = None if is_rms else (0.5 * torch.randn(N)).clamp(-0.5, 0.5).to(device)
+
+    def call(weight):
+        return rms_norm(x, weight, save="output") if is_rms else layer_norm(x, weight, b, save="output")
+
+    y = call(w)
+    assert _saved_activation(y).data_ptr() == y.data_ptr()
+    small = w.detach().clone()
+    small[5] = 0.0
+    y = call(small.requires_grad_())
+    assert _saved_activation(y).data_ptr() == x.data_ptr()
+
+
+def test_save_output_check_is_cached_per_weight_version(device, monkeypatch):
+    """The weights are read once per data version (on a GPU, a read of the device), not on every call; an in-place
+    update (an optimizer step) is seen."""
+    from normtune.kernels import saving
+
+    saving.clear()
+    calls = []
+    real = saving.output_recovers_input
+    monkeypatch.setattr(saving, "output_recovers_input", lambda *a: calls.append(1) or real(*a))
+    x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
+    w = torch.nn.Parameter((1.0 + 0.1 * torch.randn(N)).to(device))
+    for _ in range(3):
+        y = rms_norm(x, w, save="output")
+        assert _saved_activation(y).data_ptr() == y.data_ptr()
+    assert len(calls) == 1
+    with torch.no_grad():
+        w[9] = 0.0  # an in-place update: a new version, checked again, and now y cannot stand in for x
+    for _ in range(2):
+        y = rms_norm(x, w, save="output")
+        assert _saved_activation(y).data_ptr() == x.data_ptr()
+    assert len(calls) == 2
+    w2 = torch.nn.Parameter((1.0 + 0.1 * torch.randn(N)).to(device))  # another tensor: checked on its own
+    rms_norm(x, w2, save="output")
+    assert len(calls) == 3
+
+
+def test_backward_from_output_refuses_weights_that_lose_the_input(device):
+    x = (torch.randn(4, N) + 0.5).to(device, torch.bfloat16)
+    g = torch.randn(4, N).to(device, torch.bfloat16)
+    w, b = _weights_with_small_columns(0.01, False, big_bias=True)
+    w, b = w.to(device), b.to(device)
+    y, mean, rstd = layer_norm_forward(x, w, b)
+    with pytest.raises(ValueError, match="from_output=True.*save the input"):
+        layer_norm_backward(g, y, w, b, None, rstd, from_output=True)
+    dx, dw, db = layer_norm_backward(g, x, w, b, mean, rstd)  # from x it is exact
+    assert torch.isfinite(dx).all() and torch.isfinite(dw).all()
+    with pytest.raises(RuntimeError, match="save='output' under torch.compile"):
+        torch.ops.normtune.norm_forward(x, w, b, 1e-5, False, False, True, "")
+    with pytest.raises(RuntimeError, match="norm_backward from the output"):
+        torch.ops.normtune.norm_backward(g, y, w, b, rstd, mean, False, False, True, "")
