@@ -37,8 +37,8 @@ def _leaf(kind: str, values: torch.Tensor) -> torch.Tensor:
 
 def _operands(kind, dtype, has_bias, device):
     """Leaves (weight, bias) that require grad, in `kind`'s layout (`_view_of` takes the operand from them)."""
-    w = _leaf(kind, (1.0 + 0.3 * torch.randn(N)).to(dtype))
-    b = _leaf(kind, (0.5 * torch.randn(N)).to(dtype)) if has_bias else None
+    w = _leaf(kind, (0.7 + 0.6 * torch.rand(N)).to(dtype))  # |b| <= |w|: save="output" keeps y (saving.py)
+    b = _leaf(kind, (0.5 * torch.rand(N) - 0.25).to(dtype)) if has_bias else None
     return [t.to(device).requires_grad_() if t is not None else None for t in (w, b)]
 
 
