@@ -3,6 +3,8 @@ state from the database alone)."""
 
 from __future__ import annotations
 
+import datetime as dt
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -69,6 +71,7 @@ def sweep(
     from normtune.tuner.store import Store
 
     console = Console(stderr=True)
+    started = time.monotonic()
     if save not in SAVE_MODES:
         run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
     problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
@@ -95,6 +98,10 @@ def sweep(
         console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
         with S.LiveView(console, store.url, targets):
             code = S.run_on_devices(opts, device_list, store.url)
+        with run_checked(read_only_store, store.url) as done:
+            since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=time.monotonic() - started)
+            for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):
+                console.print("sweep: " + line.strip(), markup=False)
         raise typer.Exit(code)
     sw = run_checked(S.Sweep, opts, store, info)
     with S.LiveView(console, store.url, targets) as view:
@@ -103,6 +110,7 @@ def sweep(
     store.close()
     console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
                   f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
+    console.print(f"sweep: where the time went: {S.costs_line(result.costs)}", markup=False)
     if summary:
         summary.write_text(S.summary_json(result))
     if result.stopped:
@@ -142,7 +150,7 @@ def status(
             console.print(f"no sweep studies named {prefix}… in {store.display_url}")
             return
         console.print(render_table(snap, f"sweep status — {store.display_url}"))
-        lines = worker_lines(snap)
+        lines = worker_lines(snap, costs=True)
         alive = sum(w.alive for w in snap.workers)
         console.print(f"workers: {alive} alive of {len(lines)}" + ("" if lines else " (none recorded heartbeats)"))
         for line in lines:

@@ -199,8 +199,25 @@ def split_kernel_times(total_us: float, kernel_1_us: float, kernel_2_us: float, 
 
 def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | None, bandwidth_gbps: float,
                    reference_grads=None, warmup: int = 3, min_reps: int = 20, max_reps: int = 200,
-                   budget_s: float = 1.0, check: bool = True, spin_cycles: int = SPIN_CYCLES) -> MeasureResult:
-    """Gate then time `config` on `case`. Never raises for a bad config: the status says what went wrong."""
+                   budget_s: float = 1.0, check: bool = True, spin_cycles: int = SPIN_CYCLES,
+                   phases: dict[str, float] | None = None) -> MeasureResult:
+    """Gate then time `config` on `case`. Never raises for a bad config: the status says what went wrong.
+    `phases`, when given, receives the seconds of the gate (first launch, which loads or compiles the kernels,
+    and the check) as "gate" and of the timed repetitions as "timing"."""
+    phases = {} if phases is None else phases
+    t_gate, timed_before = time.perf_counter(), phases.get("timing", 0.0)
+    try:
+        return _gate_then_time(case, config, flusher=flusher, bandwidth_gbps=bandwidth_gbps,
+                               reference_grads=reference_grads, warmup=warmup, min_reps=min_reps,
+                               max_reps=max_reps, budget_s=budget_s, check=check, spin_cycles=spin_cycles,
+                               phases=phases)
+    finally:
+        timed = phases.get("timing", 0.0) - timed_before
+        phases["gate"] = phases.get("gate", 0.0) + (time.perf_counter() - t_gate) - timed
+
+
+def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gbps, reference_grads, warmup,
+                    min_reps, max_reps, budget_s, check, spin_cycles, phases) -> MeasureResult:
     problem = case.problem
     device = case.grad.device
     interpret = device.type != "cuda"
@@ -230,6 +247,7 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
         if not passed:
             result.status, result.error = "incorrect", message
             return result
+    t_timing = time.perf_counter()
     try:
         steps = [launch.kernel_1, launch.kernel_2]
         # The whole backward, no event between the kernels: a PDL kernel_2 keeps its overlap with kernel_1.
@@ -242,6 +260,8 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
     except Exception as err:  # noqa: BLE001
         return MeasureResult(status="error", error=error_text(err) + "\n" + traceback.format_exc(limit=3),
                              interpret=interpret)
+    finally:
+        phases["timing"] = phases.get("timing", 0.0) + time.perf_counter() - t_timing
     result.median_us, result.p10_us, result.p90_us, result.reps = total.median, total.p10, total.p90, total.count
     result.kernel_1_us, result.kernel_2_us = split_kernel_times(total.median, k1.median, k2.median,
                                                                 pdl=bool(getattr(launch, "pdl", False)))
@@ -313,24 +333,31 @@ class MeasureSession:
         return floor_us(problem, self.bandwidth_gbps)
 
     def measure(self, case: Case, config: BackwardConfig, *, reference_grads=None, check: bool = True,
-                timing: Timing | None = None) -> MeasureResult:
+                timing: Timing | None = None, phases: dict[str, float] | None = None) -> MeasureResult:
         """Gate, then time `config` on `case` (see `measure_config`)."""
         t = timing or self.timing
         return measure_config(case, config, flusher=self.flusher, bandwidth_gbps=self.bandwidth_gbps,
                               reference_grads=reference_grads, warmup=t.warmup, min_reps=t.min_reps,
                               max_reps=t.max_reps, budget_s=t.budget_s, check=check,
-                              spin_cycles=self.spin_cycles or SPIN_CYCLES)
+                              spin_cycles=self.spin_cycles or SPIN_CYCLES, phases=phases)
 
-    def measure_problem(self, problem: Problem, config: BackwardConfig) -> MeasureResult:
+    def measure_problem(self, problem: Problem, config: BackwardConfig,
+                        phases: dict[str, float] | None = None) -> MeasureResult:
         """`measure` on `problem`'s inputs and float64 reference, made once and reused while the problem stays
-        the same (a sweep's trials, a head-to-head's rounds); the previous problem's tensors are freed first."""
+        the same (a sweep's trials, a head-to-head's rounds); the previous problem's tensors are freed first.
+        `phases` also receives the seconds spent making the inputs and reference, as "inputs"."""
+        phases = {} if phases is None else phases
         if self._case is None or self._case.problem != problem:
+            t = time.perf_counter()
             self._case = self._reference = None
             if self.on_gpu:
                 torch.cuda.empty_cache()
             self._case = self.case(problem)
             self._reference = self._case.reference()
-        return self.measure(self._case, config, reference_grads=self._reference)
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
+            phases["inputs"] = phases.get("inputs", 0.0) + time.perf_counter() - t
+        return self.measure(self._case, config, reference_grads=self._reference, phases=phases)
 
     @property
     def recorded_bandwidth_gbps(self) -> float | None:

@@ -7,24 +7,38 @@
   holds a slot: a new slot is taken by INSERT (the primary key makes it atomic on every backend), a slot of a
   dead run that was never measured is taken over by a compare-and-swap UPDATE. So however many workers share a
   study, it ends with exactly `--trials` measured trials, each measured once.
+- Costs: where a worker's wall clock went (start-up, measuring, sampler, database, compile wait, heartbeats),
+  saved with each heartbeat and at its end in `normtune_run_costs`, for `normtune status`. A table of its own,
+  created beside the others when missing: databases written before it simply show no costs.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, case, delete, func, select, text, update
+from sqlalchemy import DateTime, ForeignKey, Text, bindparam, case, delete, func, select, text, update
+from sqlalchemy.orm import Mapped, mapped_column
 
 from normtune.kernels.config import Problem
 
-from .store_models import (MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
+from .store_models import (Base, MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
                            TrialClaimModel, _now, _problem, _utc)
 
 # Grace of a run that recorded no heartbeat yet (the seconds between its start and its first beat).
 FIRST_BEAT_GRACE_S = 60.0
+
+
+class RunCostsModel(Base):
+    """Where a sweep worker's wall clock went, as JSON seconds per phase (`tuner.sweep.costs`)."""
+
+    __tablename__ = "normtune_run_costs"
+    run_id: Mapped[int] = mapped_column(ForeignKey("normtune_runs.id"), primary_key=True)
+    costs_json: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[dt.datetime] = mapped_column(DateTime)
 
 
 @dataclass(frozen=True)
@@ -67,6 +81,7 @@ class WorkerState:
     measured: int
     first_measured_at: dt.datetime | None
     last_measured_at: dt.datetime | None
+    costs: dict | None = None  # where its wall clock went, as last saved
 
     @property
     def trials_per_s(self) -> float | None:
@@ -98,10 +113,13 @@ class WorkerCoordination:
         with self.session_scope() as session:
             return {row[0] for row in session.execute(query, {"ids": list(trial_ids)})}
 
-    def beat(self, run_id: int, *, grace_s: float, device: int | None = None) -> None:
-        """Record that `run_id` is alive. A run declared dead meanwhile (its worker stalled past its grace period)
-        is running again: the slots taken over from it are lost to it, which the claims make harmless."""
+    def beat(self, run_id: int, *, grace_s: float, device: int | None = None, costs: dict | None = None) -> None:
+        """Record that `run_id` is alive (and its `costs` so far, in the same transaction). A run declared dead
+        meanwhile (its worker stalled past its grace period) is running again: the slots taken over from it are
+        lost to it, which the claims make harmless."""
         with self.session_scope() as session:
+            if costs is not None:
+                self._put_costs(session, run_id, costs)
             row = session.get(RunHeartbeatModel, run_id)
             if row is None:
                 session.add(RunHeartbeatModel(run_id=run_id, host=socket.gethostname(), pid=os.getpid(),
@@ -110,6 +128,20 @@ class WorkerCoordination:
                 row.beat_at = _now()
             session.execute(update(RunModel).where(RunModel.id == run_id, RunModel.status == "dead")
                             .values(status="running", ended_at=None))
+
+    def save_costs(self, run_id: int, costs: dict) -> None:
+        """Record where `run_id`'s wall clock went (replacing what it saved before)."""
+        with self.session_scope() as session:
+            self._put_costs(session, run_id, costs)
+
+    @staticmethod
+    def _put_costs(session, run_id: int, costs: dict) -> None:
+        row = session.get(RunCostsModel, run_id)
+        data = json.dumps(costs, sort_keys=True)
+        if row is None:
+            session.add(RunCostsModel(run_id=run_id, costs_json=data, updated_at=_now()))
+        else:
+            row.costs_json, row.updated_at = data, _now()
 
     def mark_dead_runs(self) -> list[int]:
         """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""
@@ -137,11 +169,14 @@ class WorkerCoordination:
                  .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
                  .outerjoin(counts, counts.c.run_id == RunModel.id).order_by(RunModel.id))
         now = _now()
+        has_costs = RunCostsModel.__tablename__ in self._table_names()
         with self.session_scope() as session:
+            costs = ({run_id: json.loads(data) for run_id, data in session.execute(
+                select(RunCostsModel.run_id, RunCostsModel.costs_json))} if has_costs else {})
             return [WorkerState(run.id, hb.host, hb.pid, hb.device, run.gpu_name, run.status,
                                 _alive(run.status, hb.beat_at, hb.grace_s, run.started_at, now),
                                 (now - hb.beat_at).total_seconds(), _utc(run.started_at), n or 0, _utc(first),
-                                _utc(last))
+                                _utc(last), costs.get(run.id))
                     for run, hb, n, first, last in session.execute(query)]
 
     # -------------------------------------------------------------------------------------------- claims

@@ -23,7 +23,7 @@ from normtune.tuner.device import detect
 from normtune.tuner.measure import MeasureResult
 from normtune.tuner.shapes import SEED
 from normtune.tuner.store import Store
-from normtune.tuner.sweep import driver
+from normtune.tuner.sweep import costs_line, driver
 from normtune.tuner.sweep.options import SweepOptions
 
 
@@ -62,6 +62,7 @@ def main() -> None:
     states = dict(sqlite3.connect(path).execute("SELECT state, COUNT(*) FROM trials GROUP BY state").fetchall())
     print(f"{len(problems)} problems x {trials} trials: {wall:.1f} s, {measured} measured, "
           f"{1000 * wall / max(1, measured):.0f} ms per measured trial; Optuna trials by state: {states}")
+    print(f"where the time went: {costs_line(summary.costs)}")
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ compile-ahead workers), `sampling` (sampler and seeds), `trials` (one problem's 
 loop of one worker), `launcher` (one worker per GPU), `progress` (live view and status, from the database).
 """
 
+from .costs import line as costs_line
 from .driver import Sweep
 from .launcher import run_on_devices
 from .measuring import MeasuringProcess
 from .options import SAMPLERS, ProblemSummary, SweepOptions, SweepSummary, study_name, summary_json
-from .progress import LiveView
+from .progress import LiveView, snapshot, worker_lines
 
-__all__ = ["SAMPLERS", "LiveView", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
+__all__ = ["SAMPLERS", "LiveView", "costs_line", "snapshot", "worker_lines", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
            "run_on_devices", "study_name", "summary_json"]

@@ -8,6 +8,10 @@ with exactly `trials` measurements, each measured once:
     claim a slot ─► create its trial (seed or sampler) ─► compile ahead in a CPU worker ─┐
     tell ◄── store the measurement (committed at once) ◄── gate + time in the measuring process ┘
 
+- The measuring process is kept busy: as soon as a result comes back the next trial is sent, and the worker
+  stores the result and proposes the trials after it (up to `lookahead`, across problems) while that one
+  measures (`_pipeline`). Where the wall clock went is kept per phase (`costs`) and stored with the run.
+
 - A measurement is committed to the store before the trial is told, so a SIGKILL loses nothing that was measured;
   a trial found measured but not told is told from the store by the next worker that looks (no re-measure).
 - Heartbeats: this worker's run and its trials beat every `heartbeat_interval`; a worker whose beats stop for
@@ -26,14 +30,16 @@ import signal
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
 from ..measure import MeasureResult
 from .compiling import _compile_one, compile_pool, wait_compiled
+from .costs import Costs
 from .measuring import MeasuringProcess
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
 from .trials import NewTrial, StudyBook
@@ -46,6 +52,21 @@ class _Pending:
     slot: int
     trial: NewTrial
     compiled: object  # Future | None
+    book: StudyBook
+    ps: ProblemSummary
+    compile_s: float | None = None
+    sent_at: float = 0.0
+
+
+@dataclass
+class _ProblemEnd:
+    """In the feed after a problem's trials of one round: summarize it once they are stored."""
+    book: StudyBook
+    ps: ProblemSummary
+
+
+_IDLE = object()  # in the feed: only slots held by other workers are left for now
+_ABANDONED = MeasureResult(status="abandoned")  # a trial a second signal abandoned before it was measured
 
 
 class Sweep:
@@ -68,7 +89,9 @@ class Sweep:
         self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
         self._lock = threading.Lock()
         self._books: dict[str, StudyBook] = {}
-        self._measurer: MeasuringProcess | None = None
+        self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
+        self._measurer = None
+        self.costs = Costs()
 
     # ------------------------------------------------------------------------------------------- signals
 
@@ -93,15 +116,19 @@ class Sweep:
     # ---------------------------------------------------------------------------------------- heartbeats
 
     def _heartbeat_loop(self, run_id: int, stop: threading.Event) -> None:
+        """Beats of this worker's run (with its costs so far, for `normtune status`) and of its trials."""
         while not stop.wait(self.opts.heartbeat_interval):
             with self._lock:
                 ids = list(self._running)
+            t = time.perf_counter()
             try:
                 for tid in ids:
                     self.storage.record_heartbeat(tid)
-                self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device())
+                self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device(),
+                                costs=self.costs.to_dict())
             except Exception as err:  # noqa: BLE001 - a missed heartbeat only risks a takeover
                 log.debug("heartbeat failed: %s", err)
+            self.costs.add("heartbeat", time.perf_counter() - t)
 
     def _device(self) -> int | None:
         return None if self.info.interpret else self.opts.device
@@ -109,12 +136,15 @@ class Sweep:
     # ------------------------------------------------------------------------------------------ main loop
 
     def run(self) -> SweepSummary:
-        opts, summary, t0 = self.opts, SweepSummary(), time.perf_counter()
+        opts, summary = self.opts, SweepSummary()
+        self.costs = Costs()
+        t0 = self.costs.t0
         old_handlers = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._measurer = MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes, opts.timing)
+        self._measurer = _asynchronous(MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes,
+                                                        opts.timing))
         self._measurer.start()
         pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
@@ -134,7 +164,11 @@ class Sweep:
                 pool.shutdown(wait=False, cancel_futures=True)
             summary.signal = self._signal
             summary.remaining = self._remaining()
-            self.store.end_run(run_id, status=status)
+            summary.costs = self.costs.to_dict()
+            try:
+                self.store.save_costs(run_id, summary.costs)
+            finally:
+                self.store.end_run(run_id, status=status)
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             summary.wall_s = time.perf_counter() - t0
@@ -144,126 +178,240 @@ class Sweep:
     def _rounds(self, run_id: int, pool, t0: float, summary: SweepSummary) -> None:
         """Every problem first gets a few trials (the default and its neighbours), then all are deepened to
         `trials`, so that a time-budgeted sweep covers every problem before it refines any. Each worker starts
-        at its own place in the problem list, so that workers spread over problems instead of sharing one."""
+        at its own place in the problem list, so that workers spread over problems instead of sharing one.
+
+        The trials come from `_feed` (claims, proposals, compile-ahead) and are measured by `_pipeline`, which
+        keeps the measuring process busy: while one trial measures, the previous one is stored and the next
+        ones are proposed."""
         problems = self.opts.problems
         start = self.opts.worker_index * len(problems) // max(1, self.opts.workers)
         order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
-        for target in sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials}):
-            busy = list(order)
-            while busy and not summary.stopped:
-                waiting = []
-                for problem in busy:
-                    summary.stopped = self._stopping(t0)
-                    if summary.stopped:
-                        break
-                    book = self._book(problem)
-                    ps = by_key.setdefault(problem.key, ProblemSummary(problem, book.name))
-                    if not self._sweep_problem(book, ps, target, run_id, pool, t0, summary):
-                        waiting.append(problem)
-                busy = waiting
-                if busy and not summary.stopped:
-                    self._wait_for_others(busy)
-            if summary.stopped:
-                break
+        targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
+        self._pipeline(self._feed(order, targets, run_id, pool, t0, by_key), run_id, t0, summary)
+        # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
+        short = [p for p in order if p.key in self._books and not self._exhausted.get(p.key)
+                 and self._measured(self._books[p.key]) < self._books[p.key].target(self.opts.trials)]
+        if short and not summary.stopped:
+            self._pipeline(self._feed(short, [self.opts.trials], run_id, pool, t0, by_key), run_id, t0, summary)
         summary.problems = [by_key[p.key] for p in problems if p.key in by_key]
         # Leave the studies clean for whoever looks next: trials of workers that died after storing their
         # measurement are told, and dead runs recorded.
-        self.store.mark_dead_runs()
-        for book in self._books.values():
-            book.repair(self.store)
+        with self.costs.timed("database"):
+            self.store.mark_dead_runs()
+            for book in self._books.values():
+                book.repair(self.store)
+
+    def _feed(self, order: list[Problem], targets: list[int], run_id: int, pool, t0: float,
+              by_key: dict[str, ProblemSummary]) -> Iterator:
+        """The trials to measure, in order: a `_Pending` per claimed slot (created, its compile submitted), a
+        `_ProblemEnd` after each problem's trials of a round, and `_IDLE` when only slots that other workers
+        hold are left (the pipeline waits, then asks again). Lazy: a problem's study is opened only when its
+        turn comes, so measuring starts before the rest are loaded."""
+        for target in targets:
+            busy = list(order)
+            while busy:
+                waiting = []
+                for problem in busy:
+                    if self._stopping(t0):
+                        return
+                    book = self._book(problem)
+                    ps = by_key.setdefault(problem.key, ProblemSummary(problem, book.name))
+                    goal = book.target(target)
+                    self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
+                    while not self._stopping(t0) and not self._exhausted.get(problem.key):
+                        with self.costs.timed("database"):
+                            claim = self.store.claim_slot(book.name, goal, run_id)
+                        if claim is None:
+                            break
+                        slot, dead_trial = claim
+                        if dead_trial is not None:
+                            with self.costs.timed("database"):
+                                book.fail_orphan(dead_trial)
+                        item = self._start_trial(book, ps, slot, run_id, pool)
+                        if item is None:
+                            self._exhausted[problem.key] = True
+                            break
+                        yield item
+                    yield _ProblemEnd(book, ps)
+                    if not self._exhausted.get(problem.key) and self._held_by_others(book, goal, run_id):
+                        waiting.append(problem)
+                busy = waiting
+                if busy:
+                    yield _IDLE
+                    with self.costs.timed("database"):
+                        self.store.mark_dead_runs()
+                        for problem in busy:
+                            self._book(problem).repair(self.store)
+
+    def _held_by_others(self, book: StudyBook, goal: int, run_id: int) -> bool:
+        """True when slots of the problem below `goal` are unmeasured and held by another live worker."""
+        with self.costs.timed("database"):
+            slots = self.store.slots(book.name)
+        if sum(s.measured for s in slots.values()) >= goal:
+            return False
+        return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
+
+    def _measured(self, book: StudyBook) -> int:
+        with self.costs.timed("database"):
+            return sum(s.measured for s in self.store.slots(book.name).values())
+
+    def _pipeline(self, feed: Iterator, run_id: int, t0: float, summary: SweepSummary) -> None:
+        """Measure what `feed` gives, one trial in the measuring process at a time: as soon as a result comes
+        back the next trial is sent, and the result is stored while that one measures; the trials after it are
+        proposed (up to `lookahead` ahead) in the same wait. A measurement is committed to the store before its
+        trial is told, so a SIGKILL loses nothing stored; a result collected but not stored yet when the worker
+        is killed was never committed: its slot is taken over and measured again."""
+        lookahead = max(2, self.opts.lookahead)
+        queue: deque = deque()
+        inflight: _Pending | None = None  # sent to the measuring process
+        collected: tuple | None = None  # (item, result): measured, not stored yet
+        idle = ended = False
+        try:
+            while True:
+                stopping = self._stopping(t0)
+                while not (stopping or ended or idle) and sum(isinstance(x, _Pending) for x in queue) < lookahead:
+                    if inflight is not None and self._measurer.ready():
+                        break
+                    nxt = next(feed, None)
+                    if nxt is None:
+                        ended = True
+                    elif nxt is _IDLE:
+                        idle = True
+                    else:
+                        queue.append(nxt)
+                self._summarize_ready(queue, inflight, collected)
+                if inflight is not None:
+                    collected, inflight = (inflight, self._collect(inflight, summary)), None
+                    stopping = self._stopping(t0)
+                nxt = None if stopping else next((x for x in queue if isinstance(x, _Pending)), None)
+                if nxt is not None:
+                    queue.remove(nxt)
+                    at_once = self._send(nxt, summary)
+                    if at_once is None:
+                        inflight = nxt
+                    else:  # nothing to measure: stored after the previous one
+                        if collected is not None:
+                            self._store(*collected, run_id, summary)
+                        collected = (nxt, at_once)
+                if collected is not None:  # stored while the trial just sent measures
+                    self._store(*collected, run_id, summary)
+                    collected = None
+                if stopping:
+                    summary.stopped = stopping
+                    if inflight is not None:  # the trial in flight is finished (a second signal abandons it)
+                        self._store(inflight, self._collect(inflight, summary), run_id, summary)
+                        inflight = None
+                    break
+                if inflight is None and not any(isinstance(x, _Pending) for x in queue):
+                    self._summarize_ready(queue, None, None)
+                    if ended:
+                        break
+                    if idle:  # only slots of other workers are left: look again shortly
+                        time.sleep(min(1.0, self.opts.heartbeat_interval / 2))
+                        idle = False
+        finally:
+            for item in [x for x in (inflight, collected and collected[0]) if x is not None]:
+                self._abandon(item, run_id)
+            for rest in [x for x in queue if isinstance(x, _Pending)]:
+                queue.remove(rest)
+                self._abandon(rest, run_id)
+            self._summarize_ready(queue, None, None)
+            feed.close()
+
+    def _summarize_ready(self, queue: deque, inflight, collected) -> None:
+        """Summarize the problems whose round ended (a marker in `queue`) once the trials before it are stored."""
+        unstored = {id(x.book) for x in (inflight, collected and collected[0]) if x is not None}
+        for x in list(queue):
+            if isinstance(x, _Pending):
+                unstored.add(id(x.book))
+            elif id(x.book) not in unstored:
+                queue.remove(x)
+                self._summarize(x)
 
     def _book(self, problem: Problem) -> StudyBook:
         if problem.key not in self._books:
-            book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
-                             claimed_slots=lambda name: max(self.store.slots(name), default=-1) + 1)
-            self.store.adopt_measured_trials(book.name)
-            book.repair(self.store)
+            with self.costs.timed("database"):
+                book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
+                                 claimed_slots=lambda name: max(self.store.slots(name), default=-1) + 1)
+                self.store.adopt_measured_trials(book.name)
+                book.repair(self.store)
             self._books[problem.key] = book
         return self._books[problem.key]
 
-    def _wait_for_others(self, problems: list[Problem]) -> None:
-        """Only slots held by other workers are left: look again shortly, taking over those of dead workers."""
-        time.sleep(min(1.0, self.opts.heartbeat_interval / 2))
-        self.store.mark_dead_runs()
-        for problem in problems:
-            self._book(problem).repair(self.store)
-
-    def _sweep_problem(self, book: StudyBook, ps: ProblemSummary, trials: int, run_id: int, pool, t0: float,
-                       summary: SweepSummary) -> bool:
-        """Measure trials of one problem while this worker can claim slots below `trials`. True when the problem
-        is done (every slot measured, or its space exhausted); False when other workers hold what is left."""
-        target, pending = book.target(trials), []
-        lookahead = max(1, self.opts.lookahead if pool is not None else 1)
-        self.emit("problem", {"problem": book.problem, "study": book.name, "target": target})
-        exhausted = False
-        while True:
-            while len(pending) < lookahead and not self._stopping(t0) and not exhausted:
-                claim = self.store.claim_slot(book.name, target, run_id)
-                if claim is None:
-                    break
-                slot, dead_trial = claim
-                if dead_trial is not None:
-                    book.fail_orphan(dead_trial)
-                item = self._start_trial(book, slot, run_id, pool)
-                if item is None:
-                    exhausted = True
-                    break
-                pending.append(item)
-            if not pending:
-                break
-            item = pending.pop(0)
-            self._measure(book, item, run_id, ps, summary)
-            summary.stopped = self._stopping(t0)
-            if summary.stopped:
-                for rest in pending:
-                    self._abandon(book, rest, run_id)
-                self._summarize(book, ps, sum(s.measured for s in self.store.slots(book.name).values()))
-                return True
-        done = sum(s.measured for s in self.store.slots(book.name).values())
-        self._summarize(book, ps, done)
-        return exhausted or done >= target
-
-    def _start_trial(self, book: StudyBook, slot: int, run_id: int, pool) -> _Pending | None:
-        trial = book.new_trial(slot)
+    def _start_trial(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> _Pending | None:
+        trial = book.new_trial(slot, self.costs)
         if trial is None:
-            self.store.release_slot(book.name, slot, run_id)
+            with self.costs.timed("database"):
+                self.store.release_slot(book.name, slot, run_id)
             return None
         with self._lock:
             self._running[trial.trial_id] = trial.number
-        self.store.bind_slot(book.name, slot, run_id, trial.number)
+        with self.costs.timed("database"):
+            self.store.bind_slot(book.name, slot, run_id, trial.number)
         future = (pool.submit(_compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
                   if pool is not None else None)
-        return _Pending(slot, trial, future)
+        return _Pending(slot, trial, future, book, ps)
 
-    def _abandon(self, book: StudyBook, item: _Pending, run_id: int) -> None:
+    def _abandon(self, item: _Pending, run_id: int) -> None:
         if item.compiled is not None:
             item.compiled.cancel()
-        book.abandon(item.trial)
-        self.store.release_slot(book.name, item.slot, run_id)
+        with self.costs.timed("database"):
+            item.book.abandon(item.trial)
+            self.store.release_slot(item.book.name, item.slot, run_id)
         with self._lock:
             self._running.pop(item.trial.trial_id, None)
 
-    def _measure(self, book: StudyBook, item: _Pending, run_id: int, ps: ProblemSummary,
-                 summary: SweepSummary) -> None:
-        result = self._compile_then_measure(book.problem, item, summary)
-        if result is None or self.stop_requested >= 2:  # a second signal abandoned it mid-measurement
-            self._abandon(book, item, run_id)
+    def _send(self, item: _Pending, summary: SweepSummary) -> MeasureResult | None:
+        """Wait for the trial's compile-ahead job, then hand it to the measuring process. A result at once when
+        there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
+        item.compile_s = None
+        if item.compiled is not None:
+            t_wait = time.perf_counter()
+            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, lambda: self.stop_requested >= 2)
+            waited = time.perf_counter() - t_wait
+            summary.compile_wait_s += waited
+            self.costs.add("compile_wait", waited)
+            if compiled is None:
+                return _ABANDONED
+            cstatus, item.compile_s, cerr = compiled
+            summary.compile_s += item.compile_s or 0.0
+            if cstatus in ("compile_error", "out_of_resources"):
+                return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
+                                     interpret=self.info.interpret)
+        self.costs.sent()
+        item.sent_at = time.perf_counter()
+        self._measurer.submit(item.book.problem, item.trial.config)
+        return None
+
+    def _collect(self, item: _Pending, summary: SweepSummary) -> MeasureResult:
+        result = self._measurer.collect(self.opts.trial_timeout_s)
+        summary.measure_s += time.perf_counter() - item.sent_at
+        self.costs.measured(self._measurer.phases)
+        if item.compile_s is not None:
+            result.compile_s = item.compile_s
+        return result
+
+    def _store(self, item: _Pending, result: MeasureResult, run_id: int, summary: SweepSummary) -> None:
+        """Commit a trial's measurement, then tell its trial; an abandoned one gives its slot back."""
+        book, trial, ps = item.book, item.trial, item.ps
+        if result is _ABANDONED or self.stop_requested >= 2:  # a second signal abandoned it mid-measurement
+            self._abandon(item, run_id)
             return
-        trial = item.trial
         # Commit the measurement first: a kill after this line loses nothing (the next worker tells the trial).
-        stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
-                                            study_name=book.name, trial_number=trial.number, slot=item.slot)
-        if stored is None:  # this worker stalled past its grace period and another one took the slot over
-            log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
-                        book.name, trial.number)
-            book.abandon(trial)
-            with self._lock:
-                self._running.pop(trial.trial_id, None)
-            return
-        book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
+        with self.costs.timed("database"):
+            stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
+                                                study_name=book.name, trial_number=trial.number, slot=item.slot)
+            if stored is None:  # this worker stalled past its grace period and another one took the slot over
+                log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
+                            book.name, trial.number)
+                book.abandon(trial)
+            else:
+                book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
         with self._lock:
             self._running.pop(trial.trial_id, None)
+        if stored is None:
+            return
         ps.measured_now += 1
         if result.status != "ok":
             ps.failures[result.status] = ps.failures.get(result.status, 0) + 1
@@ -274,35 +422,19 @@ class Sweep:
         self.emit("trial", {"problem": book.problem, "config": trial.config, "result": result,
                             "best_us": ps.best_us, "default_us": ps.default_us, "number": trial.number})
 
-    def _compile_then_measure(self, problem: Problem, item: _Pending, summary: SweepSummary) -> MeasureResult | None:
-        compile_s = None
-        if item.compiled is not None:
-            t_wait = time.perf_counter()
-            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, lambda: self.stop_requested >= 2)
-            summary.compile_wait_s += time.perf_counter() - t_wait
-            if compiled is None:
-                return None
-            cstatus, compile_s, cerr = compiled
-            summary.compile_s += compile_s or 0.0
-            if cstatus in ("compile_error", "out_of_resources"):
-                return MeasureResult(status=cstatus, error=cerr, compile_s=compile_s, interpret=self.info.interpret)
-        t = time.perf_counter()
-        result = self._measurer.measure(problem, item.trial.config, self.opts.trial_timeout_s)
-        summary.measure_s += time.perf_counter() - t
-        if compile_s is not None:
-            result.compile_s = compile_s
-        return result
-
     # --------------------------------------------------------------------------------------------- ending
 
-    def _summarize(self, book: StudyBook, ps: ProblemSummary, done: int) -> None:
-        ps.trials = done
-        best = self.store.best(book.problem, gpu_key=self.opts.gpu_key, interpret=self.info.interpret)
-        if best is not None:
-            ps.best_us, ps.best_config = best.median_us, best.config
-        default = self.store.measurements(study_name=book.name, config=book.default, status="ok")
-        if default:
-            ps.default_us = default[0].median_us
+    def _summarize(self, end: "_ProblemEnd") -> None:
+        """A problem's trials of this round are all stored: its summary from the database."""
+        book, ps = end.book, end.ps
+        with self.costs.timed("database"):
+            ps.trials = sum(s.measured for s in self.store.slots(book.name).values())
+            best = self.store.best(book.problem, gpu_key=self.opts.gpu_key, interpret=self.info.interpret)
+            if best is not None:
+                ps.best_us, ps.best_config = best.median_us, best.config
+            default = self.store.measurements(study_name=book.name, config=book.default, status="ok")
+            if default:
+                ps.default_us = default[0].median_us
         self.emit("problem_done", {"summary": ps})
 
     def _remaining(self) -> list[str]:
@@ -317,3 +449,27 @@ class Sweep:
             if left > 0:
                 out.append(f"{problem.key}: {left} trials")
         return out
+
+
+class _Synchronous:
+    """A measurer with only `measure` (a stand-in of tests and experiments) behind `submit`/`collect`."""
+
+    def __init__(self, inner):
+        self._inner, self._job, self.phases = inner, None, {}
+
+    def submit(self, problem, config) -> None:
+        self._job = (problem, config)
+
+    def ready(self) -> bool:
+        return True
+
+    def collect(self, timeout_s: float) -> MeasureResult:
+        problem, config = self._job
+        return self._inner.measure(problem, config, timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _asynchronous(measurer):
+    return measurer if hasattr(measurer, "submit") else _Synchronous(measurer)

@@ -6,6 +6,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import time
 
 from normtune.kernels.config import BackwardConfig, Problem
 
@@ -53,22 +54,30 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timi
         if msg[0] == "stop":
             return
         _, problem_dict, config_json = msg
+        phases: dict[str, float] = {}
         try:
-            result = session.measure_problem(P.from_dict(problem_dict), BC.from_json(config_json))
+            result = session.measure_problem(P.from_dict(problem_dict), BC.from_json(config_json), phases)
         except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
             result = MeasureResult(status=classify_exception(err), error=f"{type(err).__name__}: {err}",
                                    interpret=interpret)
-        conn.send(("result", result.to_dict()))
+        conn.send(("result", result.to_dict(), phases))
 
 
 class MeasuringProcess:
-    """The GPU side of the sweep, in its own process so that a hung kernel can be killed."""
+    """The GPU side of the sweep, in its own process so that a hung kernel can be killed.
+
+    `submit` hands it a trial and returns at once; `collect` waits for the result (`measure` does both). Between
+    the two the sweep stores the previous result and proposes the next trials while the GPU measures. `phases`
+    holds the measuring process's seconds per phase of the last result collected (see `costs`)."""
 
     def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: Timing):
         self._args = (device_index, interpret, l2_bytes, timing)
         self._proc = None
         self._conn = None
         self._ready = False
+        self._failed: MeasureResult | None = None  # what `collect` returns when `submit` could not send
+        self._sent_at = 0.0
+        self.phases: dict[str, float] = {}
         self.bandwidth_gbps = math.nan
 
     def start(self) -> None:
@@ -87,6 +96,12 @@ class MeasuringProcess:
         self._ready = True
 
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
+        self.submit(problem, config)
+        return self.collect(timeout_s)
+
+    def submit(self, problem: Problem, config: BackwardConfig) -> None:
+        """Send one trial to be gated and timed (starting the process first when it is not running)."""
+        self._failed, self.phases = None, {}
         if self._proc is None or not self._proc.is_alive():
             self.start()
         if not self._ready:
@@ -94,21 +109,32 @@ class MeasuringProcess:
                 self._await_ready()
             except EOFError:
                 self.kill()
-                return MeasureResult(status="error", error="the measuring process died while starting",
-                                     interpret=self._args[1])
+                self._failed = MeasureResult(status="error", error="the measuring process died while starting",
+                                             interpret=self._args[1])
+                return
         try:
             self._conn.send(("measure", problem.to_dict(), config.to_json()))
+            self._sent_at = time.monotonic()
         except (BrokenPipeError, ConnectionResetError):
             self.kill()
-            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
-                                 interpret=self._args[1])
-        if not self._conn.poll(timeout_s):
+            self._failed = MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
+                                         interpret=self._args[1])
+
+    def ready(self) -> bool:
+        """True when `collect` would return at once."""
+        return self._failed is not None or self._conn is None or self._conn.poll(0)
+
+    def collect(self, timeout_s: float) -> MeasureResult:
+        """The submitted trial's result; a trial with none within `timeout_s` is killed (status timeout)."""
+        if self._failed is not None:
+            return self._failed
+        if self._conn is None or not self._conn.poll(max(0.0, self._sent_at + timeout_s - time.monotonic())):
             self.kill()
             return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
                                  interpret=self._args[1])
         try:
-            _, data = self._conn.recv()
-        except EOFError:
+            _, data, self.phases = self._conn.recv()
+        except (EOFError, ConnectionResetError):
             self.kill()
             return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
                                  interpret=self._args[1])

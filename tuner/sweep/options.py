@@ -110,6 +110,7 @@ class SweepSummary:
     stopped: str | None = None  # "time budget", "interrupted", or None when everything finished
     signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped it
     remaining: list[str] = field(default_factory=list)  # "problem key: N trials" still to measure
+    costs: dict = field(default_factory=dict)  # where the wall clock went (`costs.Costs.to_dict`)
 
     @property
     def exit_code(self) -> int:
@@ -122,7 +123,7 @@ def summary_json(summary: SweepSummary) -> str:
     return json.dumps({
         "wall_s": summary.wall_s, "measure_s": summary.measure_s, "compile_s": summary.compile_s,
         "compile_wait_s": summary.compile_wait_s, "stopped": summary.stopped, "signal": summary.signal,
-        "remaining": summary.remaining,
+        "remaining": summary.remaining, "costs": summary.costs,
         "problems": [{"problem": ps.problem.key, "study": ps.study, "trials": ps.trials,
                       "measured_now": ps.measured_now, "failures": ps.failures, "best_us": ps.best_us,
                       "default_us": ps.default_us,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import Problem, default_config
 
+from .costs import line as costs_line
+
 # Seconds between two reads of the database by the live view (a few cheap queries; nothing per trial).
 POLL_S = 1.0
 
@@ -95,8 +97,9 @@ def render_table(snap: Snapshot, title: str):
     return t
 
 
-def worker_lines(snap: Snapshot, since=None) -> list[str]:
-    """One line per worker (alive first), `since` limiting it to runs started after a moment."""
+def worker_lines(snap: Snapshot, since=None, costs: bool = False) -> list[str]:
+    """One line per worker (alive first), `since` limiting it to runs started after a moment; with `costs`, a
+    second line per worker: where its wall clock went (as it last saved it)."""
     lines = []
     for w in sorted(snap.workers, key=lambda w: (not w.alive, w.run_id)):
         if since is not None and w.started_at < since:
@@ -106,6 +109,8 @@ def worker_lines(snap: Snapshot, since=None) -> list[str]:
         rate = f"{w.trials_per_s:.2f} trials/s" if w.trials_per_s else "– trials/s"
         beat = f", last heartbeat {w.beat_age_s:.0f} s ago" if w.status in ("running", "dead") else ""
         lines.append(f"run {w.run_id} ({where}, pid {w.pid}): {state}, {w.measured} measured, {rate}{beat}")
+        if costs and w.costs:
+            lines.append(f"  where its time went: {costs_line(w.costs)}")
     return lines
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from ..space import Space
+from .costs import Costs
+from .rows import create_running_trial, finish_trial
 from .options import METRIC_NAME, SEED_VERSION, SweepOptions, study_name
 from .sampling import Sampling
 
@@ -114,17 +116,20 @@ class StudyBook:
 
     # ------------------------------------------------------------------------------------------- trials
 
-    def new_trial(self, slot: int) -> NewTrial | None:
+    def new_trial(self, slot: int, costs: Costs | None = None) -> NewTrial | None:
         """A RUNNING trial for `slot`: its seed when it has one, else the sampler's next valid config. None when
-        the sampler gave nothing but invalid configs INVALID_STREAK_LIMIT times in a row."""
+        the sampler gave nothing but invalid configs INVALID_STREAK_LIMIT times in a row. `costs` gets the
+        seconds of the sampler and of the database writes."""
+        costs = costs or Costs()
         index = slot - self.seed_base
         if 0 <= index < len(self.seeds):
             template = self.sampling.seed_trial(self.seeds[index])
             if template is not None:
                 source = "seed" if self.opts.source == "sweep" else self.opts.source
-                return self._created(template, self.seeds[index], source)
+                with costs.timed("database"):
+                    return self._created(template, self.seeds[index], source)
         if self.sampling.proposes:
-            return self._proposed_trial()
+            return self._proposed_trial(costs)
         for _ in range(INVALID_STREAK_LIMIT):
             trial = self.study.ask()
             # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
@@ -139,51 +144,50 @@ class StudyBook:
             self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         return None
 
-    def _proposed_trial(self) -> NewTrial | None:
+    def _proposed_trial(self, costs: Costs) -> NewTrial | None:
         """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
         configs it rejects on the way are counted in `rejected` and never become trials."""
         optuna = self._optuna
         for _ in range(INVALID_STREAK_LIMIT):
-            values, record = self.sampling.propose(self.study)
-            config = self.space.config(values)
-            if self.space.why_not(config) is not None:
+            with costs.timed("sampler"):
+                values, record = self.sampling.propose(self.study)
+                config = self.space.config(values)
+                why = self.space.why_not(config)
+            if why is not None:
                 self.rejected += 1
                 continue
             template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
-            return self._created(template, self.space.canonical(config), self.opts.source)
+            with costs.timed("database"):
+                return self._created(template, self.space.canonical(config), self.opts.source)
         return None
 
     def _created(self, template, config: BackwardConfig, source: str) -> NewTrial:
         """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
         dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
         considers stale)."""
-        trial_id = self.storage.create_new_trial(self.study._study_id, template_trial=template)
-        self.storage.record_heartbeat(trial_id)
-        return NewTrial(trial_id, self.storage.get_trial_number_from_id(trial_id), config, source)
+        trial_id, number = create_running_trial(self.storage, self.study._study_id, template)
+        return NewTrial(trial_id, number, config, source)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
         grace period) keeps its measurement in the store, which is what counts."""
         TS = self._optuna.trial.TrialState
+        attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
         try:
-            self.storage.set_trial_user_attr(trial.trial_id, "status", status)
-            self.storage.set_trial_user_attr(trial.trial_id, "config", trial.config.to_json())
-            if error:
-                self.storage.set_trial_user_attr(trial.trial_id, "error", error[:1000])
             if value is None or not math.isfinite(value):
-                self.study.tell(trial.number, state=TS.FAIL)
+                finish_trial(self.storage, self.study, trial.trial_id, trial.number, TS.FAIL, None, attrs)
             else:
-                self.study.tell(trial.number, value)
+                finish_trial(self.storage, self.study, trial.trial_id, trial.number, TS.COMPLETE, value, attrs)
         except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
             log.warning("trial %s of %s was finished by another worker: %s", trial.number, self.name, err)
 
     def abandon(self, trial: NewTrial) -> None:
         """An unmeasured trial given up (interrupt, time budget): PRUNED, marked, never left RUNNING."""
         try:
-            self.storage.set_trial_user_attr(trial.trial_id, "status", "abandoned")
-            self.study.tell(trial.number, state=self._optuna.trial.TrialState.PRUNED)
+            finish_trial(self.storage, self.study, trial.trial_id, trial.number,
+                         self._optuna.trial.TrialState.PRUNED, None, {"status": "abandoned"})
         except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
             log.debug("abandoning trial %s: %s", trial.number, err)
 

@@ -1,0 +1,95 @@
+"""Where a sweep worker's wall clock goes, and the pipeline that keeps the measuring process busy.
+
+In-process sweeps with a stand-in measuring process (no kernels run): it answers after a fixed time, like a GPU
+that is busy while the worker does its own work, so the tests see whether the worker proposes the next trials
+and stores the last result while a trial measures, and what it records about its time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from sweep_support import check_studies
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.config import Problem
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner.device import DeviceInfo
+from normtune.tuner.measure import MeasureResult
+from normtune.tuner.store import Store
+from normtune.tuner.sweep import SweepOptions, costs_line, driver, study_name
+
+PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, "bf16")]
+INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
+                  sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
+                  triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
+MEASURE_S = 0.05
+
+
+class BusyMeasurer:
+    """A measuring process that takes MEASURE_S per trial after `submit`, reporting its phases; it records, at
+    each `collect`, how many trials the worker held (created, not yet stored) and whether the previous result
+    had been stored by then."""
+
+    log: list[dict] = []
+
+    def __init__(self, *args, **kwargs):
+        self.phases: dict = {}
+        self._due = None
+
+    def start(self):
+        pass
+
+    def submit(self, problem, config):
+        self._due = time.perf_counter() + MEASURE_S
+        BusyMeasurer.log.append({"event": "submit", "running": len(SWEEP[0]._running)})
+
+    def ready(self):
+        return time.perf_counter() >= self._due
+
+    def collect(self, timeout_s):
+        time.sleep(max(0.0, self._due - time.perf_counter()))
+        BusyMeasurer.log.append({"event": "collect", "running": len(SWEEP[0]._running)})
+        self.phases = {"inputs": 0.001, "gate": 0.01, "timing": MEASURE_S - 0.011}
+        return MeasureResult(status="ok", median_us=10.0 + len(BusyMeasurer.log) % 7, reps=2, interpret=True)
+
+    def interrupt(self):
+        pass
+
+    def close(self):
+        pass
+
+
+SWEEP: list = []
+
+
+def test_the_next_trials_are_proposed_while_one_measures_and_the_costs_are_stored(tmp_path, monkeypatch):
+    monkeypatch.setattr(driver, "MeasuringProcess", BusyMeasurer)
+    BusyMeasurer.log = []
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    trials = 6
+    opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS, trials=trials, sampler="tpe", interpret=True,
+                        compile_workers=0, heartbeat_interval=1, grace_period=5)
+    with Store(url) as store:
+        sweep = driver.Sweep(opts, store, INFO)
+        SWEEP[:] = [sweep]
+        summary = sweep.run()
+    check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], trials)
+    collects = [e["running"] for e in BusyMeasurer.log if e["event"] == "collect"]
+    assert len(collects) == trials * len(PROBLEMS)
+    # While a trial measured, the worker held more trials than that one: the next ones were proposed meanwhile.
+    assert sum(n > 1 for n in collects) >= len(collects) - 2, collects
+    costs = summary.costs
+    assert costs["trials"] == trials * len(PROBLEMS)
+    assert abs(costs["measuring_s"] - MEASURE_S * costs["trials"]) < 1e-6
+    assert costs["database_s"] > 0 and costs["sampler_s"] >= 0 and costs["startup_s"] > 0
+    assert abs(costs["gpu_idle_s"] - (costs["wall_s"] - costs["startup_s"] - costs["measuring_s"])) < 1e-6
+    with Store(url) as store:
+        (worker,) = store.workers()
+    assert worker.costs == costs  # stored with the run
+    out = CliRunner().invoke(app, ["status", "--db", url, "--prefix", "normtune:interpret:"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert f"where its time went: {costs_line(costs)}" in text
+    assert f"{costs['trials']} trials" in text and "sampler" in text and "database" in text

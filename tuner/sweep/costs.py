@@ -1,0 +1,84 @@
+"""Where a sweep worker's wall clock goes: seconds per phase, kept while it runs and stored with its run.
+
+The measuring process reports its own busy time per trial (the problem's inputs and reference, the correctness
+gate, which includes loading or compiling the kernels, and the timed repetitions); the worker times its own
+work: claiming slots and creating trials (database), the sampler's proposals, waiting on compile-ahead
+processes, storing measurements and telling trials (database), and the heartbeats (their own thread). The
+worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
+start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+# The measuring process's phases, then the worker's own (in the order the closing line shows them).
+MEASURING = ("inputs", "gate", "timing")
+WORKER = ("sampler", "database", "compile_wait", "heartbeat")
+LABELS = {"inputs": "inputs", "gate": "gate", "timing": "timing", "sampler": "sampler", "database": "database",
+          "compile_wait": "compile wait", "heartbeat": "heartbeat"}
+
+
+class Costs:
+    """Seconds per phase of one worker, safe to add to from the heartbeat thread."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.startup_s: float | None = None  # until the first trial went to the measuring process
+        self.first_result_s: float | None = None  # until its result came back
+        self.trials = 0
+        self.phases: dict[str, float] = {name: 0.0 for name in MEASURING + WORKER}
+        self._lock = threading.Lock()
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    @contextmanager
+    def timed(self, phase: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(phase, time.perf_counter() - t)
+
+    def sent(self) -> None:
+        """A trial went to the measuring process."""
+        if self.startup_s is None:
+            self.startup_s = time.perf_counter() - self.t0
+
+    def measured(self, phases: dict[str, float]) -> None:
+        """A result came back, with the measuring process's seconds per phase."""
+        if self.first_result_s is None:
+            self.first_result_s = time.perf_counter() - self.t0
+        self.trials += 1
+        for name in MEASURING:
+            self.add(name, float(phases.get(name, 0.0)))
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            wall = time.perf_counter() - self.t0
+            measuring = sum(self.phases[name] for name in MEASURING)
+            startup = self.startup_s if self.startup_s is not None else wall
+            return {"wall_s": wall, "startup_s": startup, "first_result_s": self.first_result_s,
+                    "trials": self.trials, "measuring_s": measuring,
+                    "gpu_idle_s": max(0.0, wall - startup - measuring), **{f"{k}_s": v for k, v in self.phases.items()}}
+
+
+def line(costs: dict) -> str:
+    """One line: the wall, the start-up, the measuring (and its share of the wall after start-up), what the worker
+    did meanwhile, and the time the measuring process sat idle after start-up."""
+    wall, startup = costs.get("wall_s") or 0.0, costs.get("startup_s") or 0.0
+    after = wall - startup
+    measuring = costs.get("measuring_s") or 0.0
+    share = f" ({100 * measuring / after:.0f}% of the wall after start-up)" if after > 0 else ""
+    first = costs.get("first_result_s")
+    parts = [f"{wall:.1f} s wall, {costs.get('trials', 0)} trials",
+             f"start-up {startup:.1f} s" + (f" (first result at {first:.1f} s)" if first is not None else ""),
+             f"measuring {measuring:.1f} s{share}: "
+             + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in MEASURING),
+             "worker: " + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in WORKER),
+             f"measuring process idle {costs.get('gpu_idle_s', 0.0):.1f} s after start-up"]
+    return "; ".join(parts)
