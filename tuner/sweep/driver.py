@@ -25,7 +25,6 @@ with exactly `trials` measurements, each measured once:
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -40,7 +39,7 @@ from ..device import DeviceInfo, command_line
 from ..measure import MeasureResult
 from .compiling import _compile_one, compile_pool, wait_compiled
 from .costs import Costs
-from .measuring import MeasuringProcess
+from .measuring import MeasuringProcess, asynchronous
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
 from .trials import NewTrial, StudyBook
 
@@ -143,7 +142,7 @@ class Sweep:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._measurer = _asynchronous(MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes,
+        self._measurer = asynchronous(MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes,
                                                         opts.timing))
         self._measurer.start()
         pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
@@ -190,8 +189,9 @@ class Sweep:
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
         self._pipeline(self._feed(order, targets, run_id, pool, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
-        short = [p for p in order if p.key in self._books and not self._exhausted.get(p.key)
-                 and self._measured(self._books[p.key]) < self._books[p.key].target(self.opts.trials)]
+        short = [p for p in order if p.key in self._books and not self._exhausted.get(p.key) and sum(
+            s.measured for s in self.store.slots(self._books[p.key].name).values()) < self._books[p.key].target(
+            self.opts.trials)]
         if short and not summary.stopped:
             self._pipeline(self._feed(short, [self.opts.trials], run_id, pool, t0, by_key), run_id, t0, summary)
         summary.problems = [by_key[p.key] for p in problems if p.key in by_key]
@@ -251,10 +251,6 @@ class Sweep:
         if sum(s.measured for s in slots.values()) >= goal:
             return False
         return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
-
-    def _measured(self, book: StudyBook) -> int:
-        with self.costs.timed("database"):
-            return sum(s.measured for s in self.store.slots(book.name).values())
 
     def _pipeline(self, feed: Iterator, run_id: int, t0: float, summary: SweepSummary) -> None:
         """Measure what `feed` gives, one trial in the measuring process at a time: as soon as a result comes
@@ -450,26 +446,3 @@ class Sweep:
                 out.append(f"{problem.key}: {left} trials")
         return out
 
-
-class _Synchronous:
-    """A measurer with only `measure` (a stand-in of tests and experiments) behind `submit`/`collect`."""
-
-    def __init__(self, inner):
-        self._inner, self._job, self.phases = inner, None, {}
-
-    def submit(self, problem, config) -> None:
-        self._job = (problem, config)
-
-    def ready(self) -> bool:
-        return True
-
-    def collect(self, timeout_s: float) -> MeasureResult:
-        problem, config = self._job
-        return self._inner.measure(problem, config, timeout_s)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-def _asynchronous(measurer):
-    return measurer if hasattr(measurer, "submit") else _Synchronous(measurer)

@@ -164,3 +164,28 @@ class MeasuringProcess:
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
+
+
+class _Synchronous:
+    """A measurer with only `measure` (a stand-in of tests and experiments) behind `submit`/`collect`."""
+
+    def __init__(self, inner):
+        self._inner, self._job, self.phases = inner, None, {}
+
+    def submit(self, problem, config) -> None:
+        self._job = (problem, config)
+
+    def ready(self) -> bool:
+        return True
+
+    def collect(self, timeout_s: float) -> MeasureResult:
+        problem, config = self._job
+        return self._inner.measure(problem, config, timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def asynchronous(measurer):
+    """`measurer` with `submit`/`collect` (a stand-in with only `measure` is wrapped)."""
+    return measurer if hasattr(measurer, "submit") else _Synchronous(measurer)
