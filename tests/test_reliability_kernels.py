@@ -411,3 +411,16 @@ def test_backward_from_output_refuses_weights_that_lose_the_input(device):
         torch.ops.normtune.norm_forward(x, w, b, 1e-5, False, False, True, "")
     with pytest.raises(RuntimeError, match="norm_backward from the output"):
         torch.ops.normtune.norm_backward(g, y, w, b, rstd, mean, False, False, True, "")
+
+
+def test_save_output_under_compile_refuses_weights_that_lose_the_input(device):
+    """torch.compile cannot read the weights while tracing: the call that y cannot serve raises, naming the fix."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: rms_norm(x, w, 1e-6, save="output"), fullgraph=True, backend="aot_eager")
+    x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
+    w = (1.0 + 0.1 * torch.randn(N)).to(device)
+    fn(x, w.requires_grad_()).sum().backward()  # ordinary weights: y stands in for x
+    small = w.detach().clone()
+    small[4] = 0.0
+    with pytest.raises(RuntimeError, match="save='output' under torch.compile.*save='input'"):
+        fn(x, small.requires_grad_()).sum().backward()
