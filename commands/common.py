@@ -3,6 +3,7 @@ and the error handling that turns a known error into one `error: …` line and e
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -154,7 +155,7 @@ def parse_shapes_option(spec: str | None, interpret: bool):
     from normtune.tuner.shapes import parse_shapes
 
     try:
-        return parse_shapes(spec or ("tiny" if interpret else "seed"))
+        return parse_shapes(("tiny" if interpret else "seed") if spec is None else spec)
     except ValueError as err:
         raise CLIError(f"--shapes: {err}") from None
 
@@ -216,6 +217,18 @@ def open_store(url: str):
     return run_checked(Store, url)
 
 
+def existing_store(url: str):
+    """The results database for a command that changes only what is there (`prune`): refused, untouched, unless
+    it already holds normtune results (a missing or empty file is not created)."""
+    from normtune.tuner.store import OlderSchemaError, Store
+
+    try:
+        Store(url, read_only=True).close()
+    except OlderSchemaError:
+        pass  # ours, of an older schema: opening it for writing upgrades it
+    return Store(url)
+
+
 def read_only_store(db: str):
     """The results database for a command that only reads it (`emit` without --remeasure, `report`, `status`):
     opened read-only, so that nothing is created, upgraded or switched to WAL. A SQLite file of an older schema
@@ -236,6 +249,26 @@ def write_text(path: Path, text: str, option: str = "--out") -> None:
         path.write_text(text)
     except OSError as err:
         raise CLIError(f"{option} {path}: cannot be written ({err.strerror or err})") from None
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """Before the work whose result goes to `path`: it can be written (its folder exists or can be made, it is not
+    a folder, a file can be opened there); what is at `path` is left as it is."""
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise NotADirectoryError(errno.ENOTDIR, f"{path.parent} is not a folder") from None
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise CLIError(f"{option} {path}: cannot be written ({err.strerror or err}); pass a writable file path") \
+            from None
 
 
 def check_out_folder(out: Path) -> None:

@@ -6,19 +6,20 @@ from typing import Annotated
 
 import typer
 
-from .common import DEFAULT_DB, Storage, open_store, run_checked
+from .common import DEFAULT_DB, Storage, existing_store, read_only_store, run_checked
 
 
 def prune(
     db: Storage = DEFAULT_DB,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be dropped; change nothing")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be dropped; write nothing (the "
+                                                            "database is opened read-only)")] = False,
 ):
     """Drop the Optuna studies of superseded search spaces (a sweep opens a new study once a problem's space
     grows) and their slot claims, keeping every normtune measurement: emission, validation and reports read those
     alone. Studies with a running trial or a held slot are kept. On SQLite the file then shrinks (VACUUM)."""
     from normtune.tuner.prune import prune as drop, superseded_studies
 
-    with open_store(db) as store:
+    with run_checked(read_only_store if dry_run else existing_store, db) as store:
         studies = run_checked(superseded_studies, store)
         trials = sum(s.trials for s in studies)
         verb = "would drop" if dry_run else "dropped"

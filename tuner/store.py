@@ -103,9 +103,12 @@ class Store(WorkerCoordination):
         """SQLite: give the pages of deleted rows back to the file system (no-op elsewhere)."""
         if store_schema.sqlite_path(self.url) is None:
             return
-        with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
-            conn.exec_driver_sql("VACUUM")
+        try:
+            with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.exec_driver_sql("VACUUM")
+        except SQLAlchemyError as err:
+            raise StoreError(f"--db {self.display_url}: VACUUM failed: {short_reason(err)}" + _advice(err)) from None
 
     def optuna_storage(self, **rdb_options: Any):
         """Optuna's `RDBStorage` on this database (same file or server, same busy timeout), for the studies;

@@ -2,10 +2,14 @@
 creation and upgrade, and the one-line errors all of that may end in.
 
 Rules, whatever the backend:
-- A database that holds tables of somebody else and no normtune schema is refused and never touched.
+- A database that holds tables of somebody else and no normtune schema is refused and never touched; so is one
+  with a table of an Optuna table's name but not Optuna's columns (it is not Optuna's, whoever wrote it).
+- An in-memory SQLite database is refused: every connection would see another, empty one, and the results would
+  be lost when the command ends.
 - A database of a schema version this normtune cannot read is refused with both versions and never touched.
 - Read-only opens never write: SQLite is opened as a `mode=ro` URI (no WAL switch, no table, a missing file is
-  an error), PostgreSQL sessions are read-only transactions.
+  an error; a WAL file whose `-shm` index cannot be created, in a folder this user may not write, is opened
+  `immutable=1` when its write-ahead log is empty), PostgreSQL sessions are read-only transactions.
 - Several processes may open a fresh database at once: creation steps that race (SQLite's journal-mode switch,
   `CREATE TABLE` checks, Optuna's version rows) are retried until the other opener is done.
 """
@@ -34,11 +38,19 @@ OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
 # How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
 # Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
 BUSY_TIMEOUT_S = 60.0
+# Columns each of Optuna's tables has had in every Optuna release with an RDB storage: a table of one of these
+# names without them is somebody else's (a user's `studies(x text)`), and the database is not ours to change.
+OPTUNA_COLUMNS = {
+    "studies": {"study_id", "study_name"}, "study_directions": {"study_id", "direction"},
+    "study_user_attributes": {"study_id", "key", "value_json"},
+    "study_system_attributes": {"study_id", "key", "value_json"},
+    "trials": {"trial_id", "number", "study_id", "state"}, "trial_params": {"trial_id", "param_name", "param_value"},
+    "trial_values": {"trial_id", "value"}, "trial_intermediate_values": {"trial_id", "step"},
+    "trial_user_attributes": {"trial_id", "key", "value_json"},
+    "trial_system_attributes": {"trial_id", "key", "value_json"}, "trial_heartbeats": {"trial_id", "heartbeat"},
+    "version_info": {"schema_version", "library_version"}, "alembic_version": {"version_num"}}
 # Tables Optuna's RDB storage creates: they may share a database with ours (they are not "foreign").
-OPTUNA_TABLES = frozenset({
-    "studies", "study_directions", "study_user_attributes", "study_system_attributes", "trials", "trial_params",
-    "trial_values", "trial_intermediate_values", "trial_user_attributes", "trial_system_attributes",
-    "trial_heartbeats", "version_info", "alembic_version"})
+OPTUNA_TABLES = frozenset(OPTUNA_COLUMNS)
 DRIVER_HINTS = {"postgresql": "pip install 'normtune[postgres]' (psycopg2)", "mysql": "pip install mysqlclient",
                 "mssql": "pip install pyodbc"}
 _TRANSIENT = ("locked", "busy", "already exists", "duplicate key", "unique constraint")
@@ -85,7 +97,7 @@ def snapshot(path: str, folder: str) -> str:
     """A copy of the SQLite file `path` in `folder` through SQLite's backup (what its write-ahead log holds
     included), opened read-only: the file is left as it is. Returns the copy's path."""
     copy = os.path.join(folder, os.path.basename(path))
-    source = sqlite3.connect(f"file:{os.path.abspath(path)}?mode=ro", uri=True)
+    source = sqlite3.connect(f"file:{os.path.abspath(path)}?{read_only_mode(path, path)}", uri=True)
     target = sqlite3.connect(copy)
     try:
         source.backup(target)
@@ -118,6 +130,30 @@ def release_sidecars(url: str, created: list[str]) -> None:
         pass
 
 
+def read_only_mode(path: str, shown: str) -> str:
+    """The URI parameters that open the SQLite file `path` without writing: `mode=ro`, or `mode=ro&immutable=1`
+    when a read-only open fails because SQLite cannot create the `-shm` index a WAL database needs (a folder or
+    file this user may not write) and the write-ahead log holds nothing (so that skipping it loses nothing)."""
+    uri = f"file:{os.path.abspath(path)}"
+    try:
+        con = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+        try:
+            con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return "mode=ro"
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as err:
+        reason = str(err).lower()
+        if "readonly" not in reason and "read-only" not in reason and "unable to open" not in reason:
+            return "mode=ro"  # damaged or not a database: the schema check says so in one line
+        wal = f"{path}-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            raise StoreError(f"--db {shown}: a WAL database that cannot be read without write access here, and "
+                             f"its write-ahead log {wal} holds commits not yet in the file; open it once where it "
+                             "is writable (any normtune command checkpoints it), or pass a copy") from None
+        return "mode=ro&immutable=1"
+
+
 def create(url: str, *, read_only: bool) -> Engine:
     """The engine of `url` (normalized), with our connection settings; StoreError for an unusable URL."""
     shown = display_url(url)
@@ -131,11 +167,15 @@ def create(url: str, *, read_only: bool) -> Engine:
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if backend == "sqlite":
         kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
-        if read_only and path is not None:
+        if path is None:
+            raise StoreError(f"--db {url}: names no database file (SQLite in memory would keep "
+                             "nothing, and each connection would see another, empty database); pass a file path, "
+                             "e.g. --db results.db")
+        if read_only:
             if not os.path.isfile(path):
                 raise StoreError(f"--db {shown}: no such database file; pass the path of an existing results "
                                  "database (e.g. --db results.db)")
-            url = f"sqlite:///file:{os.path.abspath(path)}?mode=ro&uri=true"
+            url = f"sqlite:///file:{os.path.abspath(path)}?{read_only_mode(path, shown)}&uri=true"
     elif read_only and backend == "postgresql":
         kwargs["connect_args"] = {"options": "-c default_transaction_read_only=on"}
     try:
@@ -186,11 +226,18 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
             missing = [f"{table.name}.{column}" for table in Base.metadata.sorted_tables if table.name in tables
                        for column in sorted(set(table.c.keys()) - {c["name"] for c in
                                                                    inspector.get_columns(table.name)})]
+            impostors = sorted(name for name in tables & OPTUNA_TABLES
+                               if not OPTUNA_COLUMNS[name] <= {c["name"] for c in inspector.get_columns(name)})
     except SQLAlchemyError as err:
         raise StoreError(f"--db {shown}: cannot read it ({short_reason(err)}); pass a normtune results database, "
                          "or restore this one from a copy if it is damaged") from None
     ours = {t.name for t in Base.metadata.sorted_tables}
     foreign = sorted(tables - ours - OPTUNA_TABLES)
+    if impostors:
+        listed = ", ".join(impostors[:5]) + (", …" if len(impostors) > 5 else "")
+        raise StoreError(f"--db {shown}: its table(s) {listed} have Optuna's names but not Optuna's columns, so "
+                         "neither normtune nor Optuna wrote it; it was left untouched. Pass a new file or a database "
+                         "that normtune created.")
     if found is None and MetaModel.__tablename__ not in tables and foreign:
         listed = ", ".join(foreign[:5]) + (", …" if len(foreign) > 5 else "")
         raise StoreError(f"--db {shown}: holds other tables ({listed}) and no normtune results; it was left "
