@@ -12,7 +12,8 @@ import typer
 
 from .common import (
     DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Storage, Tokens, WeightDtype,
-    compile_processes, device_info, problems_option, read_only_store, refuse, run_checked, use_interpreter,
+    check_writable_file, compile_processes, device_info, positive_seconds, problems_option, read_only_store, refuse,
+    run_checked, use_interpreter, write_text,
 )
 
 
@@ -80,6 +81,10 @@ def sweep(
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
     compile_workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
+    if time_budget is not None:
+        run_checked(positive_seconds, time_budget, "--time-budget")
+    if summary is not None:
+        run_checked(check_writable_file, summary, "--summary")
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = run_checked(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
@@ -112,7 +117,7 @@ def sweep(
                   f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
     console.print(f"sweep: where the time went: {S.costs_line(result.costs)}", markup=False)
     if summary:
-        summary.write_text(S.summary_json(result))
+        run_checked(write_text, summary, S.summary_json(result), "--summary")
     if result.stopped:
         console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
                       "Re-run the same command to continue.[/]")

@@ -280,7 +280,7 @@ class WorkerCoordination:
         measured = (select(MeasurementModel.study_name, func.count(MeasurementModel.id),
                            func.sum(case((ok, 0), else_=1)), func.min(case((ok, MeasurementModel.median_us))),
                            func.min(MeasurementModel.problem_id))
-                    .where(MeasurementModel.study_name.like(f"{prefix}%")).group_by(MeasurementModel.study_name))
+                    .where(MeasurementModel.study_name.startswith(prefix, autoescape=True)).group_by(MeasurementModel.study_name))
         out: dict[str, dict] = {}
         with self.session_scope() as session:
             problems = {row.id: _problem(row) for row in session.scalars(select(ProblemModel))}
@@ -293,7 +293,7 @@ class WorkerCoordination:
         running: dict[str, int] = {}
         if "normtune_trial_claims" in self._table_names():
             names = {r[0] for r in self._select(select(TrialClaimModel.study_name).distinct()
-                                                .where(TrialClaimModel.study_name.like(f"{prefix}%")))}
+                                                .where(TrialClaimModel.study_name.startswith(prefix, autoescape=True)))}
             for name in names:
                 running[name] = sum(not s.measured and s.alive for s in self.slots(name).values())
         return [StudyProgress(name, out.get(name, {}).get("problem"), out.get(name, {}).get("finished", 0),

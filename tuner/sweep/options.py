@@ -76,8 +76,9 @@ class SweepOptions:
             raise ValueError(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
         if self.trials < 1:
             raise ValueError(f"--trials {self.trials}: need at least 1 trial per problem")
-        if self.time_budget_s is not None and self.time_budget_s <= 0:
-            raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds")
+        if self.time_budget_s is not None and not 0 < self.time_budget_s < float("inf"):  # NaN too
+            raise ValueError(f"--time-budget {self.time_budget_s}: give a positive number of seconds (or leave it "
+                             "out for no budget)")
         for option, value in (("--trial-timeout", self.trial_timeout_s), ("--heartbeat-interval",
                                                                          self.heartbeat_interval),
                               ("--grace-period", self.grace_period)):

@@ -1,0 +1,72 @@
+"""Input a command used to accept silently, or to fail on only after its work: each is now one `error:` line and
+exit code 1 before anything is measured or stored."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.tuner.store import Store
+from test_store import H100, RMS, ok
+
+from normtune.kernels.heuristics import default_config
+
+
+def _one_error(result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+def _sweep(tmp_path, *more: str):
+    db = tmp_path / "results.db"
+    result = CliRunner().invoke(app, ["sweep", "--interpret", "--shapes", "8x64", "--trials", "1",
+                                      "--db", f"sqlite:///{db}", *more])
+    return result, db
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-5", "0"])
+def test_sweep_refuses_a_time_budget_that_is_not_a_positive_number(tmp_path, budget):
+    """NaN compared false with every bound, so `--time-budget nan` turned the budget off."""
+    result, db = _sweep(tmp_path, "--time-budget", budget)
+    assert _one_error(result).startswith("error: --time-budget ")
+    assert not db.exists()
+
+
+@pytest.mark.parametrize("command", ["sweep", "bench"])
+@pytest.mark.parametrize("shapes", ["", "  "])
+def test_empty_shapes_are_refused_not_taken_for_the_default_preset(tmp_path, command, shapes):
+    args = [command, "--interpret", "--shapes", shapes, "--db", f"sqlite:///{tmp_path / 'results.db'}"]
+    if command == "bench":
+        args += ["--out", str(tmp_path / "bench")]
+    assert _one_error(CliRunner().invoke(app, args)).startswith("error: --shapes: no shapes given")
+    assert not (tmp_path / "results.db").exists()
+
+
+@pytest.mark.parametrize("target", ["folder", "under-a-file"])
+def test_an_unwritable_summary_is_refused_before_measuring(tmp_path, target):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    summary = tmp_path if target == "folder" else blocker / "summary.json"
+    result, db = _sweep(tmp_path, "--summary", str(summary))
+    assert _one_error(result).startswith(f"error: --summary {summary}: cannot be written")
+    assert not db.exists()  # refused before the database was opened, let alone a trial measured
+    assert blocker.read_text() == ""
+
+
+def test_status_prefix_matches_names_literally(tmp_path):
+    """`%` and `_` in --prefix are characters of a study name, not LIKE wildcards."""
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    with Store(url) as store:
+        run_id = store.start_run(H100, kind="sweep", command_line="x")
+        for i, name in enumerate(["normtune:h100:a", "normtune_h100:b", "other:100%:c"]):
+            store.add_measurement(run_id, RMS, default_config(RMS), ok(80.0 + i), source="sweep", study_name=name,
+                                  trial_number=0)
+        store.end_run(run_id)
+        assert [p.study_name for p in store.study_progress("%")] == []
+        assert [p.study_name for p in store.study_progress("normtune_")] == ["normtune_h100:b"]
+        assert [p.study_name for p in store.study_progress("other:100%")] == ["other:100%:c"]
+    for prefix in ("%", "_"):
+        result = CliRunner().invoke(app, ["status", "--db", url, "--prefix", prefix])
+        assert result.exit_code == 0 and f"no sweep studies named {prefix}…" in result.output, result.output
