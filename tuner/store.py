@@ -60,13 +60,13 @@ class Store(WorkerCoordination):
         self.url = normalize_url(url)
         self.display_url = display_url(self.url)
         self.read_only = read_only
+        # A read-only open of a WAL file creates its -wal/-shm files; `close` removes those it created.
+        self._sidecars = store_schema.missing_sidecars(self.url) if read_only else []
         self._engine = store_schema.create(self.url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._problem_ids: dict[str, int] = {}
         self.upgraded_from: str | None = None  # `for_reading`: the older schema of the file read through a copy
         self._scratch: str | None = None  # `for_reading`: the folder of that copy
-        # A read-only open of a WAL file creates its -wal/-shm files; `close` removes those it created.
-        self._sidecars = store_schema.missing_sidecars(self.url) if read_only else []
         try:
             # Check before anything writes: a database that is not ours to change is left exactly as it was.
             self.schema_version = store_schema.check(self._engine, self.display_url, read_only=read_only)

@@ -108,8 +108,11 @@ def snapshot(path: str, folder: str) -> str:
 
 
 def missing_sidecars(url: str) -> list[str]:
-    """The -wal/-shm files of a SQLite file that do not exist yet (none for other databases)."""
-    path = sqlite_path(url)
+    """The -wal/-shm files of a SQLite file that do not exist yet (none for other databases or unusable URLs)."""
+    try:
+        path = sqlite_path(url)
+    except ArgumentError:
+        return []  # `create` refuses it
     return [] if path is None else [p for p in (path + "-wal", path + "-shm") if not os.path.exists(p)]
 
 
