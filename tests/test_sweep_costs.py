@@ -93,3 +93,35 @@ def test_the_next_trials_are_proposed_while_one_measures_and_the_costs_are_store
     text = " ".join(out.output.split())
     assert f"where its time went: {costs_line(costs)}" in text
     assert f"{costs['trials']} trials" in text and "sampler" in text and "database" in text
+
+
+def test_a_proposal_considers_a_bounded_window_of_a_large_study():
+    """Past CONSIDER finished trials a proposal reads the best BEST_KEPT, the most recent others and every
+    unfinished trial, so its cost stops growing with the study; below it, every trial."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    from normtune.tuner.sweep.sampling import BEST_KEPT, CONSIDER, considered
+
+    TS = optuna.trial.TrialState
+    dist = {"x": CategoricalDistribution([1, 2, 3])}
+
+    def trial(number, state, value=None):
+        t = optuna.trial.create_trial(state=state, value=value, params={"x": 1}, distributions=dist)
+        t.number = number
+        return t
+
+    small = [trial(i, TS.COMPLETE, float(i)) for i in range(CONSIDER)]
+    assert considered(small) == small
+    n = 3 * CONSIDER
+    values = [float((7 * i) % n) for i in range(n)]  # the best ones spread over the whole study
+    big = [trial(i, TS.COMPLETE if i % 5 else TS.FAIL, None if i % 5 == 0 else values[i]) for i in range(n)]
+    big += [trial(n, TS.RUNNING), trial(n + 1, TS.RUNNING)]
+    seen = considered(big)
+    numbers = [t.number for t in seen]
+    assert numbers == sorted(numbers) and len(seen) == CONSIDER + 2
+    best = sorted((t for t in big if t.state == TS.COMPLETE), key=lambda t: t.value)[:BEST_KEPT]
+    assert {t.number for t in best} <= set(numbers)
+    assert {n, n + 1} <= set(numbers)  # unfinished trials: the constant liar sees every one
+    recent = [t.number for t in big[:n] if t.number not in {b.number for b in best}][-(CONSIDER - BEST_KEPT):]
+    assert set(recent) <= set(numbers)

@@ -146,6 +146,28 @@ def _ask_tell_grid_sampler(optuna):
     return AskTellGridSampler
 
 
+# What a proposal considers once a study has more finished trials than CONSIDER: the BEST_KEPT best and the
+# most recent others, and every unfinished one (constant liar). TPE's "good" group (at most 25 trials) stays
+# exact, its "bad" group is the recent trials, and a proposal's cost stops growing with the study.
+CONSIDER = 100
+BEST_KEPT = 30
+
+
+def considered(trials: list) -> list:
+    """The trials a proposal reads (in their order): all of them up to CONSIDER finished ones, else the window."""
+    import optuna
+
+    TS = optuna.trial.TrialState
+    finished = [t for t in trials if t.state.is_finished()]
+    if len(finished) <= CONSIDER:
+        return trials
+    complete = sorted((t for t in finished if t.state == TS.COMPLETE and t.value is not None), key=lambda t: t.value)
+    keep = {t.number for t in complete[:BEST_KEPT]}
+    rest = [t for t in finished if t.number not in keep]
+    keep |= {t.number for t in rest[-(CONSIDER - len(keep)):]}
+    return [t for t in trials if not t.state.is_finished() or t.number in keep]
+
+
 class _OneRead:
     """A study whose trials are read from storage once: a TPE proposal otherwise reloads every trial of the study
     for each knob group and each independent knob (with constant_liar the sampler bypasses the trial cache),
@@ -160,7 +182,7 @@ class _OneRead:
 
     def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
         if self._trials is None:
-            self._trials = self._study._get_trials(deepcopy=False, states=None, use_cache=False)
+            self._trials = considered(self._study._get_trials(deepcopy=False, states=None, use_cache=False))
         trials = self._trials if states is None else [t for t in self._trials if t.state in tuple(states)]
         return [copy.deepcopy(t) for t in trials] if deepcopy else list(trials)
 
