@@ -65,7 +65,9 @@ class _Norm(nn.Module):
 
     @staticmethod
     def _flat(p: Tensor | None) -> Tensor | None:
-        return p.reshape(-1) if p is not None else None
+        """The parameter as N elements: itself when 1-D (save="output"'s check then tracks the parameter across
+        calls, see saving.py), else a view."""
+        return p if p is None or p.dim() == 1 else p.reshape(-1)
 
     def extra_repr(self) -> str:
         extra = f", zero_centered={self.zero_centered}" if self.zero_centered else ""

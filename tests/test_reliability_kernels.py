@@ -311,8 +311,11 @@ def _weights_with_small_columns(value, zero_centered, *, big_bias: bool):
 
 
 def _saved_activation(y):
-    """The activation the autograd node of y saved (y or x)."""
-    return y.grad_fn.saved_tensors[0]
+    """The activation the autograd node of y saved (y or x), looking through the views a module adds."""
+    node = y.grad_fn
+    while not hasattr(node, "saved_tensors"):
+        node = node.next_functions[0][0]
+    return node.saved_tensors[0]
 
 
 @pytest.mark.parametrize("value", SMALL_WEIGHTS)
@@ -378,8 +381,8 @@ def test_save_output_check_is_cached_per_weight_version(device, monkeypatch):
 
     saving.clear()
     calls = []
-    real = saving.output_recovers_input
-    monkeypatch.setattr(saving, "output_recovers_input", lambda *a: calls.append(1) or real(*a))
+    real = saving._read_back
+    monkeypatch.setattr(saving, "_read_back", lambda flags: calls.append(1) or real(flags))
     x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
     w = torch.nn.Parameter((1.0 + 0.1 * torch.randn(N)).to(device))
     for _ in range(3):
@@ -424,3 +427,44 @@ def test_save_output_under_compile_refuses_weights_that_lose_the_input(device):
     small[4] = 0.0
     with pytest.raises(RuntimeError, match="save='output' under torch.compile.*save='input'"):
         fn(x, small.requires_grad_()).sum().backward()
+
+
+def test_save_output_reads_back_once_per_weight_update_for_all_layers(device, monkeypatch):
+    """After an optimizer-like in-place update of every layer, the first layer's check serves them all: one
+    read-back per step, not one per layer; and a layer whose update broke the rule still saves x."""
+    from normtune.kernels import saving
+
+    saving.clear()
+    reads = []
+    real = saving._read_back
+    monkeypatch.setattr(saving, "_read_back", lambda flags: reads.append(len(flags)) or real(flags))
+    layers = [LayerNorm(N, device=device, save="output") for _ in range(3)]
+    x = (torch.randn(4, N) + 0.5).to(device).requires_grad_()
+
+    def forward():
+        saved = []
+        h = x
+        for layer in layers:
+            y = layer(h)
+            saved.append(_saved_activation(y).data_ptr() == y.data_ptr())
+            h = y
+        h.sum().backward()
+        return saved
+
+    assert forward() == [True, True, True]
+    assert len(reads) == 3  # first sight of each layer
+    for step in range(2):
+        reads.clear()
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight.add_(0.01)
+                layer.bias.sub_(0.01)
+        assert forward() == [True, True, True]
+        assert reads == [3], f"step {step}: read-backs {reads}"
+    reads.clear()
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.mul_(1.0)
+        layers[1].weight[7] = 0.0
+    assert forward() == [True, False, True]
+    assert reads == [3]
