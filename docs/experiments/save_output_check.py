@@ -1,9 +1,10 @@
 """What save="output"'s weight check (kernels/saving.py) costs in a training loop on a GPU.
 
-A stack of L blocks (normtune LayerNorm or RMSNorm, then a bf16 Linear) trains for a number of steps. Per step,
-with an optimizer step (every norm's weight changes, so save="output" reads each layer's check result back once)
-and without one (the checks stay cached), it times save="input" and save="output" and records the peak memory.
-The difference between "output, optimizer" and "output, frozen" is the cost of the per-update read-back.
+A stack of L blocks (normtune LayerNorm or RMSNorm, then a bf16 Linear) trains for a number of steps. With an
+optimizer step (every norm's weight changes, so save="output" reads the check results back once per step, at the
+first layer) and without one (the checks stay cached), it times save="input" and save="output" and records the
+peak memory. "output" with the optimizer minus "output" without it, less the optimizer's own time (the same
+difference for "input"), is the cost of the read-back.
 
     python docs/experiments/save_output_check.py [--layers 24] [--rows 8192] [--cols 4096] [--steps 30]
 
