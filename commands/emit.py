@@ -9,7 +9,7 @@ import typer
 
 from .common import (
     DEFAULT_DB, INTERPRETER_BANNER, CLIError, Gpu, Interpret, Storage, device_info, read_only_store, refuse,
-    run_checked, use_interpreter, write_text,
+    run_checked, use_interpreter,
 )
 
 
@@ -97,6 +97,9 @@ def emit(
                                                              "list)")] = None,
     check: Annotated[bool, typer.Option("--check", help="Write nothing: exit 1 unless the file at --out has "
                                                         "exactly the bytes this emission gives")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace the table at the output path even when emit did "
+                                                        "not write it or it was changed since (the old one is kept "
+                                                        "as <name>.json.bak)")] = False,
     remeasure: Annotated[bool, typer.Option(help="First time each problem's top configs on its neighbours "
                                                  "(needs the GPU) to complete the config x shape matrix")] = False,
     interpret: Interpret = False,
@@ -170,11 +173,13 @@ def emit(
         console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "
                       f"(inputs {prov['fingerprint'][:19]}…)")
         raise typer.Exit(0 if same else 1)
-    run_checked(write_text, path, text, "--user" if user else "--out")
+    backup = run_checked(E.write_table, path, text, force=force)
     fams = table["families"]
     console.print(f"wrote {path}: {len(fams)} families, {sum(len(f['rules']) for f in fams.values())} rules, "
                   f"from {prov['configs_measured']} measured configs of runs {_span(prov['runs'])} "
                   f"(GPU {table['gpu']['name']}; inputs {prov['fingerprint'][:19]}…)")
+    if backup is not None:
+        console.print(f"the table it replaced is kept as {backup}", markup=False)
     if user:
         console.print(f"the runtime uses it on {key} GPUs ahead of the shipped table unless $NORMTUNE_CONFIG names "
                       f"another; `normtune where --gpu {key} --shape MxN` shows the lookup", markup=False)

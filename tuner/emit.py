@@ -12,10 +12,15 @@ Fitting (N buckets, M groups, never slower than the analytic default, the incumb
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import stat
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
@@ -162,6 +167,106 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
 
 def dumps(table: dict) -> str:
     return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+class TableWriteError(ValueError):
+    """A table file emit must not replace, or cannot write; the message names the file and the way out."""
+
+
+def record_path(path: Path) -> Path:
+    """Where emit records the sha256 of the table it wrote at `path` (`sha256sum -c` reads it)."""
+    return path.with_name(path.name + ".sha256")
+
+
+def backup_path(path: Path) -> Path:
+    """Where the table that a new emission replaced is kept."""
+    return path.with_name(path.name + ".bak")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _emitted_form(data: bytes) -> bool:
+    """Whether `data` is a table exactly as `dumps` writes it (valid, canonical bytes, with the fingerprint of its
+    inputs): a table emit wrote whose record was not kept beside it (a shipped table, a copy)."""
+    try:
+        table = json.loads(data.decode("utf-8"))
+        if not isinstance(table, dict) or dumps(table).encode() != data:
+            return False
+        parse_table(table, "<existing table>")
+        return isinstance(table.get("provenance"), dict) and "fingerprint" in table["provenance"]
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError and TableError are ValueErrors
+        return False
+
+
+def replace_reason(path: Path, current: bytes) -> str | None:
+    """Why the file at `path` (its bytes `current`) is not emit's to replace, or None when it is: emit wrote it and
+    it is unchanged since (its recorded sha256 matches), or, with no record, it is a table in emit's exact form."""
+    record = record_path(path)
+    try:
+        recorded = record.read_text().split()[0] if record.is_file() else None
+    except (OSError, ValueError, IndexError):
+        recorded = ""
+    if recorded is not None:
+        if recorded == _sha256(current):
+            return None
+        return f"changed since normtune emit wrote it (its sha256 no longer matches {record})"
+    return None if _emitted_form(current) else "was not written by normtune emit"
+
+
+def _atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """`data` into `path` through a temporary file of the same folder renamed over it: a reader (or a kill) sees
+    the old file or the new one, never a part of either."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_table(path: Path, text: str, *, force: bool = False) -> Path | None:
+    """Write the emitted table `text` to `path` atomically, with its sha256 record beside it (`record_path`).
+    A file already there is replaced only when emit wrote it and nobody changed it since (`replace_reason`), or
+    with `force`; it is kept as `backup_path(path)` first. Returns the backup's path (None: nothing replaced)."""
+    data = text.encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        current = path.read_bytes() if path.exists() else None
+    except OSError as err:
+        raise TableWriteError(f"{path}: cannot be written ({err.strerror or err})") from None
+    backup = None
+    try:
+        if current is not None and current != data:
+            reason = None if force else replace_reason(path, current)
+            if reason is not None:
+                raise TableWriteError(f"{path} {reason}; it was left as it is. Pass --force to replace it (the "
+                                      f"old one is kept as {backup_path(path).name}), or write elsewhere with --out")
+            backup = backup_path(path)
+            _atomic_write(backup, current, stat.S_IMODE(path.stat().st_mode))
+        mode = stat.S_IMODE(path.stat().st_mode) if current is not None else 0o666 & ~_umask()
+        if current != data:
+            _atomic_write(path, data, mode)
+        _atomic_write(record_path(path), f"{_sha256(data)}  {path.name}\n".encode(), mode)
+    except OSError as err:
+        raise TableWriteError(f"{path}: cannot be written ({err.strerror or err})") from None
+    return backup
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def recorded_runs(table: dict) -> tuple[int, ...]:
