@@ -174,6 +174,10 @@ def create(url: str, *, read_only: bool) -> Engine:
             raise StoreError(f"--db {url}: names no database file (SQLite in memory would keep "
                              "nothing, and each connection would see another, empty database); pass a file path, "
                              "e.g. --db results.db")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise StoreError(f"--db {shown}: the folder {folder} does not exist; create it, or pass a path in an "
+                             "existing folder")
         if read_only:
             if not os.path.isfile(path):
                 raise StoreError(f"--db {shown}: no such database file; pass the path of an existing results "
