@@ -60,14 +60,26 @@ def git_revision() -> str | None:
     $NORMTUNE_GIT_REVISION overrides it (a copy of the tree without .git, e.g. on a remote GPU host)."""
     if os.environ.get("NORMTUNE_GIT_REVISION"):
         return os.environ["NORMTUNE_GIT_REVISION"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return read_revision(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Git commands that only read: no optional locks (`git status` would otherwise take .git/index.lock to refresh the
+# index, and a git command the user runs at that moment fails), no external diff driver, no pager.
+_GIT_READ_ONLY = {"GIT_OPTIONAL_LOCKS": "0", "GIT_PAGER": "cat"}
+
+
+def read_revision(root: str) -> str | None:
+    """HEAD of the git checkout at `root`, '-dirty' when a tracked file differs from it; None outside git. Reads
+    only: `git rev-parse` and `git diff --quiet`, never `git status`, and no lock is taken."""
+    env = {**os.environ, **_GIT_READ_ONLY}
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5,
+                             env=env)
         if rev.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5)
-        return rev.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+        diff = subprocess.run(["git", "diff", "--no-ext-diff", "--quiet", "HEAD", "--"], cwd=root,
+                              capture_output=True, timeout=5, env=env)
+        return rev.stdout.strip() + ("-dirty" if diff.returncode != 0 else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
