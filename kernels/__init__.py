@@ -1,6 +1,7 @@
 """normtune runtime: Triton LayerNorm/RMSNorm forward and tunable two-kernel backward.
 
     from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig, patch
+    y, h = rms_norm(x, w, residual=r)                 # fused residual form (also FusedAddRMSNorm, FusedAddLayerNorm)
     from normtune.kernels import layer_norm_forward, layer_norm_backward  # no autograd: for your own Function
 """
 
@@ -32,12 +33,13 @@ if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
     from .heuristics import default_config
     from .functional import layer_norm, rms_norm
     from .direct import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
-    from .modules import LayerNorm, RMSNorm
+    from .modules import FusedAddLayerNorm, FusedAddRMSNorm, LayerNorm, RMSNorm
     from .patch import PatchReport, patch
     from .select import select_config
 
 __all__ = [
-    "BackwardConfig", "ConfigError", "Kernel1Config", "Kernel2Config", "LayerNorm", "PatchReport", "Problem",
+    "BackwardConfig", "ConfigError", "FusedAddLayerNorm", "FusedAddRMSNorm", "Kernel1Config", "Kernel2Config",
+    "LayerNorm", "PatchReport", "Problem",
     "ProblemFamily", "RMSNorm", "default_config", "layer_norm", "layer_norm_backward", "layer_norm_forward", "patch",
     "rms_norm", "rms_norm_backward", "rms_norm_forward", "select_config",
 ]

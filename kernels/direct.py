@@ -12,6 +12,14 @@ dimension with any leading dims. mean and rstd are fp32, one per row. The backwa
 forward's output instead of its input (`from_output=True`: pass y where x goes; LayerNorm then needs no mean),
 where the weight and bias allow it (`saving.py`'s rule; otherwise a ValueError says to pass x).
 dw/db come back as None where there is no weight/bias. Nothing here records an autograd graph.
+
+The residual form (h = x + residual, y = norm(h)): the forwards take `residual=` (and `residual_dtype=`) and
+return h after what they return without one; the backwards take the forward's h where x goes and
+`grad_residual=` (h's gradient), and their dx is then h's whole gradient — grad_residual plus the norm's — in h's
+dtype, the gradient of both x and residual:
+
+    y, rstd, h = rms_norm_forward(x, weight, residual=r)
+    dx, dw = rms_norm_backward(grad, h, weight, rstd, grad_residual=dh)
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from . import forward_calls, saving
 from .config import BackwardConfig
 from .functional import check_inputs, check_options, contiguous_operand, explicit_config_text, rows_2d
 from .ops import _backward_impl, _forward_impl
+from .residual import residual_dtype_of
+from .residual_ops import forward_impl as _residual_forward_impl
 
 
 def _check_stats(name: str, t, M: int) -> None:
@@ -40,7 +50,17 @@ def _stats_fit(t, M: int) -> bool:
     return isinstance(t, Tensor) and t.shape == (M,) and t.dtype == torch.float32 and t.stride(0) == 1
 
 
-def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
+def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool, residual=None, residual_dtype=None):
+    if residual is not None:
+        check_inputs(x, weight, bias, zero_centered)
+        check_options(eps, "input")
+        h_dtype = residual_dtype_of(x, residual, residual_dtype)
+        y, h, rstd, mean = _residual_forward_impl(rows_2d(x), rows_2d(residual), contiguous_operand(weight),
+                                                  contiguous_operand(bias), float(eps), is_rms, zero_centered, False,
+                                                  h_dtype)
+        return (y, h) if x.dim() == 2 else (y.view(x.shape), h.view(x.shape)), rstd, mean
+    if residual_dtype is not None:
+        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
     sig = forward_calls.signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms)
     plan = forward_calls.lookup(sig)
     if plan is not None:  # inputs like an earlier call's, which passed the checks
@@ -55,12 +75,31 @@ def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool):
     return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
 
 
-def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config):
-    check_inputs(saved, weight, bias, zero_centered, name="y" if from_output else "x")
-    if not isinstance(grad, Tensor) or grad.shape != saved.shape or grad.dtype != saved.dtype:
-        shown = f"shape {tuple(grad.shape)} and dtype {grad.dtype}" if isinstance(grad, Tensor) else type(grad).__name__
-        raise ValueError(f"grad has {shown}: pass the gradient of y, shape {tuple(saved.shape)} and dtype "
-                         f"{saved.dtype}")
+def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered: bool, from_output: bool) -> None:
+    """The residual form's backward inputs: grad (y's gradient, x's dtype) with the weight rules, grad_residual
+    (h's gradient, h's dtype: grad's or float32) and the saved h (or y, `from_output`) shaped like grad."""
+    check_inputs(grad, weight, bias, zero_centered, name="grad")
+    if not isinstance(grad_residual, Tensor):
+        raise TypeError(f"grad_residual must be a torch.Tensor (the gradient of h), got {type(grad_residual).__name__}")
+    if grad_residual.shape != grad.shape or grad_residual.dtype not in (grad.dtype, torch.float32) \
+            or grad_residual.device != grad.device:
+        raise ValueError(f"grad_residual has shape {tuple(grad_residual.shape)}, dtype {grad_residual.dtype} on "
+                         f"{grad_residual.device}: pass the gradient of h, shaped like grad ({tuple(grad.shape)}), "
+                         f"in h's dtype ({grad.dtype} or torch.float32), on {grad.device}")
+    want = grad.dtype if from_output else grad_residual.dtype
+    name = "y" if from_output else "h"
+    if not isinstance(saved, Tensor) or saved.shape != grad.shape or saved.dtype != want or saved.device != grad.device:
+        shown = (f"shape {tuple(saved.shape)} and dtype {saved.dtype}" if isinstance(saved, Tensor)
+                 else type(saved).__name__)
+        raise ValueError(f"{name} has {shown}: pass the forward's {name}, shape {tuple(grad.shape)} and dtype {want}")
+
+
+def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config,
+              grad_residual=None):
+    if grad_residual is not None:
+        _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered, from_output)
+    else:
+        _check_plain_grads(grad, saved, weight, bias, zero_centered, from_output)
     N = saved.shape[-1]
     M = saved.numel() // N
     uses_mean = not is_rms and not from_output
@@ -72,37 +111,58 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         raise ValueError(saving.refusal("from_output=True"))
     if not uses_mean:
         mean = rstd  # not read
-    text = explicit_config_text(config, saved, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+    text = explicit_config_text(config, grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                 save="output" if from_output else "input")
     dx, dw, db = _backward_impl(rows_2d(grad), rows_2d(saved), contiguous_operand(weight),
-                                contiguous_operand(bias), rstd, mean, is_rms, zero_centered, from_output, text)
+                                contiguous_operand(bias), rstd, mean, is_rms, zero_centered, from_output, text,
+                                None if grad_residual is None else rows_2d(grad_residual))
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
 
 
+def _check_plain_grads(grad, saved, weight, bias, zero_centered: bool, from_output: bool) -> None:
+    check_inputs(saved, weight, bias, zero_centered, name="y" if from_output else "x")
+    if not isinstance(grad, Tensor) or grad.shape != saved.shape or grad.dtype != saved.dtype:
+        shown = f"shape {tuple(grad.shape)} and dtype {grad.dtype}" if isinstance(grad, Tensor) else type(grad).__name__
+        raise ValueError(f"grad has {shown}: pass the gradient of y, shape {tuple(saved.shape)} and dtype "
+                         f"{saved.dtype}")
+
+
 def layer_norm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
-                       zero_centered: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, mean, rstd) of LayerNorm over the last dimension, without autograd."""
-    y, rstd, mean = _forward(x, weight, bias, eps, False, zero_centered)
+                       residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+                       zero_centered: bool = False):
+    """(y, mean, rstd) of LayerNorm over the last dimension, without autograd; with a residual, (y, mean, rstd, h)
+    of the norm of h = x + residual."""
+    y, rstd, mean = _forward(x, weight, bias, eps, False, zero_centered, residual, residual_dtype)
+    if residual is not None:
+        return y[0], mean, rstd, y[1]
     return y, mean, rstd
 
 
 def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor | None,
-                        rstd: Tensor, *, zero_centered: bool = False, from_output: bool = False,
-                        config: BackwardConfig | dict | str | None = None):
+                        rstd: Tensor, *, grad_residual: Tensor | None = None, zero_centered: bool = False,
+                        from_output: bool = False, config: BackwardConfig | dict | str | None = None):
     """(dx, dw, db) of LayerNorm from the forward's x (or y, `from_output=True`), mean and rstd; dw/db None where
-    there is no weight/bias. config: a `BackwardConfig` (or its dict/JSON) forcing the launch; None picks one."""
-    return _backward(grad, x, weight, bias, rstd, mean, False, zero_centered, from_output, config)
+    there is no weight/bias. config: a `BackwardConfig` (or its dict/JSON) forcing the launch; None picks one.
+    Residual form: pass h where x goes and `grad_residual` (h's gradient); dx is then grad_residual plus the
+    norm's grad_input, in h's dtype."""
+    return _backward(grad, x, weight, bias, rstd, mean, False, zero_centered, from_output, config, grad_residual)
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *,
-                     zero_centered: bool = False) -> tuple[Tensor, Tensor]:
-    """(y, rstd) of RMSNorm over the last dimension, without autograd."""
-    y, rstd, _ = _forward(x, weight, None, eps, True, zero_centered)
+def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, residual: Tensor | None = None,
+                     residual_dtype: torch.dtype | None = None, zero_centered: bool = False):
+    """(y, rstd) of RMSNorm over the last dimension, without autograd; with a residual, (y, rstd, h) of the norm
+    of h = x + residual."""
+    y, rstd, _ = _forward(x, weight, None, eps, True, zero_centered, residual, residual_dtype)
+    if residual is not None:
+        return y[0], rstd, y[1]
     return y, rstd
 
 
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *, zero_centered: bool = False,
-                      from_output: bool = False, config: BackwardConfig | dict | str | None = None):
-    """(dx, dw) of RMSNorm from the forward's x (or y, `from_output=True`) and rstd; dw None without a weight."""
-    dx, dw, _ = _backward(grad, x, weight, None, rstd, None, True, zero_centered, from_output, config)
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
+                      grad_residual: Tensor | None = None, zero_centered: bool = False, from_output: bool = False,
+                      config: BackwardConfig | dict | str | None = None):
+    """(dx, dw) of RMSNorm from the forward's x (or y, `from_output=True`) and rstd; dw None without a weight.
+    Residual form: pass h where x goes and `grad_residual`; dx is then h's whole gradient (as layer_norm_backward)."""
+    dx, dw, _ = _backward(grad, x, weight, None, rstd, None, True, zero_centered, from_output, config,
+                          grad_residual)
     return dx, dw

@@ -4,6 +4,11 @@ Math (per row of N columns, fp32): LayerNorm μ = mean(x), r = (mean((x-μ)²) +
 RMSNorm r = (mean(x²) + eps)^-½, x̂ = x·r. y = w·x̂ + b with w = 1 + w' when zero-centered.
 Saved for the backward: r (fp32) and, for LayerNorm saving from the input, μ (fp32).
 
+Residual form (HAS_RESIDUAL): the row normalized is h = x + residual, added in fp32 and written (in H's dtype:
+the residual stream's, which may be fp32 with 16-bit x) before it is normalized; the norm reads h as stored, so y
+is exactly the norm of the h returned, as an add followed by the norm would give. 4 passes of M×N (x, residual
+read; h, y written) instead of an add's 3 and the norm's 2.
+
 The forward is not what normtune tunes; it uses one analytic launch: a block of rows per program, the whole row
 in registers up to 8192 columns, chunked passes beyond (mean, then variance around the mean, then the output,
 so that a large mean never cancels catastrophically). Rows whose values pass 2^50 are scaled by 1/max|x| before
@@ -42,9 +47,23 @@ def _rstd(sum_sq_scaled, scale, N, eps):
 
 
 @triton.jit
+def _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """fp32 row values to normalize at `cols`: x, or (HAS_RESIDUAL) h = x + residual, written to h's rows in
+    their dtype and widened back from that, so that the norm is of the h returned."""
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = (x + tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)).to(h_rows.dtype.element_ty)
+        tl.store(h_rows + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _forward_kernel(
     X, stride_x,  # input rows; stride_x: elements between consecutive rows
     Y, stride_y,  # output rows
+    R, stride_r,  # residual rows (HAS_RESIDUAL; else never read)
+    H, stride_h,  # h = x + residual rows, in the residual stream's dtype (HAS_RESIDUAL; else never written)
     W, B,  # weight and bias, N elements each (ignored when absent)
     RSTD, MEAN,  # per-row fp32 r and μ (MEAN written only when STORE_MEAN)
     M, N, eps,
@@ -52,8 +71,10 @@ def _forward_kernel(
     STORE_MEAN: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, SINGLE_PASS: tl.constexpr, INT64: tl.constexpr,
     HINT: tl.constexpr = 1,  # N and the row strides are multiples of this (`assume_multiple`)
+    HAS_RESIDUAL: tl.constexpr = False,
 ):
     N, stride_x, stride_y = assume_multiple(N, HINT), assume_multiple(stride_x, HINT), assume_multiple(stride_y, HINT)
+    stride_r, stride_h = assume_multiple(stride_r, HINT), assume_multiple(stride_h, HINT)
     rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
     if INT64:
@@ -62,11 +83,13 @@ def _forward_kernel(
         rows_off = rows
     x_rows = X + rows_off[:, None] * stride_x
     y_rows = Y + rows_off[:, None] * stride_y
+    r_rows = R + rows_off[:, None] * stride_r
+    h_rows = H + rows_off[:, None] * stride_h
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_COL)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL)
         if IS_RMS:
             mean = tl.zeros((BLOCK_ROW,), tl.float32)
             xc = x
@@ -84,18 +107,22 @@ def _forward_kernel(
     else:
         chunk = tl.arange(0, BLOCK_COL)
         mean = tl.zeros((BLOCK_ROW,), tl.float32)
-        # Pass 1: the mean (LayerNorm) and max|x|, which bounds |x − μ| by 2·max|x|.
+        # Pass 1: the mean (LayerNorm) and max|x|, which bounds |x − μ| by 2·max|x|. With a residual it writes h,
+        # which the later passes read instead of x, after a barrier (another thread may read what one wrote).
         acc = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         amax = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         for c0 in range(0, N, BLOCK_COL):
             cols = c0 + chunk
             mask = row_mask[:, None] & (cols < N)[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL)
             acc += x
             amax = tl.maximum(amax, tl.abs(x))
         if not IS_RMS:
             mean = tl.sum(acc, axis=1) / N
         scale = _square_scale(2.0 * tl.max(amax, axis=1))
+        if HAS_RESIDUAL:
+            tl.debug_barrier()
+            x_rows = h_rows
         acc = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         for c0 in range(0, N, BLOCK_COL):
             cols = c0 + chunk
@@ -165,8 +192,40 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         key += (y_stride, data_ptr(y) & 15, data_ptr(rstd) & 15, data_ptr(mu) & 15)
     launch, grid = _planned(key, M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
                             zero_centered, store_mean)
-    launch(grid, (x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
+    launch(grid, (x2d, x_stride, y, y_stride, x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
     return y, rstd, mean
+
+
+def forward_residual(x2d: torch.Tensor, residual2d: torch.Tensor, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, eps: float, *, h_dtype: torch.dtype, is_rms: bool,
+                     zero_centered: bool, store_mean: bool, y: torch.Tensor | None = None,
+                     h: torch.Tensor | None = None, rstd: torch.Tensor | None = None,
+                     mean: torch.Tensor | None = None):
+    """The residual form on 2-D views of equal shape (rows may be strided, last dims contiguous): h = x + residual
+    in `h_dtype`, y = norm(h). Returns (y, h, rstd, mean), as `forward` (outputs may be passed in)."""
+    M, N = x2d.shape
+    device = x2d.device
+    if y is None:
+        y = torch.empty(M, N, dtype=x2d.dtype, device=device)
+    if h is None:
+        h = torch.empty(M, N, dtype=h_dtype, device=device)
+    if rstd is None:
+        rstd = torch.empty(M, dtype=torch.float32, device=device)
+    if mean is None and store_mean:
+        mean = torch.empty(M, dtype=torch.float32, device=device)
+    if M == 0:
+        return y, h, rstd, mean
+    strides = (x2d.stride(0), y.stride(0), residual2d.stride(0), h.stride(0))
+    w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
+    b = rstd if bias is None else bias
+    mu = mean if store_mean else rstd
+    key = _launch_key(x2d, strides[0], w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
+    key += (strides, residual2d.dtype, h.dtype) + tuple(data_ptr(t) & 15 for t in (y, residual2d, h, rstd, mu))
+    launch, grid = _planned(key, M, N, strides[0], strides[1], weight is not None, bias is not None, is_rms,
+                            zero_centered, store_mean, strides[2:])
+    launch(grid, (x2d, strides[0], y, strides[1], residual2d, strides[2], h, strides[3], w, b, rstd, mu, M, N, eps),
+           key)
+    return y, h, rstd, mean
 
 
 def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, store_mean) -> tuple:
@@ -178,15 +237,17 @@ def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, 
 
 
 def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
-             is_rms: bool, zero_centered: bool, store_mean: bool) -> tuple:
-    """(launcher, grid) of a launcher key, derived once."""
+             is_rms: bool, zero_centered: bool, store_mean: bool, residual_strides: tuple = ()) -> tuple:
+    """(launcher, grid) of a launcher key, derived once. `residual_strides`: the residual's and h's row strides
+    (the residual form; empty without one)."""
     planned = _CALLS.get(key)
     if planned is None:
         if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
             _CALLS.clear()
-        int64 = needs_int64(M, N, x_stride, y_stride)
-        hint = alignment_hint(N, x_stride, y_stride)
-        launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint)
+        int64 = needs_int64(M, N, x_stride, y_stride, *residual_strides)
+        hint = alignment_hint(N, x_stride, y_stride, *residual_strides)
+        launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint,
+                                      bool(residual_strides))
         planned = _CALLS[key] = (launch, cdiv(M, block_row))
     return planned
 
@@ -216,17 +277,17 @@ def run_plan(plan: tuple, x: torch.Tensor, weight, bias, eps: float, device: tor
     y = torch.empty_like(x) if contiguous else torch.empty(M, N, dtype=x.dtype, device=device)
     rstd = torch.empty(M, dtype=torch.float32, device=device)
     mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
-    launch(grid, (x, x_stride, y, N, rstd if weight is None else weight, rstd if bias is None else bias, rstd,
-                  mean if store_mean else rstd, M, N, eps), key)
+    launch(grid, (x, x_stride, y, N, x, x_stride, y, N, rstd if weight is None else weight,
+                  rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
     return (y if view_shape is None else y.view(view_shape)), rstd, mean
 
 
 @functools.lru_cache(maxsize=1024)
 def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
-              int64: bool, hint: int = 1) -> tuple[Launcher, int]:
+              int64: bool, hint: int = 1, has_residual: bool = False) -> tuple[Launcher, int]:
     """The forward's launcher for one row width, set of flags and alignment hint, and its rows per program."""
     block_row, block_col, single, num_warps = forward_launch_params(N)
     return Launcher(_forward_kernel, dict(
         IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
         STORE_MEAN=store_mean, BLOCK_ROW=block_row, BLOCK_COL=block_col, SINGLE_PASS=single, INT64=int64,
-        HINT=hint, num_warps=num_warps)), block_row
+        HINT=hint, HAS_RESIDUAL=has_residual, num_warps=num_warps)), block_row

@@ -167,9 +167,13 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+               residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
                zero_centered: bool = False, save: str = "input",
-               config: BackwardConfig | dict | str | None = None) -> Tensor:
+               config: BackwardConfig | dict | str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """LayerNorm over the last dimension: y = (x − μ)·r·w + b, r = (var(x) + eps)^-½.
+
+    residual: the fused residual form: h = x + residual (in `residual_dtype`, default residual's dtype: x's or
+    float32), y = norm(h); returns (y, h), and the backward adds h's gradient into the gradient of x and residual.
 
     zero_centered: the weight is stored as w' with w = 1 + w' (Gemma-style).
     save: "input" saves x (with fp32 μ and r) for the backward; "output" saves y and recovers x̂ = (y − b)/w,
@@ -178,10 +182,25 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     saves x instead; under torch.compile, where the weights cannot be read while tracing, it raises instead.
     config: a `BackwardConfig` (or its dict/JSON) forcing the backward launch; None picks one for the GPU.
     """
+    if residual is not None:
+        return fused_add_norm(x, residual, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save,
+                              config=config, residual_dtype=residual_dtype)
+    if residual_dtype is not None:
+        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
     return _norm(x, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save, config=config)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, zero_centered: bool = False,
-             save: str = "input", config: BackwardConfig | dict | str | None = None) -> Tensor:
-    """RMSNorm over the last dimension: y = x·r·w, r = (mean(x²) + eps)^-½. Arguments as `layer_norm`."""
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, residual: Tensor | None = None,
+             residual_dtype: torch.dtype | None = None, zero_centered: bool = False, save: str = "input",
+             config: BackwardConfig | dict | str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dimension: y = x·r·w, r = (mean(x²) + eps)^-½. Arguments as `layer_norm` (with a
+    residual: (y, h))."""
+    if residual is not None:
+        return fused_add_norm(x, residual, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
+                              config=config, residual_dtype=residual_dtype)
+    if residual_dtype is not None:
+        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
     return _norm(x, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save, config=config)
+
+
+from .residual import fused_add_norm  # noqa: E402 - residual.py builds on this module's checks

@@ -1,5 +1,6 @@
 """`nn.Module` drop-ins for `torch.nn.LayerNorm` and `torch.nn.RMSNorm` (same constructor arguments and
-parameter names, so state dicts load either way), plus normtune's `zero_centered`, `save` and `config`."""
+parameter names, so state dicts load either way), plus normtune's `zero_centered`, `save` and `config`; and
+their fused residual forms `FusedAddLayerNorm` / `FusedAddRMSNorm`: forward(x, residual) -> (y, h)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,39 @@ class RMSNorm(_Norm):
         y = rms_norm(self._rows(x), self._flat(self.weight), eps, zero_centered=self.zero_centered, save=self.save,
                      config=self.config)
         return y.view(x.shape)
+
+
+class FusedAddLayerNorm(LayerNorm):
+    """`LayerNorm` of h = x + residual: forward(x, residual) returns (y, h), h in `residual_dtype` (None: the
+    residual's dtype). The backward adds h's gradient into the gradient of x and residual in the same kernel."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, zero_centered: bool = False, save: str = "input", config=None,
+                 residual_dtype: torch.dtype | None = None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered=zero_centered,
+                         save=save, config=config)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        y, h = layer_norm(self._rows(x), self._flat(self.weight), self._flat(self.bias), self.eps,
+                          residual=self._rows(residual), residual_dtype=self.residual_dtype,
+                          zero_centered=self.zero_centered, save=self.save, config=self.config)
+        return y.view(x.shape), h.view(x.shape)
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """`RMSNorm` of h = x + residual: forward(x, residual) returns (y, h), as `FusedAddLayerNorm`."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
+                 dtype=None, *, zero_centered: bool = False, save: str = "input", config=None,
+                 residual_dtype: torch.dtype | None = None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, zero_centered=zero_centered,
+                         save=save, config=config)
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        y, h = rms_norm(self._rows(x), self._flat(self.weight), eps, residual=self._rows(residual),
+                        residual_dtype=self.residual_dtype, zero_centered=self.zero_centered, save=self.save,
+                        config=self.config)
+        return y.view(x.shape), h.view(x.shape)

@@ -36,18 +36,21 @@ def contiguous_operand(t: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def backward_problem(grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, is_rms: bool,
-                     zero_centered: bool, save_output: bool) -> Problem:
+                     zero_centered: bool, save_output: bool, residual_dtype: Optional[torch.dtype] = None) -> Problem:
+    """`residual_dtype`: dh's dtype in the residual form (None: no residual)."""
     M, N = grad.shape
     return _problem(M, N, grad.dtype, weight.dtype if weight is not None else None, weight is not None,
-                    bias is not None, is_rms, zero_centered, save_output)
+                    bias is not None, is_rms, zero_centered, save_output, residual_dtype)
 
 
 @functools.lru_cache(maxsize=4096)
-def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output) -> Problem:
+def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output,
+             residual_dtype=None) -> Problem:
     """Built (and validated) once per shape and flags: it is on every call's host path."""
     return Problem(norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=dtype, weight_dtype=weight_dtype,
                    has_weight=has_weight, has_bias=has_bias, zero_centered=zero_centered,
-                   save="output" if save_output else "input")
+                   save="output" if save_output else "input", residual=residual_dtype is not None,
+                   residual_dtype=residual_dtype)
 
 
 @torch.library.custom_op("normtune::norm_forward", mutates_args=())
@@ -96,14 +99,14 @@ _RESOLVED: dict[tuple, tuple[Problem, Optional[BackwardConfig], dict]] = {}
 MAX_RESOLVED = 4096
 
 
-def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config):
+def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config, residual_dtype=None):
     index = grad.get_device()  # -1 on CPU, where the interpreter setting decides the path
     key = (*grad.shape, grad.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
-           zero_centered, save_output, config, index if index >= 0 else use_triton(grad))
+           zero_centered, save_output, config, index if index >= 0 else use_triton(grad), residual_dtype)
     hit = _RESOLVED.get(key)
     if hit is None:
         problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                                   save_output=save_output)
+                                   save_output=save_output, residual_dtype=residual_dtype)
         if use_triton(grad):
             cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device))
         else:
@@ -121,15 +124,20 @@ def clear_resolved() -> None:
     _RESOLVED.clear()
 
 
-def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
-    """(dx, dw, db), dw/db None where there is no weight/bias."""
+def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
+    """(dx, dw, db), dw/db None where there is no weight/bias. `dh`: the residual stream's gradient rows (the
+    residual form), added into dx, which then has dh's dtype."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
-    problem, cfg, plans = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config)
+    if dh is not None and dh.stride(-1) != 1:
+        dh = dh.contiguous()
+    problem, cfg, plans = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config,
+                                    None if dh is None else dh.dtype)
     if cfg is not None:
-        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean, plans=plans).run()
+        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean, plans=plans,
+                                        dh=dh).run()
     return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
-                              from_output=save_output)
+                              from_output=save_output, dh=dh)
 
 
 @norm_backward.register_fake

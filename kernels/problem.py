@@ -75,6 +75,11 @@ class Problem:
     """What is normalized: the norm, the 2-D shape (M rows of N), dtypes and flags.
 
     `weight_dtype` defaults to `dtype`; fp32 weights with bf16/fp16 activations are supported.
+    `residual`: the fused residual form, h = x + residual, y = norm(h); the forward writes h (the residual stream)
+    and the backward adds the stream's gradient dh into grad_input. `residual_dtype` is h's dtype (and so dh's and
+    grad_input's): `dtype` (the default) or fp32 (an fp32 residual stream with 16-bit activations); None when
+    `residual` is False. A problem without a residual keeps the fields out of its dict, key and family key, so
+    that stored problems and tables from before the residual form read and write unchanged.
     """
 
     norm: str
@@ -86,10 +91,13 @@ class Problem:
     has_bias: bool | None = None  # None: True for layer_norm, False for rms_norm
     zero_centered: bool = False
     save: str = "input"
+    residual: bool = False
+    residual_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("norm", self.norm, NORMS)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "residual_dtype", _residual_dtype(self.residual, self.residual_dtype, self.dtype))
         wd = self.dtype if self.weight_dtype is None else canonical_dtype(self.weight_dtype)
         object.__setattr__(self, "weight_dtype", wd)
         if self.has_bias is None:
@@ -118,7 +126,7 @@ class Problem:
     def family(self) -> "ProblemFamily":
         """The problem without its shape: what a heuristic table's rule set is keyed by."""
         return ProblemFamily(self.norm, self.dtype, self.weight_dtype, self.has_weight, bool(self.has_bias),
-                             self.zero_centered, self.save)
+                             self.zero_centered, self.save, self.residual, self.residual_dtype)
 
     @property
     def key(self) -> str:
@@ -127,8 +135,16 @@ class Problem:
     def with_shape(self, M: int, N: int) -> "Problem":
         return dataclasses.replace(self, M=M, N=N)
 
+    @property
+    def residual_itemsize(self) -> int:
+        """Bytes per element of h, dh and grad_input in the residual form (the activation's without one)."""
+        return ITEMSIZE[self.residual_dtype or self.dtype]
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not self.residual:  # as before the residual form: stored problems keep their JSON
+            del data["residual"], data["residual_dtype"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Problem":
@@ -146,6 +162,11 @@ class ProblemFamily:
     has_bias: bool
     zero_centered: bool
     save: str
+    residual: bool = False
+    residual_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "residual_dtype", _residual_dtype(self.residual, self.residual_dtype, self.dtype))
 
     @property
     def key(self) -> str:
@@ -154,6 +175,8 @@ class ProblemFamily:
         if self.zero_centered:
             parts.append("zc")
         parts.append(f"save-{self.save}")
+        if self.residual:
+            parts.append(f"res-{self.residual_dtype}")
         return "/".join(parts)
 
     @classmethod
@@ -164,14 +187,35 @@ class ProblemFamily:
             rest = parts[4:]
             zc = "zc" in rest
             save = next(p for p in rest if p.startswith("save-"))[5:]
-        except (ValueError, StopIteration):
-            raise ConfigError(f"malformed problem family key {key!r}: expected e.g. 'rms_norm/bf16/wbf16/nobias/save-input'")
+            res = [p[4:] for p in rest if p.startswith("res-")]
+            if len(res) > 1 or set(rest) - {"zc", f"save-{save}"} - {f"res-{r}" for r in res}:
+                raise ValueError
+            residual_dtype = canonical_dtype(res[0]) if res else None
+        except (ValueError, StopIteration, TypeError):
+            raise ConfigError(f"malformed problem family key {key!r}: expected e.g. "
+                              "'rms_norm/bf16/wbf16/nobias/save-input' (a residual family ends in '/res-bf16' or "
+                              "'/res-fp32')") from None
         has_weight = w != "noweight"
         fam = cls(norm, canonical_dtype(dtype), canonical_dtype(w[1:]) if has_weight else canonical_dtype(dtype),
-                  has_weight, b == "bias", zc, save)
+                  has_weight, b == "bias", zc, save, residual_dtype is not None, residual_dtype)
         fam.problem(1, 1)  # validates the combination
         return fam
 
     def problem(self, M: int, N: int) -> Problem:
         return Problem(self.norm, M, N, self.dtype, self.weight_dtype, self.has_weight, self.has_bias,
-                       self.zero_centered, self.save)
+                       self.zero_centered, self.save, self.residual, self.residual_dtype)
+
+
+def _residual_dtype(residual: Any, residual_dtype: Any, dtype: str) -> str | None:
+    """The canonical residual_dtype of a problem or family: None without a residual, else `dtype` or fp32."""
+    if not isinstance(residual, bool):
+        raise ConfigError(f"residual={residual!r} must be True or False")
+    if not residual:
+        if residual_dtype is not None:
+            raise ConfigError(f"residual_dtype={residual_dtype!r} needs residual=True (or residual_dtype=None)")
+        return None
+    rd = dtype if residual_dtype is None else canonical_dtype(residual_dtype)
+    if rd not in (dtype, "fp32"):
+        raise ConfigError(f"residual_dtype={rd!r} with dtype={dtype!r}: the residual stream must be fp32 or the "
+                          "activation dtype")
+    return rd

@@ -40,6 +40,15 @@ def forward(x2d: torch.Tensor, weight, bias, eps: float, *, is_rms: bool, zero_c
     return y.to(x2d.dtype), rstd, mean if store_mean else None
 
 
+def forward_residual(x2d: torch.Tensor, residual2d: torch.Tensor, weight, bias, eps: float, *, h_dtype: torch.dtype,
+                     is_rms: bool, zero_centered: bool, store_mean: bool):
+    """Returns (y, h, rstd, mean) as `forward.forward_residual` does: h = x + residual added in fp32 and rounded to
+    h_dtype, y the norm of that rounded h, in x's dtype."""
+    h = (x2d.float() + residual2d.float()).to(h_dtype)
+    y, rstd, mean = forward(h, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
+    return y.to(x2d.dtype), h, rstd, mean
+
+
 def normalized(saved: torch.Tensor, weight, bias, rstd, mean, *, is_rms: bool, zero_centered: bool,
                from_output: bool) -> torch.Tensor:
     """x̂ in fp32 from the saved activation (x, or y when `from_output`)."""
@@ -58,8 +67,9 @@ def normalized(saved: torch.Tensor, weight, bias, rstd, mean, *, is_rms: bool, z
 
 
 def backward(grad: torch.Tensor, saved: torch.Tensor, weight, bias, rstd, mean, *, is_rms: bool,
-             zero_centered: bool, from_output: bool):
-    """Returns (dx, dw, db) with dw/db None where absent, in the dtypes the kernels produce."""
+             zero_centered: bool, from_output: bool, dh: torch.Tensor | None = None):
+    """Returns (dx, dw, db) with dw/db None where absent, in the dtypes the kernels produce. `dh`: the residual
+    stream's gradient, added into dx (which then has dh's dtype)."""
     g = grad.float()
     N = g.shape[1]
     xhat = normalized(saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
@@ -77,4 +87,6 @@ def backward(grad: torch.Tensor, saved: torch.Tensor, weight, bias, rstd, mean, 
         dx = (wg - c2 - xhat * c1) * rstd[:, None]
     dw = (g * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
     db = g.sum(dim=0).to(bias.dtype) if bias is not None else None
+    if dh is not None:
+        return (dx + dh.float()).to(dh.dtype), dw, db
     return dx.to(grad.dtype), dw, db

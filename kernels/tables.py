@@ -78,7 +78,8 @@ class Table:
 
     def family_key(self, family: ProblemFamily) -> str | None:
         """The key of the family's rules, or of the closest tuned family: same norm, the same dtype if the table
-        tuned one, else the dtype's stand-in (`STAND_IN_DTYPES`), then most flags equal; None when there is none."""
+        tuned one, else the dtype's stand-in (`STAND_IN_DTYPES`), then most flags equal (a residual family without
+        rules of its own reads the plain family's: the same knobs run it); None when there is none."""
         if family.key in self.families:
             return family.key
         best, best_score = None, (-1, -1)
@@ -93,7 +94,8 @@ class Table:
             else:
                 continue
             score = (same_dtype, sum(getattr(other, f) == getattr(family, f)
-                                     for f in ("weight_dtype", "has_weight", "has_bias", "zero_centered", "save")))
+                                     for f in ("weight_dtype", "has_weight", "has_bias", "zero_centered", "save",
+                                               "residual", "residual_dtype")))
             if score > best_score:
                 best, best_score = key, score
         return best

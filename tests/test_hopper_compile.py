@@ -19,7 +19,7 @@ import pytest
 
 from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET, staged_shared_bytes
 
-CASES = [  # (norm, M, N, dtype, save, which seed)
+CASES = [  # (norm, M, N, dtype, save, which seed); a residual case's dtype is "x+h" (activations x, stream h)
     ("layer_norm", 4096, 4096, "bf16", "input", "default"),
     ("layer_norm", 4096, 12288, "bf16", "input", "split3"),
     ("rms_norm", 512, 16384, "bf16", "output", "split2-fused"),
@@ -41,6 +41,17 @@ CASES = [  # (norm, M, N, dtype, save, which seed)
     ("layer_norm", 20000, 3000, "bf16", "input", "unaligned"),  # rows of 3000 columns: 16-byte vectors all the same
     ("rms_norm", 64, 1000, "bf16", "output", "unaligned-dual"),
     ("layer_norm", 2048, 12288, "fp32", "input", "default"),  # fp32's wide rows: 3 slices of 2 x 4096, prefetch
+    # The residual form (dh read with g and s, added where grad_input is written), every strategy
+    ("rms_norm", 4096, 4096, "bf16+bf16", "input", "default"),
+    ("rms_norm", 4096, 4096, "bf16+fp32", "input", "default"),
+    ("layer_norm", 4096, 12288, "bf16+fp32", "input", "split3"),
+    ("rms_norm", 1024, 28672, "bf16+bf16", "output", "pipelined7"),
+    ("rms_norm", 512, 16384, "bf16+fp32", "input", "split2-fused"),
+    ("rms_norm", 4096, 65536, "bf16+bf16", "input", "two_pass"),
+    ("rms_norm", 256, 32768, "bf16+fp32", "input", "columns"),
+    ("layer_norm", 64, 4096, "bf16+bf16", "input", "dual"),
+    ("rms_norm", 2048, 16384, "bf16+bf16", "input", "recompute"),
+    ("layer_norm", 20000, 3000, "bf16+bf16", "input", "unaligned"),
 ]
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
@@ -117,8 +128,10 @@ def main() -> None:
     JITFunction.warmup = lambda self, *args, grid=None, **kwargs: calls.append((self, args, kwargs)) or object()
     launch.sm_count = lambda device: 132
     launch.compute_capability = lambda device: (9, 0)
-    for norm, M, N, dtype, save, pick in CASES:
-        problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save)
+    for norm, M, N, dtypes, save, pick in CASES:
+        dtype, _, residual_dtype = dtypes.partition("+")
+        problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save, residual=bool(residual_dtype),
+                          residual_dtype=residual_dtype or None)
         default = default_config(problem)
         config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
         if pick in ("split2-fused", "pipelined2-fused"):
@@ -147,13 +160,16 @@ def main() -> None:
                 error = None
             except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
                 error = f"{type(err).__name__}: {str(err)[-600:]}"
-            print(json.dumps({"case": f"{norm} {dtype} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
+            print(json.dumps({"case": f"{norm} {dtypes} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
                               "config": str(config), "error": error, "async_copies": async_copies,
                               "stack": stack, "shared": shared, "narrow": narrow, "num_stages": k1.num_stages,
                               "staged_estimate": staged_shared_bytes(
                                   problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
                                   k1.num_warps)}), flush=True)
     print(json.dumps(dict(_forward_case(3000), pick="forward")), flush=True)
+    for h_dtype in ("bf16", "fp32"):
+        print(json.dumps(dict(_forward_case(3000, h_dtype), pick="forward")), flush=True)
+        print(json.dumps(dict(_forward_case(12288, h_dtype), pick="forward-chunked")), flush=True)
 
 
 def _narrow_accesses(ptx: str) -> int:
@@ -163,9 +179,9 @@ def _narrow_accesses(ptx: str) -> int:
     return len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.b16\b", ptx))
 
 
-def _forward_case(N: int) -> dict:
-    """The forward kernel for bf16 rows of N columns (LayerNorm with weight and bias), compiled for sm_90 as its
-    launcher specializes it, with its PTX's narrow accesses."""
+def _forward_case(N: int, h_dtype: str | None = None) -> dict:
+    """The forward kernel for bf16 rows of N columns (LayerNorm with weight and bias; with a residual and h in
+    `h_dtype` where given), compiled for sm_90 as its launcher specializes it, with its PTX's narrow accesses."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -174,15 +190,17 @@ def _forward_case(N: int) -> dict:
     from normtune.kernels.forward import _forward_kernel, _launcher
     from normtune.kernels.heuristics import alignment_hint
 
-    launcher, _ = _launcher(N, False, True, True, False, True, False, alignment_hint(N))
+    launcher, _ = _launcher(N, False, True, True, False, True, False, alignment_hint(N), h_dtype is not None)
     kwargs = dict(launcher.constexprs)
     act, f32 = torch.bfloat16, torch.float32
-    signature, constants, attrs = _signature(_forward_kernel, (act, N, act, N, act, act, f32, f32, 20000, N, 1e-5),
-                                             kwargs)
+    h = {None: act, "bf16": act, "fp32": f32}[h_dtype]
+    signature, constants, attrs = _signature(
+        _forward_kernel, (act, N, act, N, h, N, h, N, act, act, f32, f32, 20000, N, 1e-5), kwargs)
     options = {k: v for k, v in kwargs.items() if k not in signature}
     compiled = triton.compile(ASTSource(_forward_kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    return {"case": f"forward bf16 {N}", "kernel": "forward", "narrow": _narrow_accesses(compiled.asm["ptx"])}
+    return {"case": f"forward bf16{'+' + h_dtype if h_dtype else ''} {N}", "kernel": "forward",
+            "narrow": _narrow_accesses(compiled.asm["ptx"])}
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -217,8 +235,9 @@ def test_every_strategy_compiles_for_hopper():
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     forward = [r for r in lines if r["pick"] == "forward"]
-    assert len(forward) == 1 and forward[0]["narrow"] == 0, forward  # the forward's rows of 3000 too
-    lines = [r for r in lines if r["pick"] != "forward"]
+    assert len(forward) == 3 and all(r["narrow"] == 0 for r in forward), forward  # rows of 3000, with a residual too
+    assert len([r for r in lines if r["pick"] == "forward-chunked"]) == 2, lines
+    lines = [r for r in lines if not r["pick"].startswith("forward")]
     compiled = {(r["case"], r["kernel"]) for r in lines}
     assert len({case for case, _ in compiled}) == len(CASES), result.stdout
     assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",

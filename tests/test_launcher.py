@@ -305,9 +305,9 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
         placeholders = _placeholder_args(problem, False, config.kernel_1.row_split)
         launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
         assert launch_ints == [a for a in placeholders if isinstance(a, int)]
-    if config.kernel_1.strategy == "dual":  # precompile: the rows' strides, M, N and the row programs
+    if config.kernel_1.strategy == "dual":  # precompile: the rows' strides (dh's too), M, N and the row programs
         launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
-        assert launch_ints == [N, N, N, M, N, launch.plan.row_programs]
+        assert launch_ints == [N, N, N, N, M, N, launch.plan.row_programs]  # dh's place holds grad's stride
 
 
 def test_polled_counters_each_have_a_cache_line():

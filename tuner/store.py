@@ -36,7 +36,7 @@ from normtune.tuner.device import DeviceInfo
 from normtune.tuner.results import STATUSES, MeasureResult
 
 from . import store_schema
-from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RUN_STATUSES, SCHEMA_VERSION,
+from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
                            StoreIntegrityError, _check_choice, _config_hash, _figure, _measurement_record, _now,
@@ -187,7 +187,8 @@ class Store(WorkerCoordination):
             try:
                 with self.session_scope() as session:
                     row = ProblemModel(key=problem.key, family_key=problem.family.key,
-                                       **{f.name: getattr(problem, f.name) for f in dataclasses.fields(Problem)})
+                                       **{f.name: getattr(problem, f.name) for f in dataclasses.fields(Problem)
+                                          if f.name not in RESIDUAL_FIELDS})
                     session.add(row)
                     session.flush()
                     found = row.id

@@ -17,7 +17,7 @@ from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, 
                         Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.results import STATUSES, MeasureResult
 
@@ -335,9 +335,15 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
 
 
+# Problem fields without a column of their own: the residual form is read from the family key (whose
+# '/res-<dtype>' part only residual problems have), so databases written before it read as residual=False.
+RESIDUAL_FIELDS = ("residual", "residual_dtype")
+
+
 def _problem(row: ProblemModel) -> Problem:
+    family = ProblemFamily.from_key(row.family_key) if "/res-" in row.family_key else None
     return Problem(row.norm, row.M, row.N, row.dtype, row.weight_dtype, row.has_weight, row.has_bias,
-                   row.zero_centered, row.save)
+                   row.zero_centered, row.save, family is not None, family.residual_dtype if family else None)
 
 
 def _run_record(row: RunModel) -> RunRecord:

@@ -46,16 +46,17 @@ def row_sums(
 
 @triton.jit
 def kernel_1_columns(
-    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, C1, C2, DW, DB, M, N,
+    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, C1, C2, DW, DB, M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
-    HINT: tl.constexpr = 1,
+    HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False,
 ):
     """Program p: columns [p·BLOCK_COL, (p+1)·BLOCK_COL) of every row, BLOCK_ROW rows at a time in row order;
-    writes grad_input there and the columns' final dw/db (fixed order: reruns are bitwise identical)."""
+    writes grad_input there (plus dh, HAS_DRES: the residual form) and the columns' final dw/db (fixed order:
+    reruns are bitwise identical)."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
-    stride_dx = assume_multiple(stride_dx, HINT)
+    stride_dx, stride_dh = assume_multiple(stride_dx, HINT), assume_multiple(stride_dh, HINT)
     cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
@@ -84,6 +85,6 @@ def kernel_1_columns(
             acc_dw += g * xhat
         if HAS_BIAS:
             acc_db += g
-        store_rows(DX, stride_dx, grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask,
-                   INT64)
+        store_rows(DX, stride_dx, DH, stride_dh, grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS), rows, M, cols,
+                   col_mask, HAS_DRES, EVICTION, INT64)
     store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT, HAS_BIAS)

@@ -8,6 +8,9 @@ Math (per row, fp32; x̂ normalized input, r = rstd, g = grad_output, w effectiv
     RMSNorm:   dx = r·(wg − x̂·c1)
     LayerNorm: dx = r·(wg − c2 − x̂·c1)
     dw = Σ_rows g·x̂,  db = Σ_rows g
+Residual form (HAS_DRES): the normalized row was h = x + residual, and the residual stream's gradient dh arrives
+beside g. grad_input is then dh + dx: the gradient of both x and residual, written once, in dh's dtype.
+
 x̂ comes from the input (x̂ = (x−μ)·r, or x·r for RMSNorm) or, when the forward saved its output, from
 y: x̂ = (y − b)/w. Where y cannot determine x̂ (w = 0, or |b| ≥ |w|·2^(p−1) for p mantissa bits), that column's
 grad_input and grad_weight are NaN rather than silently wrong; the other columns stay exact (c1 uses x̂·w = y − b).
@@ -171,10 +174,18 @@ def grad_input(wg, xhat, c1, c2, r, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def store_rows(DX, stride_dx, dx, rows, M, cols, col_mask, INT64: tl.constexpr):
+def store_rows(DX, stride_dx, DH, stride_dh, dx, rows, M, cols, col_mask, HAS_DRES: tl.constexpr,
+               EVICTION: tl.constexpr, INT64: tl.constexpr):
+    """grad_input of `rows`: dx (fp32), plus (HAS_DRES) the residual stream's gradient dh, rounded once to DX's
+    dtype. dh is loaded here, after the row reductions, rather than with g and the saved tile: held across the
+    reductions it would be one more live tile, and single-pass tiles sized for the plain norm would spill
+    (tests/test_hopper_compile.py compiles the residual cases and reads their stack)."""
     mask = (rows < M)[:, None] & col_mask[None, :]
     if INT64:
         rows = rows.to(tl.int64)
+    if HAS_DRES:
+        dx = dx + tl.load(DH + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0,
+                          eviction_policy=EVICTION).to(tl.float32)
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 

@@ -16,12 +16,13 @@ from .common import (assume_multiple, effective_weight, grad_input, load_rows, n
 
 
 @triton.jit
-def _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, M, N, pid, ROW_PROGRAMS,
-                      IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, M, N, pid,
+                      ROW_PROGRAMS, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ZERO_CENTERED: tl.constexpr, FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
                       BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr):
-    """Row program `pid`: row tiles pid, pid + ROW_PROGRAMS, …, each whole row's two sums, then grad_input."""
+                      PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr, HAS_DRES: tl.constexpr):
+    """Row program `pid`: row tiles pid, pid + ROW_PROGRAMS, …, each whole row's two sums, then grad_input (plus
+    dh, HAS_DRES: the residual form)."""
     cols = tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
@@ -46,7 +47,8 @@ def _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN,
         wg = w[None, :] * g
         c1 = tl.sum(scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g, axis=1) / N
         c2 = tl.sum(wg, axis=1) / N
-        store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
+        store_rows(DX, stride_dx, DH, stride_dh, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask,
+                   HAS_DRES, EVICTION, INT64)
 
 
 @triton.jit
@@ -75,23 +77,23 @@ def _write_column_sums(G, stride_g, S, stride_s, W, B, RSTD, MEAN, DW, DB, M, N,
 
 @triton.jit
 def kernel_1_dual(
-    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, DW, DB, M, N, ROW_PROGRAMS,
+    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, DW, DB, M, N, ROW_PROGRAMS,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,  # the row programs' tile (BLOCK_COL covers a row)
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
     RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr,  # the column programs' tile: rows per step, columns
-    HINT: tl.constexpr = 1,
+    HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_columns`, without the row sums (the row programs compute them) and with the number
     of row programs; programs past it own RED_BLOCK_N columns each."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
-    stride_dx = assume_multiple(stride_dx, HINT)
+    stride_dx, stride_dh = assume_multiple(stride_dx, HINT), assume_multiple(stride_dh, HINT)
     pid = tl.program_id(0)
     if pid < ROW_PROGRAMS:
-        _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, M, N, pid, ROW_PROGRAMS,
-                          IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, FROM_OUTPUT, RECOVER_LIMIT, BLOCK_ROW,
-                          BLOCK_COL, NUM_STAGES, PREFETCH, EVICTION, INT64)
+        _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, M, N, pid,
+                          ROW_PROGRAMS, IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, FROM_OUTPUT, RECOVER_LIMIT,
+                          BLOCK_ROW, BLOCK_COL, NUM_STAGES, PREFETCH, EVICTION, INT64, HAS_DRES)
     else:
         _write_column_sums(G, stride_g, S, stride_s, W, B, RSTD, MEAN, DW, DB, M, N, pid - ROW_PROGRAMS, IS_RMS,
                            HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED, FROM_OUTPUT, RECOVER_LIMIT, INT64, RED_BLOCK_M,

@@ -6,6 +6,9 @@ kernel_2 as a second launch or fused into kernel_1's tail; columns (few rows: ro
 writes dw/db itself); dual (few rows, one launch: row programs write grad_input, column programs dw/db). Grids of
 kernels whose programs wait for each other (row_split > 1, fused) are capped at what the GPU holds at once, read
 from the compiled kernel's registers and shared memory.
+
+Residual problems (`Problem.residual`) pass the residual stream's gradient dh to kernel_1 (HAS_DRES), which adds
+it into grad_input where it writes it; grad_input is then in dh's dtype. Every strategy and knob takes it alike.
 """
 
 from __future__ import annotations
@@ -83,10 +86,15 @@ def _flags(p: Problem, hint: int) -> dict:
                 HINT=hint)
 
 
+def _k1_flags(p: Problem, hint: int) -> dict:
+    """`_flags` of the kernels that write grad_input (kernel_1 of every strategy), with the residual's."""
+    return dict(_flags(p, hint), HAS_DRES=p.residual)
+
+
 def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, fused: bool, phase: int,
                  slots: int, hint: int) -> dict:
     k1, k2 = config.kernel_1, config.kernel_2
-    return dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+    return dict(_k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
@@ -96,9 +104,15 @@ def _rows_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, 
 
 def _dual_kwargs(p: Problem, config: BackwardConfig, int64: bool, hint: int) -> dict:
     k1, k2 = config.kernel_1, config.kernel_2
-    return dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+    return dict(_k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, RED_BLOCK_M=k2.block_m,
                 RED_BLOCK_N=k2.block_n, num_warps=k1.num_warps)
+
+
+def _columns_kwargs(p: Problem, config: BackwardConfig, int64: bool, hint: int) -> dict:
+    k1 = config.kernel_1
+    return dict(_k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+                PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
 
 
 def _row_sums_tile(N: int) -> tuple[int, int, int]:
@@ -135,8 +149,7 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
         return Plan(p, config, 0, 0, phased, 1, {}, None, 0, None, 0)
     if k1.strategy == "columns":
         rb, rc, rw = _row_sums_tile(N)
-        k1_kwargs = dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
-                         PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
+        k1_kwargs = _columns_kwargs(p, config, int64, hint)
         rs_kwargs = dict(_flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
         return Plan(p, config, 0, cdiv(N, k1.block_col), phased, 1, k1_kwargs, None, 0, rs_kwargs, cdiv(M, rb),
                     Launcher(kernel_1_columns, k1_kwargs), None, Launcher(row_sums, rs_kwargs),
@@ -197,11 +210,15 @@ def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device,
 
 def _placeholder_args(p: Problem, int64: bool, row_split: int = 1) -> tuple:
     """kernel_1 (rows) arguments as dtypes (aligned pointers, as a launch's buffers are) and the integers a launch
-    on contiguous rows passes, for compiling without data: the same specialization as that launch."""
+    on contiguous rows passes, for compiling without data: the same specialization as that launch. A residual
+    problem's saved input (h), grad_input and dh are in the residual dtype; without a residual, dh's place holds
+    grad's pointer and stride, as `BackwardLaunch` passes them."""
     act, wdt, f32, i32 = TORCH_DTYPES[p.dtype], TORCH_DTYPES[p.weight_dtype], torch.float32, torch.int32
+    res = TORCH_DTYPES[p.residual_dtype] if p.residual else act
+    saved = res if p.save == "input" else act
     out_dt = wdt
-    return (act, p.N, act, p.N, act, p.N, wdt if p.has_weight else f32, wdt if p.has_bias else f32, f32, f32,
-            f32, f32, out_dt if p.has_weight else f32, out_dt if p.has_bias else f32, f32, i32, i32, i32,
+    return (act, p.N, saved, p.N, res, p.N, res, p.N, wdt if p.has_weight else f32, wdt if p.has_bias else f32, f32,
+            f32, f32, f32, out_dt if p.has_weight else f32, out_dt if p.has_bias else f32, f32, i32, i32, i32,
             p.M, p.N, slice_width(p.N, row_split))
 
 
@@ -216,20 +233,25 @@ class BackwardLaunch:
 
     def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor,
-                 mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None):
+                 mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None,
+                 dh: torch.Tensor | None = None):
         """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by the row strides of
-        grad, saved and dx (which decide int64 indexing and the alignment hint; the runtime keeps one memo per
-        resolved call, so that a call does not hash the problem and config again)."""
+        grad, saved, dx and dh (which decide int64 indexing and the alignment hint; the runtime keeps one memo per
+        resolved call, so that a call does not hash the problem and config again). `dh`: the residual stream's
+        gradient rows, which a residual problem needs (grad_input = dh + the norm's dx, in dh's dtype)."""
         M, N = problem.M, problem.N
         device = grad.device
+        if problem.residual != (dh is not None):
+            raise ValueError("dh (the residual stream's gradient) is needed exactly when the problem has a residual")
         g_stride, s_stride = grad.stride(0), saved.stride(0)
+        dh_arg, dh_stride = (grad, g_stride) if dh is None else (dh, dh.stride(0))
         if dx is None:  # allocated here: contiguous and aligned
-            dx = torch.empty(M, N, dtype=grad.dtype, device=device)
+            dx = torch.empty(M, N, dtype=dh_arg.dtype, device=device)
             dx_stride, dx_align = N, 0
         else:
             dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
         self.dx = dx
-        strides = (g_stride, s_stride, dx_stride)
+        strides = (g_stride, s_stride, dx_stride) if dh is None else (g_stride, s_stride, dx_stride, dh_stride)
         pl = plans.get(strides) if plans is not None else None
         if pl is None:
             pl = plan(problem, config, device, needs_int64(M, N, *strides), alignment_hint(N, *strides))
@@ -258,6 +280,8 @@ class BackwardLaunch:
         self._key = (g_stride, s_stride, dx_stride, grad.data_ptr() & 15, saved.data_ptr() & 15, dx_align,
                      weight_arg.data_ptr() & 15, bias_arg.data_ptr() & 15, rstd.data_ptr() & 15,
                      mean_arg.data_ptr() & 15)
+        if dh is not None:
+            self._key += (dh_stride, dh.data_ptr() & 15)
         self._k1_args = self._k2_args = self._rs_args = None
         if M == 0:
             return
@@ -271,18 +295,18 @@ class BackwardLaunch:
             partial_dw = rstd if self.partial_dw is None else self.partial_dw
             partial_db = rstd if self.partial_db is None else self.partial_db
             sums = rstd if exchange is None else exchange
-            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
-                             partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b, global_counters, M, N,
-                             pl.slice)
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg,
+                             rstd, mean_arg, partial_dw, partial_db, dw_arg, db_arg, sums, group_a, group_b,
+                             global_counters, M, N, pl.slice)
             self._k2_args = (partial_dw, partial_db, dw_arg, db_arg, pl.groups, N)
         elif strategy == "dual":
-            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
-                             dw_arg, db_arg, M, N, pl.row_programs)
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg,
+                             rstd, mean_arg, dw_arg, db_arg, M, N, pl.row_programs)
         else:  # columns
             c0, c1 = work  # per-row sums
             self._rs_args = (grad, g_stride, saved, s_stride, weight_arg, bias_arg, rstd, mean_arg, c0, c1, M, N)
-            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, weight_arg, bias_arg, rstd, mean_arg,
-                             c0, c1, dw_arg, db_arg, M, N)
+            self._k1_args = (grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg,
+                             rstd, mean_arg, c0, c1, dw_arg, db_arg, M, N)
 
     @property
     def programs(self) -> int:
@@ -340,23 +364,20 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
     device = device or torch.device("cuda", torch.cuda.current_device())
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     int64, hint = needs_int64(p.M, p.N), alignment_hint(p.N)
-    f32, act = torch.float32, TORCH_DTYPES[p.dtype]
+    f32 = torch.float32
     wdt = TORCH_DTYPES[p.weight_dtype]
     if k1.strategy == "columns":
         rb, rc, rw = _row_sums_tile(p.N)
         pa = _placeholder_args(p, int64)
-        row_sums.warmup(act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, p.M, p.N, grid=(cdiv(p.M, rb),),
+        row_sums.warmup(*pa[:4], pa[8], pa[9], f32, f32, f32, f32, p.M, p.N, grid=(cdiv(p.M, rb),),
                         **dict(_flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw))
-        kernel_1_columns.warmup(act, p.N, act, p.N, act, p.N, pa[6], pa[7], f32, f32, f32, f32, pa[12], pa[13],
-                                p.M, p.N, grid=(cdiv(p.N, k1.block_col),),
-                                **dict(_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col,
-                                       NUM_STAGES=k1.num_stages, PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy,
-                                       INT64=int64, num_warps=k1.num_warps))
+        kernel_1_columns.warmup(*pa[:12], f32, f32, pa[14], pa[15], p.M, p.N, grid=(cdiv(p.N, k1.block_col),),
+                                **_columns_kwargs(p, config, int64, hint))
         return
     pl = plan(p, config, device, int64, hint)
     if k1.strategy == "dual":
         pa = _placeholder_args(p, int64)
-        kernel_1_dual.warmup(*pa[:10], pa[12], pa[13], p.M, p.N, pl.row_programs, grid=(pl.programs,),
+        kernel_1_dual.warmup(*pa[:12], pa[14], pa[15], p.M, p.N, pl.row_programs, grid=(pl.programs,),
                              **pl.k1_kwargs)
         return
     pl.kernel_1.warmup(*_placeholder_args(p, int64, k1.row_split), grid=(pl.programs,), **pl.k1_kwargs)

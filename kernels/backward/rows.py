@@ -83,6 +83,7 @@ def kernel_1_single_pass(
     G, stride_g,  # grad_output rows; stride: elements between consecutive rows
     S, stride_s,  # saved activation rows: x (save="input") or y (save="output")
     DX, stride_dx,  # grad_input rows
+    DH, stride_dh,  # residual-stream gradient rows, added into grad_input (HAS_DRES; else never read)
     W, B,  # weight (raw: w' when zero-centered) and bias; B is read only to recover x̂ from y
     RSTD, MEAN,  # per-row fp32 r and μ (μ only for LayerNorm saving from the input)
     PARTIAL_DW, PARTIAL_DB,  # [groups, N] fp32: group g's sum of g·x̂ (and of g) over its rows
@@ -103,12 +104,14 @@ def kernel_1_single_pass(
     COLUMN_ACC: tl.constexpr = False,  # dw/db: one fp32 value per column, each tile's rows added in as it is done
     PIPELINED: tl.constexpr = False,  # ROW_SPLIT: the exchange waits through inline assembly (pipelined loop)
     HINT: tl.constexpr = 1,  # N, SLICE and the row strides are multiples of this (`assume_multiple`)
+    HAS_DRES: tl.constexpr = False,  # residual form: grad_input = dh + the norm's dx
 ):
     if PDL:
         gdc_launch_dependents()
     N, SLICE = assume_multiple(N, HINT), assume_multiple(SLICE, HINT)
     stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
                                      assume_multiple(stride_dx, HINT))
+    stride_dh = assume_multiple(stride_dh, HINT)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     group = pid // ROW_SPLIT
@@ -184,7 +187,8 @@ def kernel_1_single_pass(
                 xhat = normalized(widen_again(s_raw, zero), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
                                   RECOVER_LIMIT)
                 wg = w[None, :] * widen_again(g_raw, zero)
-            store_rows(DX, stride_dx, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols, col_mask, INT64)
+            store_rows(DX, stride_dx, DH, stride_dh, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols,
+                       col_mask, HAS_DRES, EVICTION, INT64)
     if PHASE != 1:
         partial = group * N + cols
         if not COLUMN_ACC:
@@ -204,24 +208,28 @@ def kernel_1_single_pass(
 
 
 @triton.jit
-def _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                NEED_BIAS: tl.constexpr, EVICTION: tl.constexpr):
-    """Raw grad and saved chunk at columns c0.., with w (and b when recovering x̂ from y); past N loads nothing."""
+def _load_chunk(g_rows, s_rows, d_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT: tl.constexpr,
+                ZERO_CENTERED: tl.constexpr, NEED_BIAS: tl.constexpr, LOAD_DRES: tl.constexpr, EVICTION: tl.constexpr):
+    """Raw grad, saved and (LOAD_DRES) residual-gradient chunk at columns c0.., with w (and b when recovering x̂
+    from y); past N loads nothing. Without LOAD_DRES the third chunk is g again (never used)."""
     cols = c0 + chunk
     col_mask = cols < N
     mask = row_mask[:, None] & col_mask[None, :]
     g = tl.load(g_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
     s = tl.load(s_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    d = g
+    if LOAD_DRES:
+        d = tl.load(d_rows + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
     b = tl.zeros(w.shape, tl.float32)
     if NEED_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return g, s, w, b
+    return g, s, d, w, b
 
 
 @triton.jit
 def kernel_1_two_pass(
-    G, stride_g, S, stride_s, DX, stride_dx, W, B, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, DW, DB,
+    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, DW, DB,
     SUMS, COUNTERS, DONE, BARRIER, M, N, SLICE,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
@@ -230,18 +238,20 @@ def kernel_1_two_pass(
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False, HINT: tl.constexpr = 1,
+    HAS_DRES: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
     ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows
     to the partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
     pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's
     partial row (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before
-    computing j."""
+    computing j. HAS_DRES: pass 2 reads dh with each chunk and writes grad_input = dh + dx."""
     if PDL:
         gdc_launch_dependents()
     N = assume_multiple(N, HINT)
     stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
                                      assume_multiple(stride_dx, HINT))
+    stride_dh = assume_multiple(stride_dh, HINT)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     chunk = tl.arange(0, BLOCK_COL)
@@ -255,6 +265,7 @@ def kernel_1_two_pass(
             rows = rows.to(tl.int64)
         g_rows = G + rows[:, None] * stride_g
         s_rows = S + rows[:, None] * stride_s
+        d_rows = DH + rows[:, None] * stride_dh
         r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mu = r
         if not IS_RMS and not FROM_OUTPUT:
@@ -263,17 +274,17 @@ def kernel_1_two_pass(
         acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         acc_c2 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
         if PREFETCH:
-            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
-                                                         ZERO_CENTERED, NEED_BIAS, "evict_last")
+            g_next, s_next, _, w_next, b_next = _load_chunk(g_rows, s_rows, d_rows, W, B, 0, chunk, N, row_mask,
+                                                            HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS, False, "evict_last")
         for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
             if PREFETCH:
                 g, s, w, b = g_next, s_next, w_next, b_next
-                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
-                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
-                                                             "evict_last")
+                g_next, s_next, _, w_next, b_next = _load_chunk(g_rows, s_rows, d_rows, W, B, c0 + BLOCK_COL, chunk,
+                                                                N, row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                                False, "evict_last")
             else:
-                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
-                                         NEED_BIAS, "evict_last")
+                g, s, _, w, b = _load_chunk(g_rows, s_rows, d_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT,
+                                            ZERO_CENTERED, NEED_BIAS, False, "evict_last")
             s = s.to(tl.float32)
             g = g.to(tl.float32)
             xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
@@ -286,8 +297,9 @@ def kernel_1_two_pass(
         # previous partial is read only after it (prev_cols = 0 masks the whole read).
         prev_cols = tl.where(tile == pid, 0, N)
         if PREFETCH:
-            g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, 0, chunk, N, row_mask, HAS_WEIGHT,
-                                                         ZERO_CENTERED, NEED_BIAS, EVICTION)
+            g_next, s_next, d_next, w_next, b_next = _load_chunk(g_rows, s_rows, d_rows, W, B, 0, chunk, N,
+                                                                 row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
+                                                                 HAS_DRES, EVICTION)
         for c0 in tl.range(0, N, BLOCK_COL, num_stages=NUM_STAGES):
             cols = c0 + chunk
             col_mask = cols < N
@@ -297,13 +309,13 @@ def kernel_1_two_pass(
             if HAS_BIAS:
                 prev_db = tl.load(PARTIAL_DB + partial_row + cols, mask=cols < prev_cols, other=0.0)
             if PREFETCH:
-                g, s, w, b = g_next, s_next, w_next, b_next
-                g_next, s_next, w_next, b_next = _load_chunk(g_rows, s_rows, W, B, c0 + BLOCK_COL, chunk, N,
-                                                             row_mask, HAS_WEIGHT, ZERO_CENTERED, NEED_BIAS,
-                                                             EVICTION)
+                g, s, d, w, b = g_next, s_next, d_next, w_next, b_next
+                g_next, s_next, d_next, w_next, b_next = _load_chunk(g_rows, s_rows, d_rows, W, B, c0 + BLOCK_COL,
+                                                                     chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
+                                                                     NEED_BIAS, HAS_DRES, EVICTION)
             else:
-                g, s, w, b = _load_chunk(g_rows, s_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT, ZERO_CENTERED,
-                                         NEED_BIAS, EVICTION)
+                g, s, d, w, b = _load_chunk(g_rows, s_rows, d_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT,
+                                            ZERO_CENTERED, NEED_BIAS, HAS_DRES, EVICTION)
             g = g.to(tl.float32)
             xhat = normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
                               RECOVER_LIMIT)
@@ -312,6 +324,8 @@ def kernel_1_two_pass(
             if HAS_BIAS:
                 tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
             dx = grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS)
+            if HAS_DRES:
+                dx += d.to(tl.float32)
             mask = row_mask[:, None] & col_mask[None, :]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.

@@ -1,0 +1,132 @@
+"""The residual form's torch.library custom ops and autograd: `normtune::norm_residual_forward` and
+`normtune::norm_residual_backward`, and `EagerFusedAdd` for eager calls (as `ops.EagerNorm` is for the plain norm).
+
+    h = x + residual  (added in fp32, stored in the residual stream's dtype)
+    y = norm(h)
+    backward: d = dh + norm_backward(dy), the gradient of both x and residual (one tensor; cast only where x or
+    residual has another dtype than h)
+
+Inputs here are checked 2-D views (`residual.py` checks and reshapes). The backward saves h (save="input") or y
+(save="output"), with rstd and mean, as the plain norm saves x or y.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import forward as _forward
+from . import reference, saving
+from .device import use_triton
+from .ops import _backward_impl, _empty, contiguous_operand
+
+
+def forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype):
+    """(y, h, rstd, mean); mean is None unless LayerNorm saves from the input."""
+    store_mean = not is_rms and not save_output
+    impl = _forward.forward_residual if use_triton(x) else reference.forward_residual
+    return impl(x, residual, weight, bias, eps, h_dtype=h_dtype, is_rms=is_rms, zero_centered=zero_centered,
+                store_mean=store_mean)
+
+
+@torch.library.custom_op("normtune::norm_residual_forward", mutates_args=())
+def norm_residual_forward(x: Tensor, residual: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                          is_rms: bool, zero_centered: bool, save_output: bool, h_dtype: torch.dtype,
+                          config: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """y, h (in h_dtype), rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input)."""
+    if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
+        raise RuntimeError(saving.refusal("save='output' under torch.compile (normtune::norm_residual_forward)"))
+    y, h, rstd, mean = forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype)
+    return y, h, rstd, mean if mean is not None else _empty(rstd)
+
+
+@norm_residual_forward.register_fake
+def _(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype, config):
+    M = x.shape[0]
+    store_mean = not is_rms and not save_output
+    return (x.new_empty(x.shape), x.new_empty(x.shape, dtype=h_dtype), x.new_empty((M,), dtype=torch.float32),
+            x.new_empty((M if store_mean else 0,), dtype=torch.float32))
+
+
+@torch.library.custom_op("normtune::norm_residual_backward", mutates_args=())
+def norm_residual_backward(grad: Tensor, grad_h: Tensor, saved: Tensor, weight: Optional[Tensor],
+                           bias: Optional[Tensor], rstd: Tensor, mean: Tensor, is_rms: bool, zero_centered: bool,
+                           save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(d, dw, db): d = grad_h + the norm's grad_input, in grad_h's dtype; dw/db empty where absent."""
+    if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
+        raise RuntimeError(saving.refusal("normtune::norm_residual_backward from the output"))
+    d, dw, db = _backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
+                               zero_centered, save_output, config, dh=grad_h)
+    return d, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+
+
+@norm_residual_backward.register_fake
+def _(grad, grad_h, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
+    d = grad_h.new_empty(grad_h.shape)
+    dw = weight.new_empty(weight.shape) if weight is not None else grad.new_empty((0,))
+    db = bias.new_empty(bias.shape) if bias is not None else grad.new_empty((0,))
+    return d, dw, db
+
+
+def _grads(d: Tensor, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The gradients of x and residual from d (h's gradient): d itself where the dtypes agree (one tensor)."""
+    return (d if d.dtype == x_dtype else d.to(x_dtype)), (d if d.dtype == residual_dtype else d.to(residual_dtype))
+
+
+def _materialized(grad_y, grad_h, saved, x_dtype, h_dtype):
+    """dy and dh, a zero tensor standing for one that got no gradient."""
+    if grad_y is None:
+        grad_y = torch.zeros(saved.shape, dtype=x_dtype, device=saved.device)
+    if grad_h is None:
+        grad_h = torch.zeros(saved.shape, dtype=h_dtype, device=saved.device)
+    return grad_y, grad_h
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype, config = inputs
+    y, h, rstd, mean = output
+    ctx.save_for_backward(y if save_output else h, weight, bias, rstd, mean)
+    ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h_dtype)
+    ctx.mark_non_differentiable(rstd, mean)
+
+
+def _autograd_backward(ctx, grad_y, grad_h, _grad_rstd, _grad_mean):
+    saved, weight, bias, rstd, mean = ctx.saved_tensors
+    is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype = ctx.flags
+    grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
+    d, dw, db = norm_residual_backward(grad_y, grad_h, saved, weight, bias, rstd, mean, is_rms, zero_centered,
+                                       save_output, config)
+    dx, dr = _grads(d, x_dtype, residual_dtype)
+    return (dx, dr, dw if weight is not None else None, db if bias is not None else None,
+            None, None, None, None, None, None)
+
+
+norm_residual_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+class EagerFusedAdd(torch.autograd.Function):
+    """The custom ops' forward and backward for eager calls (a plain autograd.Function skips the custom ops'
+    dispatch layers); returns (y, h). An output that gets no gradient counts as a zero one."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config, h_dtype):
+        y, h, rstd, mean = forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype)
+        ctx.save_for_backward(y if save_output else h, weight, bias, rstd, mean)
+        ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h_dtype)
+        ctx.set_materialize_grads(False)
+        return y, h
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_h):
+        saved, weight, bias, rstd, mean = ctx.saved_tensors
+        is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype = ctx.flags
+        if grad_y is None and grad_h is None:
+            return (None,) * 10
+        grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
+        d, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
+                                   config, dh=grad_h)
+        dx, dr = _grads(d, x_dtype, residual_dtype)
+        return (dx, dr, dw if weight is not None else None, db if bias is not None else None,
+                None, None, None, None, None, None)
