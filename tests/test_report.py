@@ -7,7 +7,6 @@ Expected figures are worked out by hand in the comments beside the values that p
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
@@ -119,23 +118,33 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     paths = write_report(full_store, "testgpu", tmp_path)
     names = [p.name for p in paths]
     assert names[0] == "report.md"
-    assert set(names) == {"report.md", "kernels_layer_norm_bf16.png", "kernels_rms_norm_bf16.png",
-                          "best_vs_default_layer_norm_bf16.png", "best_vs_default_rms_norm_bf16.png",
-                          "heatmap_k1_block_row_k1_num_warps.png", "heatmap_k2_block_m_k2_block_n.png",
-                          "heatmap_k1_programs_per_sm_k2_block_m.png", "validation.png", "peers_layer_norm.png",
-                          "peers_rms_norm.png"}
+    assert set(names) == {"report.md", "runs.csv", "kernels_layer_norm_bf16.png", "kernels_rms_norm_bf16.png",
+                          "best_vs_default_layer_norm.png", "best_vs_default_rms_norm.png",
+                          "heatmap_k1_block_row_k1_num_warps.png",
+                          "heatmap_k2_block_m_k2_block_n.png", "heatmap_k1_programs_per_sm_k2_block_m.png",
+                          "validation_layer_norm.png", "validation_rms_norm.png", "peers.png"}
     assert all(p.parent == tmp_path and p.is_file() for p in paths)
     assert_valid_pngs(paths)
     text = (tmp_path / "report.md").read_text()
-    for heading in ("## Provenance", "## Best config per problem", "## Launch knobs", "## Heuristic table",
-                    "## Validation on held-out shapes", "## normtune vs peers"):
-        assert heading in text
-    for png in names[1:]:
+    headings = ["## Summary", "## normtune vs peers", "## Best config per problem", "## Where the time goes",
+                "## Launch knobs", "## Heuristic table", "## Validation on held-out shapes", "## Provenance"]
+    positions = [text.index(h) for h in headings]
+    assert positions == sorted(positions), "results come first, provenance last"
+    for png in names[2:]:
         assert f"]({png})" in text, f"report.md does not link {png}"
-    # Provenance
-    assert "NVIDIA Test GPU" in text and "compute capability 9.0" in text and "8 SMs" in text
-    assert "driver 560.35.03" in text and "torch 2.6.0" in text and "git revisions abc1234" in text
-    assert "| sweep |" in text and "| validate |" in text and "| bench |" in text
+    # A result within the first 30 lines: the summary's peer comparison, labelled with GPU and dtype.
+    head = text.splitlines()[:30]
+    assert ("- **normtune vs the fastest peer** (NVIDIA Test GPU, bf16, 2 shapes, bench run 3): faster on 2 of 2 "
+            "shapes, geometric-mean speedup **1.342×**.") in head
+    assert "### layer_norm bf16 (weights bf16, with bias, saves the input) — NVIDIA Test GPU" in text
+    # Provenance: counts and ranges, every run in runs.csv.
+    assert "- Runs: 3 (1 sweep, 1 validate, 1 bench), run ids 1–3" in text and "[runs.csv](runs.csv)" in text
+    assert "compute capability 9.0; 8 SMs" in text and "driver 560.35.03" in text and "torch 2.6.0" in text
+    assert "Git revisions: 1 distinct, from abc1234 (run 1) to abc1234 (run 3)." in text
+    assert "as stored with each run: 2900 GB/s over 1 of the runs; runs storing none" in text
+    rows = (tmp_path / "runs.csv").read_text().splitlines()
+    assert rows[0].startswith("run,kind,status") and [r.split(",")[1] for r in rows[1:]] == ["sweep", "validate",
+                                                                                               "bench"]
     # Best LN: 9.37 µs of sweep run 1 (7 measurements: 6 of the sweep, 1 of the bench), kernel split 80/20; the
     # sweep run stored no copy bandwidth, so % floor is n/a (the measurement's own floor_us is not used); the
     # default timed in the same run at 15.0 -> 1.60x. GB/s, derived as no bytes were stored: 16 programs (2 per
@@ -150,7 +159,7 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     assert "| 700×3000 |" in text and "| 2 | 25.0 | 1.56× |" in text
     # Heatmaps: the problem with most measurements, 9 validation rounds each for both held-out problems; the tie
     # goes to the first key.
-    assert f"layer_norm 300×1536 (`{LN_HELDOUT.key}`, 9 measurements)" in text
+    assert f"layer_norm bf16 300×1536 on NVIDIA Test GPU (`{LN_HELDOUT.key}`, 9 measurements)" in text
     # No table file for this GPU: fitted from the store.
     assert "rules fitted now from the stored results" in text and "Learned single-pass threshold" in text
     # Validation and peers, as worked out beside the fixture.
@@ -163,7 +172,7 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     assert "| layer_norm 256×1024 | 0.5 | 12.5 | 20.0 | 15.0 | quack | 1.20× |" in text
     assert "| rms_norm 512×2048 | 2.2 | 20.0 | 30.0 | unavailable | torch | 1.50× |" in text
     assert "normtune beats the best peer on 2/2 shapes; geometric-mean speedup 1.342×" in text
-    assert "2900 GB/s (run 3)" in text
+    assert "bench run 3" in text and "(2900 GB/s)" in text
 
 
 def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
@@ -188,7 +197,7 @@ def test_report_uses_the_given_table_and_heatmap_problem(full_store, tmp_path):
     text = (tmp_path / "out" / "report.md").read_text()
     assert f"`{table_file}`: tuned on NVIDIA Test GPU" in text
     assert "| N ≤ | M ≤ | config | fitted on |" in text and "512x2048" in text
-    assert f"rms_norm 512×2048 (`{RMS.key}`, 4 measurements)" in text
+    assert f"rms_norm bf16 512×2048 on NVIDIA Test GPU (`{RMS.key}`, 4 measurements)" in text
 
 
 def test_missing_validation_and_bench_are_sentences(tmp_path):
@@ -223,34 +232,61 @@ def test_unknown_gpu_key_names_the_keys_present(full_store, tmp_path):
 
 
 @pytest.mark.skipif(not REPO_DB.is_file(), reason="no committed results.db")
-def test_report_from_the_committed_results_db(tmp_path):
-    # A copy: opening a SQLite store may switch it to WAL and add files beside it, never in the checkout.
-    shutil.copy(REPO_DB, tmp_path / "results.db")
-    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+def test_report_from_the_committed_results_db(tmp_path, monkeypatch):
+    """The main job: read-only (no file appears beside the database), the bf16 bench run in the peers section,
+    a result within the first 30 lines, and no plot axis with more than 20 problems."""
+    from normtune.tuner.report import plots
+
+    figures = []
+    save = plots.Pictures.save
+    monkeypatch.setattr(plots.Pictures, "save", lambda self, fig, name: figures.append((name, fig)) or
+                        save(self, fig, name))
+    beside = sorted(p.name for p in REPO_DB.parent.iterdir() if p.name.startswith("results.db"))
+    with Store.for_reading(f"sqlite:///{REPO_DB}") as store:
         paths = write_report(store, "h100", tmp_path / "out")
+    assert sorted(p.name for p in REPO_DB.parent.iterdir() if p.name.startswith("results.db")) == beside
     text = paths[0].read_text()
-    assert "NVIDIA H100 80GB HBM3" in text
-    assert "## Validation on held-out shapes" in text and "## normtune vs peers" in text
-    assert {"validation.png", "peers_layer_norm.png", "kernels_rms_norm_bf16.png"} <= {p.name for p in paths}
+    head = "\n".join(text.splitlines()[:30])
+    assert "normtune vs the fastest peer** (NVIDIA H100 80GB HBM3, bf16, 30 shapes" in head
+    assert "## Validation on held-out shapes" in text and "NVIDIA H100 80GB HBM3, **bf16**, bench run" in text
+    assert {"validation_rms_norm.png", "peers.png", "kernels_rms_norm_bf16.png"} <= {p.name for p in paths}
     assert_valid_pngs(paths)
+    for name, fig in figures:
+        for ax in fig.axes:
+            if ax.get_label() != "<colorbar>":
+                assert len(ax.get_xticklabels()) <= plots.MAX_PER_AXIS, name
 
 
 def test_stacked_kernel_bars_never_exceed_the_total():
     """The split is timed apart from the total: a split summing above the total is scaled to it, one below it
     leaves the rest as its own segment, so each stack is exactly the total."""
-    from normtune.tuner.report.plots import kernel_split_bars
+    from normtune.tuner.report.plots import faceted, share_panel
 
     totals, k1, k2 = [10.0, 10.0, 10.0], [9.0, 6.0, None], [3.0, 2.0, None]
-    fig = kernel_split_bars(["a", "b", "c"], totals, k1, k2, title="t", ylabel="µs")
+    fig = faceted([("panel", [0])], lambda ax, subtitle, _: share_panel(
+        ax, ["a", "b", "c"], totals, k1, k2, [5.0, None, None], subtitle=subtitle, unit="µs"), title="t")
     ax = fig.axes[0]
     stacks = [0.0, 0.0, 0.0]
     for container in ax.containers:
         for i, bar in enumerate(container):
             stacks[i] += bar.get_height()
-    assert stacks == pytest.approx(totals)
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels[:2] == ["kernel_1 (dx + partials)", "kernel_2 (reduce partials)"] and "rest" in labels[2]
-    assert ax.get_xlabel() and ax.get_ylabel() == "µs"
+    assert stacks == pytest.approx([1.0, 1.0, 1.0])  # shares of each total: the bars end at 1, never above
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {"kernel_1 (dx + partials)", "kernel_2 (reduce partials)", "memory floor ÷ total",
+            "rest of the total (in neither kernel's split)"} == set(labels)
+    assert ax.get_ylim() == (0.0, 1.0) and [t.get_text() for t in ax.get_xticklabels()][0] == "a\n10 µs"
+
+
+def test_facets_hold_at_most_twenty_problems_each():
+    from normtune.tuner.report.markdown import size_facets
+
+    problems = [Problem("rms_norm", m, n, "bf16") for n in (1024, 4096) for m in range(64, 64 + 21 * 8, 8)]
+    problems += [Problem("layer_norm", 128, 2048, "fp16")]
+    groups = size_facets(problems, lambda p: p)
+    assert [len(items) for _, items in groups] == [14, 14, 14, 1]
+    assert groups[0][0] == "rms_norm bf16 (weights bf16, no bias, saves the input), N 1024"
+    assert groups[1][0] == "rms_norm bf16 (weights bf16, no bias, saves the input), N 1024–4096"
+    assert groups[3][0].startswith("layer_norm fp16")
 
 
 def test_cli_report_on_a_missing_database_creates_nothing(tmp_path, monkeypatch):

@@ -1,26 +1,28 @@
 """`normtune report`: what the database knows about one GPU, as Markdown with PNG plots, made without a GPU.
 
-report.md holds, in order: provenance of the GPU's runs; per problem the best config, its time, bandwidth and
-kernel_1/kernel_2 split against the memory floor, today's analytic default timed in the same run, and the trial
-counts; the heuristic table's rules (and what emission dropped); the latest validation's regret on held-out
-shapes; the latest bench against the peers. `data` gathers and defines the numbers, `markdown` writes the
-sections, `plots` draws the pictures; the PNGs lie beside report.md.
+report.md holds, in order: a summary of the results; normtune against the peers (the GPU's bf16 bench run, the
+other bench runs in one line each, labelled by dtype); per problem the best config against today's analytic
+default; the per-kernel breakdown; the launch-knob heatmaps; the heuristic table's rules; the latest validation's
+regret on held-out shapes; provenance as counts and ranges, with every run in runs.csv. `data` gathers and
+defines the numbers, `markdown` and `provenance` write the sections, `plots` draws the pictures; the PNGs and
+runs.csv lie beside report.md.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .data import (ProblemSummary, ReportData, bench_rows, choose_heatmap_problem, heatmap_cells,  # noqa: F401
-                   load_report_data, summarize_problems, validation_rows)
-from .markdown import (header_section, heatmap_section, peers_section, problems_section, provenance_section,
-                       rules_section, validation_section)
+from .data import (BenchRun, ProblemSummary, ReportData, bench_rows, bench_runs,  # noqa: F401
+                   choose_heatmap_problem, heatmap_cells, load_report_data, summarize_problems, validation_rows)
+from .markdown import (header_section, heatmap_section, kernels_section, peers_section, problems_section,
+                       rules_section, summary_section, validation_section)
 from .plots import Pictures
+from .provenance import provenance_section, write_runs_csv
 
 
 def write_report(store, gpu_key: str, out_dir, *, heatmap_problem: str | None = None,
                  table_path: str | None = None) -> list[Path]:
-    """Write report.md and its PNGs for `gpu_key` into `out_dir`; return their paths, report.md first.
+    """Write report.md, runs.csv and the PNGs for `gpu_key` into `out_dir`; return their paths, report.md first.
 
     `heatmap_problem` is a problem key (default: the problem with most measurements); `table_path` a heuristic
     table (default: the shipped configs/<gpu_key>.json, else one fitted now from the store). Raises ValueError for
@@ -32,10 +34,14 @@ def write_report(store, gpu_key: str, out_dir, *, heatmap_problem: str | None = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     pictures = Pictures(out)
-    lines = (header_section(data) + provenance_section(data) + problems_section(summaries, data, pictures)
+    shown, others = bench_runs(store, data)
+    peer_rows = bench_rows(store, shown.run if shown else None)
+    validation = validation_rows(store, data.latest("validate"))
+    lines = (header_section(data) + summary_section(data, summaries, shown, peer_rows, validation)
+             + peers_section(data, shown, peer_rows, [(o, bench_rows(store, o.run)) for o in others], pictures)
+             + problems_section(summaries, data, pictures) + kernels_section(summaries, data, pictures)
              + heatmap_section(data, focus, pictures) + rules_section(store, data, table_path)
-             + validation_section(data, validation_rows(store, data.latest("validate")), pictures)
-             + peers_section(data, bench_rows(store, data.latest("bench")), pictures))
+             + validation_section(data, validation, pictures) + provenance_section(data))
     report = out / "report.md"
     report.write_text("\n".join(lines).rstrip() + "\n")
-    return [report] + pictures.paths
+    return [report, write_runs_csv(data, out)] + pictures.paths

@@ -172,3 +172,39 @@ def bench_rows(store, run: RunRecord | None) -> list[dict]:
               "median_us": p.median_us, "kernel_1_us": None, "kernel_2_us": None, "floor_us": None,
               "floor_fraction": None} for p in store.peer_results(run_id=run.id)]
     return rows
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    run: RunRecord
+    dtypes: tuple[str, ...]  # activation dtypes it timed
+    shapes: int  # distinct (norm, M, N) it timed
+    seed: bool  # it timed every seed shape of both norms
+
+    @property
+    def dtype(self) -> str:
+        return "+".join(self.dtypes)
+
+
+def bench_runs(store, data: ReportData) -> tuple[BenchRun | None, list[BenchRun]]:
+    """(the bench run the peers section shows, the others worth a line). Shown: the latest bf16 run that timed
+    every seed shape, else the latest bf16 run, else the latest run. The others: the latest run of each other
+    dtype and shape set (older repeats of a set are left out)."""
+    from ..keep import bench_shapes
+    from ..shapes import SEED
+
+    seed = {(norm, m, n) for norm in ("layer_norm", "rms_norm") for m, n in SEED}
+    latest: dict[tuple, BenchRun] = {}
+    for run in (r for r in data.runs if r.kind == "bench"):
+        by_dtype = bench_shapes(store, run.id)
+        if not by_dtype:
+            continue
+        shapes = frozenset().union(*by_dtype.values())
+        latest[(tuple(sorted(by_dtype)), shapes)] = BenchRun(run, tuple(sorted(by_dtype)), len(shapes),
+                                                             seed <= shapes)
+    runs = sorted(latest.values(), key=lambda b: b.run.id)
+    if not runs:
+        return None, []
+    bf16 = [b for b in runs if b.dtypes == ("bf16",)]
+    shown = max((b for b in bf16 if b.seed), key=lambda b: b.run.id, default=None) or (bf16 or runs)[-1]
+    return shown, [b for b in runs if b is not shown]

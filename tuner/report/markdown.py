@@ -1,6 +1,7 @@
-"""The report's sections, in order: header, provenance, best config per problem, launch-knob heatmaps, the
-heuristic table, validation, peers. Each reads `data`/the store and becomes one sentence when its data is
-missing; pictures are saved through `plots.Pictures` and linked where they belong.
+"""The report's sections, results first: a summary, normtune against the peers, the best config per problem
+against the analytic default, the per-kernel breakdown, then the launch-knob heatmaps, the heuristic table,
+validation, and provenance last (`provenance.py`). Every table and plot names its GPU and dtype. A section whose
+data is missing becomes one sentence; pictures are saved through `plots.Pictures` and linked where they belong.
 """
 
 from __future__ import annotations
@@ -18,113 +19,212 @@ from ..fit import single_pass_threshold
 from ..render import MISSING, geomean, markdown_table, num, ratio, validation_summary, validation_table
 from ..validate import summarize
 from . import plots
-from .data import ReportData, ProblemSummary, heatmap_cells
+from .data import BenchRun, ProblemSummary, ReportData, heatmap_cells
+from .provenance import command_text
 
 HEATMAP_PAIRS = (("k1_block_row", "k1_num_warps"), ("k2_block_m", "k2_block_n"), ("k1_programs_per_sm", "k2_block_m"))
 REGRET_LIMIT = 1.10  # regret worth a second look: the table loses more than 10 % to the fastest candidate
 
 
-def _label(problem: Problem, *, norm: bool = False, family: bool = False) -> str:
-    """M×N, after the norm for plots that mix norms, above dtypes and save mode for plots that mix families."""
-    shape = f"{'LN' if problem.norm == 'layer_norm' else 'RMS'} " * norm + f"{problem.M}×{problem.N}"
-    return shape + f"\n{problem.dtype}/w{problem.weight_dtype}/save-{problem.save}" * family
+def family_title(family) -> str:
+    """'layer_norm bf16 (weights bf16, with bias, saves the input)': what a table or plot covers."""
+    extras = [f"weights {family.weight_dtype}" if family.has_weight else "no weight",
+              "with bias" if family.has_bias else "no bias"]
+    if family.zero_centered:
+        extras.append("zero-centered")
+    extras.append(f"saves the {family.save}")
+    return f"{family.norm} {family.dtype} ({', '.join(extras)})"
 
 
-def _command(text: str) -> str:
-    """A run's command as typed: the program without its folder, '|' kept out of the table."""
-    words = text.split(" ", 1)
-    return (Path(words[0]).name + (" " + words[1] if len(words) > 1 else "")).replace("|", "/")
+def size_facets(items: list, problem_of, family_of=lambda p: p.family) -> list[tuple[str, list]]:
+    """Panels of at most `plots.MAX_PER_AXIS` items: one set per family (norm, dtype, …), each sorted by N then M
+    and cut into size classes named by their N range."""
+    groups = []
+    for family in dict.fromkeys(family_of(problem_of(i)) for i in items):
+        mine = sorted((i for i in items if family_of(problem_of(i)) == family),
+                      key=lambda i: (problem_of(i).N, problem_of(i).M))
+        for chunk in plots.chunks(mine):
+            low, high = problem_of(chunk[0]).N, problem_of(chunk[-1]).N
+            name = family_title(family) if hasattr(family, "weight_dtype") else str(family)
+            groups.append((f"{name}, N {low}" + (f"–{high}" if high != low else ""), chunk))
+    return groups
+
+
+def _shape(problem: Problem) -> str:
+    return f"{problem.M}×{problem.N}"
 
 
 def header_section(data: ReportData) -> list[str]:
     name = data.runs[-1].gpu_name
     timing = ("**These are Triton-interpreter timings** (host wall-clock on CPU): they exercise the pipeline and "
               "say nothing about GPU speed." if data.interpret else
-              "Times are medians of cold-L2 repetitions of the backward (device time, µs; lower is better).")
+              "Times are medians of repeated runs of the whole backward with the L2 cache flushed before each "
+              "(\"cold L2\"), in µs of GPU time; lower is better.")
     return [f"# normtune report — {name} (`{data.gpu_key}`)", "", timing, ""]
 
 
-def provenance_section(data: ReportData) -> list[str]:
-    runs = data.runs
+def summary_section(data: ReportData, summaries: list[ProblemSummary], bench: BenchRun | None, bench_rows,
+                    validation) -> list[str]:
+    gpu = data.runs[-1].gpu_name
+    lines = ["## Summary", ""]
+    per_shape = summary(bench_rows) if bench else []
+    speedups = [s["speedup"] for s in per_shape if s["speedup"]]
+    if speedups:
+        lines.append(f"- **normtune vs the fastest peer** ({gpu}, {bench.dtype}, {bench.shapes} shapes, bench run "
+                     f"{bench.run.id}): faster on {sum(x > 1 for x in speedups)} of {len(speedups)} shapes, "
+                     f"geometric-mean speedup **{geomean(speedups):.3f}×**.")
+    else:
+        lines.append("- normtune vs the peers: no bench run with peers for this GPU.")
+    gains = []
+    for family in dict.fromkeys(s.problem.family for s in summaries):
+        mine = [s.default_us / s.best.median_us for s in summaries
+                if s.problem.family == family and s.default_us and s.best]
+        if mine:
+            gains.append(f"{family.norm} {family.dtype} {geomean(mine):.3f}× ({len(mine)})")
+    if gains:
+        lines.append(f"- **Best measured config vs the analytic default** (what runs without a table), {gpu}, "
+                     f"geometric mean (problems): {'; '.join(gains)}.")
+    rated = [r for r in validation if r.regret]
+    if rated:
+        s = summarize(rated)
+        lines.append(f"- **Held-out validation** (run {data.latest('validate').id}, {gpu}, {len(rated)} shapes): "
+                     f"the table's regret is {s['geomean_regret']:.3f} (geometric mean; worst "
+                     f"{s['worst_regret']:.3f}), where 1.000 means its config was the fastest of those timed.")
+    return lines + [""]
 
-    def distinct(field):
-        values = list(dict.fromkeys(str(getattr(r.device, field)) for r in runs if getattr(r.device, field) is not None))
-        return ", ".join(values) if values else "unrecorded"
 
-    rows = [[str(r.id), r.kind, f"{r.started_at:%Y-%m-%d %H:%M}",
-             num((r.ended_at - r.started_at).total_seconds() / 60) if r.ended_at else MISSING, r.status,
-             r.device.git_revision or "unrecorded", num(r.copy_bandwidth_gbps, 0) if r.copy_bandwidth_gbps else "not stored",
-             f"`{_command(r.command_line)}`"] for r in runs]
-    return (["## Provenance", "",
-             f"- GPU: {distinct('name')}, compute capability {distinct('compute_capability')}, "
-             f"{distinct('sm_count')} SMs, L2 {runs[-1].device.l2_bytes / 2**20:.0f} MiB; driver {distinct('driver')}, "
-             f"CUDA {distinct('cuda')}",
-             f"- torch {distinct('torch')}; triton {distinct('triton')}; normtune {distinct('normtune')}; "
-             f"git revisions {distinct('git_revision')}",
-             f"- copy bandwidth behind the memory floor, as stored with each run: {_bandwidths(data)}",
-             f"- runs: {len(runs)}; measurements: {len(data.measurements)}", ""]
-            + markdown_table(["run", "kind", "started (UTC)", "minutes", "status", "git", "GB/s", "command"], rows)
-            + [""])
+def peers_section(data: ReportData, bench: BenchRun | None, rows: list[dict], others: list[tuple[BenchRun, list]],
+                  pictures: plots.Pictures) -> list[str]:
+    gpu = data.runs[-1].gpu_name
+    lines = ["## normtune vs peers", ""]
+    if bench is None:
+        return lines + ["No bench run for this GPU: run `normtune bench --peers all` to compare with the peers.", ""]
+    run = bench.run
+    peers = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != OURS]
+    lines += [f"{gpu}, **{bench.dtype}**, bench run {run.id} ({run.started_at:%Y-%m-%d}, git "
+              f"{run.device.git_revision or 'unrecorded'}): `{command_text(run.command_line)}`. Each column is the "
+              "backward's time in µs; speedup = the fastest peer's time ÷ normtune's. The floor is the time to "
+              "move the bytes the backward must read and write at the copy bandwidth stored with the run ("
+              f"{num(run.copy_bandwidth_gbps, 0) + ' GB/s' if run.copy_bandwidth_gbps else 'n/a'}).", ""]
+    if not peers or not any(r["impl"] == OURS for r in rows):
+        return lines + [f"Bench run {run.id} holds no {'peer results' if not peers else 'normtune times'} to "
+                        "compare.", ""]
+    by_impl = {(r["norm"], r["M"], r["N"], r["impl"]): r for r in rows}
+    per_shape = summary(rows)
+    body = []
+    for s in per_shape:
+        cells = [f"{s['norm']} {s['M']}×{s['N']}", num(s["floor_us"]), num(s["normtune_us"])]
+        for peer in peers:
+            r = by_impl.get((s["norm"], s["M"], s["N"], peer))
+            cells.append(num(r["median_us"]) if r and r["status"] == "ok" else (r["status"] if r else MISSING))
+        body.append(cells + [s["best_peer"] or MISSING, num(s["speedup"], 2) + "×" if s["speedup"] else MISSING])
+    lines += markdown_table(["problem", "floor", "normtune", *peers, "best peer", "speedup"], body) + [""]
+    for norm in [None] + list(dict.fromkeys(s["norm"] for s in per_shape)):
+        speedups = [s["speedup"] for s in per_shape if s["speedup"] and norm in (None, s["norm"])]
+        if speedups:
+            lines.append(f"- {norm or '**all**'}: normtune beats the best peer on {sum(x > 1 for x in speedups)}/"
+                         f"{len(speedups)} shapes; geometric-mean speedup {geomean(speedups):.3f}×")
+    lines.append("")
+    items = [(s["norm"], s["M"], s["N"]) for s in per_shape if s["normtune_us"]]
+
+    def draw(ax, subtitle, chunk):
+        series = {}
+        for impl in peers:
+            series[impl] = [(r["median_us"] / by_impl[(n, m, k, OURS)]["median_us"]
+                             if (r := by_impl.get((n, m, k, impl))) and r["status"] == "ok" else None)
+                            for n, m, k in chunk]
+        plots.grouped_ratio_panel(ax, [f"{m}×{k}" for _, m, k in chunk], series,
+                                  ylabel="peer time ÷ normtune time", subtitle=subtitle)
+
+    groups = size_facets(items, lambda i: _Shape(*i), family_of=lambda p: f"{p.norm} {bench.dtype}")
+    fig = plots.faceted(groups, draw, title=f"normtune vs peers — {gpu}, {bench.dtype}, bench run {run.id} "
+                                            "(above 1: the peer is slower)")
+    lines += [pictures.save(fig, "peers.png"), ""]
+    if others:
+        lines += ["Other bench runs of this GPU (the latest of each dtype and shape set):", ""]
+        for other, other_rows in others:
+            speedups = [s["speedup"] for s in summary(other_rows) if s["speedup"]]
+            result = (f"faster than the fastest peer on {sum(x > 1 for x in speedups)} of {len(speedups)}, "
+                      f"geometric-mean speedup {geomean(speedups):.3f}×" if speedups else "no peer to compare")
+            lines.append(f"- run {other.run.id}, **{other.dtype}**, {other.shapes} shapes: {result} "
+                         f"(`{command_text(other.run.command_line)}`)")
+        lines.append("")
+    return lines
 
 
-def _bandwidths(data: ReportData) -> str:
-    recorded = [f"{r.copy_bandwidth_gbps:.0f} GB/s (run {r.id})" for r in data.runs if r.copy_bandwidth_gbps]
-    return ", ".join(recorded) if recorded else "not recorded by any run (% floor is n/a)"
+class _Shape:
+    """A bench row's (norm, M, N) where `size_facets` expects a problem."""
+
+    def __init__(self, norm: str, M: int, N: int):
+        self.norm, self.M, self.N = norm, M, N
 
 
 def problems_section(summaries: list[ProblemSummary], data: ReportData, pictures: plots.Pictures) -> list[str]:
-    lines = ["## Best config per problem", ""]
+    gpu = data.runs[-1].gpu_name
+    lines = ["## Best config per problem, against the analytic default", ""]
     if not summaries:
         return lines + ["No measurements are stored for this GPU yet: run `normtune sweep` first.", ""]
-    lines += ["Best = the fastest correct measurement of any run; GB/s counts every byte both kernels move; "
-              "% floor = time of the memory floor (3·M·N·itemsize at the copy bandwidth stored with the best's "
-              "run; n/a where that run stored none) ÷ best time; default = today's analytic default config timed "
-              "in the same run as the best (– where that run did not time it); trials = every stored measurement "
-              "of the problem (sweeps, neighbours, validation, bench).", ""]
-    for family in dict.fromkeys(s.problem.family.key for s in summaries):
+    lines += ["Best = the fastest correct measurement of any run. Default = the analytic default config (what runs "
+              "without a table) timed in the same run as the best (– where that run did not time it). GB/s counts "
+              "every byte both kernels move. % floor = the memory floor (3·M·N·itemsize at the copy bandwidth "
+              "stored with the best's run; n/a where that run stored none) ÷ the best time. Trials = every stored "
+              "measurement of the problem.", ""]
+    for family in dict.fromkeys(s.problem.family for s in summaries):
         body = []
-        for s in (s for s in summaries if s.problem.family.key == family):
+        for s in (s for s in summaries if s.problem.family == family):
             b = s.best
-            body.append([f"{s.problem.M}×{s.problem.N}", f"`{b.config}`" if b else "no correct run",
+            body.append([_shape(s.problem), f"`{b.config}`" if b else "no correct run",
                          num(b and b.median_us), num(b and b.kernel_1_us), num(b and b.kernel_2_us), num(s.gbps, 0),
                          num(100 * s.floor_fraction, 0) if s.floor_fraction else ("n/a" if b else MISSING),
                          str(b.run_id) if b else MISSING, num(s.default_us), ratio(s.default_us, b and b.median_us),
                          str(s.trials), ", ".join(f"{k} {n}" for k, n in s.failures.items()) or MISSING])
-        lines += [f"### {family}", ""] + markdown_table(
+        lines += [f"### {family_title(family)} — {gpu}", ""] + markdown_table(
             ["M×N", "best config", "µs", "kernel_1 µs", "kernel_2 µs", "GB/s", "% floor", "run", "default µs",
              "default ÷ best", "trials", "failed"], body) + [""]
-    gains = [s.default_us / s.best.median_us for s in summaries if s.default_us and s.best]
-    if gains:
-        lines += [f"Geometric-mean speedup of the best config over the analytic default (same run): "
-                  f"{geomean(gains):.3f}× ({len(gains)} problems where the best's run timed the default).", ""]
-    unit = plots.time_label(data.interpret)
-    gpu = data.runs[-1].gpu_name
-    for family in dict.fromkeys(s.problem.family for s in summaries):
-        group = [s for s in summaries if s.problem.family == family and s.best]
-        what = f"{family.norm} {family.dtype}"
-        if not group:
-            lines += [f"No {what} problem ran correctly: nothing to plot.", ""]
-            continue
-        labels = [_label(s.problem) for s in group]
-        fig = plots.kernel_split_bars(labels, [s.best.median_us for s in group], [s.best.kernel_1_us for s in group],
-                                      [s.best.kernel_2_us for s in group], ylabel=unit,
-                                      markers={"memory floor (run's bandwidth)": [s.floor_us for s in group]},
-                                      title=f"{what}: best config's time, kernel_1 + kernel_2 — {gpu}")
-        short = f"{family.norm}_{family.dtype}"
-        unique = sum(f"{f.norm}_{f.dtype}" == short for f in dict.fromkeys(s.problem.family for s in summaries)) == 1
-        slug = short if unique else family.key.replace("/", "_")
-        lines.append(pictures.save(fig, f"kernels_{slug}.png"))
-        with_default = [s for s in group if s.default_us]
-        if with_default:
-            fig = plots.ratio_bars([_label(s.problem) for s in with_default],
-                                   [s.default_us / s.best.median_us for s in with_default],
-                                   ylabel="default ÷ best (same run)", lines={"1.0 = the default is the best": 1.0},
-                                   title=f"{what}: what tuning gains over the analytic default — {gpu}"
-                                   + (" (interpreter)" if data.interpret else ""))
-            lines.append(pictures.save(fig, f"best_vs_default_{slug}.png"))
-        else:
-            lines.append(f"The analytic default was not timed in the best's run for any {what} problem.")
+    with_default = [s for s in summaries if s.default_us and s.best]
+    if with_default:
+        def draw(ax, subtitle, chunk):
+            plots.ratio_panel(ax, [_shape(s.problem) for s in chunk], [s.default_us / s.best.median_us for s in chunk],
+                              ylabel="default ÷ best", lines={"1.0 = the default is the best": 1.0},
+                              subtitle=subtitle)
+
+        for norm in dict.fromkeys(s.problem.norm for s in with_default):
+            fig = plots.faceted(size_facets([s for s in with_default if s.problem.norm == norm], lambda s: s.problem),
+                                draw, title=f"{norm}: what tuning gains over the analytic default — {gpu}"
+                                + (" (interpreter)" if data.interpret else ""))
+            lines.append(pictures.save(fig, f"best_vs_default_{norm}.png"))
         lines.append("")
+    else:
+        lines += ["The analytic default was not timed in the best's run of any problem.", ""]
+    return lines
+
+
+def kernels_section(summaries: list[ProblemSummary], data: ReportData, pictures: plots.Pictures) -> list[str]:
+    gpu = data.runs[-1].gpu_name
+    lines = ["## Where the time goes: kernel_1 and kernel_2", ""]
+    timed = [s for s in summaries if s.best and s.best.median_us]
+    if not timed:
+        return lines + ["No problem ran correctly: nothing to break down.", ""]
+    lines += ["kernel_1 computes the input gradient and per-program partial sums of the weight and bias "
+              "gradients; kernel_2 adds the partials up. Each bar is the best config's time split into the two "
+              "kernels' shares; the tick marks how close the total is to the memory floor (1.0 = at the floor).",
+              ""]
+    unit = "µs" if not data.interpret else "µs (interpreter)"
+
+    def draw(ax, subtitle, chunk):
+        plots.share_panel(ax, [_shape(s.problem) for s in chunk], [s.best.median_us for s in chunk],
+                          [s.best.kernel_1_us for s in chunk], [s.best.kernel_2_us for s in chunk],
+                          [s.floor_us for s in chunk], subtitle=subtitle, unit=unit)
+
+    families = list(dict.fromkeys(s.problem.family for s in timed))
+    for family in families:
+        mine = [s for s in timed if s.problem.family == family]
+        fig = plots.faceted(size_facets(mine, lambda s: s.problem), draw,
+                            title=f"Per-kernel breakdown of the best config — {family_title(family)}, {gpu}")
+        short = f"{family.norm}_{family.dtype}"
+        unique = sum(f"{f.norm}_{f.dtype}" == short for f in families) == 1
+        slug = short if unique else family.key.replace("/", "_")
+        lines += [pictures.save(fig, f"kernels_{slug}.png"), ""]
     return lines
 
 
@@ -134,8 +234,9 @@ def heatmap_section(data: ReportData, focus: ProblemSummary | None, pictures: pl
         return lines + ["No correct measurement to draw heatmaps from.", ""]
     p = focus.problem
     rows = [m for m in data.measurements if m.problem == p]
-    lines += [f"{p.norm} {p.M}×{p.N} (`{p.key}`, {focus.trials} measurements): each cell is the best µs among the "
-              "configs with those two values; blank cells were never measured (or never ran correctly).", ""]
+    lines += [f"{p.norm} {p.dtype} {p.M}×{p.N} on {data.runs[-1].gpu_name} (`{p.key}`, {focus.trials} "
+              "measurements): each cell is the best µs among the configs with those two values; blank cells were "
+              "never measured (or never ran correctly).", ""]
     unit = plots.time_label(data.interpret)
     for x, y in HEATMAP_PAIRS:
         fig = plots.heatmap(heatmap_cells(rows, x, y), x, y, unit=unit,
@@ -150,10 +251,12 @@ def rules_section(store, data: ReportData, table_path: str | None) -> list[str]:
     if table is None:
         return lines + [origin, ""]
     prov = table.get("provenance", {})
-    runs = ", ".join(map(str, prov.get("runs") or [])) or "unrecorded"
-    lines += [f"{origin}: tuned on {table['gpu']['name']}, fitted on runs {runs}, "
-              f"{prov.get('configs_measured', '?')} measured configs, {prov.get('date', 'undated')}"
-              + (f", inputs {prov['fingerprint'][:19]}…" if prov.get("fingerprint") else "") + ".", ""]
+    runs = prov.get("runs") or []
+    lines += [f"{origin}: tuned on {table['gpu']['name']}, fitted on {len(runs)} runs "
+              f"({', '.join(map(str, runs)) or 'unrecorded'}), {prov.get('configs_measured', '?')} measured configs, "
+              f"{prov.get('date', 'undated')}" + (f", inputs {prov['fingerprint'][:19]}…" if prov.get("fingerprint")
+                                                  else "") + ". A rule answers for the shapes between the smallest "
+              "and largest it was fitted on (its fitted box); other shapes run the analytic default.", ""]
     if table["gpu"].get("key") not in (None, data.gpu_key):
         lines += [f"Note: this table was tuned for `{table['gpu']['key']}`, not `{data.gpu_key}`.", ""]
     for family, fam in sorted(table["families"].items()):
@@ -211,56 +314,25 @@ def validation_section(data: ReportData, rows, pictures: plots.Pictures) -> list
                  "validate: not an independent reference)" if legacy else
                  "the best config of an unseeded sweep")
     over = sum(r.regret.value > REGRET_LIMIT for r in rated)
-    lines += [f"Validation run {run.id} ({run.started_at:%Y-%m-%d}, git {run.device.git_revision or 'unrecorded'}): the "
-              f"table's config, the reference ({reference}) and the analytic default, timed head to head in "
-              "interleaved rounds (default: – where the run timed an older default than today's). Regret = table ÷ the fastest of the three, bounds from the p10–p90 "
-              "spreads.", ""] + validation_table(rows)
+    gpu = run.gpu_name
+    lines += [f"{gpu}, validation run {run.id} ({run.started_at:%Y-%m-%d}, git "
+              f"{run.device.git_revision or 'unrecorded'}), on shapes the table was not fitted on (each row names "
+              f"its dtype): the table's config, the reference ({reference}) and the analytic default, timed head to "
+              "head in interleaved rounds (default: – where the run timed an older default than today's). "
+              "Regret = table ÷ the fastest of the three, bounds from the p10–p90 spreads.", ""]
+    lines += validation_table(rows)
     lines += ["", f"**{validation_summary(summarize(rows))}** {over} of {len(rated)} shapes exceed a regret of "
                   f"{REGRET_LIMIT:.2f}.", ""]
-    fig = plots.ratio_bars([_label(r.problem, norm=True) + f" {r.problem.dtype}" for r in rated],
-                           [r.regret.value for r in rated], ylabel="regret (table ÷ fastest)",
-                           lines={"1.0 = the table's config was the fastest": 1.0,
-                                  f"{REGRET_LIMIT:.2f} = worth a second look": REGRET_LIMIT},
-                           title=f"Regret of the table on held-out shapes (run {run.id})"
-                           + (", interpreter wall-clock" if data.interpret else ""))
-    return lines + [pictures.save(fig, "validation.png"), ""]
 
+    def draw(ax, subtitle, chunk):
+        plots.ratio_panel(ax, [_shape(r.problem) for r in chunk], [r.regret.value for r in chunk],
+                          ylabel="regret (table ÷ fastest)",
+                          lines={"1.0 = the table's config was the fastest": 1.0,
+                                 f"{REGRET_LIMIT:.2f} = worth a second look": REGRET_LIMIT}, subtitle=subtitle)
 
-def peers_section(data: ReportData, rows: list[dict], pictures: plots.Pictures) -> list[str]:
-    run = data.latest("bench")
-    lines = ["## normtune vs peers", ""]
-    if run is None:
-        return lines + ["No bench run for this GPU: run `normtune bench --peers all` to compare with the peers.", ""]
-    peers = [i for i in dict.fromkeys(r["impl"] for r in rows) if i != OURS]
-    lines += [f"Bench run {run.id} ({run.started_at:%Y-%m-%d}, git {run.device.git_revision or 'unrecorded'}, command "
-              f"`{_command(run.command_line)}`). Speedup = best peer µs ÷ normtune µs; floor at the run's stored "
-              f"bandwidth ({num(run.copy_bandwidth_gbps, 0) + ' GB/s' if run.copy_bandwidth_gbps else 'n/a'}).", ""]
-    if not peers or not any(r["impl"] == OURS for r in rows):
-        return lines + [f"Bench run {run.id} holds no {'peer results' if not peers else 'normtune times'} to "
-                        "compare.", ""]
-    by_impl = {(r["norm"], r["M"], r["N"], r["impl"]): r for r in rows}
-    per_shape = summary(rows)
-    body = []
-    for s in per_shape:
-        cells = [f"{s['norm']} {s['M']}×{s['N']}", num(s["floor_us"]), num(s["normtune_us"])]
-        for peer in peers:
-            r = by_impl.get((s["norm"], s["M"], s["N"], peer))
-            cells.append(num(r["median_us"]) if r and r["status"] == "ok" else (r["status"] if r else MISSING))
-        body.append(cells + [s["best_peer"] or MISSING, num(s["speedup"], 2) + "×" if s["speedup"] else MISSING])
-    lines += markdown_table(["problem", "floor", "normtune", *peers, "best peer", "speedup"], body) + [""]
-    for norm in [None] + list(dict.fromkeys(s["norm"] for s in per_shape)):
-        speedups = [s["speedup"] for s in per_shape if s["speedup"] and norm in (None, s["norm"])]
-        if speedups:
-            lines.append(f"- {norm or '**all**'}: normtune beats the best peer on {sum(x > 1 for x in speedups)}/"
-                         f"{len(speedups)} shapes; geometric-mean speedup {geomean(speedups):.3f}×")
-    lines.append("")
-    for norm in dict.fromkeys(s["norm"] for s in per_shape):
-        shapes = [(s["M"], s["N"]) for s in per_shape if s["norm"] == norm]
-        series = {impl: [(r["median_us"] if (r := by_impl.get((norm, m, n, impl))) and r["status"] == "ok"
-                          else None) for m, n in shapes] for impl in [OURS] + peers}
-        floors = [by_impl[(norm, m, n, OURS)]["floor_us"] for m, n in shapes]
-        fig = plots.grouped_bars([f"{m}×{n}" for m, n in shapes], series, markers={"memory floor": floors},
-                                 ylabel=plots.time_label(data.interpret),
-                                 title=f"{norm}: normtune vs peers (bench run {run.id})")
-        lines.append(pictures.save(fig, f"peers_{norm}.png"))
+    for norm in dict.fromkeys(r.problem.norm for r in rated):
+        fig = plots.faceted(size_facets([r for r in rated if r.problem.norm == norm], lambda r: r.problem), draw,
+                            title=f"{norm}: regret of the table on held-out shapes — {gpu}, run {run.id}"
+                            + (", interpreter wall-clock" if data.interpret else ""))
+        lines.append(pictures.save(fig, f"validation_{norm}.png"))
     return lines + [""]
