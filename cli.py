@@ -16,19 +16,42 @@ labelled `interpret`, so `--gpu` takes only `auto` or `interpret` with it; `--gp
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
-import typer
+# The command line needs the tuner's dependencies, the [tune] extra; `pip install normtune` alone brings the runtime.
+TUNE_MODULES = ("typer", "rich", "optuna", "pandas", "sqlalchemy", "matplotlib")
 
-from normtune.commands.bench import bench
-from normtune.commands.compare import compare
-from normtune.commands.emit import emit
-from normtune.commands.prune import prune
-from normtune.commands.report import report
-from normtune.commands.slim import slim
-from normtune.commands.sweep import status, sweep
-from normtune.commands.validate import validate
-from normtune.commands.where import where
+
+def missing_tune_modules() -> list[str]:
+    from importlib.util import find_spec
+
+    missing = []
+    for name in TUNE_MODULES:
+        try:
+            if sys.modules.get(name, False) is None or find_spec(name) is None:
+                missing.append(name)
+        except ValueError:  # a module without a spec: present, however it got there
+            pass
+    return missing
+
+
+if missing_tune_modules():
+    sys.stderr.write(f"error: the normtune command needs the tuner's dependencies ({', '.join(missing_tune_modules())} "
+                     "missing): pip install \"normtune[tune]\"\n")
+    raise SystemExit(1)
+
+import typer  # noqa: E402 - after the check above
+
+from normtune.commands.bench import bench  # noqa: E402
+from normtune.commands.compare import compare  # noqa: E402
+from normtune.commands.emit import emit  # noqa: E402
+from normtune.commands.prune import prune  # noqa: E402
+from normtune.commands.report import report  # noqa: E402
+from normtune.commands.slim import slim  # noqa: E402
+from normtune.commands.sweep import status, sweep  # noqa: E402
+from normtune.commands.validate import validate  # noqa: E402
+from normtune.commands.where import where  # noqa: E402
 
 # Plain help (rich_markup_mode=None): "[default: …]" written in a help text stays (rich markup would take it for
 # a style tag and drop it), and flags show as --flag / --no-flag without a type placeholder.

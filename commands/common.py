@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -67,19 +68,14 @@ class CLIError(Exception):
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
+    """The errors worth one line. Only modules already imported are asked for theirs: an error class of a module
+    never imported cannot have been raised, and importing the store (and with it torch) just to name its error
+    would cost a command that failed on its options seconds."""
     errors: list[type[BaseException]] = [CLIError, ValueError, OSError]
-    try:
-        from normtune.tuner.store import StoreError
-
-        errors.append(StoreError)
-    except Exception:  # noqa: BLE001 - the store's optional dependencies may be missing
-        pass
-    try:
-        from normtune.tuner.device import NoGPUError
-
-        errors.append(NoGPUError)
-    except Exception:  # noqa: BLE001
-        pass
+    for module, name in (("normtune.tuner.store_models", "StoreError"), ("normtune.tuner.device", "NoGPUError")):
+        found = getattr(sys.modules.get(module), name, None)
+        if found is not None:
+            errors.append(found)
     return tuple(errors)
 
 
@@ -112,10 +108,26 @@ def compile_processes(value: int | None, gpus: int) -> int:
     return value
 
 
+# Triton's interpreter runs the kernels from this version on (3.6's fails inside kernel_1); pyproject.toml accepts
+# older Triton for the compiled kernels. DEVELOPERS.md states both.
+INTERPRET_MIN_TRITON = (3, 9)
+
+
+def check_interpreter_triton(version: str) -> None:
+    numbers = tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+    if numbers < INTERPRET_MIN_TRITON:
+        need = ".".join(map(str, INTERPRET_MIN_TRITON))
+        raise CLIError(f"--interpret needs Triton >= {need} (installed: {version}); install it in an environment of "
+                       f"its own: pip install \"triton>={need}\"")
+
+
 def use_interpreter(interpret: bool) -> None:
     """--interpret must take effect before Triton decorates the kernels (at import)."""
     if not interpret:
         return
+    import triton
+
+    check_interpreter_triton(triton.__version__)
     os.environ["TRITON_INTERPRET"] = "1"
     mod = sys.modules.get("normtune.kernels.backward.reduce")
     if mod is not None:

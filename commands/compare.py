@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .common import (
-    INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Shapes, device_info, parse_dtype, parse_list,
+    INTERPRETER_BANNER, Gpu, Interpret, Shapes, device_info, parse_dtype, parse_list,
     parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
 )
 
@@ -18,8 +18,8 @@ def compare(
     new: Annotated[Path, typer.Argument(help="The candidate table (JSON)")],
     gpu: Gpu = "auto",
     shapes: Shapes = None,
-    norm: Norms = "layer_norm,rms_norm",
-    dtype: Dtype = "bf16",
+    norm: Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm")] = "layer_norm,rms_norm",
+    dtype: Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32")] = "bf16",
     threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
                                                   "(and beyond the spread)")] = 0.03,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,

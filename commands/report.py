@@ -16,7 +16,8 @@ def report(
     out: Annotated[Path, typer.Option(help="Folder for report.md and its PNGs")] = Path("report"),
     problem: Annotated[Optional[str], typer.Option(help="Problem key for the parameter heatmaps [default: the "
                                                         "most measured]")] = None,
-    table: Annotated[Optional[Path], typer.Option(help="Table whose rules to show [default: configs/<gpu>.json]")]
+    table: Annotated[Optional[Path], typer.Option(help="Table whose rules to show [default: configs/<gpu>.json in "
+                                                       "this folder (where emit writes), else the shipped one]")]
     = None,
 ):
     """Markdown + PNG report from the stored data (no GPU needed): best configs, per-kernel split, heatmaps,

@@ -15,11 +15,11 @@ from .common import CLIError, Device, WeightDtype, device_info, parse_dtype, ref
 
 def _problem(shape: str | None, norm: str, dtype: str, weight_dtype: str | None, bias: bool | None,
              zero_centered: bool, save: str):
+    if shape is None:  # before any import of torch: a missing option is said at once
+        raise CLIError("--shape: give the problem's rows x width, e.g. --shape 4096x8192")
     from normtune.kernels.config import NORMS, SAVE_MODES, ConfigError, Problem
     from normtune.tuner.shapes import parse_shape
 
-    if shape is None:
-        raise CLIError("--shape: give the problem's rows x width, e.g. --shape 4096x8192")
     try:
         M, N = parse_shape(shape)
     except ValueError as err:
@@ -81,9 +81,9 @@ def where(
     """Which table and which backward config a problem gets, and why: the lookup chain walked ($NORMTUNE_CONFIG,
     the user table, the shipped table of the GPU family, the analytic defaults), the rule that answered (or why
     none did) and the config, as JSON. Reads files only."""
-    from normtune.kernels.select import explain
-
     problem = run_checked(_problem, shape, norm, dtype, weight_dtype, bias, zero_centered, save)
+    from normtune.kernels.select import explain  # imports torch: after the options are checked
+
     if config_file is not None and not config_file.is_file():
         run_checked(refuse, f"--config-file {config_file}: no such file; give a table emitted by `normtune emit`")
     device_name, capability, said = run_checked(_device, gpu, device)

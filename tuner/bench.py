@@ -30,7 +30,7 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.select import select_config
 
 from .cases import relative_error
-from .device import DeviceInfo, peer_versions
+from .device import DeviceInfo, peer_versions, tool_versions
 from .host_rounds import HostCall, measure_rounds
 from .measure import TIMING, MeasureSession, Timing
 from .peers import NormtuneAPI, PeerUnavailable, make_peer
@@ -126,7 +126,8 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
         except Exception as err:  # noqa: BLE001
             peers[name] = err
     provenance = {
-        "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
+        "device": info.to_dict(), "peers": peer_versions(), "tools": tool_versions(), **session.provenance(),
+        "dtype": opts.dtype,
         "weight_dtype": opts.weight_dtype or opts.dtype, "config": opts.config if isinstance(opts.config, str)
         else opts.config.to_json(), "interpret": info.interpret, "started": _local_time(started_at),
         "peer_descriptions": {n: (p.description if hasattr(p, "description") else None) for n, p in peers.items()},

@@ -85,6 +85,7 @@ def host_target_line(rows: list[dict]) -> str:
             f"{counts['backward'][1]}, forward {counts['forward'][0]}/{counts['forward'][1]}.")
 
 
+PEER_LIBRARIES = ("liger_kernel", "quack")  # what a bench run's provenance may list as peers' versions
 VIEWS_NOTE = (
     "Three views of each backward: **GPU time** (host hidden: events around the whole backward after a spin, "
     "cold L2; the view every speedup and win count rests on unless marked kernel-sum), **kernel sum** (the "
@@ -109,7 +110,8 @@ def markdown(report: BenchReport) -> str:
         f"- GPU: {dev['name']} (key `{dev['key']}`, compute capability {dev['compute_capability']}, "
         f"{dev['sm_count']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB), driver {dev['driver']}, CUDA {dev['cuda']}",
         f"- torch {dev['torch']}, triton {dev['triton']}, normtune {dev['normtune']} ({dev['git_revision']}); "
-        f"peers: {', '.join(f'{k} {v}' for k, v in p['peers'].items() if v)}",
+        f"peers: {', '.join(f'{k} {v}' for k, v in p['peers'].items() if v and k in PEER_LIBRARIES) or 'none installed'}"
+        + (f"; tuner: {', '.join(f'{k} {v}' for k, v in p.get('tools', {}).items() if v)}" if p.get("tools") else ""),
         f"- timing: {timing_kind}; median of ≥{p['timing']['min_reps']} repetitions; backward only "
         f"(forward once, untimed); dtype {p['dtype']}, weights {p['weight_dtype']}; normtune config: {p['config']}",
         f"- memory floor: 3·M·N·itemsize bytes at the measured copy bandwidth "
@@ -121,7 +123,7 @@ def markdown(report: BenchReport) -> str:
     notes = sorted({f"{r['impl']}: {r['note']}" for r in report.rows if r.get("note")})
     for norm in dict.fromkeys(r["norm"] for r in report.rows):
         rows = [r for r in report.rows if r["norm"] == norm]
-        lines += [f"## {norm}", "", "GPU time, host hidden (µs, lower is better):", ""]
+        lines += [f"## {norm}", "", f"{_view(p['interpret'], heading=True)} (µs, lower is better):", ""]
         head = ["M×N", "floor", "normtune", "k1", "k2"] + [i for i in impls if i != OURS] + \
             ["best peer", "speedup", "% floor"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -137,7 +139,7 @@ def markdown(report: BenchReport) -> str:
         norm_summ = [s for s in summ if s["norm"] == norm]
         g = geomean([s["speedup"] for s in norm_summ])
         g_ks = geomean([s["kernel_sum_speedup"] for s in norm_summ])
-        lines += ["", f"Geometric-mean speedup over the best peer: {_fmt(g, 3)}× (GPU time)"
+        lines += ["", f"Geometric-mean speedup over the best peer: {_fmt(g, 3)}× ({_view(p['interpret'])})"
                   + (f", {_fmt(g_ks, 3)}× (kernel sum)" if g_ks else "") if g else "", ""]
         lines += ["Kernel sum (µs, torch.profiler):", ""] + _view_table(report, norm, impls, "kernel_sum_us") + [""]
         lines += ["Host µs per call (backward / forward):", ""] + _view_table(report, norm, impls, "host_us",
@@ -151,7 +153,7 @@ def markdown(report: BenchReport) -> str:
         ks = [s["kernel_sum_speedup"] for s in summ if s["kernel_sum_speedup"]]
         ks_text = (f" Kernel-sum view: beats the best peer on {sum(1 for v in ks if v > 1)}/{len(ks)}; "
                    f"geometric mean {_fmt(geomean(ks), 3)}×.") if ks else ""
-        lines += [f"**All cases (GPU time): normtune beats the best peer on {wins}/{total}; geometric-mean "
+        lines += [f"**All cases ({_view(p['interpret'])}): normtune beats the best peer on {wins}/{total}; geometric-mean "
                   f"speedup {_fmt(allg, 3)}×.**{ks_text}", ""]
     failures = [r for r in report.rows if r["status"] not in ("ok",)]
     if notes or failures:
@@ -191,10 +193,18 @@ def summary_table(report: BenchReport):
 def summary_footer(report: BenchReport) -> str:
     """The line under the console table: geometric means and what the columns are."""
     summ = summary(report.rows)
+    interp = report.provenance["interpret"]
     g, g_ks = geomean([s["speedup"] for s in summ]), geomean([s["kernel_sum_speedup"] for s in summ])
-    parts = [f"geomean × {_fmt(g, 3)} (GPU time)" if g else "", f"{_fmt(g_ks, 3)} (kernel sum)" if g_ks else ""]
+    parts = [f"geomean × {_fmt(g, 3)} ({_view(interp)})" if g else "", f"{_fmt(g_ks, 3)} (kernel sum)" if g_ks else ""]
     return ", ".join(p for p in parts if p) + ("\n" if g else "") + \
-        "µs: GPU time, host hidden; ksum ×: kernel-sum view; host: normtune CPU µs/backward"
+        f"µs: {_view(interp, heading=True)}; ksum ×: kernel-sum view; host: normtune CPU µs/backward"
+
+
+def _view(interpret: bool, heading: bool = False) -> str:
+    """What a bench time is: GPU time, or the interpreter's wall-clock on CPU (never called GPU time)."""
+    if interpret:
+        return "interpreter wall-clock on CPU (no GPU)"
+    return "GPU time, host hidden" if heading else "GPU time"
 
 
 def plot(report: BenchReport, out_dir: Path) -> list[Path]:

@@ -132,9 +132,13 @@ def check_gpu_key(requested: str, info: DeviceInfo) -> str:
 
 
 def peer_versions() -> dict[str, str | None]:
-    return {name: _package_version(dist) for name, dist in
-            (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"), ("optuna", "optuna"),
-             ("sqlalchemy", "sqlalchemy"))}
+    """The installed versions of the peer libraries `bench` times (None: not installed)."""
+    return {name: _package_version(dist) for name, dist in (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"))}
+
+
+def tool_versions() -> dict[str, str | None]:
+    """The installed versions of the tuner's own libraries (recorded with a bench run; never peers)."""
+    return {name: _package_version(name) for name in ("optuna", "sqlalchemy")}
 
 
 def command_line(argv: list[str] | None = None) -> str:

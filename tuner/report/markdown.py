@@ -289,6 +289,12 @@ def _table(store, data: ReportData, table_path: str | None) -> tuple[dict | None
                              f"({getattr(err, 'strerror', None) or err})") from None
         return parse_table(raw, str(table_path)).raw, f"`{table_path}`"
     shipped = resources.files("normtune.configs") / f"{data.gpu_key}.json"
+    local = Path("configs") / f"{data.gpu_key}.json"  # where `emit` writes by default, from this folder
+    if local.is_file():
+        text = local.read_text()
+        same = shipped.is_file() and shipped.read_text() == text
+        return (parse_table(json.loads(text), str(local)).raw,
+                f"`{local}`" + (" (shipped)" if same else " (in this folder, where `emit` writes by default)"))
     if shipped.is_file():
         path = f"configs/{data.gpu_key}.json"
         return parse_table(json.loads(shipped.read_text()), path).raw, f"`{path}` (shipped)"

@@ -182,3 +182,5 @@ class LiveView:
         except StoreError:
             pass
         self._live.__exit__(*exc)
+        if not self.console.is_terminal:  # redirected: the last frame ends without a newline of its own
+            self.console.line()
