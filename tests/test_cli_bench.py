@@ -415,7 +415,9 @@ def test_bench_reports_the_three_views(torch_bench):
     assert {"host_us", "forward_host_us", "kernel_sum_speedup", "normtune_kernel_sum_us"} <= set(data["summary"][0])
     assert data["provenance"]["timing"]["host_calls"] >= 1
     md = (out / "bench.md").read_text()
-    for needle in ("GPU time, host hidden", "Kernel sum (µs, torch.profiler)",
+    # An interpreter bench names its times for what they are, never GPU time (outside the note defining views).
+    assert "GPU time" not in md.split("only once.")[-1]
+    for needle in ("interpreter wall-clock on CPU (no GPU) (µs, lower is better)", "Kernel sum (µs, torch.profiler)",
                    "Host µs per call (backward / forward)", "counts the time both kernels run at once only once"):
         assert needle in md, needle
     # normtune's calls without autograd are timed too, and shown beside its autograd calls
