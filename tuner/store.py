@@ -35,7 +35,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.results import STATUSES, MeasureResult
 
-from . import store_schema
+from . import sqlite_files, store_schema
 from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
@@ -61,7 +61,7 @@ class Store(WorkerCoordination):
         self.display_url = display_url(self.url)
         self.read_only = read_only
         # A read-only open of a WAL file creates its -wal/-shm files; `close` removes those it created.
-        self._sidecars = store_schema.missing_sidecars(self.url) if read_only else []
+        self._sidecars = sqlite_files.missing_sidecars(self.url) if read_only else []
         self._engine = store_schema.create(self.url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._problem_ids: dict[str, int] = {}
@@ -144,7 +144,7 @@ class Store(WorkerCoordination):
 
     def close(self) -> None:
         self._engine.dispose()
-        store_schema.release_sidecars(self.url, self._sidecars)
+        sqlite_files.release_sidecars(self.url, self._sidecars)
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
