@@ -26,7 +26,7 @@ class Costs:
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
-        self.startup_s: float | None = None  # until the first trial went to the measuring process
+        self.startup_s: float | None = None  # until the first trial went to the measuring process, once started
         self.first_result_s: float | None = None  # until its result came back
         self.trials = 0
         self.phases: dict[str, float] = {name: 0.0 for name in MEASURING + WORKER}

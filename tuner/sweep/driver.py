@@ -375,9 +375,9 @@ class Sweep:
             if cstatus in ("compile_error", "out_of_resources"):
                 return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
                                      interpret=self.info.interpret)
-        self.costs.sent()
+        self._measurer.submit(item.book.problem, item.trial.config)  # the first one waits for the process to start
         item.sent_at = time.perf_counter()
-        self._measurer.submit(item.book.problem, item.trial.config)
+        self.costs.sent()
         return None
 
     def _collect(self, item: _Pending, summary: SweepSummary) -> MeasureResult:
