@@ -91,6 +91,7 @@ def sweep(
                        sampler=sampler, device=device_list[0] if device_list else device, interpret=interpret,
                        compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed,
                        heartbeat_interval=heartbeat_interval, grace_period=grace_period)
+    helpers = None if device_list and len(device_list) > 1 else S.start_helpers(opts, info)
     store = run_checked(Store, storage)
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
@@ -108,7 +109,7 @@ def sweep(
             for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):
                 console.print("sweep: " + line.strip(), markup=False)
         raise typer.Exit(code)
-    sw = run_checked(S.Sweep, opts, store, info)
+    sw = run_checked(S.Sweep, opts, store, info, helpers=helpers)
     with S.LiveView(console, store.url, targets) as view:
         sw.emit = _sweep_events(view.console)
         result = run_checked(sw.run)

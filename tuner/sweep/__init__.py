@@ -8,9 +8,9 @@ loop of one worker), `launcher` (one worker per GPU), `progress` (live view and 
 from .costs import line as costs_line
 from .driver import Sweep
 from .launcher import run_on_devices
-from .measuring import MeasuringProcess
+from .measuring import MeasuringProcess, start_helpers
 from .options import SAMPLERS, ProblemSummary, SweepOptions, SweepSummary, study_name, summary_json
 from .progress import LiveView, snapshot, worker_lines
 
-__all__ = ["SAMPLERS", "LiveView", "costs_line", "snapshot", "worker_lines", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
-           "run_on_devices", "study_name", "summary_json"]
+__all__ = ["SAMPLERS", "LiveView", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
+           "costs_line", "run_on_devices", "snapshot", "start_helpers", "study_name", "summary_json", "worker_lines"]

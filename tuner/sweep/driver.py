@@ -37,9 +37,9 @@ from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
 from ..measure import MeasureResult
-from .compiling import _compile_one, compile_pool, wait_compiled
+from .compiling import _compile_one, wait_compiled
 from .costs import Costs
-from .measuring import MeasuringProcess, asynchronous
+from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
 from .trials import NewTrial, StudyBook
 
@@ -72,7 +72,7 @@ class Sweep:
     """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
 
     def __init__(self, opts: SweepOptions, store, info: DeviceInfo,
-                 on_event: Callable[[str, dict], None] | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, helpers: tuple | None = None):
         import optuna
 
         self.opts, self.store, self.info = opts, store, info
@@ -91,6 +91,7 @@ class Sweep:
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
         self._measurer = None
         self.costs = Costs()
+        self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
 
     # ------------------------------------------------------------------------------------------- signals
 
@@ -142,10 +143,9 @@ class Sweep:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
-        self._measurer = asynchronous(MeasuringProcess(opts.device, opts.interpret, self.info.l2_bytes,
-                                                        opts.timing))
-        self._measurer.start()
-        pool = None if opts.interpret else compile_pool(opts.compile_workers, opts.device)
+        measurer, pool = self._helpers or start_helpers(opts, self.info, MeasuringProcess)
+        self._helpers = None
+        self._measurer = asynchronous(measurer)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.mark_dead_runs()

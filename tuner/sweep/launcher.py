@@ -44,11 +44,13 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
     from ..device import detect
     from ..store import Store
     from .driver import Sweep
+    from .measuring import start_helpers
 
     opts = options_from_dict(opts_dict)
     info = detect(opts.device, interpret=opts.interpret)
+    helpers = start_helpers(opts, info)  # their start overlaps opening the database
     with Store(url) as store:
-        summary = Sweep(opts, store, info).run()
+        summary = Sweep(opts, store, info, helpers=helpers).run()
     raise SystemExit(summary.exit_code)
 
 

@@ -189,3 +189,14 @@ class _Synchronous:
 def asynchronous(measurer):
     """`measurer` with `submit`/`collect` (a stand-in with only `measure` is wrapped)."""
     return measurer if hasattr(measurer, "submit") else _Synchronous(measurer)
+
+
+def start_helpers(opts, info, measurer_class=MeasuringProcess) -> tuple:
+    """Start a sweep worker's measuring process and compile-ahead processes, without waiting for them: they take
+    seconds to start (importing torch, the CUDA context), which then overlaps whatever the caller does before
+    `Sweep.run` (opening the database and the studies). Returns (measurer, pool) for `Sweep(helpers=…)`."""
+    from .compiling import compile_pool
+
+    measurer = measurer_class(opts.device, opts.interpret, info.l2_bytes, opts.timing)
+    measurer.start()
+    return measurer, (None if opts.interpret else compile_pool(opts.compile_workers, opts.device))
