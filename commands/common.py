@@ -57,6 +57,11 @@ Interpret = Annotated[bool, typer.Option("--interpret", is_eager=True,
                                               "GPU timings).")]
 WeightDtype = Annotated[Optional[str], typer.Option("--weight-dtype", help="Weight dtype: bf16, fp16 or fp32 "
                                                                            "[default: the activation dtype]")]
+Residual = Annotated[bool, typer.Option("--residual", help="The fused residual form: h = x + residual, y = norm(h); "
+                                                          "the backward adds h's gradient (its own problem family)")]
+ResidualDtype = Annotated[Optional[str], typer.Option(
+    "--residual-dtype", help="With --residual: the residual stream's dtype, the activation dtype or fp32 "
+                             "[default: the activation dtype]")]
 Storage = Annotated[str, typer.Option("--db", "--storage", help="SQLAlchemy URL of the results database.")]
 Device = Annotated[int, typer.Option("--device", help="CUDA device index.")]
 
@@ -181,9 +186,36 @@ def positive_seconds(value: float, option: str) -> float:
 
 def problems_option(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,
                     dtype: str | None, weight_dtype: str | None, *, interpret: bool, bias: bool | None = None,
-                    zero_centered: bool | None = None, save: str = "input"):
+                    zero_centered: bool | None = None, save: str = "input", residual: bool = False,
+                    residual_dtype: str | None = None):
     """The problems of --shapes x --norm, or of --shapes-from's model x --tokens (its norm kinds, zero-centering
-    and dtype unless --norm, --zero-centered, --dtype are given). Returns (problems, the model or None)."""
+    and dtype unless --norm, --zero-centered, --dtype are given), in the residual form with --residual (h in
+    --residual-dtype). Returns (problems, the model or None)."""
+    problems, model = _plain_problems(shapes, shapes_from, tokens, norm, dtype, weight_dtype, interpret=interpret,
+                                      bias=bias, zero_centered=zero_centered, save=save)
+    return with_residual(problems, residual, residual_dtype), model
+
+
+def with_residual(problems: list, residual: bool, residual_dtype: str | None) -> list:
+    """`problems` in the fused residual form (--residual, --residual-dtype), or as they are."""
+    import dataclasses
+
+    from normtune.kernels.config import ConfigError
+
+    if residual_dtype is not None and not residual:
+        raise CLIError(f"--residual-dtype {residual_dtype}: it names the residual stream's dtype; add --residual")
+    if not residual:
+        return problems
+    rd = parse_dtype(residual_dtype, "--residual-dtype") if residual_dtype is not None else None
+    try:
+        return [dataclasses.replace(p, residual=True, residual_dtype=rd) for p in problems]
+    except ConfigError as err:
+        raise CLIError(f"--residual-dtype {residual_dtype}: {err}") from None
+
+
+def _plain_problems(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,
+                    dtype: str | None, weight_dtype: str | None, *, interpret: bool, bias: bool | None,
+                    zero_centered: bool | None, save: str):
     from normtune.kernels.config import NORMS
     from normtune.tuner import model_shapes as MS
 

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from .common import (
-    INTERPRETER_BANNER, Gpu, Interpret, Shapes, device_info, parse_dtype, parse_list,
-    parse_shapes_option, problems_for, refuse, run_checked, use_interpreter,
+    INTERPRETER_BANNER, Gpu, Interpret, Residual, ResidualDtype, Shapes, device_info, parse_dtype, parse_list,
+    parse_shapes_option, problems_for, refuse, run_checked, use_interpreter, with_residual,
 )
 
 
@@ -20,6 +20,8 @@ def compare(
     shapes: Shapes = None,
     norm: Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm")] = "layer_norm,rms_norm",
     dtype: Annotated[str, typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32")] = "bf16",
+    residual: Residual = False,
+    residual_dtype: ResidualDtype = None,
     threshold: Annotated[float, typer.Option(help="Fail where NEW is slower than OLD by more than this fraction "
                                                   "(and beyond the spread)")] = 0.03,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds per shape")] = 5,
@@ -46,6 +48,7 @@ def compare(
     dt = run_checked(parse_dtype, dtype)
     shape_list = run_checked(parse_shapes_option, shapes, interpret)
     problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
+    problems = run_checked(with_residual, problems, residual, residual_dtype)
     if dry_run:
         typer.echo("\n".join(C.changes_markdown(C.config_changes(*tables, problems), len(problems))))
         return

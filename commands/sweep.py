@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Storage, Tokens, WeightDtype,
-    check_writable_file, compile_processes, device_info, positive_seconds, problems_option, read_only_store, refuse,
-    run_checked, use_interpreter, write_text,
+    DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes, ShapesFrom, Storage,
+    Tokens, WeightDtype, check_writable_file, compile_processes, device_info, positive_seconds, problems_option,
+    read_only_store, refuse, run_checked, use_interpreter, write_text,
 )
 
 
@@ -42,6 +42,8 @@ def sweep(
         "--zero-centered/--no-zero-centered", help="Zero-centered weights (w = 1 + w') [default: no; with "
                                                    "--shapes-from, the model's]")] = None,
     save: Annotated[str, typer.Option(help="What the forward saves: input | output")] = "input",
+    residual: Residual = False,
+    residual_dtype: ResidualDtype = None,
     trials: Annotated[int, typer.Option(help="Finished trials each problem should end with (re-running adds "
                                              "only the difference)")] = 40,
     time_budget: Annotated[Optional[float], typer.Option(help="Stop between trials after this many seconds")] = None,
@@ -76,7 +78,8 @@ def sweep(
     if save not in SAVE_MODES:
         run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
     problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
-                                  interpret=interpret, bias=bias, zero_centered=zero_centered, save=save)
+                                  interpret=interpret, bias=bias, zero_centered=zero_centered, save=save,
+                                  residual=residual, residual_dtype=residual_dtype)
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")

@@ -8,22 +8,25 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, ShapesFrom, Storage, Tokens, check_out_folder,
-    compile_processes, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked, use_interpreter,
+    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, ShapesFrom, Storage, Tokens,
+    check_out_folder, compile_processes, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked,
+    use_interpreter, with_residual,
 )
 
 
 def _validation_problems(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,
-                         dtype: str | None, interpret: bool):
+                         dtype: str | None, interpret: bool, residual: bool = False, residual_dtype: str | None = None):
     """--shapes given: those shapes in --dtype; --shapes-from: the model's norms; else the held-out set (tiny
-    shapes with --interpret)."""
+    shapes with --interpret); in the residual form with --residual."""
     if shapes is None and shapes_from is None and tokens is None and not interpret:
         from normtune.kernels.config import NORMS
         from normtune.tuner.heldout import heldout_problems
 
         norms = parse_list(norm, NORMS, "--norm") if norm is not None else list(NORMS)
-        return heldout_problems(norms, parse_dtype(dtype) if dtype is not None else "bf16"), None
-    return problems_option(shapes, shapes_from, tokens, norm, dtype, None, interpret=interpret)
+        problems = heldout_problems(norms, parse_dtype(dtype) if dtype is not None else "bf16")
+        return with_residual(problems, residual, residual_dtype), None
+    return problems_option(shapes, shapes_from, tokens, norm, dtype, None, interpret=interpret, residual=residual,
+                           residual_dtype=residual_dtype)
 
 
 def _table_for_device(table: Path | None, info):
@@ -65,6 +68,8 @@ def validate(
     tokens: Tokens = None,
     norm: Norms = None,
     dtype: Dtype = None,
+    residual: Residual = False,
+    residual_dtype: ResidualDtype = None,
     table: Annotated[Optional[Path], typer.Option(help="Table to validate [default: the one the runtime picks]")]
     = None,
     trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
@@ -93,7 +98,8 @@ def validate(
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
     compile_workers = run_checked(compile_processes, compile_workers, 1)
-    problems, model = run_checked(_validation_problems, shapes, shapes_from, tokens, norm, dtype, interpret)
+    problems, model = run_checked(_validation_problems, shapes, shapes_from, tokens, norm, dtype, interpret, residual,
+                                  residual_dtype)
     info = run_checked(device_info, gpu, interpret)
     tab = run_checked(_table_for_device, table, info)
     if out is not None:

@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import CLIError, Device, WeightDtype, device_info, parse_dtype, refuse, run_checked
+from .common import (CLIError, Device, Residual, ResidualDtype, WeightDtype, device_info, parse_dtype, refuse,
+                     run_checked, with_residual)
 
 
 def _problem(shape: str | None, norm: str, dtype: str, weight_dtype: str | None, bias: bool | None,
@@ -73,6 +74,8 @@ def where(
     zero_centered: Annotated[bool, typer.Option("--zero-centered", help="Zero-centered weights (w = 1 + w')")]
     = False,
     save: Annotated[str, typer.Option(help="What the forward saves: input | output")] = "input",
+    residual: Residual = False,
+    residual_dtype: ResidualDtype = None,
     config_file: Annotated[Optional[Path], typer.Option(
         "--config-file", help="Consult this table file first, as $NORMTUNE_CONFIG would name it")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the explanation as JSON")] = False,
@@ -82,6 +85,7 @@ def where(
     the user table, the shipped table of the GPU family, the analytic defaults), the rule that answered (or why
     none did) and the config, as JSON. Reads files only."""
     problem = run_checked(_problem, shape, norm, dtype, weight_dtype, bias, zero_centered, save)
+    problem = run_checked(with_residual, [problem], residual, residual_dtype)[0]
     from normtune.kernels.select import explain  # imports torch: after the options are checked
 
     if config_file is not None and not config_file.is_file():

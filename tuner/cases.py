@@ -1,8 +1,9 @@
 """The inputs of one measured backward and the correctness gate every result passes before it is timed.
 
 Inputs are random (never zeros: they hide unwritten outputs) and the forward runs once with normtune's Triton
-kernel, so that every implementation differentiates the same saved tensors. The gate compares (dx, dw, db) with
-the fp32 PyTorch reference on the same inputs.
+kernel, so that every implementation differentiates the same saved tensors. A residual problem's forward is the
+fused residual form (h = x + residual, y = norm(h)); its backward takes the stream's gradient dh too. The gate
+compares (dx, dw, db) with the fp32 PyTorch reference on the same inputs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ EPS = 1e-5
 
 @dataclass
 class Case:
-    """Inputs of one backward: the forward has run, `saved` is x or y according to problem.save."""
+    """Inputs of one backward: the forward has run, `saved` is x (h, for a residual problem) or y according to
+    problem.save; `dh` is the residual stream's gradient (residual problems only)."""
 
     problem: Problem
     x: torch.Tensor
@@ -39,16 +41,17 @@ class Case:
     saved: torch.Tensor
     rstd: torch.Tensor
     mean: torch.Tensor
+    dh: torch.Tensor | None = None
 
     def launch(self, config: BackwardConfig) -> kbackward.BackwardLaunch:
         return kbackward.BackwardLaunch(self.problem, config, self.grad, self.saved, self.weight, self.bias,
-                                        self.rstd, self.mean)
+                                        self.rstd, self.mean, dh=self.dh)
 
     def reference(self):
         p = self.problem
         return reference.backward(self.grad, self.saved, self.weight, self.bias, self.rstd, self.mean,
                                   is_rms=p.norm == "rms_norm", zero_centered=p.zero_centered,
-                                  from_output=p.save == "output")
+                                  from_output=p.save == "output", dh=self.dh)
 
 
 def make_case(problem: Problem, device: torch.device | str, seed: int = 0) -> Case:
@@ -69,10 +72,18 @@ def make_case(problem: Problem, device: torch.device | str, seed: int = 0) -> Ca
     grad = randn(M, N).to(dt)
     is_rms = problem.norm == "rms_norm"
     store_mean = not is_rms and problem.save == "input"
-    y, rstd, mean = kforward.forward(x, weight, bias, EPS, is_rms=is_rms, zero_centered=problem.zero_centered,
-                                     store_mean=store_mean)
+    if problem.residual:
+        hdt = TORCH_DTYPES[problem.residual_dtype]
+        residual = randn(M, N).to(hdt)
+        y, x, rstd, mean = kforward.forward_residual(x, residual, weight, bias, EPS, h_dtype=hdt, is_rms=is_rms,
+                                                     zero_centered=problem.zero_centered, store_mean=store_mean)
+        dh = randn(M, N).to(hdt)
+    else:
+        y, rstd, mean = kforward.forward(x, weight, bias, EPS, is_rms=is_rms, zero_centered=problem.zero_centered,
+                                         store_mean=store_mean)
+        dh = None
     saved = y if problem.save == "output" else x
-    return Case(problem, x, weight, bias, grad, saved, rstd, mean)
+    return Case(problem, x, weight, bias, grad, saved, rstd, mean, dh)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -40,8 +40,21 @@ class Stats:
 
 
 def floor_bytes(problem: Problem) -> int:
-    """The memory floor's bytes: read grad and the saved activation, write grad_input (3·M·N·itemsize)."""
+    """The memory floor's bytes: read grad and the saved activation, write grad_input (3·M·N·itemsize). The
+    residual form makes it 4 passes: read grad, the saved h (or y) and the stream's gradient dh, write grad_input
+    (h's gradient), the last three in the residual dtype (y in the activation dtype)."""
+    if problem.residual:
+        res = problem.residual_itemsize
+        saved = res if problem.save == "input" else problem.itemsize
+        return problem.M * problem.N * (problem.itemsize + saved + 2 * res)
     return 3 * problem.M * problem.N * problem.itemsize
+
+
+def forward_floor_bytes(problem: Problem) -> int:
+    """The forward's memory floor: read x, write y (2 passes); the residual form also reads the residual and
+    writes h (4 passes, those two in the residual dtype)."""
+    passes = 2 * problem.itemsize + (2 * problem.residual_itemsize if problem.residual else 0)
+    return problem.M * problem.N * passes
 
 
 def bytes_moved(problem: Problem, partial_rows: int) -> int:
