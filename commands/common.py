@@ -198,14 +198,13 @@ def problems_option(shapes: str | None, shapes_from: Path | None, tokens: str | 
 
 def with_residual(problems: list, residual: bool, residual_dtype: str | None) -> list:
     """`problems` in the fused residual form (--residual, --residual-dtype), or as they are."""
-    import dataclasses
-
-    from normtune.kernels.config import ConfigError
-
     if residual_dtype is not None and not residual:
         raise CLIError(f"--residual-dtype {residual_dtype}: it names the residual stream's dtype; add --residual")
     if not residual:
         return problems
+    import dataclasses
+
+    from normtune.kernels.config import ConfigError
     rd = parse_dtype(residual_dtype, "--residual-dtype") if residual_dtype is not None else None
     try:
         return [dataclasses.replace(p, residual=True, residual_dtype=rd) for p in problems]
