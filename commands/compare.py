@@ -44,6 +44,10 @@ def compare(
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
     tables = [run_checked(load_table, str(path)) for path in (old, new)]
+    for path, table in zip((old, new), tables):
+        if table.interpret and not interpret:
+            run_checked(refuse, f"{path} holds Triton-interpreter timings: it never tunes a GPU, so comparing it "
+                                f"for --gpu {gpu} means nothing; compare it with --interpret, or pass a GPU's table")
     norms = run_checked(parse_list, norm, NORMS, "--norm")
     dt = run_checked(parse_dtype, dtype)
     shape_list = run_checked(parse_shapes_option, shapes, interpret)

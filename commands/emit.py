@@ -36,16 +36,17 @@ def _names(text: str | None, option: str) -> tuple[str, ...] | None:
 
 def _read_runs_of(runs: str | None, runs_of: Path | None) -> dict | None:
     """The JSON of the table --runs-of names (read once: its runs and its incumbent both come from it)."""
-    import json as _json
+    from normtune.kernels.tables import TableError, read_json
 
     if runs is not None and runs_of is not None:
         raise CLIError("--runs and --runs-of both name the runs to fit on: give one of them")
     if runs_of is None:
         return None
     try:
-        data = _json.loads(runs_of.read_text())
-    except (OSError, ValueError) as err:
-        raise CLIError(f"--runs-of {runs_of}: {getattr(err, 'strerror', None) or err}") from None
+        data = read_json(str(runs_of))
+    except TableError as err:
+        reason = str(err).removeprefix(f"heuristic table {runs_of}: ")
+        raise CLIError(f"--runs-of {runs_of}: {reason}") from None
     if not isinstance(data, dict):
         raise CLIError(f"--runs-of {runs_of}: not a heuristic table (a JSON object): name a table normtune emitted")
     return data

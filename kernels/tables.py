@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -212,6 +213,15 @@ def _fail(path: str, message: str):
     raise TableError(f"heuristic table {path}: {message}")
 
 
+# A fitted shape as a table records it: "MxN", both positive integers without sign or leading zero.
+_SHAPE = re.compile(r"[1-9][0-9]*x[1-9][0-9]*")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def _is_positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
@@ -237,18 +247,31 @@ def _check_metadata(path: str, gpu: Mapping, data: Mapping) -> None:
             _fail(path, f"{field}={section[name]!r} must be {expected}")
 
 
-def read_table(path: str) -> Table:
-    """Read and validate the table at `path` afresh (no cache: e.g. a report right after `emit`); every error is
-    a TableError naming the file: unreadable, not JSON, or not a valid table."""
+def read_json(path: str) -> Any:
+    """The JSON value of the table file at `path`; a TableError naming the file when it cannot be read, is not
+    UTF-8, is not JSON, or nests deeper than the parser goes (no table nests more than a few levels)."""
     try:
-        text = Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as err:
         raise TableError(f"heuristic table {path}: cannot be read ({err.strerror or err})") from None
     try:
-        data = json.loads(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TableError(f"heuristic table {path}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
+                         f"{err.start}); a table is the JSON text `normtune emit` writes") from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as err:
         raise TableError(f"heuristic table {path}: not valid JSON ({err})") from None
-    return parse_table(data, path)
+    except RecursionError:
+        raise TableError(f"heuristic table {path}: its JSON nests too deeply to be a table (a table nests a few "
+                         "levels)") from None
+
+
+def read_table(path: str) -> Table:
+    """Read and validate the table at `path` afresh (no cache: e.g. a report right after `emit`); every error is
+    a TableError naming the file: unreadable, not UTF-8 JSON, or not a valid table."""
+    return parse_table(read_json(path), path)
 
 
 def parse_table(data: Any, path: str = "<table>") -> Table:
@@ -286,7 +309,11 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
             for name, v in (("n_max", n_max), ("m_max", m_max)):
                 if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                     _fail(path, f"{where}: {name}={v!r} must be a positive integer or null")
-            fitted_on = r.get("fitted_on") if isinstance(r.get("fitted_on"), list) else []
+            fitted_on = r.get("fitted_on", [])
+            if not isinstance(fitted_on, list) or not all(isinstance(t, str) and _SHAPE.fullmatch(t)
+                                                          for t in fitted_on):
+                _fail(path, f"{where}: fitted_on={_short(fitted_on)} must be a list of the shapes the rule was "
+                            "fitted on, \"MxN\" with positive M and N (e.g. [\"4096x8192\"])")
             try:
                 cfg = BackwardConfig.from_dict(r.get("config"))
                 # The rule's config must run the shapes it was fitted on (without them, its own bounds); other
