@@ -492,3 +492,18 @@ def test_graph_capture_replays_like_eager(M, N, h_dtype, strategy):
         torch.cuda.synchronize()
         for name, c, e in zip(("y", "h", "dx", "dr", "dw"), captured, step()):
             assert torch.equal(c, e), f"{name}: the replayed graph differs from eager ({strategy}, {problem.key})"
+
+
+def test_save_output_that_cannot_recover_saves_h(device):
+    """save="output" follows the plain norm's rule: a weight with a zero column cannot give x̂ back from y, so the
+    call saves h instead, and the gradients are those of save="input" (finite, bitwise the same)."""
+    x, r, w, _, dy, dh = _inputs(4, 24, device)
+    w = w.clone()
+    w[5] = 0
+    grads = []
+    for save in ("output", "input"):
+        xl, rl = x.detach().requires_grad_(), r.detach().requires_grad_()
+        y, h = rms_norm(xl, w, residual=rl, save=save)
+        torch.autograd.backward([y, h], [dy, dh])
+        grads.append(xl.grad)
+    assert torch.isfinite(grads[0]).all() and torch.equal(grads[0], grads[1])
