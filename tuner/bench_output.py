@@ -110,7 +110,8 @@ def markdown(report: BenchReport) -> str:
         f"- GPU: {dev['name']} (key `{dev['key']}`, compute capability {dev['compute_capability']}, "
         f"{dev['sm_count']} SMs, L2 {dev['l2_bytes'] / 2**20:.0f} MiB), driver {dev['driver']}, CUDA {dev['cuda']}",
         f"- torch {dev['torch']}, triton {dev['triton']}, normtune {dev['normtune']} ({dev['git_revision']}); "
-        f"peers: {', '.join(f'{k} {v}' for k, v in p['peers'].items() if v and k in PEER_LIBRARIES) or 'none installed'}"
+        "peers: " + (", ".join(f"{k} {v}" for k, v in p["peers"].items() if v and k in PEER_LIBRARIES)
+                     or "none installed")
         + (f"; tuner: {', '.join(f'{k} {v}' for k, v in p.get('tools', {}).items() if v)}" if p.get("tools") else ""),
         f"- timing: {timing_kind}; median of ≥{p['timing']['min_reps']} repetitions; backward only "
         f"(forward once, untimed); dtype {p['dtype']}, weights {p['weight_dtype']}; normtune config: {p['config']}",
@@ -153,7 +154,8 @@ def markdown(report: BenchReport) -> str:
         ks = [s["kernel_sum_speedup"] for s in summ if s["kernel_sum_speedup"]]
         ks_text = (f" Kernel-sum view: beats the best peer on {sum(1 for v in ks if v > 1)}/{len(ks)}; "
                    f"geometric mean {_fmt(geomean(ks), 3)}×.") if ks else ""
-        lines += [f"**All cases ({_view(p['interpret'])}): normtune beats the best peer on {wins}/{total}; geometric-mean "
+        lines += [f"**All cases ({_view(p['interpret'])}): normtune beats the best peer on {wins}/{total}; "
+                  "geometric-mean "
                   f"speedup {_fmt(allg, 3)}×.**{ks_text}", ""]
     failures = [r for r in report.rows if r["status"] not in ("ok",)]
     if notes or failures:

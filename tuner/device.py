@@ -133,7 +133,8 @@ def check_gpu_key(requested: str, info: DeviceInfo) -> str:
 
 def peer_versions() -> dict[str, str | None]:
     """The installed versions of the peer libraries `bench` times (None: not installed)."""
-    return {name: _package_version(dist) for name, dist in (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"))}
+    return {name: _package_version(dist)
+            for name, dist in (("liger_kernel", "liger-kernel"), ("quack", "quack-kernels"))}
 
 
 def tool_versions() -> dict[str, str | None]:
