@@ -18,4 +18,4 @@ fi
 stop_postgres() { if [ "$started_here" = 1 ]; then bash tests/postgres.sh --stop || true; fi; }
 trap stop_postgres EXIT
 eval "$(bash tests/postgres.sh)"
-"$PY" -m pytest -n 2 -q "$@"
+"$PY" -m pytest -n 2 -q --durations=30 "$@"   # the 30 slowest tests, to keep the suite within 10 minutes
