@@ -34,10 +34,12 @@ def _hashes(folder: Path) -> dict[str, str]:
 
 
 def _one_error(result) -> str:
+    """The one `error:` line a refused command ends with (a banner such as --interpret's may come before it)."""
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert result.exit_code != 0 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert result.exit_code != 0 and len(errors) == 1 and lines[-1] == errors[0], result.output
     assert "Traceback" not in result.output
-    return lines[0]
+    return errors[0]
 
 
 def _foreign(path: Path, ddl: str) -> None:
@@ -56,6 +58,7 @@ def _commands(url: str, tmp_path: Path) -> dict[str, list[str]]:
         "emit": ["emit", "--gpu", "h100", "--db", url, "--out", str(tmp_path / "out" / "h100.json")],
         "report": ["report", "--gpu", "h100", "--db", url, "--out", str(tmp_path / "out" / "report")],
         "sweep": ["sweep", "--interpret", "--shapes", "8x64", "--trials", "1", "--db", url],
+        "validate": ["validate", "--interpret", "--shapes", "8x64", "--trials", "1", "--db", url],
         "bench": ["bench", "--interpret", "--shapes", "8x64", "--peers", "none", "--budget", "0.01",
                   "--out", str(tmp_path / "out" / "bench"), "--db", url],
     }
