@@ -40,8 +40,11 @@ def _problem(shape: str | None, norm: str, dtype: str, weight_dtype: str | None,
         raise CLIError(f"--weight-dtype {weight_dtype}: {err}") from None
 
 
-def _device(gpu: str, device: int) -> tuple[str | None, tuple[int, int] | None, str]:
-    """(the device name the chain is walked for, its compute capability, how to say it)."""
+def _device(gpu: str, device: int):
+    """(the device name the chain is walked for, its compute capability, how to say it, its limits: the device's,
+    a known GPU key's stand-in, or None for the reference device's)."""
+    from normtune.kernels.limits import STAND_INS
+
     name = gpu.strip()
     if name.lower() == "auto":
         from normtune.tuner.device import NoGPUError
@@ -51,14 +54,21 @@ def _device(gpu: str, device: int) -> tuple[str | None, tuple[int, int] | None, 
         except NoGPUError:
             raise CLIError("--gpu auto: no CUDA GPU is visible here; name the GPU whose tables to consult, e.g. "
                            "--gpu h100") from None
+        import torch
+
+        from normtune.kernels.device import device_limits
+
         cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
-        return info.name, cc, f"{info.name} (device {device}, compute capability {info.compute_capability})"
+        return (info.name, cc, f"{info.name} (device {device}, compute capability {info.compute_capability})",
+                device_limits(torch.device("cuda", device)))
     if name.lower() == "cpu":
-        return None, None, "no GPU (CPU tensors and the Triton interpreter)"
+        return None, None, "no GPU (CPU tensors and the Triton interpreter)", None
     if name.lower() == "interpret" or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._()-]*", name):
         raise CLIError(f"--gpu {gpu!r}: name a GPU key such as h100, a device name such as 'NVIDIA H100 PCIe', "
                        "auto (this machine's GPU) or cpu")
-    return name, None, f"{name} (no device consulted: the tables of its GPU family)"
+    from normtune.kernels.device import gpu_key
+
+    return name, None, f"{name} (no device consulted: the tables of its GPU family)", STAND_INS.get(gpu_key(name))
 
 
 def where(
@@ -90,15 +100,28 @@ def where(
 
     if config_file is not None and not config_file.is_file():
         run_checked(refuse, f"--config-file {config_file}: no such file; give a table emitted by `normtune emit`")
-    device_name, capability, said = run_checked(_device, gpu, device)
+    device_name, capability, said, limits = run_checked(_device, gpu, device)
     why = run_checked(explain, problem, device_name, capability,
-                      config_file=str(config_file) if config_file is not None else None)
+                      config_file=str(config_file) if config_file is not None else None, limits=limits)
+    limits_said = _limits_line(limits)
     if as_json:
-        typer.echo(json.dumps({"gpu": said, **why.to_dict()}, indent=1, ensure_ascii=False))
+        typer.echo(json.dumps({"gpu": said, "limits": limits_said, **why.to_dict()}, indent=1, ensure_ascii=False))
         return
-    lines = [f"problem  {problem.key}", f"gpu      {said}", "chain"]
+    lines = [f"problem  {problem.key}", f"gpu      {said}", f"limits   {limits_said}", "chain"]
     for i, step in enumerate(why.steps, 1):
         lines.append(f"  {i}. {step.detail}" + ("   <- used" if step.taken else ""))
     lines += [f"table    {why.table.label if why.table else 'none'}", f"rule     {why.reason}",
               f"config   {why.config.to_json()}"]
+    lines += [f"fallback {line}" for line in why.fallbacks]
     typer.echo("\n".join(lines))
+
+
+def _limits_line(limits) -> str:
+    """What sizes the default and which features run: the device's limits in one line."""
+    from normtune.kernels.limits import REFERENCE
+
+    lim = limits or REFERENCE
+    features = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in lim.features().items())
+    source = "" if limits else " (the reference device's: no device or stand-in for this GPU)"
+    return (f"{lim.name}: {lim.arch}, {lim.sm_count} {'CUs' if lim.vendor == 'amd' else 'SMs'}, {lim.shared_per_block // 1024} KB shared per program, "
+            f"{lim.warp_size}-thread warps; {features}{source}")

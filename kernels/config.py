@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .heuristics import (
-    SHARED_MEMORY_BUDGET,
     estimate_registers,
     next_power_of_two,
     register_budget,
@@ -25,6 +24,7 @@ from .heuristics import (
     slice_width,
     staged_shared_bytes,
 )
+from .limits import REFERENCE, DeviceLimits
 from .problem import (  # noqa: F401 - the problem's names are re-exported: `from .config import Problem` works
     DTYPES,
     ITEMSIZE,
@@ -125,10 +125,13 @@ class Kernel1Config:
     def tile(self) -> int:
         return self.block_row * self.block_col
 
-    def validate(self, problem: Problem) -> None:
+    def validate(self, problem: Problem, limits: DeviceLimits | None = None) -> None:
+        """`limits`: the device's (registers, shared memory, warp size); the reference device's without."""
+        lim = limits or REFERENCE
         _check_int("kernel_1.block_row", self.block_row, 1, MAX_BLOCK_ROW, power_of_two=True)
         _check_int("kernel_1.block_col", self.block_col, 1, MAX_BLOCK_COL, power_of_two=True)
         _check_choice("kernel_1.num_warps", self.num_warps, NUM_WARPS)
+        _check_warps("kernel_1.num_warps", self.num_warps, lim)
         _check_int("kernel_1.num_stages", self.num_stages, 1, MAX_NUM_STAGES)
         pps = self.programs_per_sm
         if isinstance(pps, bool) or not isinstance(pps, (int, float)) or not 0.125 <= pps <= MAX_PROGRAMS_PER_SM:
@@ -182,16 +185,16 @@ class Kernel1Config:
                 f"kernel_1 tile block_row x block_col = {self.tile()} exceeds {MAX_TILE} elements: shrink "
                 "block_row or block_col"
             )
-        threads = 32 * self.num_warps
+        threads = lim.warp_size * self.num_warps
         if self.num_warps > 1 and threads > self.tile():
             raise ConfigError(
                 f"kernel_1.num_warps={self.num_warps} leaves threads idle on a {self.block_row}x{self.block_col} "
-                f"tile: use num_warps <= {max(1, self.tile() // 32)}"
+                f"tile: use num_warps <= {max(1, self.tile() // lim.warp_size)}"
             )
         regs = estimate_registers(problem, self.block_row, self.block_col, self.num_warps,
                                   self.two_pass and self.strategy == "rows", self.prefetch, self.recompute,
-                                  self.column_accumulators)
-        budget = register_budget(self.num_warps)
+                                  self.column_accumulators, lim.warp_size)
+        budget = register_budget(self.num_warps, lim)
         if regs > budget:
             raise ConfigError(
                 f"kernel_1 register budget: a {self.block_row}x{self.block_col} tile on {self.num_warps} warps "
@@ -200,10 +203,10 @@ class Kernel1Config:
             )
         staged = staged_shared_bytes(problem, self.block_row, self.block_col, self.num_stages, self.two_pass,
                                      self.prefetch, self.num_warps)
-        if staged > SHARED_MEMORY_BUDGET:
+        if staged > lim.shared_per_block:
             raise ConfigError(
                 f"kernel_1.num_stages={self.num_stages} stages {staged // 1024} KB in shared memory (budget "
-                f"{SHARED_MEMORY_BUDGET // 1024} KB): use fewer stages or a smaller tile"
+                f"{lim.shared_per_block // 1024} KB on {lim.name}): use fewer stages or a smaller tile"
             )
 
 
@@ -236,25 +239,28 @@ class Kernel2Config:
     pdl: bool = False
     fused: bool = False
 
-    def check_tile(self, num_warps: int, name: str) -> None:
+    def check_tile(self, num_warps: int, name: str, limits: DeviceLimits | None = None) -> None:
         """The reduction tile on `num_warps` warps: no idle threads, registers within budget."""
+        lim = limits or REFERENCE
         tile = self.block_m * self.block_n
-        threads = 32 * num_warps
+        threads = lim.warp_size * num_warps
         if num_warps > 1 and threads > tile:
             raise ConfigError(
                 f"{name}={num_warps} leaves threads idle on a {self.block_m}x{self.block_n} kernel_2 tile: "
-                f"use num_warps <= {max(1, tile // 32)} or a larger tile"
+                f"use num_warps <= {max(1, tile // lim.warp_size)} or a larger tile"
             )
-        if math.ceil(tile / threads) * 2 > register_budget(num_warps) // 2:
+        if math.ceil(tile / threads) * 2 > register_budget(num_warps, lim) // 2:
             raise ConfigError(
                 f"kernel_2 tile {self.block_m}x{self.block_n} on {num_warps} warps needs too many registers: "
                 "use a smaller tile or more warps"
             )
 
-    def validate(self, problem: Problem | None = None) -> None:
+    def validate(self, problem: Problem | None = None, limits: DeviceLimits | None = None) -> None:
+        lim = limits or REFERENCE
         _check_int("kernel_2.block_m", self.block_m, 1, 1024, power_of_two=True)
         _check_int("kernel_2.block_n", self.block_n, 1, 4096, power_of_two=True)
         _check_choice("kernel_2.num_warps", self.num_warps, NUM_WARPS)
+        _check_warps("kernel_2.num_warps", self.num_warps, lim)
         _check_int("kernel_2.num_stages", self.num_stages, 1, 4)
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"kernel_2.pdl={self.pdl!r} must be true or false")
@@ -264,8 +270,8 @@ class Kernel2Config:
             raise ConfigError("kernel_2.fused=true has no second launch to overlap: use pdl=false")
         tile = self.block_m * self.block_n
         if not self.fused:  # fused, the reduction runs on kernel_1's warps (checked by BackwardConfig)
-            self.check_tile(self.num_warps, "kernel_2.num_warps")
-        if (self.num_stages - 1) * tile * 4 * 2 > SHARED_MEMORY_BUDGET:
+            self.check_tile(self.num_warps, "kernel_2.num_warps", lim)
+        if (self.num_stages - 1) * tile * 4 * 2 > lim.shared_per_block:
             raise ConfigError(f"kernel_2.num_stages={self.num_stages} stages too many {self.block_m}x{self.block_n} "
                               "tiles in shared memory: use fewer stages or a smaller tile")
 
@@ -277,11 +283,12 @@ class BackwardConfig:
     kernel_1: Kernel1Config = field(default_factory=Kernel1Config)
     kernel_2: Kernel2Config = field(default_factory=Kernel2Config)
 
-    def validate(self, problem: Problem) -> "BackwardConfig":
-        """Raise `ConfigError` naming the field if this config cannot run `problem`; return self otherwise."""
+    def validate(self, problem: Problem, limits: DeviceLimits | None = None) -> "BackwardConfig":
+        """Raise `ConfigError` naming the field if this config cannot run `problem` (on the device of `limits`;
+        without, the reference device); return self otherwise."""
         if not isinstance(self.kernel_1, Kernel1Config) or not isinstance(self.kernel_2, Kernel2Config):
             raise ConfigError("BackwardConfig needs a Kernel1Config and a Kernel2Config")
-        self.kernel_1.validate(problem)
+        self.kernel_1.validate(problem, limits)
         if self.kernel_1.strategy == "dual":  # kernel_2's tile is the column programs', on kernel_1's warps
             k2 = self.kernel_2
             if k2.pdl or k2.fused:
@@ -289,16 +296,16 @@ class BackwardConfig:
                                   "fused=false")
             _check_int("kernel_2.block_m", k2.block_m, 1, 1024, power_of_two=True)
             _check_int("kernel_2.block_n", k2.block_n, 1, 4096, power_of_two=True)
-            k2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (dual: kernel_2's tile on its warps)")
+            k2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (dual: kernel_2's tile on its warps)", limits)
             return self
-        self.kernel_2.validate(problem)
+        self.kernel_2.validate(problem, limits)
         if self.kernel_2.fused and self.kernel_1.strategy == "rows":
-            self.kernel_2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (fused reduction)")
+            self.kernel_2.check_tile(self.kernel_1.num_warps, "kernel_1.num_warps (fused reduction)", limits)
         return self
 
-    def is_valid(self, problem: Problem) -> bool:
+    def is_valid(self, problem: Problem, limits: DeviceLimits | None = None) -> bool:
         try:
-            self.validate(problem)
+            self.validate(problem, limits)
         except ConfigError:
             return False
         return True
@@ -347,6 +354,12 @@ class BackwardConfig:
         return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
                 f"pps{k1.programs_per_sm}{pf}{ev}] k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}"
                 f"{' pdl' if k2.pdl else ''}{' fused' if k2.fused else ''}]")
+
+
+def _check_warps(name: str, num_warps: int, limits: DeviceLimits) -> None:
+    if num_warps > limits.max_warps:
+        raise ConfigError(f"{name}={num_warps} is more than the {limits.max_warps} warps of {limits.warp_size} "
+                          f"threads a program may have on {limits.name}: use num_warps <= {limits.max_warps}")
 
 
 def _json_scalar(v) -> str:

@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
+from .limits import REFERENCE, DeviceLimits
 from .problem import ITEMSIZE
 
 if TYPE_CHECKING:  # the value types import this module for their limits; defaults import them lazily
@@ -25,11 +26,13 @@ if TYPE_CHECKING:  # the value types import this module for their limits; defaul
 # compiler's counts next to the estimate for wide tiles: the estimate still prunes some configs that run well
 # (H100 RMSNorm 4096x32768, split 4, 4x8192 on 16 warps with prefetch: estimate 224, 138 values spilled, 329 µs
 # against 349 without prefetch).
-REGISTER_FILE = 65536
-REGISTER_BUDGET = 255
+# These figures are the reference device's (`limits.REFERENCE`); every function below that depends on the GPU takes
+# a `limits` (`limits.DeviceLimits`, read from the device) and uses the reference's only without one.
+REGISTER_FILE = REFERENCE.registers_per_sm
+REGISTER_BUDGET = REFERENCE.max_registers_per_thread
 REGISTER_SLACK = 1.3
 # Hopper: 227 KB of shared memory per block. Pipelined loads (num_stages > 1) stage tiles there.
-SHARED_MEMORY_BUDGET = 227 * 1024
+SHARED_MEMORY_BUDGET = REFERENCE.shared_per_block
 # Widest row one program holds in single pass: a 1x16384 tile on 16 warps fills an SM's registers. Wider rows
 # run two-pass, or split over several programs (row_split).
 MAX_SINGLE_PASS = 16384
@@ -50,7 +53,7 @@ ROW_SWEEPING = ("columns", "dual")
 # SM, and never more than the compiled kernel's occupancy: every program must be resident at once.
 MAX_PROGRAMS_PER_SM_SYNC = 4
 # Hopper: 228 KB of shared memory per SM, 1 KB of it reserved per resident block.
-SHARED_MEMORY_PER_SM = 228 * 1024
+SHARED_MEMORY_PER_SM = REFERENCE.shared_per_sm
 # Split-row slices start on multiples of this many elements (16-byte aligned for 2-byte data: wide loads).
 SLICE_ALIGN = 16
 # Widest slice the analytic default gives a program of a split row (rows wider than MAX_SINGLE_PASS).
@@ -76,30 +79,36 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
     return (num_stages - 1) * per_stage + scratch
 
 
-def register_budget(num_warps: int) -> int:
+def register_budget(num_warps: int, limits: DeviceLimits | None = None) -> int:
     """Registers per thread a config may keep live on `num_warps` warps (with the slack above)."""
-    return int(REGISTER_SLACK * hardware_registers(num_warps))
+    return int(REGISTER_SLACK * hardware_registers(num_warps, limits))
 
 
-def hardware_registers(num_warps: int) -> int:
+def hardware_registers(num_warps: int, limits: DeviceLimits | None = None) -> int:
     """Registers per thread the hardware gives a program of `num_warps` warps (no slack)."""
-    return min(REGISTER_BUDGET, REGISTER_FILE // (32 * num_warps))
+    lim = limits or REFERENCE
+    return min(lim.max_registers_per_thread, lim.registers_per_sm // (lim.warp_size * num_warps))
 
 
-def occupancy(regs_per_thread: int, shared_bytes: int, num_warps: int, shared_per_sm: int | None = None) -> int:
+def occupancy(regs_per_thread: int, shared_bytes: int, num_warps: int, shared_per_sm: int | None = None,
+              limits: DeviceLimits | None = None) -> int:
     """Programs of a compiled kernel one SM holds at once: registers (allocated 256 per warp at a time),
-    threads (2048), shared memory, and the 32-block limit."""
-    regs_per_warp = cdiv(regs_per_thread * 32, 256) * 256
-    by_regs = REGISTER_FILE // max(1, regs_per_warp * num_warps)
-    by_threads = 2048 // (32 * num_warps)
-    by_shared = (shared_per_sm or SHARED_MEMORY_PER_SM) // (shared_bytes + 1024) if shared_bytes else 32
-    return max(0, min(32, by_regs, by_threads, by_shared))
+    threads, shared memory, and the blocks-per-SM limit."""
+    lim = limits or REFERENCE
+    regs_per_warp = cdiv(regs_per_thread * lim.warp_size, 256) * 256
+    by_regs = lim.registers_per_sm // max(1, regs_per_warp * num_warps)
+    by_threads = lim.max_threads_per_sm // (lim.warp_size * num_warps)
+    shared_sm = shared_per_sm or lim.shared_per_sm
+    by_shared = shared_sm // (shared_bytes + 1024) if shared_bytes else lim.max_blocks_per_sm
+    return max(0, min(lim.max_blocks_per_sm, by_regs, by_threads, by_shared))
 
 
-def max_warps(tile: int) -> int:
-    """Most warps that still give every thread MIN_ELEMENTS_PER_THREAD elements of a `tile`-element tile."""
-    warps = 32
-    while warps > 1 and MIN_ELEMENTS_PER_THREAD * 32 * warps > tile:
+def max_warps(tile: int, limits: DeviceLimits | None = None) -> int:
+    """Most warps (at most the device's per program) that still give every thread MIN_ELEMENTS_PER_THREAD
+    elements of a `tile`-element tile."""
+    lim = limits or REFERENCE
+    warps = lim.max_warps
+    while warps > 1 and MIN_ELEMENTS_PER_THREAD * lim.warp_size * warps > tile:
         warps //= 2
     return warps
 
@@ -141,7 +150,8 @@ def row_block_col(N: int, row_split: int = 1) -> int:
 
 
 def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_warps: int, two_pass: bool,
-                       prefetch: bool, recompute: bool = False, column_accumulators: bool = False) -> int:
+                       prefetch: bool, recompute: bool = False, column_accumulators: bool = False,
+                       warp_size: int = 32) -> int:
     """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
 
     Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
@@ -149,7 +159,7 @@ def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_w
     registers unless a single-row tile reloads it per tile), b when recovering x̂ from y, and the dw and db
     accumulators instead when they are kept per column.
     """
-    per_thread = math.ceil(block_row * block_col / (32 * num_warps))
+    per_thread = math.ceil(block_row * block_col / (warp_size * num_warps))
     # recompute: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
     live = 3.0 if not recompute else 1.0 + 2 * problem.itemsize / 4
     accumulators = problem.has_weight + bool(problem.has_bias)
@@ -205,7 +215,7 @@ def wide_fp32_rows(problem: "Problem") -> bool:
         problem.M >= WIDE_DEFAULT_MIN_ROWS
 
 
-def default_config(problem: "Problem") -> "BackwardConfig":
+def default_config(problem: "Problem", limits: DeviceLimits | None = None) -> "BackwardConfig":
     """Analytic launch rules, used when no tuned table covers the problem. Every rule is about keeping a
     streaming kernel's loads in flight without spilling registers (figures: H200, bf16, docs/perf-notes.md):
 
@@ -235,8 +245,19 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     - kernel_2: many programs of narrow columns and tall tiles (it is latency-bound: a 32x128 tile took
       7-42 µs because N=1024 gave 8 programs that each looped over the partials): 128x16. PDL off: on an H100
       it changed nothing measurable (total x1.002 median over the 30 seed cases).
+
+    `limits` (the device's, `limits.DeviceLimits`; the reference H100's without) bound the registers, shared
+    memory and warps of every candidate, and the config returned asks for no feature the device lacks
+    (`capabilities.portable`): each rule's candidate is taken in its portable form if that is valid there.
     """
+    from .capabilities import portable
     from .config import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
+
+    lim = limits or REFERENCE
+
+    def fit(cfg: "BackwardConfig") -> "BackwardConfig | None":
+        cfg = portable(cfg, lim)
+        return cfg if cfg.is_valid(problem, lim) else None
 
     n_pow2 = next_power_of_two(problem.N)
     two_pass = n_pow2 > MAX_SINGLE_PASS
@@ -250,8 +271,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
                           num_stages=1, programs_per_sm=1, two_pass=False, eviction_policy="", prefetch=True,
                           strategy="columns"),
             Kernel2Config(block_m=128, block_n=16, num_warps=4))
-        if columns.is_valid(problem):
-            return columns
+        if fit(columns):
+            return fit(columns)
     split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0) if two_pass else 0
     if split and problem.M > MAX_COLUMNS_ROWS and problem.itemsize == 2:
         # Many 16-bit rows too wide for one pass: single pass over 8192-column slices keeping the raw tile, with
@@ -262,8 +283,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
                                  row_split=split, column_accumulators=True)
         for k1 in (split_k1, dataclasses.replace(split_k1, block_row=1)):
             split_cfg = BackwardConfig(k1, Kernel2Config(block_m=128, block_n=16, num_warps=4))
-            if split_cfg.is_valid(problem):
-                return split_cfg
+            if fit(split_cfg):
+                return fit(split_cfg)
     if wide_fp32_rows(problem):
         # The references' form (docstring). H200, against the whole-row tile: RMSNorm 1024x16384 71.7 vs 77.0 µs,
         # 4096x12288 188.8 vs 206.4; LayerNorm, against the bf16 rule in 8 slices: 8192x9216 323.4 vs 400.3.
@@ -273,8 +294,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
                           programs_per_sm=1, eviction_policy="", prefetch=True, row_split=split,
                           column_accumulators=True),
             Kernel2Config(block_m=64, block_n=16, num_warps=4, pdl=True))
-        if wide.is_valid(problem):
-            return wide
+        if fit(wide):
+            return fit(wide)
     # 16-bit rows of 8193-16384 columns, enough of them to measure: the shipped tables' forms (docstring).
     wide_16_bit = n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
     if wide_16_bit and problem.norm == "layer_norm":
@@ -285,8 +306,8 @@ def default_config(problem: "Problem") -> "BackwardConfig":
                           programs_per_sm=1, eviction_policy="", row_split=4, column_accumulators=True,
                           pipelined_split=True),
             Kernel2Config(block_m=64, block_n=16, num_warps=1, pdl=True))
-        if wide.is_valid(problem):
-            return wide
+        if fit(wide):
+            return fit(wide)
     block_col = 4096 if two_pass else n_pow2
     # Up to 64 rows (the space's largest block_row): a cap of 16 left rows of <= 256 columns with 2048-4096
     # element tiles, under the ~8192 the tuned N=1024/2048 seed rules settled on.
@@ -295,9 +316,9 @@ def default_config(problem: "Problem") -> "BackwardConfig":
     # 16 warps once a row is >= 4096 columns (H100 and H200 sweeps: every tuned seed config at N >= 4096 ran 16
     # warps or smem pipelining; 8 warps cost LayerNorm 4096x8192 96.6 vs 82.0 µs on the H100).
     num_warps = 8 if two_pass else (16 if block_col >= 4096 else max(4, min(8, tile // 1024)))
-    num_warps = min(num_warps, max_warps(tile))
-    prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True) <= \
-        hardware_registers(num_warps)
+    num_warps = min(num_warps, max_warps(tile, lim))
+    prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True,
+                                  warp_size=lim.warp_size) <= hardware_registers(num_warps, lim)
     # Where prefetch does not fit (one-row tiles of 16384), bf16 LayerNorm rows with a bias (two accumulators)
     # keep their raw tile across the reductions instead of fp32 copies (recompute: 2048x16384 167 -> 126 µs on
     # the H100). RMSNorm fits without it and runs slower with it (2048x16384: 87.2 vs 84.5 µs H100, 74.3 vs
@@ -313,16 +334,17 @@ def default_config(problem: "Problem") -> "BackwardConfig":
                        recompute=recompute)
     block_n = min(16, n_pow2)  # 128x16 tiles: kernel_2 x0.83 vs wider tiles, median over the 30 seed cases (H100)
     block_m = 128
-    k2_warps = max(1, min(4, (block_m * block_n) // 32))
+    k2_warps = max(1, min(4, (block_m * block_n) // lim.warp_size))
     k2 = Kernel2Config(block_m=block_m, block_n=block_n, num_warps=k2_warps)
     # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
     # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
     candidates = [k1, dataclasses.replace(k1, recompute=problem.itemsize == 2),
-                  dataclasses.replace(k1, recompute=problem.itemsize == 2, num_warps=min(32, 2 * num_warps)),
+                  dataclasses.replace(k1, recompute=problem.itemsize == 2,
+                                      num_warps=min(lim.max_warps, 2 * num_warps)),
                   Kernel1Config(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
                                 two_pass=True, eviction_policy="evict_first", prefetch=True)]
     for cand in candidates:
-        cfg = BackwardConfig(cand, k2)
-        if cfg.is_valid(problem):
+        cfg = fit(BackwardConfig(cand, k2))
+        if cfg:
             return cfg
-    return BackwardConfig(candidates[-1], k2).validate(problem)
+    return portable(BackwardConfig(candidates[-1], k2), lim).validate(problem, lim)

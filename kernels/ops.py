@@ -21,7 +21,7 @@ from . import forward_calls
 from . import reference
 from . import saving
 from .config import BackwardConfig, Problem
-from .device import compute_capability, device_name, use_triton
+from .device import compute_capability, device_limits, device_name, use_triton
 from .select import resolve_config
 
 
@@ -108,7 +108,8 @@ def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config, re
         problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                    save_output=save_output, residual_dtype=residual_dtype)
         if use_triton(grad):
-            cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device))
+            cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device),
+                                 device_limits(grad.device) if grad.is_cuda else None)
         else:
             cfg = None
             if config:

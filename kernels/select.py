@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .capabilities import fallbacks, portable
 from .config import BackwardConfig, Problem
 from .heuristics import default_config
+from .limits import DeviceLimits
 from .table_chain import Step, choose_table, warn_once
 from .tables import RuleMatch, Table
 
@@ -15,13 +17,15 @@ from .tables import RuleMatch, Table
 @dataclass(frozen=True)
 class Explanation:
     """Why `config` runs `problem`: the chain's steps, the table they gave (None: no table), how its rules
-    answered (None without a table; `match.config` None: no rule applies) and the config that runs."""
+    answered (None without a table; `match.config` None: no rule applies) and the config that runs (in the
+    device's portable form: `fallbacks` says what the device lacked of the table's config)."""
 
     problem: Problem
     steps: tuple[Step, ...]
     table: Table | None
     match: RuleMatch | None
     config: BackwardConfig
+    fallbacks: tuple[str, ...] = ()
 
     @property
     def reason(self) -> str:
@@ -41,36 +45,51 @@ class Explanation:
             "reason": self.reason,
             "source": "table" if m and m.config is not None else "default",
             "config": self.config.to_dict(),
+            "fallbacks": list(self.fallbacks),
         }
 
 
 def explain(problem: Problem, device_name: str | None = None, capability: tuple[int, int] | None = None, *,
-            config_file: str | None = None, warn: bool = False) -> Explanation:
+            config_file: str | None = None, warn: bool = False, limits: DeviceLimits | None = None) -> Explanation:
     """Walk the chain for `problem` on the named device (a device name or a GPU key; None: no GPU) and record
-    every step. `warn`: give the runtime's one-time warnings for a fallback table."""
+    every step. `warn`: give the runtime's one-time warnings for a fallback table. `limits`: the device's
+    (`device.device_limits`), which size the analytic default and say which features it lacks; None: the
+    reference device's."""
     choice = choose_table(device_name, capability, config_file)
     if warn:
         warn_once(choice.warning)
     match = choice.table.match(problem) if choice.table is not None else None
-    config = match.config if match is not None and match.config is not None else default_config(problem)
-    return Explanation(problem, choice.steps, choice.table, match, config)
+    lacking: tuple[str, ...] = ()
+    if match is not None and match.config is not None:
+        config = match.config
+        if limits is not None:  # a table tuned on another GPU: its portable form, if that fits this one
+            lacking, config = tuple(fallbacks(config, limits)), portable(config, limits)
+            try:
+                config.validate(problem, limits)
+            except ValueError as err:
+                lacking += (f"the table's config does not fit {limits.name} ({err}): the analytic default runs",)
+                config = default_config(problem, limits)
+    else:
+        config = default_config(problem, limits)
+    return Explanation(problem, choice.steps, choice.table, match, config, lacking)
 
 
 @functools.lru_cache(maxsize=4096)
 def select_config(problem: Problem, device_name: str | None = None,
-                  capability: tuple[int, int] | None = None) -> BackwardConfig:
-    """The config the runtime uses for `problem` on the named device (None: no device, no table).
+                  capability: tuple[int, int] | None = None, limits: DeviceLimits | None = None) -> BackwardConfig:
+    """The config the runtime uses for `problem` on the named device (None: no device, no table), whose limits
+    are `limits` (None: the reference device's).
 
     Cached: a problem is looked up once per process.
     """
-    return explain(problem, device_name, capability, warn=True).config
+    return explain(problem, device_name, capability, warn=True, limits=limits).config
 
 
 def resolve_config(problem: Problem, config: BackwardConfig | str | None, device_name: str | None,
-                   capability: tuple[int, int] | None = None) -> BackwardConfig:
+                   capability: tuple[int, int] | None = None, limits: DeviceLimits | None = None) -> BackwardConfig:
     """An explicit config (value or JSON text) wins, after validation against the problem."""
     if config is None or config == "":
-        return select_config(problem, device_name, capability)
+        return select_config(problem, device_name, capability, limits)
     if isinstance(config, str):
         config = BackwardConfig.from_json(config)
     return config.validate(problem)

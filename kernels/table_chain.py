@@ -4,8 +4,9 @@
 2. the user table `<user dir>/<gpu key>.json` (e.g. `h100.json`, written by `normtune emit --user`), where the
    user dir is $NORMTUNE_HOME, else $XDG_CONFIG_HOME/normtune, else ~/.config/normtune;
 3. the shipped table whose GPU name is the device's, else one of the same GPU family (key, e.g. h100 for an
-   'H100 PCIe'), else one of the same compute capability — these two with a one-time warning saying which;
-4. none: the analytic defaults (with a one-time warning on a GPU).
+   'H100 PCIe'), else one of the same vendor and compute capability (ROCm reports a major version of 9 for
+   AMD GPUs, which is no Hopper) — these two with a one-time warning saying which;
+4. none: the analytic defaults, sized to the device (with a one-time warning on a GPU saying how to tune it).
 
 Without a GPU (no device name, or the CPU) only step 1 applies. A table named in step 1 or 2 that cannot be used
 (unreadable, malformed, or holding Triton-interpreter timings on a GPU) is refused with an error naming the file.
@@ -21,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .device import gpu_key
+from .device import gpu_key, vendor_of
 from .tables import Table, TableError, load_table, shipped_tables
 
 ENV_VAR = "NORMTUNE_CONFIG"
@@ -113,7 +114,8 @@ def _shipped(device_name: str, key: str, capability: tuple[int, int] | None, ste
         return TableChoice(t, tuple(steps) + (step,), f"normtune: no table tuned on {device_name!r}; using {t.label} "
                                                      f"(tuned on {t.gpu_name!r}, same GPU family)")
     cc = f"{capability[0]}.{capability[1]}" if capability else None
-    same_cc = [t for t in tables if cc and t.compute_capability == cc]
+    vendor = vendor_of(device_name)
+    same_cc = [t for t in tables if cc and t.compute_capability == cc and vendor_of(t.gpu_name) == vendor]
     if same_cc:
         t = same_cc[0]
         step = Step("shipped", f"shipped table {t.label}: same compute capability {cc} (tuned on {t.gpu_name!r})",
@@ -124,8 +126,9 @@ def _shipped(device_name: str, key: str, capability: tuple[int, int] | None, ste
     steps.append(Step("shipped", f"shipped tables ({shipped}): none for GPU family {key}"
                                  + (f" or compute capability {cc}" if cc else "")))
     steps.append(Step("default", "the analytic defaults"))
-    warning = (f"normtune: no heuristic table for {device_name!r}: using the analytic default configs (run "
-               "`normtune sweep` and `normtune emit` to tune this GPU)")
+    warning = (f"normtune: no heuristic table for {device_name!r}: running the analytic default configs, sized to "
+               f"this GPU. To tune it: `normtune sweep --gpu auto`, then `normtune emit --gpu {key} --user` "
+               "(docs/new-gpu.md)")
     return TableChoice(None, tuple(steps), warning)
 
 

@@ -37,7 +37,7 @@ def strategies(space: Space) -> list[BackwardConfig]:
     programs (dw/db per column on taller tiles), two-pass on multi-row tiles (H100: 4x2048 two-pass ran
     LayerNorm 512x16384 in 33 µs, the default 52); for few rows, the columns and dual strategies (H100:
     columns LayerNorm 512x16384 39.2 vs 44.1 µs default); the fused reduction with wide column blocks."""
-    p, base = space.problem, default_config(space.problem)
+    p, base = space.problem, default_config(space.problem, space.limits)
     k1, k2 = base.kernel_1, base.kernel_2
     alts: list[BackwardConfig] = []
     if next_power_of_two(p.N) >= 4096:
@@ -178,7 +178,7 @@ def _narrow_odd_split(N: int, split: int) -> bool:
 def seeds(space: Space) -> list[BackwardConfig]:
     """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
     (each knob moved to the adjacent domain value)."""
-    base = space.canonical(default_config(space.problem))
+    base = space.canonical(default_config(space.problem, space.limits))
     few = space.problem.M <= MAX_COLUMNS_ROWS  # few rows: dual/columns first (a time-budgeted sweep reaches them)
     out = [base] + sorted(space.strategies(), key=lambda c: few and c.kernel_1.strategy not in ROW_SWEEPING)
     d = space.domains()

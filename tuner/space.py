@@ -14,7 +14,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from normtune.kernels.capabilities import fallbacks, portable
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.limits import REFERENCE, DeviceLimits
 from normtune.kernels.problem import is_power_of_two
 from normtune.kernels.heuristics import (
     MAX_COLUMNS_ROWS,
@@ -72,10 +74,16 @@ def fitting_split(N: int, row_split: int) -> bool:
 
 @dataclass(frozen=True)
 class Space:
-    """The configs worth measuring for one problem on a device with `sm_count` SMs."""
+    """The configs worth measuring for one problem on a device with `sm_count` SMs and the given `limits`
+    (None: the reference device's): only the warps, shared memory and features that device has."""
 
     problem: Problem
     sm_count: int
+    limits: DeviceLimits | None = None
+
+    @property
+    def device(self) -> DeviceLimits:
+        return self.limits or REFERENCE
 
     # ---- domains, as they apply to this problem
     def domains(self) -> dict[str, tuple]:
@@ -97,6 +105,15 @@ class Space:
         rows_needed = next_power_of_two(max(1, p.M))
         d["k1.block_row"] = tuple(r for r in K1_DOMAINS["block_row"] if r <= rows_needed) or (1,)
         d["k2.block_n"] = tuple(b for b in K2_DOMAINS["block_n"] if b <= n_pow2) or (n_pow2,)
+        lim = self.device  # only what the device has (`capabilities`)
+        d["k1.num_warps"] = tuple(w for w in d["k1.num_warps"] if w <= lim.max_warps)
+        d["k2.num_warps"] = tuple(w for w in d["k2.num_warps"] if w <= lim.max_warps)
+        if not lim.eviction_hints:
+            d["k1.eviction_policy"] = ("",)
+        if not lim.pdl:
+            d["k2.pdl"] = (False,)
+        if not lim.inline_ptx:
+            d["k1.pipelined_split"] = (False,)
         return d
 
     def columns_kernel_2(self) -> Kernel2Config:
@@ -161,16 +178,19 @@ class Space:
         """None when `config` is worth measuring; else the constraint it breaks."""
         err = None
         try:
-            config.validate(self.problem)
+            config.validate(self.problem, self.limits)
         except ValueError as e:
             err = str(e)
         if err:
             return err
+        lacking = fallbacks(config, self.device)
+        if lacking:
+            return lacking[0]
         k1 = config.kernel_1
         largest = MAX_COLUMN_ACC_TILE if k1.column_accumulators else MAX_SPACE_TILE
         if k1.tile() > largest:
             return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {largest} elements"
-        if k1.num_warps > max_warps(k1.tile()):
+        if k1.num_warps > max_warps(k1.tile(), self.limits):
             return (f"num_warps={k1.num_warps} gives fewer than {MIN_ELEMENTS_PER_THREAD} elements per thread on a "
                     f"{k1.tile()}-element tile")
         if k1.prefetch and k1.num_stages > 1:
@@ -186,11 +206,13 @@ class Space:
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
         """Collapse knobs that do not change the launch: row tiles taller than the problem (kept within the
-        block_row domain), and programs_per_sm values giving the same grid."""
+        block_row domain), programs_per_sm values giving the same grid, and features the device lacks (its
+        portable form runs)."""
+        config = portable(config, self.device)
         rows = self.domains()["k1.block_row"][-1]
         if config.kernel_1.block_row > rows:
             k1 = dataclasses.replace(config.kernel_1, block_row=rows)
-            k1 = dataclasses.replace(k1, num_warps=min(k1.num_warps, max_warps(k1.tile())))
+            k1 = dataclasses.replace(k1, num_warps=min(k1.num_warps, max_warps(k1.tile(), self.limits)))
             config = dataclasses.replace(config, kernel_1=k1)
         if config.kernel_1.strategy == "columns":  # no grid knob, no kernel_2: one spelling of each
             return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), self.columns_kernel_2())

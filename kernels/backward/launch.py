@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import triton
 
+from ..capabilities import portable
 from ..config import RECOVER_LIMITS, BackwardConfig, Problem
-from ..device import compute_capability, interpret_mode, sm_count
+from ..device import device_limits, interpret_mode, sm_count
 from ..launcher import Launcher
 from ..heuristics import (
     MAX_PROGRAMS_PER_SM_SYNC,
@@ -124,10 +125,12 @@ def _row_sums_tile(N: int) -> tuple[int, int, int]:
 
 
 def pdl_enabled(config: BackwardConfig, device: torch.device) -> bool:
-    cc = compute_capability(device)
+    """kernel_2 launches with programmatic dependent launch: the config asks for it, this Triton has it, and the
+    device does (`DeviceLimits.pdl`: NVIDIA from compute capability 9.0; not a ROCm GPU, whatever major version
+    ROCm reports)."""
     k2 = config.kernel_2
     return bool(k2.pdl and not k2.fused and config.kernel_1.strategy == "rows" and PDL_SUPPORTED
-                and not interpret_mode() and cc is not None and cc >= (9, 0))
+                and not interpret_mode() and device.type == "cuda" and device_limits(device).pdl)
 
 
 def _waits(config: BackwardConfig, p: Problem) -> bool:
@@ -139,8 +142,10 @@ def _waits(config: BackwardConfig, p: Problem) -> bool:
 def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool, hint: int = 1) -> Plan:
     """The cached plan; validates the config once. A grid whose programs wait for each other is capped at the
     compiled kernel's occupancy (compiling it here, once). `int64`: offsets need 64 bits; `hint`: the row width
-    and strides are multiples of it (`heuristics.alignment_hint`)."""
-    config.validate(problem)
+    and strides are multiples of it (`heuristics.alignment_hint`). A feature the device lacks runs in its portable
+    form (`capabilities.portable`)."""
+    limits = device_limits(device)
+    config = portable(config, limits).validate(problem, limits)
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     M, N = p.M, p.N
     phased = interpret_mode()
@@ -203,8 +208,7 @@ def _resident_programs(p: Problem, config: BackwardConfig, device: torch.device,
         regs, shared = int(compiled.n_regs), int(compiled.metadata.shared)
     except Exception:  # noqa: BLE001 - unknown compiled-kernel layout: one program per SM always fits
         return sm_count(device)
-    props = torch.cuda.get_device_properties(device)
-    per_sm = occupancy(regs, shared, k1.num_warps, getattr(props, "shared_memory_per_multiprocessor", 0) or None)
+    per_sm = occupancy(regs, shared, k1.num_warps, limits=device_limits(device))
     return max(k1.row_split, min(per_sm, MAX_PROGRAMS_PER_SM_SYNC) * sm_count(device))
 
 
@@ -358,10 +362,12 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
     """Compile the kernels for (problem, config) without launching them, as the first real launch would
     (contiguous rows, the same integer specialization), so that Triton's on-disk cache serves the launch.
     Used by the tuner's compile-ahead workers; needs the GPU's driver but no data."""
-    config.validate(problem)
     if problem.M == 0:
+        config.validate(problem)
         return
     device = device or torch.device("cuda", torch.cuda.current_device())
+    limits = device_limits(device)
+    config = portable(config, limits).validate(problem, limits)
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     int64, hint = needs_int64(p.M, p.N), alignment_hint(p.N)
     f32 = torch.float32

@@ -32,6 +32,15 @@ log = logging.getLogger("normtune.sweep")
 INVALID_STREAK_LIMIT = 500
 
 
+def _gpu_limits():
+    """The current GPU's limits (`kernels.limits.DeviceLimits`): the space offers only what it has."""
+    import torch
+
+    from normtune.kernels.device import device_limits
+
+    return device_limits(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+
+
 @dataclass
 class NewTrial:
     trial_id: int
@@ -48,7 +57,7 @@ class StudyBook:
         import optuna
 
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
-        self.space = Space(problem, sm_count)
+        self.space = Space(problem, sm_count, None if interpret else _gpu_limits())
         self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
         self.sampling = Sampling(opts.sampler, self.space, opts.seed)
         self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=self.sampling.sampler,
@@ -56,7 +65,7 @@ class StudyBook:
         extra = [self.space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
         self.seeds = (list(dict.fromkeys(extra + self.space.seeds())) if opts.sampler != "grid" and opts.seeded
                       else [])
-        self.default = self.space.canonical(default_config(problem))
+        self.default = self.space.canonical(default_config(problem, self.space.limits))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
         self.seed_base = 0  # slot of the first seed
         self._resume_seeds(claimed_slots)

@@ -1,0 +1,49 @@
+"""Launch features a config may ask for that not every GPU has, and the portable form a device runs instead.
+
+A config (from a table tuned on another GPU, an explicit `config=`, or the analytic default) may name a feature
+the device lacks (`limits.DeviceLimits` says which it has):
+
+- kernel_2.pdl: programmatic dependent launch (NVIDIA, compute capability 9.0 on) → an ordinary second launch;
+- kernel_1.eviction_policy: PTX eviction priorities (NVIDIA) → plain loads, which is what Triton's AMD backend
+  compiles them to anyway;
+- kernel_1.pipelined_split: the split row's exchange waits through inline PTX (NVIDIA) → the exchange through
+  Triton's own barrier and atomics (the same sums in the same order; the loop is not software-pipelined).
+
+`portable` drops what the device lacks (the results are the same: each of these changes only when or how loads
+are issued); `fallbacks` says what it dropped, for `normtune where`. The search space offers none of these on
+such a device. Cluster launches and TMA descriptors are not used by any kernel here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import BackwardConfig
+from .limits import DeviceLimits
+
+
+def fallbacks(config: BackwardConfig, limits: DeviceLimits) -> list[str]:
+    """One line per feature `config` asks for that the device lacks, saying what runs instead."""
+    k1, k2 = config.kernel_1, config.kernel_2
+    out = []
+    if k2.pdl and not limits.pdl:
+        out.append(f"kernel_2.pdl: {limits.name} has no programmatic dependent launch (NVIDIA, compute capability "
+                   "9.0 on): kernel_2 is an ordinary second launch")
+    if k1.eviction_policy and not limits.eviction_hints:
+        out.append(f"kernel_1.eviction_policy={k1.eviction_policy}: {limits.name} has no eviction hints: plain loads")
+    if k1.pipelined_split and not limits.inline_ptx:
+        out.append(f"kernel_1.pipelined_split: its waits are inline PTX, which {limits.name} does not run: the "
+                   "split row's exchange waits through Triton's barrier (not software-pipelined)")
+    return out
+
+
+def portable(config: BackwardConfig, limits: DeviceLimits) -> BackwardConfig:
+    """`config` without the features the device lacks (itself when it lacks none)."""
+    k1, k2 = config.kernel_1, config.kernel_2
+    new_k1 = dataclasses.replace(
+        k1, eviction_policy=k1.eviction_policy if limits.eviction_hints else "",
+        pipelined_split=k1.pipelined_split and limits.inline_ptx)
+    new_k2 = dataclasses.replace(k2, pdl=k2.pdl and limits.pdl)
+    if new_k1 == k1 and new_k2 == k2:
+        return config
+    return BackwardConfig(new_k1, new_k2)
