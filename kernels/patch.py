@@ -48,10 +48,15 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 @dataclass
 class PatchReport:
     """What `patch` did: replaced modules counted by their original class name, and (strict=False) the modules it
-    left as they were, by path, with the reason."""
+    left as they were, by path, with the reason. With fuse_residual=True also: the decoder layers whose residual
+    adds were fused into their norms, by class name; how many layer ends were fused with the next layer's input
+    norm (`chained`); and the decoder layers left as they were (`unfused`), by path, with the reason."""
 
     replaced: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    fused: dict[str, int] = field(default_factory=dict)
+    chained: int = 0
+    unfused: dict[str, str] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -60,6 +65,11 @@ class PatchReport:
     def __str__(self) -> str:
         done = ", ".join(f"{count} {name}" for name, count in self.replaced.items()) or "nothing"
         lines = [f"replaced {done}"] + [f"skipped {path}: {why}" for path, why in self.skipped.items()]
+        if self.fused or self.unfused:
+            layers = ", ".join(f"{count} {name}" for name, count in self.fused.items()) or "no layer"
+            lines.append(f"fused the residual adds of {layers} ({self.chained} layer ends with the next layer's "
+                         "input norm)")
+            lines += [f"unfused {path}: {why}" for path, why in self.unfused.items()]
         return "\n".join(lines)
 
 
@@ -79,7 +89,8 @@ class _Plan:
 
 
 def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, save: str = "input",
-          config: BackwardConfig | dict | str | None = None, strict: bool = True) -> PatchReport:
+          config: BackwardConfig | dict | str | None = None, strict: bool = True,
+          fuse_residual: bool = False) -> PatchReport:
     """Replace, in place, the LayerNorms (layer_norm=True) and RMSNorms (rms_norm=True) of `model` by normtune's
     modules holding the same Parameter objects; returns a `PatchReport`.
 
@@ -87,10 +98,15 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, s
     forcing the backward launch of every replaced norm (None: chosen per shape). strict=True (the default) raises
     a ValueError, before replacing anything, for a norm it cannot replace exactly; strict=False leaves such
     modules as they are and lists them in the report's `skipped`.
+
+    fuse_residual=True also fuses the residual adds of pre-norm decoder layers (transformers' Llama, Qwen, Mistral,
+    Gemma families) into their replaced norms, each layer checked by probing its own forward (see
+    `patch_residual.py`); a layer that is not exactly such a layer is left as it is and listed in `unfused`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    for name, value in (("layer_norm", layer_norm), ("rms_norm", rms_norm), ("strict", strict)):
+    for name, value in (("layer_norm", layer_norm), ("rms_norm", rms_norm), ("strict", strict),
+                        ("fuse_residual", fuse_residual)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if save not in SAVE_MODES:
@@ -133,6 +149,11 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, s
             counts[type(child).__name__] += 1
         setattr(parent, attr, built[id(child)])
     report.replaced.update(counts)
+    if fuse_residual:
+        from .patch_residual import fuse
+
+        fusion = fuse(model, PROBE_TOLERANCE)
+        report.fused, report.chained, report.unfused = fusion.fused, fusion.chained, fusion.unfused
     return report
 
 

@@ -1,0 +1,213 @@
+"""`normtune.patch(model, fuse_residual=True)`: the residual adds of transformers' decoder layers fused into their
+norms (Llama, Qwen2, Qwen3, Mistral, Gemma, Gemma2, Gemma3), layer ends handed over to the next layer's input norm,
+the same Parameter objects, logits and every gradient as the unpatched model; layers whose forward is not exactly
+a pre-norm or sandwich layer left alone and reported; the hand-over refused for any other input.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import normtune
+from normtune.kernels import RMSNorm
+from normtune.kernels import patch_residual
+
+transformers = pytest.importorskip("transformers")
+
+TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 64}
+# model_type -> its decoder layer class
+LAYERS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
+          "mistral": "MistralDecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
+          "gemma3_text": "Gemma3DecoderLayer"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _model(model_type: str, device: str, dtype=torch.float32, **sizes) -> nn.Module:
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **sizes})
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norm weights off their init (Gemma's zeros would hide the 1 + w)
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.to(device=device, dtype=dtype)
+
+
+def _ids(model, batch=2, tokens=8):
+    gen = torch.Generator().manual_seed(7)
+    return torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(model.device)
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _check_same(model, reference, ids, tol, assert_close):
+    (logits, grads), (ref_logits, ref_grads) = _logits_and_grads(model, ids), _logits_and_grads(reference, ids)
+    assert_close(logits, ref_logits, tol, "logits")
+    assert list(grads) == list(ref_grads)
+    for name, grad in ref_grads.items():
+        assert_close(grads[name], grad, tol, f"grad {name}")
+
+
+class _Counts:
+    """How often the fused form and each norm module's own forward run."""
+
+    def __init__(self, monkeypatch):
+        self.fused, self.norms = 0, []
+        fused, forward = patch_residual.fused_add_norm, RMSNorm.forward
+
+        def counting_fused(*args):
+            self.fused += 1
+            return fused(*args)
+
+        def counting_forward(norm, x):
+            self.norms.append(norm)
+            return forward(norm, x)
+
+        monkeypatch.setattr(patch_residual, "fused_add_norm", counting_fused)
+        monkeypatch.setattr(RMSNorm, "forward", counting_forward)
+
+
+@pytest.mark.parametrize("model_type", list(LAYERS))
+def test_decoder_layers_are_fused_exactly(model_type, device, tolerance, assert_close, monkeypatch):
+    model = _model(model_type, device)
+    reference = copy.deepcopy(model)
+    params = {name: p for name, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    report = normtune.patch(model, fuse_residual=True)
+    assert report.fused == {LAYERS[model_type]: 2} and report.chained == 1 and report.unfused == {}, str(report)
+    assert {name: p for name, p in model.named_parameters()} == params  # the very Parameter objects
+    assert all(p is params[name] for name, p in model.named_parameters())
+    assert list(model.state_dict()) == keys
+    layers = model.model.layers
+    assert all(type(layer).__name__ == LAYERS[model_type] for layer in layers)
+    assert isinstance(layers[0], type(reference.model.layers[0]))  # a subclass: isinstance checks still hold
+    counts = _Counts(monkeypatch)
+    _check_same(model, reference, _ids(model), tolerance(torch.float32), assert_close)
+    # Per layer one fused add + norm, plus layer 0's end fused with layer 1's input norm, whose module never runs.
+    assert counts.fused == 3
+    assert layers[0].input_layernorm in counts.norms and layers[1].input_layernorm not in counts.norms
+    fused_norm = "pre_feedforward_layernorm" if model_type in ("gemma2", "gemma3_text") else "post_attention_layernorm"
+    assert all(getattr(layer, fused_norm) not in counts.norms for layer in layers)
+
+
+def test_fused_model_trains_like_the_original_in_bf16(device, tolerance, relative_error):
+    """bf16: no further from the fp32 model than transformers' own bf16 model is, plus the kernels' bf16 tolerance."""
+    model = _model("llama", device, torch.bfloat16)
+    unpatched, fp32 = copy.deepcopy(model), copy.deepcopy(model).float()
+    normtune.patch(model, fuse_residual=True)
+    ids = _ids(model)
+    (ours, our_grads), (theirs, their_grads), (exact, exact_grads) = (
+        _logits_and_grads(m, ids) for m in (model, unpatched, fp32))
+    tol = tolerance(torch.bfloat16)
+    assert relative_error(ours, exact) <= tol + relative_error(theirs, exact)
+    for name, grad in exact_grads.items():
+        assert relative_error(our_grads[name], grad) <= tol + relative_error(their_grads[name], grad), name
+
+
+def test_gradient_checkpointing_turns_the_handover_off(device, tolerance, assert_close, monkeypatch):
+    model = _model("llama", device)
+    reference = copy.deepcopy(model)
+    normtune.patch(model, fuse_residual=True)
+    ids = _ids(model)
+    # One call first: a norm's first call of a shape saves its input as rows, later calls with its leading dims,
+    # and checkpointing's recompute must save tensors of the same shapes as the forward did.
+    _logits_and_grads(model, ids)
+    for m in (model, reference):
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+        m.train()
+    counts = _Counts(monkeypatch)
+    _check_same(model, reference, ids, tolerance(torch.float32), assert_close)
+    assert counts.fused >= 2 and model.model.layers[1].input_layernorm in counts.norms
+
+
+def test_an_input_changed_in_place_is_normalized_again(device, tolerance, assert_close):
+    """Layer 1 gets layer 0's output scaled in place (a pre-hook): the handed-over norm no longer applies."""
+    model = _model("llama", device)
+    reference = copy.deepcopy(model)
+    normtune.patch(model, fuse_residual=True)
+    for m in (model, reference):
+        m.model.layers[1].register_forward_pre_hook(lambda mod, args: args[0].mul_(1.5))
+    with torch.no_grad():
+        logits, ref = (m(input_ids=_ids(model)).logits for m in (model, reference))
+    assert_close(logits, ref, tolerance(torch.float32), "logits")
+
+
+class _ScaledResidual(nn.Module):
+    """A decoder layer whose forward scales the attention branch: no longer the pre-norm form."""
+
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                          position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + 0.5 * hidden_states
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class _DropsAnArgument(nn.Module):
+    """A decoder layer whose forward keeps the attention mask from its attention."""
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                          position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+@pytest.mark.parametrize("modified,reason", [(_ScaledResidual, "not the pre-norm form's"),
+                                             (_DropsAnArgument, "calls self_attn or mlp otherwise")])
+def test_a_layer_with_a_modified_forward_is_left_alone(modified, reason, device, tolerance, assert_close):
+    model = _model("llama", device)
+    layer = model.model.layers[0]
+    layer.__class__ = type("Modified", (modified, type(layer)), {})
+    reference = copy.deepcopy(model)
+    report = normtune.patch(model, fuse_residual=True)
+    assert list(report.unfused) == ["model.layers.0"] and reason in report.unfused["model.layers.0"], str(report)
+    assert report.fused == {"LlamaDecoderLayer": 1} and report.chained == 0
+    assert type(model.model.layers[0]) is type(reference.model.layers[0])  # the class patch() found
+    assert "unfused model.layers.0: Modified: its" in str(report)
+    _check_same(model, reference, _ids(model), tolerance(torch.float32), assert_close)
+
+
+def test_layers_whose_norms_were_not_replaced_are_reported():
+    model = _model("qwen2", "cpu")
+    report = normtune.patch(model, rms_norm=False, fuse_residual=True)
+    assert report.fused == {} and set(report.unfused) == {"model.layers.0", "model.layers.1"}
+    assert all("not one of normtune's norms" in why for why in report.unfused.values())
+
+
+def test_patching_again_keeps_the_fusion(device, tolerance, assert_close):
+    model = _model("gemma2", device, num_hidden_layers=1)
+    reference = copy.deepcopy(model)
+    normtune.patch(model, fuse_residual=True)
+    cls = type(model.model.layers[0])
+    again = normtune.patch(copy.deepcopy(model), fuse_residual=True)
+    assert again.fused == {} and again.unfused == {} and again.total == 0
+    assert type(model.model.layers[0]) is cls and cls._normtune_form == "sandwich"
+    _check_same(model, reference, _ids(model, tokens=4), tolerance(torch.float32), assert_close)
+
+
+def test_fuse_residual_must_be_a_bool():
+    with pytest.raises(TypeError, match="fuse_residual must be True or False"):
+        normtune.patch(nn.Linear(2, 2), fuse_residual="yes")
