@@ -20,7 +20,9 @@ def bench(
     shapes: Shapes = None,
     shapes_from: ShapesFrom = None,
     tokens: Tokens = None,
-    peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, quack")] = "all",
+    peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, liger-cutedsl, "
+                                            "quack (with --residual: torch, compile, quack, quack-w16, liger, "
+                                            "liger-cutedsl)")] = "all",
     config: Annotated[str, typer.Option(help="normtune's config: default | table | a JSON file | JSON text")]
     = "table",
     weight_dtype: WeightDtype = None,
@@ -31,6 +33,12 @@ def bench(
     budget: Annotated[float, typer.Option(help="Seconds of timing per implementation and shape")] = 0.5,
     interpret: Interpret = False,
     device: Device = 0,
+    residual: Annotated[bool, typer.Option("--residual", help="Time the residual block instead: h = x + r, "
+                                                               "y = norm(h), forward + backward with gradients "
+                                                               "into y and h, and its backward alone")] = False,
+    residual_dtype: Annotated[Optional[str], typer.Option(help="With --residual: the residual stream's dtype, "
+                                                               "fp32 or the activation dtype [default: the "
+                                                               "activation dtype]")] = None,
 ):
     """Time normtune's backward and its peers side by side (cold L2) and write a report: GPU time with the host
     hidden, the kernels' summed device time (profiler), and host µs per backward and forward call."""
@@ -51,7 +59,17 @@ def bench(
     norms = list(dict.fromkeys(p.norm for p in problems))
     shape_list = list(dict.fromkeys((p.M, p.N) for p in problems))
     dt, wdt = problems[0].dtype, problems[0].weight_dtype if weight_dtype else None
-    peer_names = run_checked(parse_peers, peers)
+    if residual_dtype is not None and not residual:
+        run_checked(refuse, "--residual-dtype needs --residual (it is the residual stream's dtype)")
+    if residual and db:
+        run_checked(refuse, "--db with --residual: the residual bench writes its files only; drop --db")
+    if residual:
+        from .bench_residual import check_residual_options
+
+        peer_names = run_checked(check_residual_options, peers, config, residual_dtype, dt, norms, shape_list,
+                                 wdt)
+    else:
+        peer_names = run_checked(parse_peers, peers)
     run_checked(positive_seconds, budget, "--budget")
     run_checked(B.parse_config_option, config)  # refused now rather than after the first shape's peers
     # Everything that can fail without measuring fails first: the device, the output folder, the database.
@@ -64,6 +82,11 @@ def bench(
     if model is not None:
         console.print(f"--shapes-from {model.describe()}: {len(norms)} norm kinds x {len(shape_list)} shapes",
                       markup=False)
+    if residual:
+        from .bench_residual import run_residual
+
+        return run_residual(console, info, norms, dt, shape_list, peer_names, residual_dtype, wdt, config, cold,
+                            dataclasses.replace(TIMING["bench"], budget_s=budget), out)
     opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config, weight_dtype=wdt,
                           cold=cold, timing=dataclasses.replace(TIMING["bench"], budget_s=budget))
     total = len(norms) * len(shape_list) * (1 + len(peer_names))

@@ -182,6 +182,50 @@ class Quack(Peer):
                             note=(note + "; " if note else "") + "LayerNorm via quack.rmsnorm.layernorm_bwd")
 
 
+def liger_functional():
+    """`liger_kernel.functional` (Liger 0.8.5 and later: every op with a choice of backend)."""
+    import importlib
+
+    try:
+        return importlib.import_module("liger_kernel.functional")
+    except Exception as err:  # noqa: BLE001 - its CuTe DSL backend can fail at import too
+        raise PeerUnavailable(f"liger_kernel.functional is not importable ({type(err).__name__}: {err}): pip "
+                              "install liger-kernel (0.8.5 or later)") from None
+
+
+def liger_backend_call(fn, impl: str):
+    """`fn` with its backend chosen: Liger's functional entry points take `impl=` (earlier releases `backend=`)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    key = "backend" if "backend" in params and "impl" not in params else "impl"
+    return lambda *args, **kwargs: fn(*args, **{key: impl}, **kwargs)
+
+
+class LigerCuteDSL(Peer):
+    name = "liger-cutedsl"
+    description = "Liger liger_kernel.functional.rms_norm / layer_norm, impl='nvidia-cutedsl'"
+    requirement = Liger.requirement
+
+    def prepare(self, problem, x, weight, bias, grad):
+        fn = getattr(liger_functional(), problem.norm, None)
+        if fn is None:
+            raise PeerUnavailable(f"this liger-kernel has no functional.{problem.norm} (0.8.5 or later)")
+        call = liger_backend_call(fn, "nvidia-cutedsl")
+        xs, ws, bs = _leaves(x, weight, bias)
+        if problem.norm == "layer_norm":
+            def forward():
+                return call(xs, ws, bs, EPS)
+        else:
+            def forward():
+                return call(xs, ws, EPS, in_place=False)  # in_place would write dx into the reused grad buffer
+        return PreparedPeer(_autograd_backward(forward(), grad, (xs, ws, bs)), forward,
+                            note="in_place=False" if problem.norm == "rms_norm" else "")
+
+
 class NormtuneAPI:
     """normtune through its public functions (`layer_norm`, `rms_norm`, autograd), as a user calls it: the
     host-µs view of normtune times these calls, config resolution and dispatch included. `config=None` lets the
@@ -229,7 +273,7 @@ class NormtuneAPI:
         return PreparedPeer(run, forward, autograd=False)
 
 
-PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchEager, TorchCompile, Liger, Quack)}
+PEERS: dict[str, type[Peer]] = {cls.name: cls for cls in (TorchEager, TorchCompile, Liger, LigerCuteDSL, Quack)}
 
 
 def parse_peers(spec: str) -> list[str]:

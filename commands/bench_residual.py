@@ -1,0 +1,56 @@
+"""`normtune bench --residual`: the residual block timed for normtune and the peers with the fused form."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def check_residual_options(peers: str, config: str, residual_dtype: str | None, dtype: str, norms: list[str],
+                           shapes: list[tuple[int, int]], weight_dtype: str | None) -> list[str]:
+    """The residual peers' names; every option checked before anything is measured (ValueError naming it)."""
+    from normtune.kernels.problem import canonical_dtype
+    from normtune.tuner.bench_residual import residual_problem
+    from normtune.tuner.peers_residual import parse_residual_peers
+
+    names = parse_residual_peers(peers)
+    if config == "default":
+        raise ValueError("--config default is not offered with --residual: use table (normtune's runtime choice, "
+                         "as a user's call gets) or an explicit config")
+    if residual_dtype is not None:
+        try:
+            rd = canonical_dtype(residual_dtype)
+        except Exception:  # noqa: BLE001 - reworded below with the option's name
+            rd = None
+        if rd not in ("fp32", dtype):
+            raise ValueError(f"--residual-dtype {residual_dtype}: use fp32 or the activation dtype ({dtype})")
+    for norm in norms:  # the problems' own rules (e.g. an fp16 residual with bf16 activations)
+        residual_problem(norm, *shapes[0], dtype, weight_dtype, residual_dtype)
+    return names
+
+
+def run_residual(console, info, norms, dtype, shapes, peer_names, residual_dtype, weight_dtype, config: str, cold,
+                 timing, out: Path):
+    from normtune.tuner import bench as B
+    from normtune.tuner import bench_output
+    from normtune.tuner import bench_residual as R
+
+    from .common import refuse, run_checked
+
+    explicit = None if config == "table" else run_checked(B.parse_config_option, config)
+    run_checked(bench_output.check_out_dir, out)
+    opts = R.ResidualBenchOptions(norms=norms, dtype=dtype, shapes=shapes, peers=peer_names,
+                                  residual_dtype=residual_dtype, weight_dtype=weight_dtype, config=explicit,
+                                  cold=cold, timing=timing)
+
+    def on_row(msg, row):
+        t = row.get("block_us") if row else None
+        console.print(f"{msg}: " + (f"{t:.1f} µs block, {row['backward_us']:.1f} µs backward" if t else
+                                    f"{row['status']} ({row['error']})"), markup=False, highlight=False)
+
+    report = run_checked(R.run_residual_bench, opts, info, progress=on_row)
+    try:
+        paths = R.write_all(report, out)
+    except OSError as err:
+        run_checked(refuse, f"writing {out} failed ({err})")
+    console.print(R.to_markdown(report), markup=False, highlight=False)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")

@@ -1,0 +1,230 @@
+"""`normtune bench --residual`: the residual block h = x + r, y = norm(h) — what every pre-norm transformer layer
+runs — timed for normtune's public API and the peers that offer the fused form, cold L2, on one device in one run.
+
+Every implementation gets the same inputs and both upstream gradients (dy into y, dh into h) and is timed three
+ways (GPU time with the host hidden, `MeasureSession.time_callable`): the block (forward and backward through
+autograd, a fresh graph per call: `block_us`), the backward alone on one retained graph (`backward_us`), and the
+forward alone (`forward_us`); the block's and the backward's kernel sums come from the profiler. Values are checked
+first against a float64 reference (dx = dresidual = dh + norm_backward(dy), and dw): an implementation past the
+dtype's gate is reported as an error, never timed. The backward's memory floor is the tuner's byte model of the
+residual problem (`floor_us`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from normtune.kernels.config import BackwardConfig, Problem
+
+from .cases import GATE_TOLERANCE, relative_error
+from .device import DeviceInfo, peer_versions
+from .measure import TIMING, MeasureSession, Timing
+from .peers import PeerUnavailable
+from .peers_residual import RESIDUAL_PEERS, Normtune, make_inputs, reference
+from .views import kernel_sum
+
+OURS = "normtune"
+CPU_PEERS = ("torch", "compile")  # the interpreter stands in for normtune's kernels; these run on CPU too
+
+
+@dataclass
+class ResidualBenchOptions:
+    norms: list[str]
+    dtype: str
+    shapes: list[tuple[int, int]]
+    peers: list[str]
+    residual_dtype: str | None = None  # None: the activation dtype
+    weight_dtype: str | None = None
+    config: BackwardConfig | None = None  # None: the runtime's choice, as a user's call gets
+    cold: bool = True
+    timing: Timing = TIMING["bench"]
+
+
+@dataclass
+class ResidualReport:
+    provenance: dict
+    rows: list[dict] = field(default_factory=list)
+
+
+def residual_problem(norm: str, M: int, N: int, dtype: str, weight_dtype: str | None,
+                     residual_dtype: str | None) -> Problem:
+    """The benchmarked block: LayerNorm with weight and bias, RMSNorm with weight, saving its input."""
+    return Problem(norm, M, N, dtype, weight_dtype, has_weight=True, has_bias=norm == "layer_norm", residual=True,
+                   residual_dtype=residual_dtype)
+
+
+def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
+                       progress: Callable[[str, dict | None], None] | None = None) -> ResidualReport:
+    """Every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
+    say = progress or (lambda msg, row=None: None)
+    session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
+    peers: dict[str, object] = {}
+    for name in opts.peers:
+        if info.interpret and name not in CPU_PEERS:
+            peers[name] = None
+            continue
+        try:
+            peers[name] = RESIDUAL_PEERS[name]()
+        except Exception as err:  # noqa: BLE001 - reported on every row of the peer
+            peers[name] = err
+    started = dt.datetime.now(dt.timezone.utc)
+    report = ResidualReport({
+        "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
+        "weight_dtype": opts.weight_dtype or opts.dtype, "residual_dtype": opts.residual_dtype or opts.dtype,
+        "config": opts.config.to_json() if opts.config is not None else "runtime choice",
+        "interpret": info.interpret, "started": started.isoformat(timespec="seconds"),
+        "peer_descriptions": {n: RESIDUAL_PEERS[n].description for n in opts.peers},
+    })
+    for norm in opts.norms:
+        for M, N in opts.shapes:
+            problem = residual_problem(norm, M, N, opts.dtype, opts.weight_dtype, opts.residual_dtype)
+            inputs = make_inputs(problem, session.device)
+            ref = reference(problem, inputs)
+            floor = session.floor_us(problem)
+            base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
+                    "residual_dtype": problem.residual_dtype, "floor_us": floor if math.isfinite(floor) else None}
+            impls = [(OURS, Normtune(opts.config))] + list(peers.items())
+            for name, impl in impls:
+                row = _empty_row(base, name)
+                if impl is None:
+                    row.update(status="unavailable", error="the interpreter runs only normtune, torch eager and "
+                                                           "torch.compile")
+                elif isinstance(impl, Exception):
+                    row.update(status="unavailable", error=f"{type(impl).__name__}: {impl}")
+                elif (why := impl.supports(problem)) is not None:
+                    row.update(status="unavailable", error=why)
+                else:
+                    row.update(_time_impl(session, impl, problem, inputs, ref))
+                report.rows.append(row)
+                say(f"{norm} {M}x{N} {name}", row)
+            del inputs, ref
+            if session.on_gpu:
+                torch.cuda.empty_cache()
+    report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return report
+
+
+def _empty_row(base: dict, impl: str) -> dict:
+    return {**base, "impl": impl, "status": "ok", "error": None, "note": "", "block_us": None, "block_p10_us": None,
+            "block_p90_us": None, "backward_us": None, "backward_p10_us": None, "backward_p90_us": None,
+            "forward_us": None, "block_kernel_sum_us": None, "backward_kernel_sum_us": None, "kernels_block": {},
+            "kernels_backward": {}, "rel_err_dx": None, "rel_err_dresidual": None, "rel_err_dw": None,
+            "floor_fraction": None}
+
+
+def check(problem: Problem, got: tuple, ref: dict) -> tuple[dict, str]:
+    """Relative errors of (dx, dresidual, dw, db) against the float64 reference, and what is past the gate."""
+    tol = GATE_TOLERANCE[problem.dtype]
+    errors, bad = {}, []
+    for name, value in zip(("dx", "dresidual", "dw", "db"), got):
+        if ref[name] is None:
+            continue
+        err = relative_error(value, ref[name]) if value is not None else math.inf
+        errors[name] = err
+        if not err <= tol:
+            bad.append(f"{name} relative error {err:.3g} > {tol:g}")
+    return errors, "; ".join(bad)
+
+
+def _time_impl(session: MeasureSession, impl, problem: Problem, inputs, ref: dict) -> dict:
+    try:
+        prepared = impl.prepare(problem, inputs)
+        errors, bad = check(problem, prepared.block(), ref)
+        out = {f"rel_err_{k}": v for k, v in errors.items() if k != "db"}
+        if bad:
+            return {**out, "status": "error", "error": f"wrong values: {bad}"}
+        out["note"] = prepared.note
+        for view, fn in (("block", prepared.block), ("backward", prepared.backward)):
+            stats = session.time_callable(fn)
+            out.update({f"{view}_us": stats.median, f"{view}_p10_us": stats.p10, f"{view}_p90_us": stats.p90})
+            kernels = session.kernel_times(fn)
+            if kernels:
+                out.update({f"kernels_{view}": kernels, f"{view}_kernel_sum_us": kernel_sum(kernels)})
+        out["forward_us"] = session.time_callable(prepared.forward).median
+        return out
+    except PeerUnavailable as err:
+        return {"status": "unavailable", "error": str(err)}
+    except Exception as err:  # noqa: BLE001 - a failing implementation is reported and the run goes on
+        return {"status": "error", "error": f"{type(err).__name__}: {str(err)[:2000]}"}
+    finally:
+        if session.on_gpu:
+            torch.cuda.synchronize(session.device)
+
+
+# ------------------------------------------------------------------------------------------- summaries
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """One line per (norm, shape): normtune against the best peer in the block and in the backward alone."""
+    out = []
+    for ours in (r for r in rows if r["impl"] == OURS):
+        key = (ours["norm"], ours["M"], ours["N"])
+        peers = [r for r in rows if r["impl"] != OURS and r["status"] == "ok" and (r["norm"], r["M"], r["N"]) == key]
+        line = {"norm": key[0], "M": key[1], "N": key[2], "status": ours["status"]}
+        for view in ("block", "backward"):
+            metric = f"{view}_us"
+            timed = [r for r in peers if r.get(metric)]
+            best = min(timed, key=lambda r: r[metric]) if timed else None
+            mine = ours.get(metric) if ours["status"] == "ok" else None
+            line.update({f"normtune_{view}_us": mine, f"best_peer_{view}": best["impl"] if best else None,
+                         f"best_peer_{view}_us": best[metric] if best else None,
+                         f"{view}_speedup": best[metric] / mine if (best and mine) else None})
+        floor, bwd = ours.get("floor_us"), line["normtune_backward_us"]
+        line["floor_fraction"] = floor / bwd if (floor and bwd) else None
+        out.append(line)
+    return out
+
+
+def geomean(values) -> float | None:
+    vals = [v for v in values if v and v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else None
+
+
+def to_markdown(report: ResidualReport) -> str:
+    p = report.provenance
+    lines = [f"# Residual block h = x + r, y = norm(h): forward + backward, {p['dtype']} activations, "
+             f"{p['residual_dtype']} residual stream, {p['weight_dtype']} weights", "",
+             f"Device: {p['device'].get('name')}; GPU time with the host hidden (median), cold L2: "
+             f"{p.get('cold_l2')}; normtune's config: {p['config']}.", "",
+             "| norm | M×N | normtune block µs | best peer | its µs | speedup | normtune bwd µs | best peer | its µs "
+             "| speedup | bwd floor fraction |", "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+
+    def f(v, fmt="{:.1f}"):
+        return fmt.format(v) if v is not None else "–"
+
+    rows = summary(report.rows)
+    for s in rows:
+        lines.append(f"| {s['norm']} | {s['M']}×{s['N']} | {f(s['normtune_block_us'])} | {s['best_peer_block'] or '–'} "
+                     f"| {f(s['best_peer_block_us'])} | {f(s['block_speedup'], '{:.2f}×')} | "
+                     f"{f(s['normtune_backward_us'])} | {s['best_peer_backward'] or '–'} | "
+                     f"{f(s['best_peer_backward_us'])} | {f(s['backward_speedup'], '{:.2f}×')} | "
+                     f"{f(s['floor_fraction'], '{:.3f}')} |")
+    for norm in dict.fromkeys(s["norm"] for s in rows):
+        mine = [s for s in rows if s["norm"] == norm]
+        block, bwd = (geomean(s[f"{v}_speedup"] for s in mine) for v in ("block", "backward"))
+        wins = sum(1 for s in mine if (s["block_speedup"] or 0) > 1)
+        lines.append("")
+        lines.append(f"{norm}: geometric mean {f(block, '{:.3f}×')} (block), {f(bwd, '{:.3f}×')} (backward); "
+                     f"normtune faster than every peer in the block on {wins}/{len(mine)} shapes")
+    problems = [r for r in report.rows if r["status"] != "ok"]
+    if problems:
+        lines += ["", "Not timed:"] + [f"- {r['norm']} {r['M']}×{r['N']} {r['impl']}: {r['status']}: {r['error']}"
+                                       for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+def write_all(report: ResidualReport, out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "residual.json", out / "residual.md"]
+    paths[0].write_text(json.dumps({"provenance": report.provenance, "rows": report.rows,
+                                    "summary": summary(report.rows)}, indent=1, sort_keys=True, default=str) + "\n")
+    paths[1].write_text(to_markdown(report))
+    return paths
