@@ -29,6 +29,7 @@ fused forward), its submodules and so its Parameter objects.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -104,10 +105,15 @@ def _choose_form(layer: nn.Module, tolerance: float) -> tuple[str | None, str]:
 
 
 # ------------------------------------------------------------------------------------------------ the fused forward
+@functools.lru_cache(maxsize=None)
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
+
+
 def _call_kwargs(forward, args, kwargs) -> tuple[Tensor, dict] | None:
     """(the input, the layer's other arguments by name as its forward hands them to `self_attn`), or None where
     they do not bind by name or the input is not a tensor (the original forward then runs)."""
-    signature = inspect.signature(forward)
+    signature = _signature(forward)
     try:
         bound = signature.bind(None, *args, **kwargs)
     except TypeError:
@@ -292,33 +298,51 @@ def _probe(layer: nn.Module, form: str, n: int, tolerance: float) -> str | None:
     bound = _call_kwargs(original, (x,), sentinels)
     if bound is None:
         return "its forward does not take the input first and its other arguments by name"
+    # The layer's other submodules (a dropout, say) run as they are, in the probed mode; the global RNG is kept.
+    others = [m for name, sub in layer._modules.items() if sub is not None and probe._modules[name] is sub
+              for m in sub.modules()]
+    modes = {m: m.training for m in others}
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            for training in (True, False):
+                for m in others:
+                    m.training = training
+                probe.__dict__["training"] = training
+                reason = _probe_mode(probe, form, original, x, sentinels, bound[1], (attn, mlp), tolerance)
+                if reason:
+                    return reason
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return None
+
+
+def _probe_mode(probe, form, original, x, sentinels, call_kwargs, recorders, tolerance) -> str | None:
+    """One mode's comparison of the layer's forward with the fused form (None: they agree)."""
+    attn, mlp = recorders
+    attn.calls.clear(), mlp.calls.clear()
+    try:
+        expected = original(probe, x, **sentinels)
+    except Exception as err:  # noqa: BLE001 - any failure means "not a form we can stand in for"
+        first_line = (str(err).strip().splitlines() or [""])[0][:160]
+        return f"its forward failed on the probe ({type(err).__name__}: {first_line})"
+    calls = (attn.calls[:], mlp.calls[:])
+    attn.calls.clear(), mlp.calls.clear()
 
     def add_norm(name, a, residual):
         h = residual + a
         return probe._modules[name](h), h
 
-    for training in (True, False):
-        probe.__dict__["training"] = training
-        attn.calls.clear(), mlp.calls.clear()
-        try:
-            with torch.no_grad():
-                expected = original(probe, x, **sentinels)
-        except Exception as err:  # noqa: BLE001 - any failure means "not a form we can stand in for"
-            first_line = (str(err).strip().splitlines() or [""])[0][:160]
-            return f"its forward failed on the probe ({type(err).__name__}: {first_line})"
-        calls = (attn.calls[:], mlp.calls[:])
-        attn.calls.clear(), mlp.calls.clear()
-        with torch.no_grad():
-            got = _skeleton(probe, form, x, bound[1],
-                            probe._modules["input_layernorm"], add_norm, lambda m, h: h + m)
-        if not isinstance(expected, Tensor) or expected.shape != x.shape:
-            return f"its forward returns {type(expected).__name__}, not a tensor of its input's shape"
-        if not _same_calls(calls[0], attn.calls) or not _same_calls(calls[1], mlp.calls):
-            return f"its forward calls self_attn or mlp otherwise than the {form} form does"
-        err = ((expected.double() - got.double()).norm() / max(got.double().norm().item(), 1e-30)).item()
-        if not err <= tolerance:
-            return (f"its output is not the {form} form's ({'training' if training else 'eval'} mode, relative "
-                    f"error {err:.2g} on the probe input)")
+    got = _skeleton(probe, form, x, call_kwargs, probe._modules["input_layernorm"], add_norm, lambda m, h: h + m)
+    if not isinstance(expected, Tensor) or expected.shape != x.shape:
+        return f"its forward returns {type(expected).__name__}, not a tensor of its input's shape"
+    if not _same_calls(calls[0], attn.calls) or not _same_calls(calls[1], mlp.calls):
+        return f"its forward calls self_attn or mlp otherwise than the {form} form does"
+    err = ((expected.double() - got.double()).norm() / max(got.double().norm().item(), 1e-30)).item()
+    if not err <= tolerance:
+        mode = "training" if probe.training else "eval"
+        return f"its output is not the {form} form's ({mode} mode, relative error {err:.2g} on the probe input)"
     return None
 
 

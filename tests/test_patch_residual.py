@@ -211,3 +211,57 @@ def test_patching_again_keeps_the_fusion(device, tolerance, assert_close):
 def test_fuse_residual_must_be_a_bool():
     with pytest.raises(TypeError, match="fuse_residual must be True or False"):
         normtune.patch(nn.Linear(2, 2), fuse_residual="yes")
+
+
+class _Attention(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.proj = nn.Linear(n, n)
+
+    def forward(self, hidden_states, mask=None, **kwargs):
+        return torch.tanh(self.proj(hidden_states)) if mask is None else hidden_states * mask, None
+
+
+class _ToyLayer(nn.Module):
+    """A hand-written pre-norm layer with torch LayerNorms (weight and bias) and a dropout on each branch."""
+
+    def __init__(self, n, p):
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(n), nn.Sequential(nn.Linear(n, 2 * n), nn.GELU(), nn.Linear(2 * n, n))
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(n), nn.LayerNorm(n)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x, mask=None):
+        h = x + self.dropout(self.self_attn(hidden_states=self.input_layernorm(x), mask=mask)[0])
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
+
+
+@pytest.mark.parametrize("p,fused", [(0.0, True), (0.1, False)])
+def test_hand_written_layer_norm_layers(p, fused, device, tolerance, assert_close):
+    """LayerNorm layers that are not transformers': fused where exact; a dropout on a branch is not the form."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ToyLayer(32, p), _ToyLayer(32, p)).to(device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    model.eval()  # the dropout is off in eval mode: the outputs compare either way
+    reference = copy.deepcopy(model)
+    report = normtune.patch(model, fuse_residual=True)
+    assert report.replaced == {"LayerNorm": 4}
+    if fused:
+        assert report.fused == {"_ToyLayer": 2} and report.chained == 1 and report.unfused == {}
+    else:
+        assert report.fused == {} and set(report.unfused) == {"0", "1"}
+        assert "training mode" in report.unfused["0"]
+    x = torch.randn(2, 5, 32, device=device)
+    grad = torch.randn_like(x)
+    outs = []
+    for m in (model, reference):
+        xs = x.clone().requires_grad_()
+        y = m(xs)
+        y.backward(grad)
+        outs.append([y.detach(), xs.grad] + [q.grad for q in m.parameters()])
+    tol = tolerance(torch.float32)
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert_close(a, b, tol, f"output/gradient {i}")
