@@ -138,7 +138,8 @@ def timed_step(model, opt, batch, cuda: bool) -> float:
 
 
 def normtune_kernel_names() -> set[str]:
-    """The names of every Triton kernel in normtune's runtime (its forward, backward and residual kernels)."""
+    """The names of every Triton function in normtune's runtime (the profiler names a Triton kernel by its
+    function's name)."""
     import importlib
     import pkgutil
 
@@ -153,7 +154,7 @@ def normtune_kernel_names() -> set[str]:
         except Exception:  # noqa: BLE001 - a module that does not import here has no kernel that ran
             continue
         names |= {getattr(obj, "__name__", "") or getattr(getattr(obj, "fn", None), "__name__", "")
-                  for obj in vars(module).values() if isinstance(obj, triton.runtime.jit.JITFunction)}
+                  for obj in vars(module).values() if isinstance(obj, triton.runtime.jit.KernelInterface)}
     return {n for n in names if n}
 
 
@@ -163,7 +164,7 @@ def is_norm_kernel(variant: str, kernel: str, ours: set[str]) -> bool | None:
     low = kernel.lower()
     if variant == "compile":
         return low.startswith("triton") and "rsqrt" in low
-    return any(n in kernel for n in ours) or any(s in low for s in ("rms_norm", "rmsnorm", "layer_norm",
+    return kernel in ours or any(s in low for s in ("rms_norm", "rmsnorm", "layer_norm",
                                                                      "layernorm"))
 
 
