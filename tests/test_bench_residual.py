@@ -165,6 +165,7 @@ def test_bench_rows_summary_and_files(tmp_path):
     assert data["summary"][0]["norm"] == "rms_norm" and len(data["rows"]) == 3
     text = paths[1].read_text()
     assert "| rms_norm | 5×48 |" in text and "quack: unavailable" in text
+    assert "interpreter wall-clock" in text and "GPU time" not in text.replace("never GPU time", "")
 
 
 def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):

@@ -191,8 +191,10 @@ def to_markdown(report: ResidualReport) -> str:
     p = report.provenance
     lines = [f"# Residual block h = x + r, y = norm(h): forward + backward, {p['dtype']} activations, "
              f"{p['residual_dtype']} residual stream, {p['weight_dtype']} weights", "",
-             f"Device: {p['device'].get('name')}; GPU time with the host hidden (median), cold L2: "
-             f"{p.get('cold_l2')}; normtune's config: {p['config']}.", "",
+             f"Device: {p['device'].get('name')}; " + ("times are interpreter wall-clock on the CPU, never GPU "
+                                                       "time" if p["interpret"] else "GPU time with the host "
+                                                       f"hidden (median), cold L2: {p.get('cold_l2')}") +
+             f"; normtune's config: {p['config']}.", "",
              "| norm | M×N | normtune block µs | best peer | its µs | speedup | normtune bwd µs | best peer | its µs "
              "| speedup | bwd floor fraction |", "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
 
