@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    Device, Dtype, Gpu, Interpret, Norms, Shapes, ShapesFrom, Tokens, WeightDtype, device_info, open_store,
-    positive_seconds, problems_option, refuse, run_checked, use_interpreter,
+    Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes, ShapesFrom, Tokens, WeightDtype,
+    device_info, open_store, positive_seconds, problems_option, refuse, run_checked, use_interpreter,
 )
 
 
@@ -33,15 +33,13 @@ def bench(
     budget: Annotated[float, typer.Option(help="Seconds of timing per implementation and shape")] = 0.5,
     interpret: Interpret = False,
     device: Device = 0,
-    residual: Annotated[bool, typer.Option("--residual", help="Time the residual block instead: h = x + r, "
-                                                               "y = norm(h), forward + backward with gradients "
-                                                               "into y and h, and its backward alone")] = False,
-    residual_dtype: Annotated[Optional[str], typer.Option(help="With --residual: the residual stream's dtype, "
-                                                               "fp32 or the activation dtype [default: the "
-                                                               "activation dtype]")] = None,
+    residual: Residual = False,
+    residual_dtype: ResidualDtype = None,
 ):
     """Time normtune's backward and its peers side by side (cold L2) and write a report: GPU time with the host
-    hidden, the kernels' summed device time (profiler), and host µs per backward and forward call."""
+    hidden, the kernels' summed device time (profiler), and host µs per backward and forward call. With
+    --residual: the residual block (h = x + r, y = norm(h)) through normtune's API and the peers with the fused
+    form, forward + backward with gradients into y and h, and its backward alone (residual.json/.md)."""
     run_checked(use_interpreter, interpret)
     import dataclasses
 
@@ -54,20 +52,17 @@ def bench(
 
     console = Console(stderr=True)
     problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
-                                  interpret=interpret)
+                                  interpret=interpret, residual=residual, residual_dtype=residual_dtype)
     # The bench times each norm on each shape: the problems' kinds x their shapes.
     norms = list(dict.fromkeys(p.norm for p in problems))
     shape_list = list(dict.fromkeys((p.M, p.N) for p in problems))
     dt, wdt = problems[0].dtype, problems[0].weight_dtype if weight_dtype else None
-    if residual_dtype is not None and not residual:
-        run_checked(refuse, "--residual-dtype needs --residual (it is the residual stream's dtype)")
     if residual and db:
         run_checked(refuse, "--db with --residual: the residual bench writes its files only; drop --db")
     if residual:
         from .bench_residual import check_residual_options
 
-        peer_names = run_checked(check_residual_options, peers, config, residual_dtype, dt, norms, shape_list,
-                                 wdt)
+        peer_names = run_checked(check_residual_options, peers, config)
     else:
         peer_names = run_checked(parse_peers, peers)
     run_checked(positive_seconds, budget, "--budget")
@@ -85,8 +80,8 @@ def bench(
     if residual:
         from .bench_residual import run_residual
 
-        return run_residual(console, info, norms, dt, shape_list, peer_names, residual_dtype, wdt, config, cold,
-                            dataclasses.replace(TIMING["bench"], budget_s=budget), out)
+        return run_residual(console, info, norms, dt, shape_list, peer_names, problems[0].residual_dtype, wdt,
+                            config, cold, dataclasses.replace(TIMING["bench"], budget_s=budget), out)
     opts = B.BenchOptions(norms=norms, dtype=dt, shapes=shape_list, peers=peer_names, config=config, weight_dtype=wdt,
                           cold=cold, timing=dataclasses.replace(TIMING["bench"], budget_s=budget))
     total = len(norms) * len(shape_list) * (1 + len(peer_names))

@@ -5,26 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def check_residual_options(peers: str, config: str, residual_dtype: str | None, dtype: str, norms: list[str],
-                           shapes: list[tuple[int, int]], weight_dtype: str | None) -> list[str]:
-    """The residual peers' names; every option checked before anything is measured (ValueError naming it)."""
-    from normtune.kernels.problem import canonical_dtype
-    from normtune.tuner.bench_residual import residual_problem
+def check_residual_options(peers: str, config: str) -> list[str]:
+    """The residual peers' names; --config checked before anything is measured (ValueError naming it). The
+    problems' own rules (--residual-dtype) are checked where they are built (commands.common.with_residual)."""
     from normtune.tuner.peers_residual import parse_residual_peers
 
     names = parse_residual_peers(peers)
     if config == "default":
         raise ValueError("--config default is not offered with --residual: use table (normtune's runtime choice, "
                          "as a user's call gets) or an explicit config")
-    if residual_dtype is not None:
-        try:
-            rd = canonical_dtype(residual_dtype)
-        except Exception:  # noqa: BLE001 - reworded below with the option's name
-            rd = None
-        if rd not in ("fp32", dtype):
-            raise ValueError(f"--residual-dtype {residual_dtype}: use fp32 or the activation dtype ({dtype})")
-    for norm in norms:  # the problems' own rules (e.g. an fp16 residual with bf16 activations)
-        residual_problem(norm, *shapes[0], dtype, weight_dtype, residual_dtype)
     return names
 
 

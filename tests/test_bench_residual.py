@@ -185,8 +185,8 @@ def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):
 
 
 @pytest.mark.parametrize("args,needles", [
-    (["--residual-dtype", "fp32"], ["--residual-dtype needs --residual"]),
-    (["--residual", "--residual-dtype", "fp16"], ["--residual-dtype fp16", "fp32 or the activation dtype"]),
+    (["--residual-dtype", "fp32"], ["--residual-dtype fp32", "add --residual"]),
+    (["--residual", "--residual-dtype", "fp16"], ["--residual-dtype fp16"]),
     (["--residual", "--peers", "torch,apex"], ["unknown residual peer", "apex"]),
     (["--residual", "--config", "default"], ["--config default", "--residual"]),
     (["--residual", "--db", "sqlite:///x.db"], ["--db with --residual"]),

@@ -6,8 +6,8 @@ ways (GPU time with the host hidden, `MeasureSession.time_callable`): the block 
 autograd, a fresh graph per call: `block_us`), the backward alone on one retained graph (`backward_us`), and the
 forward alone (`forward_us`); the block's and the backward's kernel sums come from the profiler. Values are checked
 first against a float64 reference (dx = dresidual = dh + norm_backward(dy), and dw): an implementation past the
-dtype's gate is reported as an error, never timed. The backward's memory floor is the tuner's byte model of the
-residual problem (`floor_us`).
+dtype's gate is reported as an error, never timed. The memory floors are the tuner's byte model of the residual
+problem: 4 passes each way (`floor_bytes` for the backward, plus `forward_floor_bytes` for the block).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .device import DeviceInfo, peer_versions
 from .measure import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_residual import RESIDUAL_PEERS, Normtune, make_inputs, reference
+from .results import forward_floor_bytes
 from .views import kernel_sum
 
 OURS = "normtune"
@@ -88,8 +89,10 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
             inputs = make_inputs(problem, session.device)
             ref = reference(problem, inputs)
             floor = session.floor_us(problem)
+            block_floor = floor + forward_floor_bytes(problem) / (session.bandwidth_gbps * 1e3)
             base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
-                    "residual_dtype": problem.residual_dtype, "floor_us": floor if math.isfinite(floor) else None}
+                    "residual_dtype": problem.residual_dtype, "floor_us": floor if math.isfinite(floor) else None,
+                    "block_floor_us": block_floor if math.isfinite(block_floor) else None}
             impls = [(OURS, Normtune(opts.config))] + list(peers.items())
             for name, impl in impls:
                 row = _empty_row(base, name)
@@ -102,6 +105,8 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                     row.update(status="unavailable", error=why)
                 else:
                     row.update(_time_impl(session, impl, problem, inputs, ref))
+                if row["floor_us"] and row["backward_us"]:
+                    row["floor_fraction"] = row["floor_us"] / row["backward_us"]
                 report.rows.append(row)
                 say(f"{norm} {M}x{N} {name}", row)
             del inputs, ref
@@ -176,8 +181,9 @@ def summary(rows: list[dict]) -> list[dict]:
             line.update({f"normtune_{view}_us": mine, f"best_peer_{view}": best["impl"] if best else None,
                          f"best_peer_{view}_us": best[metric] if best else None,
                          f"{view}_speedup": best[metric] / mine if (best and mine) else None})
-        floor, bwd = ours.get("floor_us"), line["normtune_backward_us"]
-        line["floor_fraction"] = floor / bwd if (floor and bwd) else None
+        for view, floor in (("backward", ours.get("floor_us")), ("block", ours.get("block_floor_us"))):
+            mine = line[f"normtune_{view}_us"]
+            line[f"{view}_floor_fraction"] = floor / mine if (floor and mine) else None
         out.append(line)
     return out
 
@@ -196,7 +202,7 @@ def to_markdown(report: ResidualReport) -> str:
                                                        f"hidden (median), cold L2: {p.get('cold_l2')}") +
              f"; normtune's config: {p['config']}.", "",
              "| norm | M×N | normtune block µs | best peer | its µs | speedup | normtune bwd µs | best peer | its µs "
-             "| speedup | bwd floor fraction |", "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
+             "| speedup | floor fraction block / bwd |", "|---|---|---:|---|---:|---:|---:|---|---:|---:|---:|"]
 
     def f(v, fmt="{:.1f}"):
         return fmt.format(v) if v is not None else "–"
@@ -207,7 +213,7 @@ def to_markdown(report: ResidualReport) -> str:
                      f"| {f(s['best_peer_block_us'])} | {f(s['block_speedup'], '{:.2f}×')} | "
                      f"{f(s['normtune_backward_us'])} | {s['best_peer_backward'] or '–'} | "
                      f"{f(s['best_peer_backward_us'])} | {f(s['backward_speedup'], '{:.2f}×')} | "
-                     f"{f(s['floor_fraction'], '{:.3f}')} |")
+                     f"{f(s['block_floor_fraction'], '{:.3f}')} / {f(s['backward_floor_fraction'], '{:.3f}')} |")
     for norm in dict.fromkeys(s["norm"] for s in rows):
         mine = [s for s in rows if s["norm"] == norm]
         block, bwd = (geomean(s[f"{v}_speedup"] for s in mine) for v in ("block", "backward"))
