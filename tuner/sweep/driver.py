@@ -53,8 +53,8 @@ class _Pending:
     compiled: object  # Future | None
     book: StudyBook
     ps: ProblemSummary
-    compile_s: float | None = None
-    sent_at: float = 0.0
+    compile_s: float | None = None  # of its compile-ahead job
+    sent_at: float = 0.0  # when it went to the measuring process
 
 
 @dataclass
@@ -89,8 +89,7 @@ class Sweep:
         self._lock = threading.Lock()
         self._books: dict[str, StudyBook] = {}
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
-        self._measurer = None
-        self.costs = Costs()
+        self._measurer, self.costs, self._fed_stop = None, Costs(), None
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
 
     # ------------------------------------------------------------------------------------------- signals
@@ -189,10 +188,11 @@ class Sweep:
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
         self._pipeline(self._feed(order, targets, run_id, pool, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
-        short = [p for p in order if p.key in self._books and not self._exhausted.get(p.key) and sum(
-            s.measured for s in self.store.slots(self._books[p.key].name).values()) < self._books[p.key].target(
-            self.opts.trials)]
-        if short and not summary.stopped:
+        short = [] if summary.stopped else [
+            p for p in order if p.key in self._books and not self._exhausted.get(p.key) and sum(
+                s.measured for s in self.store.slots(self._books[p.key].name).values())
+            < self._books[p.key].target(self.opts.trials)]
+        if short:
             self._pipeline(self._feed(short, [self.opts.trials], run_id, pool, t0, by_key), run_id, t0, summary)
         summary.problems = [by_key[p.key] for p in problems if p.key in by_key]
         # Leave the studies clean for whoever looks next: trials of workers that died after storing their
@@ -213,13 +213,13 @@ class Sweep:
             while busy:
                 waiting = []
                 for problem in busy:
-                    if self._stopping(t0):
+                    if self._feed_stops(t0):
                         return
                     book = self._book(problem)
                     ps = by_key.setdefault(problem.key, ProblemSummary(problem, book.name))
                     goal = book.target(target)
                     self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
-                    while not self._stopping(t0) and not self._exhausted.get(problem.key):
+                    while not self._feed_stops(t0) and not self._exhausted.get(problem.key):
                         with self.costs.timed("database"):
                             claim = self.store.claim_slot(book.name, goal, run_id)
                         if claim is None:
@@ -243,6 +243,10 @@ class Sweep:
                         self.store.mark_dead_runs()
                         for problem in busy:
                             self._book(problem).repair(self.store)
+
+    def _feed_stops(self, t0: float) -> str | None:
+        self._fed_stop = self._stopping(t0)
+        return self._fed_stop
 
     def _held_by_others(self, book: StudyBook, goal: int, run_id: int) -> bool:
         """True when slots of the problem below `goal` are unmeasured and held by another live worker."""
@@ -306,6 +310,7 @@ class Sweep:
                     if idle:  # only slots of other workers are left: look again shortly
                         time.sleep(min(1.0, self.opts.heartbeat_interval / 2))
                         idle = False
+            summary.stopped = summary.stopped or self._fed_stop  # the feed may have stopped first
         finally:
             for item in [x for x in (inflight, collected and collected[0]) if x is not None]:
                 self._abandon(item, run_id)
@@ -338,8 +343,7 @@ class Sweep:
     def _start_trial(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> _Pending | None:
         trial = book.new_trial(slot, self.costs)
         if trial is None:
-            with self.costs.timed("database"):
-                self.store.release_slot(book.name, slot, run_id)
+            self.store.release_slot(book.name, slot, run_id)
             return None
         with self._lock:
             self._running[trial.trial_id] = trial.number
@@ -361,13 +365,11 @@ class Sweep:
     def _send(self, item: _Pending, summary: SweepSummary) -> MeasureResult | None:
         """Wait for the trial's compile-ahead job, then hand it to the measuring process. A result at once when
         there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
-        item.compile_s = None
         if item.compiled is not None:
             t_wait = time.perf_counter()
             compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, lambda: self.stop_requested >= 2)
-            waited = time.perf_counter() - t_wait
-            summary.compile_wait_s += waited
-            self.costs.add("compile_wait", waited)
+            summary.compile_wait_s += time.perf_counter() - t_wait
+            self.costs.add("compile_wait", time.perf_counter() - t_wait)
             if compiled is None:
                 return _ABANDONED
             cstatus, item.compile_s, cerr = compiled
