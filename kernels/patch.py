@@ -49,8 +49,8 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 class PatchReport:
     """What `patch` did: replaced modules counted by their original class name, and (strict=False) the modules it
     left as they were, by path, with the reason. With fuse_residual=True also: the decoder layers whose residual
-    adds were fused into their norms, by class name; how many layer ends were fused with the next layer's input
-    norm (`chained`); and the decoder layers left as they were (`unfused`), by path, with the reason."""
+    adds were fused into their norms, by class name; how many layer ends were fused with the norm after them, the
+    next layer's input norm or the final norm (`chained`); and the decoder layers left as they were (`unfused`), by path, with the reason."""
 
     replaced: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
@@ -67,8 +67,8 @@ class PatchReport:
         lines = [f"replaced {done}"] + [f"skipped {path}: {why}" for path, why in self.skipped.items()]
         if self.fused or self.unfused:
             layers = ", ".join(f"{count} {name}" for name, count in self.fused.items()) or "no layer"
-            lines.append(f"fused the residual adds of {layers} ({self.chained} layer ends with the next layer's "
-                         "input norm)")
+            lines.append(f"fused the residual adds of {layers} ({self.chained} layer ends with the norm after "
+                         "them: the next layer's input norm or the final norm)")
             lines += [f"unfused {path}: {why}" for path, why in self.unfused.items()]
         return "\n".join(lines)
 

@@ -15,7 +15,8 @@ layer's `input_layernorm`: where the next layer of the same container is fused t
 `(y_next, out) = next.input_layernorm(m, residual=h)` and hands `y_next` to the next layer on `out` itself, which
 uses it only when it is called with that very tensor, unchanged (same `_version`), with the same norm weights;
 any other input (a loop that skips or reorders layers, an in-place change) runs its own `input_layernorm` as before.
-The hand-over is off under gradient checkpointing (the recompute would take another path) and under torch.compile.
+The last layer of a container hands over, the same way, to a normtune norm registered right after the container
+(a decoder's final norm, which then checks for a hand-over before normalizing). The hand-over is off under gradient checkpointing (the recompute would take another path) and under torch.compile.
 
 Which layers: any module with `self_attn`, `mlp` and `input_layernorm` submodules whose norms patch() replaced
 (normtune's 1-D norms). Whether its forward computes one of the two forms is checked by probing it, not by its
@@ -45,14 +46,14 @@ FORMS = {"pre-norm": ("input_layernorm", "post_attention_layernorm"),
          "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                       "post_feedforward_layernorm")}
 _HANDOVER = "_normtune_normed"  # the attribute on a layer's output holding the next layer's normalized input
-_NEXT = "_normtune_next_layer"  # the (unregistered) next fused layer of the same container
+_NEXT = "_normtune_next"  # the (unregistered) next fused layer of the same container, or the final norm
 _FUSED_CLASSES: dict[tuple[type, str], type] = {}
 
 
 @dataclass
 class FusionResult:
     fused: dict[str, int]  # layer class name -> layers fused
-    chained: int  # layer ends fused with the next layer's input_layernorm
+    chained: int  # layer ends fused with the next layer's input_layernorm (or the final norm)
     unfused: dict[str, str]  # path -> why the layer was left as it was
 
 
@@ -77,12 +78,21 @@ def fuse(model: nn.Module, tolerance: float) -> FusionResult:
         layer.__class__ = _fused_class(type(layer), form)
         result.fused[type(layer).__name__] = result.fused.get(type(layer).__name__, 0) + 1
         fused.add(key)
-    for parent in model.modules():  # consecutive fused layers of one container hand their outputs over
+    # Consecutive fused layers of one container hand their outputs over; the container's last layer hands its
+    # output to a normtune norm registered right after the container (a decoder's final norm).
+    for parent in model.modules():
         children = [c for c in parent._modules.values() if c is not None]
         for layer, nxt in zip(children, children[1:]):
             if id(layer) in fused and id(nxt) in fused and layer is not nxt:
                 layer.__dict__[_NEXT] = nxt  # not a submodule: no second path to its parameters
                 result.chained += 1
+            elif id(layer) not in fused and isinstance(nxt, (LayerNorm, RMSNorm)) and layer._modules:
+                last = [c for c in layer._modules.values() if c is not None][-1]
+                if id(last) in fused and last.input_layernorm.normalized_shape == nxt.normalized_shape:
+                    if not getattr(type(nxt), "_normtune_consumer", False):
+                        nxt.__class__ = _consuming_class(type(nxt))
+                    last.__dict__[_NEXT] = nxt
+                    result.chained += 1
     return result
 
 
@@ -152,7 +162,8 @@ def _skeleton(layer, form: str, hidden_states: Tensor, call_kwargs: dict, first,
 def fused_add_norm(norm: nn.Module, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
     """(norm(residual + x), residual + x) through normtune's fused form; the two steps where the operands differ in
     shape, dtype or device (the add would broadcast or promote, which the fused form does not)."""
-    if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device or not _bare(norm):
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.device != residual.device or not _bare(norm) \
+            or not isinstance(norm, (LayerNorm, RMSNorm)):
         h = residual + x
         return norm(h), h
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
@@ -196,15 +207,45 @@ def _fused_forward(self, *args, **kwargs):
         return fused_add_norm(getattr(self, name), x, residual)
 
     nxt = self.__dict__.get(_NEXT) if handover else None
+    norm = _input_norm(nxt)
 
     def last(m, h):
-        if nxt is None or not _bare(nxt.input_layernorm):
+        if not isinstance(norm, (LayerNorm, RMSNorm)) or not _bare(norm):
             return h + m
-        y_next, out = fused_add_norm(nxt.input_layernorm, m, h)
-        out.__dict__[_HANDOVER] = (nxt, out._version, _weight_version(nxt.input_layernorm), y_next)
+        y_next, out = fused_add_norm(norm, m, h)
+        out.__dict__[_HANDOVER] = (nxt, out._version, _weight_version(norm), y_next)
         return out
 
     return _skeleton(self, self._normtune_form, hidden_states, call_kwargs, first, add_norm, last)
+
+
+def _input_norm(consumer: nn.Module | None) -> nn.Module | None:
+    """The norm a hand-over to `consumer` runs: a fused layer's input_layernorm, or the consuming norm itself."""
+    if consumer is None:
+        return None
+    return consumer if getattr(type(consumer), "_normtune_consumer", False) else consumer.input_layernorm
+
+
+def _consuming_forward(self, x):
+    """A final norm's forward: the normalized input handed over with this very tensor, else its own."""
+    normed = None
+    if isinstance(x, Tensor) and not torch.compiler.is_compiling():
+        normed = x.__dict__.pop(_HANDOVER, None)
+    if normed is not None:
+        consumer, version, weight_version, y = normed
+        if consumer is self and version == x._version and weight_version == _weight_version(self):
+            return y
+    return self._normtune_base.forward(self, x)
+
+
+def _consuming_class(cls: type) -> type:
+    key = (cls, "consumer")
+    if key not in _FUSED_CLASSES:
+        _FUSED_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": _consuming_forward, "_normtune_consumer": True, "_normtune_base": cls,
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} that takes its normalized input from the fused layer before it."})
+    return _FUSED_CLASSES[key]
 
 
 def _weight_version(norm: nn.Module) -> tuple:

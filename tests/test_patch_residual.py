@@ -94,7 +94,7 @@ def test_decoder_layers_are_fused_exactly(model_type, device, tolerance, assert_
     params = {name: p for name, p in model.named_parameters()}
     keys = list(model.state_dict())
     report = normtune.patch(model, fuse_residual=True)
-    assert report.fused == {LAYERS[model_type]: 2} and report.chained == 1 and report.unfused == {}, str(report)
+    assert report.fused == {LAYERS[model_type]: 2} and report.chained == 2 and report.unfused == {}, str(report)
     assert {name: p for name, p in model.named_parameters()} == params  # the very Parameter objects
     assert all(p is params[name] for name, p in model.named_parameters())
     assert list(model.state_dict()) == keys
@@ -103,9 +103,11 @@ def test_decoder_layers_are_fused_exactly(model_type, device, tolerance, assert_
     assert isinstance(layers[0], type(reference.model.layers[0]))  # a subclass: isinstance checks still hold
     counts = _Counts(monkeypatch)
     _check_same(model, reference, _ids(model), tolerance(torch.float32), assert_close)
-    # Per layer one fused add + norm, plus layer 0's end fused with layer 1's input norm, whose module never runs.
-    assert counts.fused == 3
+    # Per layer one fused add + norm, plus each layer's end fused with the next norm (layer 1's input norm, the
+    # final norm), whose forward then does not normalize again.
+    assert counts.fused == 4
     assert layers[0].input_layernorm in counts.norms and layers[1].input_layernorm not in counts.norms
+    assert model.model.norm not in counts.norms
     fused_norm = "pre_feedforward_layernorm" if model_type in ("gemma2", "gemma3_text") else "post_attention_layernorm"
     assert all(getattr(layer, fused_norm) not in counts.norms for layer in layers)
 
@@ -184,7 +186,7 @@ def test_a_layer_with_a_modified_forward_is_left_alone(modified, reason, device,
     reference = copy.deepcopy(model)
     report = normtune.patch(model, fuse_residual=True)
     assert list(report.unfused) == ["model.layers.0"] and reason in report.unfused["model.layers.0"], str(report)
-    assert report.fused == {"LlamaDecoderLayer": 1} and report.chained == 0
+    assert report.fused == {"LlamaDecoderLayer": 1} and report.chained == 1  # layer 1 to the final norm
     assert type(model.model.layers[0]) is type(reference.model.layers[0])  # the class patch() found
     assert "unfused model.layers.0: Modified: its" in str(report)
     _check_same(model, reference, _ids(model), tolerance(torch.float32), assert_close)
@@ -265,3 +267,23 @@ def test_hand_written_layer_norm_layers(p, fused, device, tolerance, assert_clos
     tol = tolerance(torch.float32)
     for i, (a, b) in enumerate(zip(*outs)):
         assert_close(a, b, tol, f"output/gradient {i}")
+
+
+def test_a_final_norm_uses_a_hand_over_only_for_that_tensor_unchanged(device):
+    model = _model("llama", device, num_hidden_layers=1)
+    normtune.patch(model, fuse_residual=True)
+    norm = model.model.norm
+    x = torch.randn(2, 3, TINY["hidden_size"], device=device)
+    with torch.no_grad():
+        expected = norm(x.clone())
+        marker = torch.full_like(expected, 7.0)
+        for change, other in ((False, False), (True, False), (False, True)):
+            t = x.clone()
+            consumer = model.model.layers[0] if other else norm
+            t.__dict__[patch_residual._HANDOVER] = (consumer, t._version, patch_residual._weight_version(norm), marker)
+            if change:
+                t.mul_(1.0)  # same values, new version: the hand-over no longer applies
+            got = norm(t)
+            assert torch.equal(got, marker) == (not change and not other)
+            if change or other:
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
