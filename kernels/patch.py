@@ -50,7 +50,8 @@ class PatchReport:
     """What `patch` did: replaced modules counted by their original class name, and (strict=False) the modules it
     left as they were, by path, with the reason. With fuse_residual=True also: the decoder layers whose residual
     adds were fused into their norms, by class name; how many layer ends were fused with the norm after them, the
-    next layer's input norm or the final norm (`chained`); and the decoder layers left as they were (`unfused`), by path, with the reason."""
+    next layer's input norm or the final norm (`chained`); and the decoder layers left as they were (`unfused`),
+    by path, with the reason."""
 
     replaced: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
