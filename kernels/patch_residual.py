@@ -16,7 +16,8 @@ layer's `input_layernorm`: where the next layer of the same container is fused t
 uses it only when it is called with that very tensor, unchanged (same `_version`), with the same norm weights;
 any other input (a loop that skips or reorders layers, an in-place change) runs its own `input_layernorm` as before.
 The last layer of a container hands over, the same way, to a normtune norm registered right after the container
-(a decoder's final norm, which then checks for a hand-over before normalizing). The hand-over is off under gradient checkpointing (the recompute would take another path) and under torch.compile.
+(a decoder's final norm, which then checks for a hand-over before normalizing). The hand-over is off under
+gradient checkpointing (the recompute would take another path) and under torch.compile.
 
 Which layers: any module with `self_attn`, `mlp` and `input_layernorm` submodules whose norms patch() replaced
 (normtune's 1-D norms). Whether its forward computes one of the two forms is checked by probing it, not by its
