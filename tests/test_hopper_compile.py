@@ -1,10 +1,18 @@
-"""Every kernel family compiles for Hopper (sm_90) on a machine without a GPU.
+"""Every kernel compiles for every target GPU (sm_80, sm_90, sm_100, sm_120, gfx942, gfx950) on a machine
+without a GPU.
 
 The interpreter runs a kernel's Python, not Triton's compiler: code it accepts can still fail to compile (a
-variable given different shapes in the two branches of a runtime `if`, a block that is not a power of two). Run as
-a script, this file records what `precompile` (the sweep's compile-ahead path) would compile for a set of
-problems and configs covering every strategy, then compiles each for sm_90 with Triton's bundled ptxas and prints
-one JSON line per kernel; the test runs it in a subprocess without the interpreter.
+variable given different shapes in the two branches of a runtime `if`, a block that is not a power of two, inline
+PTX on AMD). Run as a script, this file records what `precompile` (the sweep's compile-ahead path) would compile
+on each target's stand-in device (`kernels/limits.py`: its warps, shared memory and features, so a config runs in
+the portable form that device gets), then compiles each kernel once for the target, with the ptxas bundled in
+Triton's wheel (NVIDIA) or Triton's AMD backend (its LLVM and linker are in the wheel), and prints one JSON line
+per kernel; the tests run it in a subprocess without the interpreter. Per target it compiles:
+
+- a covering sample of each strategy's search space: every knob value the strategy uses occurs (`compile_sample`);
+- every form the analytic default takes on that device;
+- the forward kernel;
+- on sm_90 also CASES below, whose compiled code the tests inspect (pipelining, spills, vector width).
 """
 
 from __future__ import annotations
@@ -17,7 +25,17 @@ import sys
 
 import pytest
 
-from normtune.kernels.heuristics import SHARED_MEMORY_BUDGET, staged_shared_bytes
+from normtune.kernels.heuristics import staged_shared_bytes
+
+# target -> (Triton backend, arch, warp size, the stand-in device in kernels/limits.py)
+TARGETS = {
+    "sm_80": ("cuda", 80, 32, "a100"),
+    "sm_90": ("cuda", 90, 32, "h100"),
+    "sm_100": ("cuda", 100, 32, "b200"),
+    "sm_120": ("cuda", 120, 32, "rtx5090"),
+    "gfx942": ("hip", "gfx942", 64, "mi300x"),
+    "gfx950": ("hip", "gfx950", 64, "mi355x"),
+}
 
 CASES = [  # (norm, M, N, dtype, save, which seed); a residual case's dtype is "x+h" (activations x, stream h)
     ("layer_norm", 4096, 4096, "bf16", "input", "default"),
@@ -113,63 +131,96 @@ def _signature(kernel, args, kwargs):
     return signature, constants, attrs
 
 
-def main() -> None:
+
+def _jobs(target: str, limits) -> list[tuple[str, object, object]]:
+    """(pick, problem, config) to compile for the target: CASES on sm_90, the covering sample, the defaults."""
+    from compile_sample import covering_sample, default_forms
+
+    from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
+    from normtune.tuner.space import Space
+
+    jobs = []
+    if target == "sm_90":
+        for norm, M, N, dtypes, save, pick in CASES:
+            dtype, _, residual_dtype = dtypes.partition("+")
+            problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save,
+                              residual=bool(residual_dtype), residual_dtype=residual_dtype or None)
+            default = default_config(problem)
+            config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
+            if pick in ("split2-fused", "pipelined2-fused"):
+                config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1,
+                                                                       fused=True))
+            if pick == "staged-split2":
+                config = BackwardConfig(dataclasses.replace(config.kernel_1, pipelined_split=False), config.kernel_2)
+            if pick == "two_pass-staged":
+                config = BackwardConfig(dataclasses.replace(
+                    config.kernel_1, two_pass=True, row_split=1, pipelined_split=False, recompute=False,
+                    prefetch=False, column_accumulators=False, block_row=2, block_col=4096, num_warps=8,
+                    num_stages=3), config.kernel_2)
+            jobs.append((pick, problem, config))
+    sample, unreached = covering_sample(limits)
+    print(json.dumps({"target": target, "pick": "unreached", "unreached": unreached}), flush=True)
+    jobs += [(f"sample-{strategy}", problem, config) for strategy, problem, config in sample]
+    jobs += [("default-form", problem, config) for problem, config in default_forms(limits)]
+    return jobs
+
+
+def main(targets: list[str]) -> None:
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    from normtune.kernels import limits as L
     from normtune.kernels.backward import launch
-    from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
-    from normtune.tuner.space import Space
 
     calls = []
     JITFunction.warmup = lambda self, *args, grid=None, **kwargs: calls.append((self, args, kwargs)) or object()
-    launch.sm_count = lambda device: 132
-    launch.compute_capability = lambda device: (9, 0)
-    for norm, M, N, dtypes, save, pick in CASES:
-        dtype, _, residual_dtype = dtypes.partition("+")
-        problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save, residual=bool(residual_dtype),
-                          residual_dtype=residual_dtype or None)
-        default = default_config(problem)
-        config = next(c for c in [default] + Space(problem, 132).seeds() if PICK[pick](c, default))
-        if pick in ("split2-fused", "pipelined2-fused"):
-            config = BackwardConfig(config.kernel_1, Kernel2Config(block_m=32, block_n=128, num_warps=1, fused=True))
-        if pick == "staged-split2":
-            config = BackwardConfig(dataclasses.replace(config.kernel_1, pipelined_split=False), config.kernel_2)
-        if pick == "two_pass-staged":
-            config = BackwardConfig(dataclasses.replace(
-                config.kernel_1, two_pass=True, row_split=1, pipelined_split=False, recompute=False, prefetch=False,
-                column_accumulators=False, block_row=2, block_col=4096, num_warps=8, num_stages=3), config.kernel_2)
-        config.validate(problem)
-        k1 = config.kernel_1
-        before = len(calls)
-        launch.precompile(problem, config, 132, torch.device("cpu"))
-        for kernel, args, kwargs in calls[before:]:
-            signature, constants, attrs = _signature(kernel, args, kwargs)
-            options = {k: v for k, v in kwargs.items() if k not in signature}
-            async_copies = stack = shared = narrow = None
-            try:
-                compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
-                                          target=GPUTarget("cuda", 90, 32), options=options)
-                async_copies = compiled.asm["ptx"].count("cp.async.c")
-                narrow = _narrow_accesses(compiled.asm["ptx"])
-                stack = _stack_bytes(compiled.asm["cubin"])
-                shared = compiled.metadata.shared
-                error = None
-            except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
-                error = f"{type(err).__name__}: {str(err)[-600:]}"
-            print(json.dumps({"case": f"{norm} {dtypes} {M}x{N} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
-                              "config": str(config), "error": error, "async_copies": async_copies,
-                              "stack": stack, "shared": shared, "narrow": narrow, "num_stages": k1.num_stages,
-                              "staged_estimate": staged_shared_bytes(
-                                  problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
-                                  k1.num_warps)}), flush=True)
-    print(json.dumps(dict(_forward_case(3000), pick="forward")), flush=True)
-    for h_dtype in ("bf16", "fp32"):
-        print(json.dumps(dict(_forward_case(3000, h_dtype), pick="forward")), flush=True)
-        print(json.dumps(dict(_forward_case(12288, h_dtype), pick="forward-chunked")), flush=True)
+    device = torch.device("cuda", 0)  # a name only: nothing here touches a GPU
+    for target in targets:
+        backend, arch, warp, stand_in = TARGETS[target]
+        limits = L.STAND_INS[stand_in]
+        launch.sm_count = lambda device, n=limits.sm_count: n
+        launch.device_limits = lambda device, lim=limits: lim
+        launch.plan.cache_clear()
+        compiled_keys = set()
+        for pick, problem, config in _jobs(target, limits):
+            config.validate(problem, limits)
+            k1 = config.kernel_1
+            before = len(calls)
+            launch.precompile(problem, config, limits.sm_count, device)
+            for kernel, args, kwargs in calls[before:]:
+                signature, constants, attrs = _signature(kernel, args, kwargs)
+                options = {k: v for k, v in kwargs.items() if k not in signature}
+                key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constants.items())),
+                       repr(sorted(attrs.items())), repr(sorted(options.items())))
+                if key in compiled_keys and pick.startswith(("sample-", "default-form")):
+                    continue  # the same kernel as an earlier config's
+                compiled_keys.add(key)
+                row = {"target": target, "case": f"{problem.key} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
+                       "config": str(config), "error": None, "num_stages": k1.num_stages,
+                       "shared_limit": limits.shared_per_block,
+                       "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
+                                                              k1.two_pass, k1.prefetch, k1.num_warps)}
+                try:
+                    out = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                                         target=GPUTarget(backend, arch, warp), options=options)
+                    row["shared"] = out.metadata.shared
+                    if backend == "cuda":
+                        ptx = out.asm["ptx"]
+                        row.update(async_copies=ptx.count("cp.async.c"), narrow=_narrow_accesses(ptx),
+                                   stack=_stack_bytes(out.asm["cubin"]) if target == "sm_90" else None)
+                except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
+                    row["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
+                print(json.dumps(row), flush=True)
+        # rows of 3000 columns (with a residual stream on sm_90), and the chunked forward of 12288 with one
+        forwards = [(3000, None, "forward"), (12288, "fp32", "forward-chunked")]
+        if target == "sm_90":
+            forwards += [(3000, "bf16", "forward"), (3000, "fp32", "forward"), (12288, "bf16", "forward-chunked")]
+        for N, h_dtype, pick in forwards:
+            print(json.dumps(dict(_forward_case(N, backend, arch, warp, h_dtype), target=target, pick=pick)),
+                  flush=True)
 
 
 def _narrow_accesses(ptx: str) -> int:
@@ -179,9 +230,10 @@ def _narrow_accesses(ptx: str) -> int:
     return len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.b16\b", ptx))
 
 
-def _forward_case(N: int, h_dtype: str | None = None) -> dict:
+def _forward_case(N: int, backend: str, arch, warp: int, h_dtype: str | None = None) -> dict:
     """The forward kernel for bf16 rows of N columns (LayerNorm with weight and bias; with a residual and h in
-    `h_dtype` where given), compiled for sm_90 as its launcher specializes it, with its PTX's narrow accesses."""
+    `h_dtype` where given), compiled for the target as its launcher specializes it, with its PTX's narrow
+    accesses (NVIDIA)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -197,10 +249,15 @@ def _forward_case(N: int, h_dtype: str | None = None) -> dict:
     signature, constants, attrs = _signature(
         _forward_kernel, (act, N, act, N, h, N, h, N, act, act, f32, f32, 20000, N, 1e-5), kwargs)
     options = {k: v for k, v in kwargs.items() if k not in signature}
-    compiled = triton.compile(ASTSource(_forward_kernel, signature, constants, attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    return {"case": f"forward bf16{'+' + h_dtype if h_dtype else ''} {N}", "kernel": "forward",
-            "narrow": _narrow_accesses(compiled.asm["ptx"])}
+    row = {"case": f"forward bf16{'+' + h_dtype if h_dtype else ''} {N}", "kernel": "forward", "error": None,
+           "narrow": None}
+    try:
+        out = triton.compile(ASTSource(_forward_kernel, signature, constants, attrs),
+                             target=GPUTarget(backend, arch, warp), options=options)
+        row["narrow"] = _narrow_accesses(out.asm["ptx"]) if backend == "cuda" else None
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        row["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
+    return row
 
 
 def _stack_bytes(cubin: bytes) -> int | None:
@@ -222,41 +279,76 @@ def _stack_bytes(cubin: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _ptxas_available() -> bool:
+
+
+def _missing(target: str) -> str | None:
+    """Why this Triton cannot compile for the target here (None: it can)."""
     import triton
 
-    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+    backend = TARGETS[target][0]
+    root = os.path.join(os.path.dirname(triton.__file__), "backends")
+    if backend == "cuda":
+        ptxas = os.path.join(root, "nvidia", "bin", "ptxas")
+        return None if os.path.exists(ptxas) else f"this Triton has no NVIDIA backend with ptxas ({ptxas})"
+    codegen = os.path.join(root, "amd", "lib", "libtriton_amd_codegen.so")
+    return None if os.path.exists(codegen) else f"this Triton has no AMD backend ({codegen} is missing)"
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no NVIDIA backend with ptxas to compile with")
-def test_every_strategy_compiles_for_hopper():
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, list[dict]]:
+    """Each available target's JSON lines, from one subprocess compiling them all in turn."""
+    targets = [t for t in TARGETS if _missing(t) is None]
+    if not targets:
+        pytest.skip("this Triton can compile for none of the targets")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    result = subprocess.run([sys.executable, __file__, *targets], env=env, capture_output=True, text=True,
+                            timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return {t: [r for r in lines if r["target"] == t] for t in targets}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_every_strategy_and_default_compiles_for(target, compiled):
+    if _missing(target):
+        pytest.skip(_missing(target))
+    lines = compiled[target]
+    unreached = next(r["unreached"] for r in lines if r["pick"] == "unreached")
+    assert unreached == {"rows": [], "columns": [], "dual": []}, unreached  # every knob value in the sample
+    forward = [r for r in lines if r["pick"].startswith("forward")]
+    assert len(forward) >= 2 and not any(r["error"] for r in forward), forward
+    kernels = [r for r in lines if not r["pick"].startswith("forward") and r["pick"] != "unreached"]
+    assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
+            "kernel_2"} <= {r["kernel"] for r in kernels}
+    assert {r["pick"] for r in kernels} >= {"sample-rows", "sample-columns", "sample-dual", "default-form"}
+    failed = [r for r in kernels if r["error"]]
+    assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
+    for r in kernels:
+        # Every kernel fits the device's shared memory, and the space's estimate bounds what a staged two-pass
+        # kernel_1 asks for (a config over the budget is refused before it reaches the GPU).
+        assert r["shared"] <= r["shared_limit"], r
+        if r["kernel"] == "kernel_1_two_pass" and r["num_stages"] > 1 and target.startswith("sm_"):
+            assert r["shared"] <= r["staged_estimate"], r
+
+
+def test_hopper_code_is_pipelined_vectorized_and_spill_free(compiled):
+    if _missing("sm_90"):
+        pytest.skip(_missing("sm_90"))
+    lines = [r for r in compiled["sm_90"] if r["pick"] in PICK or r["pick"].startswith("forward")]
     forward = [r for r in lines if r["pick"] == "forward"]
     assert len(forward) == 3 and all(r["narrow"] == 0 for r in forward), forward  # rows of 3000, with a residual too
     assert len([r for r in lines if r["pick"] == "forward-chunked"]) == 2, lines
-    lines = [r for r in lines if not r["pick"].startswith("forward")]
-    compiled = {(r["case"], r["kernel"]) for r in lines}
-    assert len({case for case, _ in compiled}) == len(CASES), result.stdout
-    assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
-            "kernel_2"} <= {kernel for _, kernel in compiled}
-    failed = [r for r in lines if r["error"]]
-    assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
-    for r in lines:
+    cases = [r for r in lines if not r["pick"].startswith("forward")]
+    assert len({r["case"] for r in cases}) == len(CASES)
+    for r in cases:
         if r["pick"] in PIPELINED and r["kernel"] == "kernel_1_single_pass":
             assert (r["async_copies"] > 0) == PIPELINED[r["pick"]], r
         if r["pick"] in NO_STACK and r["kernel"] == "kernel_1_single_pass" and r["stack"] is not None:
             assert r["stack"] == 0, r
-        # The space's shared-memory estimate bounds what a two-pass kernel_1 asks for (a config over the budget is
-        # refused before it reaches the GPU), and every kernel fits the budget.
-        assert r["shared"] <= SHARED_MEMORY_BUDGET, r
         if r["pick"] in VECTORIZED:
             assert r["narrow"] <= 2, r
-        if r["kernel"] == "kernel_1_two_pass" and r["num_stages"] > 1:
-            assert r["shared"] <= r["staged_estimate"], r
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or list(TARGETS))

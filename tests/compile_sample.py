@@ -1,0 +1,135 @@
+"""The configs `test_hopper_compile.py` compiles for each target, drawn from the search space rather than listed:
+
+- `covering_sample`: per strategy, a few configs of the device's search space (`Space` with its limits) in which
+  every value of every knob the strategy uses occurs at least once (a covering array of strength 1, built
+  greedily from seeded random draws that favour the values still missing);
+- `default_forms`: one problem per distinct form the analytic default takes on the device, over a grid of
+  norms, dtypes, saves, row counts and widths (forms differ in strategy, split, pass mode, stages and the
+  boolean knobs; two problems whose defaults differ only in tile sizes, split count or dtype are one form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.heuristics import default_config
+from normtune.kernels.limits import DeviceLimits
+from normtune.tuner.space import Space
+
+# Problems per strategy whose spaces between them hold every knob value the strategy can take: power-of-two and
+# 3/5/7-times-a-power-of-two widths (row splits of 3-8), narrow rows (block_row 64), rows too wide for one pass
+# (two-pass chunks), few rows (columns, dual), fp32 and a LayerNorm that recovers x̂ from its output.
+STRATEGY_PROBLEMS = {
+    "rows": [Problem("rms_norm", 4096, 4096, "bf16"), Problem("rms_norm", 4096, 2048, "bf16"),
+             Problem("layer_norm", 2048, 12288, "fp16", has_bias=True, save="output"),
+             Problem("rms_norm", 1024, 28672, "bf16"), Problem("rms_norm", 4096, 5120, "bf16"),
+             Problem("layer_norm", 4096, 65536, "bf16", has_bias=True), Problem("rms_norm", 8192, 256, "fp32"),
+             Problem("rms_norm", 2048, 16384, "bf16")],
+    "columns": [Problem("rms_norm", 256, 32768, "bf16"), Problem("layer_norm", 64, 4096, "fp16", has_bias=True),
+                Problem("rms_norm", 2048, 2048, "fp32")],
+    "dual": [Problem("layer_norm", 64, 4096, "bf16", has_bias=True), Problem("rms_norm", 100, 8192, "bf16",
+                                                                             save="output"),
+             Problem("rms_norm", 512, 512, "fp32"), Problem("rms_norm", 2048, 128, "bf16")],
+}
+# Knob values a strategy's space never holds on these problems, and why (the sample must reach every other one).
+UNREACHABLE = {
+    "rows": {("k1.block_col", c): "single pass covers the row; two-pass chunks start at 512" for c in (32, 64, 128)},
+    "columns": {("k1.block_col", c): "the columns strategy's slice is at most 1024 columns"
+                for c in (2048, 4096, 8192)},
+    "dual": {},
+}
+SINGLE_PASS_BLOCK_COLS = (256,)  # rows: a narrow row's own tile width (8192x256), in the domain
+
+# Valid draws compared before the one covering most missing values joins the sample.
+DRAWS = 12
+
+FIELDS = {**{f"k1.{f.name}": ("kernel_1", f.name) for f in dataclasses.fields(Kernel1Config)},
+          **{f"k2.{f.name}": ("kernel_2", f.name) for f in dataclasses.fields(Kernel2Config)}}
+
+
+def _pairs(config: BackwardConfig, knobs) -> set:
+    return {(k, getattr(getattr(config, FIELDS[k][0]), FIELDS[k][1])) for k in knobs}
+
+
+def applicable(space: Space, strategy: str, base: dict) -> set[str]:
+    """Knobs the strategy uses: changing one in the sampled parameters changes the config built from them."""
+    d = space.domains()
+    out = set()
+    for k, values in d.items():
+        if k == "k1.strategy":
+            continue
+        made = {space.config({**base, "k1.strategy": strategy, k: v}) for v in values}
+        if len(made) > 1:
+            out.add(k)
+    return out
+
+
+def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 4000) -> tuple[list, dict[str, list[str]]]:
+    """(strategy, problem, config) triples covering every knob value each strategy uses on the device (module
+    doc), and per strategy the (knob, value) pairs no draw reached."""
+    rng = random.Random(seed)
+    sample, unreached = [], {}
+    for strategy, problems in STRATEGY_PROBLEMS.items():
+        spaces = [Space(p, limits.sm_count, limits) for p in problems]
+        spaces = [s for s in spaces if strategy in s.domains()["k1.strategy"]]
+        knobs: set[str] = set()
+        for s in spaces:
+            base = {k: v[0] for k, v in s.domains().items()}
+            knobs |= applicable(s, strategy, base)
+        wanted = {(k, v) for s in spaces for k in knobs for v in s.domains()[k]}
+        wanted -= set(UNREACHABLE[strategy])
+        covered: set = set()
+        best, drawn = None, 0
+        for _ in range(tries):
+            missing = wanted - covered
+            if not missing:
+                break
+            if best is not None and drawn >= DRAWS:  # the draw covering most missing values joins the sample
+                covered |= _pairs(best[2], knobs)
+                sample.append(best)
+                best, drawn = None, 0
+                continue
+            space = rng.choice(spaces)
+            d = space.domains()
+            params = {}
+            for k, values in d.items():
+                gaps = [v for v in values if (k, v) in missing]
+                params[k] = rng.choice(gaps) if gaps and rng.random() < 0.7 else rng.choice(values)
+            params["k1.strategy"] = strategy
+            if params["k2.fused"]:
+                params["k2.pdl"], params["k2.num_warps"] = False, d["k2.num_warps"][0]
+            cfg = space.config(params)
+            if space.why_not(cfg) is not None:
+                continue
+            cfg = space.canonical(cfg)
+            gain = len(_pairs(cfg, knobs) & missing)
+            if space.why_not(cfg) is not None or not gain:
+                continue
+            drawn += 1
+            if best is None or gain > len(_pairs(best[2], knobs) & missing):
+                best = (strategy, space.problem, cfg)
+        if best is not None and wanted - covered:
+            covered |= _pairs(best[2], knobs)
+            sample.append(best)
+        unreached[strategy] = sorted(f"{k}={v}" for k, v in wanted - covered)
+    return sample, unreached
+
+
+def default_forms(limits: DeviceLimits) -> list[tuple[Problem, BackwardConfig]]:
+    """One (problem, default config) per distinct form of the analytic default on the device (module doc)."""
+    forms: dict[tuple, tuple[Problem, BackwardConfig]] = {}
+    for norm in ("rms_norm", "layer_norm"):
+        for dtype in ("bf16", "fp16", "fp32"):
+            for save in ("input", "output"):
+                for M in (1, 100, 600, 4096):
+                    for N in (1000, 4096, 12288, 16384, 32768, 65536):
+                        p = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save)
+                        cfg = default_config(p, limits)
+                        k1, k2 = cfg.kernel_1, cfg.kernel_2
+                        form = (k1.strategy, k1.two_pass, k1.row_split > 1, k1.num_stages, k1.prefetch,
+                                k1.recompute, k1.column_accumulators, k1.pipelined_split, k1.eviction_policy, k2.pdl,
+                                k2.fused)
+                        forms.setdefault(form, (p, cfg))
+    return list(forms.values())
