@@ -66,7 +66,7 @@ def applicable(space: Space, strategy: str, base: dict) -> set[str]:
     return out
 
 
-def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 4000) -> tuple[list, dict[str, list[str]]]:
+def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> tuple[list, dict[str, list[str]]]:
     """(strategy, problem, config) triples covering every knob value each strategy uses on the device (module
     doc), and per strategy the (knob, value) pairs no draw reached."""
     rng = random.Random(seed)
