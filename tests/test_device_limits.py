@@ -213,3 +213,26 @@ def test_gpu_keys_name_the_gpu_found():
              "NVIDIA L40S": "l40s", "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA GeForce RTX 5090": "rtx5090"}
     assert {n: gpu_key(n) for n in names} == names
     assert device_mod.vendor_of("AMD Instinct MI300X") == "amd" and device_mod.vendor_of("NVIDIA B200") == "nvidia"
+
+
+def test_where_prints_the_devices_limits_and_each_fallback(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from normtune.cli import app
+
+    monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path))
+    monkeypatch.delenv("NORMTUNE_CONFIG", raising=False)
+    clear_caches()
+    table = Path(__file__).resolve().parents[1] / "configs" / "h100.json"
+    args = ["where", "--shape", "2048x16384", "--norm", "layer_norm", "--config-file", str(table)]
+    out = CliRunner().invoke(app, [*args, "--gpu", "mi300x"]).output
+    assert "limits   AMD Instinct MI300X: gfx942, 304 CUs, 64 KB shared per program, 64-thread warps" in out, out
+    fallbacks_said = [line for line in out.splitlines() if line.startswith("fallback ")]
+    # the H100 table's config there: PDL and the pipelined split dropped, then too big for 64 KB of LDS
+    assert any("kernel_2.pdl" in line for line in fallbacks_said), out
+    assert any("does not fit AMD Instinct MI300X" in line for line in fallbacks_said), out
+    on_h100 = CliRunner().invoke(app, [*args, "--gpu", "h100"]).output
+    assert "fallback" not in on_h100 and "pdl yes" in on_h100, on_h100
+    clear_caches()
