@@ -124,7 +124,8 @@ def _signature(forward) -> inspect.Signature:
 def _call_kwargs(forward, args, kwargs) -> tuple[Tensor, dict] | None:
     """(the input, the layer's other arguments by name as its forward hands them to `self_attn`), or None where
     they do not bind by name or the input is not a tensor (the original forward then runs)."""
-    signature = _signature(forward)
+    # torch.compile traces inspect.signature itself (a cached call would only draw its warning)
+    signature = inspect.signature(forward) if torch.compiler.is_compiling() else _signature(forward)
     try:
         bound = signature.bind(None, *args, **kwargs)
     except TypeError:

@@ -287,3 +287,29 @@ def test_a_final_norm_uses_a_hand_over_only_for_that_tensor_unchanged(device):
             assert torch.equal(got, marker) == (not change and not other)
             if change or other:
                 torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_compiled_fused_model_traces_the_residual_op(device, tolerance, assert_close):
+    """torch.compile traces the fused layers in one graph (the hand-over is off there: each norm runs) and matches
+    the unpatched model."""
+    model = _model("llama", device)
+    reference = copy.deepcopy(model)
+    normtune.patch(model, fuse_residual=True)
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend)
+    ids = _ids(model)
+    (logits, grads), (ref_logits, ref_grads) = _logits_and_grads(compiled, ids), _logits_and_grads(reference, ids)
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes]
+    assert targets.count("normtune.norm_residual_forward.default") == 2  # one per layer
+    assert targets.count("normtune.norm_forward.default") == 3  # two input norms and the final norm
+    tol = tolerance(torch.float32)
+    assert_close(logits, ref_logits, tol, "logits")
+    for name, grad in ref_grads.items():
+        assert_close(grads[name.removeprefix("_orig_mod.")] if name in grads else grads["_orig_mod." + name], grad,
+                     tol, f"grad {name}")
