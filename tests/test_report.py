@@ -312,3 +312,13 @@ def test_cli_report_names_a_broken_table(full_store, tmp_path):
     result = CliRunner().invoke(app, ["report", "--gpu", "testgpu", "--db", full_store.url, "--table", str(broken),
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code == 1 and f"heuristic table {broken}" in result.stderr and "Traceback" not in result.output
+
+
+def test_family_titles_name_what_sets_a_family_apart():
+    from normtune.tuner.report.markdown import family_title
+
+    assert family_title(LN.family) == "layer_norm bf16 (weights bf16, with bias, saves the input)"
+    residual = dataclasses.replace(RMS, residual=True, residual_dtype="fp32").family
+    assert family_title(residual) == ("rms_norm bf16 (weights bf16, no bias, fused residual add, fp32 stream, "
+                                      "saves the input)")
+

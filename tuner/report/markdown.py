@@ -32,6 +32,8 @@ def family_title(family) -> str:
               "with bias" if family.has_bias else "no bias"]
     if family.zero_centered:
         extras.append("zero-centered")
+    if getattr(family, "residual", False):
+        extras.append(f"fused residual add, {family.residual_dtype} stream")
     extras.append(f"saves the {family.save}")
     return f"{family.norm} {family.dtype} ({', '.join(extras)})"
 
