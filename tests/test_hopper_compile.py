@@ -210,7 +210,7 @@ def main(targets: list[str]) -> None:
                     if backend == "cuda":
                         ptx = out.asm["ptx"]
                         row.update(async_copies=ptx.count("cp.async.c"), narrow=_narrow_accesses(ptx),
-                                   stack=_stack_bytes(out.asm["cubin"]) if target == "sm_90" else None)
+                                   stack=_stack_bytes(out.asm["cubin"]) if pick in NO_STACK else None)
                 except Exception as err:  # noqa: BLE001 - reported to the test, which names the kernel and config
                     row["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
                 print(json.dumps(row), flush=True)
