@@ -30,7 +30,7 @@ if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
         Problem,
         ProblemFamily,
     )
-    from .heuristics import default_config
+    from .strategies import default_config
     from .functional import layer_norm, rms_norm
     from .direct import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
     from .modules import FusedAddLayerNorm, FusedAddRMSNorm, LayerNorm, RMSNorm

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 from .config import ITEMSIZE, ROW_SPLITS, BackwardConfig, Problem
-from .heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, default_config, next_power_of_two, row_block_col,
-                         slice_width, wide_fp32_rows)
+from .heuristics import wide_fp32_rows
+from .strategies import default_config
 
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
@@ -20,10 +20,9 @@ STAND_IN_DTYPES = {"fp16": "bf16", "fp32": "bf16"}
 
 
 def holds_rows(config: BackwardConfig) -> bool:
-    """Whether a config sizes its register tile for the element size it was fitted on: split rows (each slice
-    fills the registers) or recompute (which keeps the packed 16-bit tile live instead of fp32 values)."""
-    k1 = config.kernel_1
-    return k1.strategy == "rows" and not k1.two_pass and (k1.row_split > 1 or k1.recompute)
+    """Whether a config sizes its register tile for the element size it was fitted on (`Strategy.holds_rows`:
+    split rows, whose slices fill the registers, or recompute, which keeps the packed 16-bit tile live)."""
+    return config.strategy.holds_rows(config.kernel_1)
 
 
 def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tuple[BackwardConfig | None, str]:
@@ -67,50 +66,8 @@ def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tup
 
 
 def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None) -> BackwardConfig:
-    """Make a rule's config valid for `problem`: single pass takes block_col = next_pow2(N) (two-pass past
-    MAX_SINGLE_PASS); knobs that cannot apply are dropped; if it still cannot run, the analytic default.
-    With `sm_count`, a problem too short to fill a quarter of the rule's grid with row tiles gets smaller row
-    tiles (H100: LayerNorm 128x16384 ran 20% slower on the 4-row tiles fitted at M=512 — 32 tiles for 132 SMs —
-    than the best config a fresh sweep found, on 2-row tiles). Above a quarter the fitted tile is kept: 257x14336
-    on the same 4-row tiles (65 tiles) validated at regret 1.000."""
-    k1 = config.kernel_1
-    n_pow2 = next_power_of_two(problem.N)
-    if k1.strategy == "columns":  # a column slice sweeps every row: any N, up to MAX_COLUMNS_ROWS rows
-        cand = BackwardConfig(dataclasses.replace(k1, block_col=min(k1.block_col, n_pow2)), config.kernel_2)
-        return cand if problem.M <= MAX_COLUMNS_ROWS and cand.is_valid(problem) else default_config(problem)
-    if k1.strategy == "dual" and problem.M > MAX_COLUMNS_ROWS:  # its column programs sweep every row
-        return default_config(problem)
-    if k1.row_split > 1:  # the row's slices must stay >= 256 columns and fit one pass
-        # The rule's split if its slices still fit the rule's tile, else the next split that keeps that tile (a
-        # rule fitted at 12288 columns in 3 slices of 4096 runs 12800 in 4), else the rule's split on wider tiles.
-        fits = [s for s in ROW_SPLITS if s >= k1.row_split and row_block_col(problem.N, s) <= k1.block_col]
-        for split in fits[:1] + [k1.row_split]:
-            width = row_block_col(problem.N, split)
-            if slice_width(problem.N, split) >= 256 and width <= MAX_SINGLE_PASS:
-                cand = BackwardConfig(dataclasses.replace(k1, block_col=width, row_split=split), config.kernel_2)
-                if cand.is_valid(problem):
-                    return cand
-        k1 = dataclasses.replace(k1, row_split=1, pipelined_split=False)  # nothing to exchange: the plain loop
-    if sm_count:
-        want = max(1, round(k1.programs_per_sm * sm_count) // 4)
-        while k1.block_row > 1 and -(-problem.M // k1.block_row) < want:
-            k1 = dataclasses.replace(k1, block_row=k1.block_row // 2)
-    if not k1.two_pass:
-        if n_pow2 <= MAX_SINGLE_PASS:
-            block_row = k1.block_row
-            while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
-                block_row //= 2  # keep the tile no larger than the rule's
-            k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
-        else:
-            k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
-                                     recompute=False, column_accumulators=False)
-    elif k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
-        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
-    k2 = config.kernel_2
-    if k2.block_n > n_pow2:
-        k2 = dataclasses.replace(k2, block_n=n_pow2)
-    for warps in (k1.num_warps, 16, 8, 4, 2, 1):
-        cand = BackwardConfig(dataclasses.replace(k1, num_warps=warps), k2)
-        if cand.is_valid(problem):
-            return cand
-    return default_config(problem)
+    """Make a rule's config valid for `problem` (its strategy's `adapt`: single pass takes block_col =
+    next_pow2(N), two-pass past MAX_SINGLE_PASS; knobs that cannot apply are dropped); if it still cannot run,
+    the analytic default. With `sm_count`, a problem too short to fill a quarter of the rule's grid with row tiles
+    gets smaller row tiles; above a quarter the fitted tile is kept."""
+    return config.strategy.adapt(config, problem, sm_count) or default_config(problem)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import BackwardConfig
+from .knobs import BackwardConfig
 from .limits import DeviceLimits
 
 

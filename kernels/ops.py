@@ -22,7 +22,7 @@ from . import reference
 from . import saving
 from .config import BackwardConfig, Problem
 from .device import compute_capability, device_limits, device_name, use_triton
-from .select import resolve_config
+from .select import on_clear, resolve_config
 
 
 def _empty(like: Tensor) -> Tensor:
@@ -123,6 +123,9 @@ def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config, re
 def clear_resolved() -> None:
     """Forget resolved calls (`select.clear_caches` calls this when tables or settings change)."""
     _RESOLVED.clear()
+
+
+on_clear(clear_resolved)
 
 
 def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):

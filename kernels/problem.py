@@ -45,12 +45,12 @@ class ConfigError(ValueError):
     """A config or problem that cannot run; the message names the field and the allowed values."""
 
 
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int, power_of_two: bool = False) -> None:
+def check_int(name: str, value: Any, lo: int, hi: int, power_of_two: bool = False) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} must be an integer")
     if not lo <= value <= hi:
@@ -60,7 +60,7 @@ def _check_int(name: str, value: Any, lo: int, hi: int, power_of_two: bool = Fal
         raise ConfigError(f"{name}={value} must be a power of two (e.g. {lower} or {lower * 2})")
 
 
-def _from_mapping(cls, data: Mapping[str, Any]):
+def from_mapping(cls, data: Mapping[str, Any]):
     if not isinstance(data, Mapping):
         raise ConfigError(f"{cls.__name__} expects a JSON object, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -95,15 +95,15 @@ class Problem:
     residual_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("norm", self.norm, NORMS)
+        check_choice("norm", self.norm, NORMS)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "residual_dtype", _residual_dtype(self.residual, self.residual_dtype, self.dtype))
         wd = self.dtype if self.weight_dtype is None else canonical_dtype(self.weight_dtype)
         object.__setattr__(self, "weight_dtype", wd)
         if self.has_bias is None:
             object.__setattr__(self, "has_bias", self.norm == "layer_norm")
-        _check_choice("save", self.save, SAVE_MODES)
-        _check_int("M", self.M, 0, 2**62)
+        check_choice("save", self.save, SAVE_MODES)
+        check_int("M", self.M, 0, 2**62)
         if not isinstance(self.N, int) or isinstance(self.N, bool) or self.N < 1:
             raise ConfigError(f"N={self.N!r} must be a positive integer (the size of the normalized dimension)")
         if self.N > MAX_N:
@@ -148,7 +148,7 @@ class Problem:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Problem":
-        return _from_mapping(cls, data)
+        return from_mapping(cls, data)
 
 
 @dataclass(frozen=True)

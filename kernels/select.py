@@ -6,10 +6,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from . import table_chain, tables
 from .capabilities import fallbacks, portable
 from .config import BackwardConfig, Problem
-from .heuristics import default_config
 from .limits import DeviceLimits
+from .strategies import default_config
 from .table_chain import Step, choose_table, warn_once
 from .tables import RuleMatch, Table
 
@@ -95,12 +96,20 @@ def resolve_config(problem: Problem, config: BackwardConfig | str | None, device
     return config.validate(problem)
 
 
+# What else remembers selections, forgotten with them (`on_clear`: the custom ops' resolved calls).
+_CLEAR_HOOKS: list = []
+
+
+def on_clear(hook) -> None:
+    """Call `hook()` whenever `clear_caches` runs (a module above this one that caches what it selected)."""
+    _CLEAR_HOOKS.append(hook)
+
+
 def clear_caches() -> None:
     """Forget loaded tables, chain walks and selections (after changing $NORMTUNE_CONFIG or $NORMTUNE_HOME, e.g. in
     tests)."""
-    from . import ops, table_chain, tables
-
-    ops.clear_resolved()
+    for hook in _CLEAR_HOOKS:
+        hook()
     select_config.cache_clear()
     table_chain.choose_table.cache_clear()
     tables.load_table.cache_clear()

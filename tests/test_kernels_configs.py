@@ -26,7 +26,8 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.heuristics import WIDE_DEFAULT_MIN_ROWS, alignment_hint, num_programs, partial_rows, row_block_col, slice_width
+from normtune.kernels.heuristics import WIDE_DEFAULT_MIN_ROWS, alignment_hint, row_block_col, slice_width
+from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
 from normtune.kernels.device import sm_count
 from normtune.tuner.space import Space

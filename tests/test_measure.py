@@ -22,7 +22,7 @@ from normtune.kernels import backward as kbackward
 from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.kernels.device import sm_count
-from normtune.kernels.heuristics import num_programs, partial_rows
+from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.tuner import bench_output
 from normtune.tuner.bench import OURS, BenchReport, summary
 from normtune.tuner.device import detect

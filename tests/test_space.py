@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.kernels.heuristics import next_power_of_two, num_programs, row_block_col, slice_width
+from normtune.kernels.heuristics import next_power_of_two, row_block_col, slice_width
+from normtune.kernels.strategies import num_programs
 from normtune.kernels.device import sm_count
 from normtune.tuner.measure import make_case, measure_config
 from normtune.tuner.space import (K1_DOMAINS, K2_DOMAINS, MAX_COLUMN_ACC_TILE, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space,
@@ -300,12 +301,12 @@ def test_few_rows_time_the_row_sweeping_strategies_right_after_the_default():
     """A time-budgeted sweep measures FIRST_ROUND seeds of every problem before it searches deeper: on few rows the
     dual and columns seeds come first (H200 rows-256 sweep: 12 seeds, all rows-strategy, then the budget ran out).
     Above MAX_COLUMNS_ROWS the order is the strategies' own."""
-    from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, ROW_SWEEPING
+    from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
     from normtune.tuner.sweep.options import FIRST_ROUND
 
     for norm, M, N in (("rms_norm", 256, 14336), ("layer_norm", 128, 8192), ("rms_norm", 384, 5120)):
         s = space(norm, M, N, 132)
-        seeds, sweeping = s.seeds(), [c for c in s.strategies() if c.kernel_1.strategy in ROW_SWEEPING]
+        seeds, sweeping = s.seeds(), [c for c in s.strategies() if c.strategy.sweeps_rows]
         assert len(sweeping) >= 4 and seeds[1:1 + len(sweeping)] == sweeping
         assert sum(c.kernel_1.strategy == "dual" for c in seeds[:FIRST_ROUND]) >= 3
     tall = space("layer_norm", MAX_COLUMNS_ROWS * 2, 8192, 132)

@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
-from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, ROW_SWEEPING, next_power_of_two
+from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
 
 from .render import geomean
 from .spread import Timing, slower_beyond_spread
@@ -263,7 +263,7 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
              if data is not None and upper_config is not None else None)
     midpoint = math.isqrt(below * above)
     m_max = max(below, midpoint if cross is None else min(int(cross), above - 1))
-    if lower_config.kernel_1.strategy in ROW_SWEEPING:
+    if lower_config.strategy.sweeps_rows:
         m_max = max(below, min(m_max, midpoint, MAX_COLUMNS_ROWS))
     return m_max
 
@@ -281,7 +281,7 @@ def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: 
         return None
     if a in hi:
         t_hi = hi[a].median
-    elif a.kernel_1.strategy in ROW_SWEEPING:
+    elif a.strategy.sweeps_rows:
         t_hi = lo[a].median * p_hi.M / p_lo.M
     else:
         return None

@@ -15,61 +15,34 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from normtune.kernels.capabilities import fallbacks, portable
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem
 from normtune.kernels.limits import REFERENCE, DeviceLimits
-from normtune.kernels.problem import is_power_of_two
 from normtune.kernels.heuristics import (
     MAX_COLUMNS_ROWS,
     MAX_SINGLE_PASS,
     MIN_ELEMENTS_PER_THREAD,
-    ROW_SWEEPING,
     max_warps,
     next_power_of_two,
-    num_programs,
-    row_block_col,
     slice_width,
 )
+from normtune.kernels.problem import is_power_of_two
+from normtune.kernels.strategies import KERNEL_1_DOMAINS, KERNEL_2_DOMAINS, STRATEGIES, num_programs
+from normtune.kernels.strategies.rows import MAX_COLUMN_ACC_TILE, fitting_split
 
+from . import seeds as seeding
 
-# Domains (ordered: neighbours in a domain are "one step" apart when seeding the search).
-K1_DOMAINS: dict[str, tuple] = {
-    "strategy": ("rows", "columns", "dual"),
-    "two_pass": (False, True),
-    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`fitting_split`)
-    "row_split": (1, 2, 3, 4, 5, 6, 7, 8),
-    "block_row": (1, 2, 4, 8, 16, 32, 64),
-    # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
-    "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
-    "num_warps": (1, 2, 4, 8, 16, 32),
-    "num_stages": (1, 2, 3),
-    "programs_per_sm": (0.5, 1, 2, 3, 4),
-    "eviction_policy": ("", "evict_first"),
-    "prefetch": (False, True),
-    "recompute": (False, True),
-    "column_accumulators": (False, True),
-    "pipelined_split": (False, True),  # offered where rows split (decided after row_split and num_stages)
-}
-K2_DOMAINS: dict[str, tuple] = {
-    "block_m": (32, 64, 128, 256),
-    "block_n": (8, 16, 32, 64, 128),
-    "num_warps": (1, 2, 4, 8),
-    "num_stages": (1, 2),
-    "pdl": (False, True),
-    "fused": (False, True),
-}
-# Largest tile (elements) the space offers: past it, registers spill on every Hopper config we measured.
+# Domains (ordered: neighbours in a domain are "one step" apart when seeding the search): the strategies' shared
+# knob layout (`strategies/base.py`), the strategy domain being the registry's names.
+K1_DOMAINS: dict[str, tuple] = {**KERNEL_1_DOMAINS, "strategy": tuple(STRATEGIES)}
+K2_DOMAINS: dict[str, tuple] = dict(KERNEL_2_DOMAINS)
+# Largest tile (elements) the space offers: past it registers spill (except with dw/db per column, which hold
+# block_row times fewer registers: MAX_COLUMN_ACC_TILE).
 MAX_SPACE_TILE = 16384
-# ... except with dw/db per column (column_accumulators), which hold block_row times fewer registers: H100 RMSNorm
-# 1024x65536, split 8 on 4x8192 tiles (16 warps): 199.0 µs against 233.6 for the best config of the smaller tiles.
-MAX_COLUMN_ACC_TILE = 32768
 # Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
 MIN_TWO_PASS_CHUNK = 512
 
-
-def fitting_split(N: int, row_split: int) -> bool:
-    """The row's slices are exactly one power of two wide: no lane of their tiles is masked. A split of 2, 4 or 8
-    does that only for power-of-two rows; 3, 5, 6 and 7 for rows such as 3072, 5120, 12288 and 14336."""
-    return N % row_split == 0 and is_power_of_two(N // row_split)
+__all__ = ["K1_DOMAINS", "K2_DOMAINS", "MAX_COLUMN_ACC_TILE", "MAX_SINGLE_PASS", "MAX_SPACE_TILE",
+           "MIN_TWO_PASS_CHUNK", "Space", "fitting_split"]
 
 
 @dataclass(frozen=True)
@@ -87,23 +60,25 @@ class Space:
 
     # ---- domains, as they apply to this problem
     def domains(self) -> dict[str, tuple]:
+        """Each knob's domain: the shared layout narrowed to the problem, then the offered strategies' own knobs,
+        then kernel_2's."""
         p = self.problem
         n_pow2 = next_power_of_two(p.N)
         d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
-        d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
-        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s == "rows" or (
-            p.M <= MAX_COLUMNS_ROWS and (s == "columns" or n_pow2 <= MAX_SINGLE_PASS)))
+        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s in STRATEGIES and STRATEGIES[s].offered(p))
         splits = tuple(s for s in K1_DOMAINS["row_split"]
                        if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256)
                        and (is_power_of_two(s) or fitting_split(p.N, s)))
         d["k1.row_split"] = splits or (1,)
         if len(d["k1.row_split"]) == 1:
             d["k1.pipelined_split"] = (False,)
-        modes = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
-        d["k1.two_pass"] = modes
+        d["k1.two_pass"] = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
         rows_needed = next_power_of_two(max(1, p.M))
         d["k1.block_row"] = tuple(r for r in K1_DOMAINS["block_row"] if r <= rows_needed) or (1,)
+        for name in d["k1.strategy"]:
+            d.update({f"k1.{knob.name}": knob.domain for knob in STRATEGIES[name].extra})
+        d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
         d["k2.block_n"] = tuple(b for b in K2_DOMAINS["block_n"] if b <= n_pow2) or (n_pow2,)
         lim = self.device  # only what the device has (`capabilities`)
         d["k1.num_warps"] = tuple(w for w in d["k1.num_warps"] if w <= lim.max_warps)
@@ -116,62 +91,33 @@ class Space:
             d["k1.pipelined_split"] = (False,)
         return d
 
-    def columns_kernel_2(self) -> Kernel2Config:
-        """The columns strategy runs no kernel_2: its configs all carry this one (each domain's first value)."""
+    def kernel_2_domains(self) -> Mapping[str, tuple]:
+        return K2_DOMAINS
+
+    def unused_kernel_2(self) -> Kernel2Config:
+        """The kernel_2 config a strategy carries where it does not launch kernel_2 (each domain's first value)."""
         return Kernel2Config(**{k[3:]: v[0] for k, v in self.domains().items() if k.startswith("k2.")})
 
     def config(self, params: Mapping[str, Any]) -> BackwardConfig:
-        """Params (as sampled: 'k1.block_row', …) → a config. Single pass derives block_col from N and
-        row_split; the columns strategy ignores the rows strategy's knobs and kernel_2 (first domain values)."""
-        p = self.problem
-        strategy = params.get("k1.strategy", "rows")
-        columns, dual = strategy == "columns", strategy == "dual"
-        two_pass = bool(params["k1.two_pass"]) and not (columns or dual)
-        row_split = 1 if (two_pass or columns or dual) else params.get("k1.row_split", 1)
-        single = not (two_pass or columns)
-        k1 = Kernel1Config(
-            block_row=params["k1.block_row"],
-            block_col=params["k1.block_col"] if (two_pass or columns) else row_block_col(p.N, row_split),
-            num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
-            programs_per_sm=1 if columns else params["k1.programs_per_sm"], two_pass=two_pass,
-            eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
-            recompute=bool(params.get("k1.recompute", False)) and single and not dual,
-            column_accumulators=bool(params.get("k1.column_accumulators", False)) and single and not dual,
-            row_split=row_split, strategy=strategy,
-            pipelined_split=bool(params.get("k1.pipelined_split", False)) and row_split > 1,
-        )
-        if columns:
-            return BackwardConfig(k1, self.columns_kernel_2())
-        if dual:  # kernel_2's tile is the column programs'; its launch knobs do not apply
-            return BackwardConfig(k1, dataclasses.replace(self.columns_kernel_2(), block_m=params["k2.block_m"],
-                                                          block_n=params["k2.block_n"]))
-        fused = bool(params.get("k2.fused", False))
-        k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
-                           num_warps=K2_DOMAINS["num_warps"][0] if fused else params["k2.num_warps"],
-                           num_stages=params["k2.num_stages"], pdl=bool(params["k2.pdl"]) and not fused,
-                           fused=fused)
-        return BackwardConfig(k1, k2)
+        """Params (as sampled: 'k1.block_row', …) → a config of the strategy they name (`Strategy.config`; knobs
+        the strategy does not use are ignored)."""
+        return STRATEGIES[params.get("k1.strategy", "rows")].config(self.problem, params, self)
 
     def params(self, config: BackwardConfig) -> dict[str, Any]:
         """The inverse of `config` (what to enqueue in a study to measure a given config). Knobs a config
         ignores take the first value of their domains."""
-        out = {f"k1.{f.name}": getattr(config.kernel_1, f.name) for f in dataclasses.fields(Kernel1Config)}
-        out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
-        d = self.domains()
         k1 = config.kernel_1
-        if k1.strategy in ("rows", "dual") and not k1.two_pass:
-            out["k1.block_col"] = d["k1.block_col"][0]
-        if k1.strategy == "columns":
-            out["k1.two_pass"] = d["k1.two_pass"][0]
-            out["k1.programs_per_sm"] = d["k1.programs_per_sm"][0]
-            out.update({k: v[0] for k, v in d.items() if k.startswith("k2.")})
-        if k1.strategy == "columns" or k1.two_pass:
-            out["k1.row_split"] = d["k1.row_split"][0]
-        if k1.strategy == "dual":
-            out["k1.two_pass"] = d["k1.two_pass"][0]
-            out["k1.row_split"] = d["k1.row_split"][0]
-            out.update({k: v[0] for k, v in d.items() if k.startswith("k2.") and k not in ("k2.block_m", "k2.block_n")})
+        out = {f"k1.{f.name}": getattr(k1, f.name) for f in dataclasses.fields(k1)}
+        d = self.domains()
+        out.update({k: v[0] for k, v in d.items() if k.startswith("k1.") and k not in out})
+        out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
+        config.strategy.params(config, out, d)
         return out
+
+    def applies(self, key: str, params: Mapping[str, Any]) -> bool:
+        """Whether knob `key` changes the launch given the knobs decided before it (`Strategy.sampled`)."""
+        strategy = STRATEGIES[params.get("k1.strategy", "rows")]
+        return strategy.knows(key) and strategy.sampled(key, params)
 
     # ---- constraints
     def why_not(self, config: BackwardConfig) -> str | None:
@@ -200,28 +146,23 @@ class Space:
                     "num_stages > 1")
         if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
             return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
-        if k1.strategy in ROW_SWEEPING and self.problem.M > MAX_COLUMNS_ROWS:
+        if config.strategy.sweeps_rows and self.problem.M > MAX_COLUMNS_ROWS:
             return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
         return None
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
         """Collapse knobs that do not change the launch: row tiles taller than the problem (kept within the
-        block_row domain), programs_per_sm values giving the same grid, and features the device lacks (its
-        portable form runs)."""
+        block_row domain), knobs the strategy does not use (`Strategy.canonical`), programs_per_sm values giving
+        the same grid, and features the device lacks (its portable form runs)."""
         config = portable(config, self.device)
         rows = self.domains()["k1.block_row"][-1]
         if config.kernel_1.block_row > rows:
             k1 = dataclasses.replace(config.kernel_1, block_row=rows)
             k1 = dataclasses.replace(k1, num_warps=min(k1.num_warps, max_warps(k1.tile(), self.limits)))
             config = dataclasses.replace(config, kernel_1=k1)
-        if config.kernel_1.strategy == "columns":  # no grid knob, no kernel_2: one spelling of each
-            return BackwardConfig(dataclasses.replace(config.kernel_1, programs_per_sm=1), self.columns_kernel_2())
-        if config.kernel_1.strategy == "dual":  # kernel_2's launch knobs do not apply
-            config = dataclasses.replace(config, kernel_2=dataclasses.replace(
-                self.columns_kernel_2(), block_m=config.kernel_2.block_m, block_n=config.kernel_2.block_n))
-        if config.kernel_2.fused:  # kernel_1's warps run the fused reduction; nothing to overlap
-            config = dataclasses.replace(config, kernel_2=dataclasses.replace(
-                config.kernel_2, num_warps=K2_DOMAINS["num_warps"][0], pdl=False))
+        config, grid = config.strategy.canonical(config, self)
+        if not grid:
+            return config
         M, N = self.problem.M, self.problem.N
         progs = num_programs(M, N, config, self.sm_count)
         pps = progs / self.sm_count
@@ -235,27 +176,17 @@ class Space:
 
     # ---- enumeration
     def __iter__(self) -> Iterator[BackwardConfig]:
-        """Each distinct launch once: knobs a strategy ignores are fixed to their first value before the product
-        (the columns strategy has no kernel_2 and no grid knobs, dual only kernel_2's tile; single pass and dual
-        derive block_col)."""
+        """Each distinct launch once: per strategy and variant (`Strategy.variants`: the rows strategy's single
+        pass and two-pass), knobs it does not walk (`Strategy.enumerated`) are fixed to their first value before
+        the product."""
         d = self.domains()
         seen: set[BackwardConfig] = set()
-        for strategy in d["k1.strategy"]:
-            for two_pass in (d["k1.two_pass"] if strategy == "rows" else d["k1.two_pass"][:1]):
-                sub = dict(d, **{"k1.strategy": (strategy,), "k1.two_pass": (two_pass,)})
-                if strategy != "rows" or two_pass:
-                    sub["k1.row_split"] = d["k1.row_split"][:1]
-                    sub["k1.recompute"] = (False,)
-                    sub["k1.column_accumulators"] = (False,)
-                    sub["k1.pipelined_split"] = (False,)
-                if strategy != "columns" and not two_pass:
-                    sub["k1.block_col"] = d["k1.block_col"][:1]
-                if strategy == "columns":
-                    sub["k1.programs_per_sm"] = d["k1.programs_per_sm"][:1]
-                    sub.update({k: v[:1] for k, v in d.items() if k.startswith("k2.")})
-                if strategy == "dual":
-                    sub.update({k: v[:1] for k, v in d.items()
-                                if k.startswith("k2.") and k not in ("k2.block_m", "k2.block_n")})
+        for name in d["k1.strategy"]:
+            strategy = STRATEGIES[name]
+            for variant in strategy.variants(d):
+                sub = {k: (v if strategy.knows(k) and strategy.enumerated(k, variant) else v[:1]) for k, v in d.items()}
+                sub["k1.strategy"] = (name,)
+                sub.update({k: (value,) for k, value in variant.items()})
                 keys = list(sub)
                 for values in itertools.product(*(sub[k] for k in keys)):
                     params = dict(zip(keys, values))
@@ -282,15 +213,11 @@ class Space:
     # ---- seeding (`seeds.py`)
     def strategies(self) -> list[BackwardConfig]:
         """Structurally different configs a local search around the default would not reach."""
-        from .seeds import strategies  # seeds.py builds on this module
-
-        return strategies(self)
+        return seeding.strategies(self)
 
     def seeds(self) -> list[BackwardConfig]:
         """The analytic default, `strategies` and the default's one-step neighbours, in the order to time them."""
-        from .seeds import seeds
-
-        return seeds(self)
+        return seeding.seeds(self)
 
     def worth_measuring(self, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Canonical forms of the configs that pass the constraints (before and after canonicalization: a

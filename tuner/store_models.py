@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, MetaData, String,
                         Text, UniqueConstraint)
@@ -21,25 +22,30 @@ from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.results import STATUSES, MeasureResult
 
-# 2: runs may end "dead" (a worker whose heartbeat stopped), and sweep workers record heartbeats and trial claims.
-# 3: the kernel family v2 knobs (k1_row_split, k1_strategy, k2_fused), with their values for older rows.
-# 4: k1_column_accumulators. 5: k1_pipelined_split.
+# The layout of the tables. The kernels' knobs are not part of it: their columns are generated from the configs
+# (`KNOB_COLUMNS`), and a database missing some gains them on a writing open (`store_schema.upgrade_knobs`).
 SCHEMA_VERSION = 5
 # Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
 READABLE_VERSIONS = ("1", "2", "3", "4", "5")
-# Columns schemas 3 to 5 added to normtune_measurements, with the value rows measured before them take.
-ADDED_COLUMNS = {"k1_row_split": "INTEGER NOT NULL DEFAULT 1", "k1_strategy": "VARCHAR(16) NOT NULL DEFAULT 'rows'",
-                 "k2_fused": "BOOLEAN NOT NULL DEFAULT FALSE",
-                 "k1_column_accumulators": "BOOLEAN NOT NULL DEFAULT FALSE",
-                 "k1_pipelined_split": "BOOLEAN NOT NULL DEFAULT FALSE"}
 RUN_STATUSES = ("running", "finished", "interrupted", "failed", "dead")
 PEER_STATUSES = ("ok", "error", "unavailable")
+_SQL_TYPES = {bool: Boolean, int: Integer, float: Float, str: String(32)}
 
-# Config field -> column, for both kernels. tests/test_store.py checks these columns exist on the table, so a
-# new Kernel1Config/Kernel2Config field without a column fails CI instead of silently going unstored. A new
-# column is a schema change: bump SCHEMA_VERSION (databases of the old layout are then refused, not corrupted).
-CONFIG_COLUMNS = {("kernel_1", f.name): f"k1_{f.name}" for f in dataclasses.fields(Kernel1Config)}
-CONFIG_COLUMNS |= {("kernel_2", f.name): f"k2_{f.name}" for f in dataclasses.fields(Kernel2Config)}
+
+def knob_columns() -> dict[tuple[str, str], tuple[str, Any, Any]]:
+    """(kernel, field) -> (column, SQL type, default) for every field of the shared config layout
+    (`Kernel1Config`, `Kernel2Config`): the measurements' indexed knob columns. A strategy's own knobs
+    (`Strategy.extra`) live in the stored config JSON only."""
+    out = {}
+    for kernel, prefix, cls in (("kernel_1", "k1", Kernel1Config), ("kernel_2", "k2", Kernel2Config)):
+        for f in dataclasses.fields(cls):
+            out[(kernel, f.name)] = (f"{prefix}_{f.name}", _SQL_TYPES[type(f.default)], f.default)
+    return out
+
+
+KNOB_COLUMNS = knob_columns()
+# Config field -> column, for both kernels (each config's knobs are stored there as well as in its JSON).
+CONFIG_COLUMNS = {key: column for key, (column, _, _) in KNOB_COLUMNS.items()}
 
 
 class StoreError(Exception):
@@ -143,30 +149,13 @@ class _TimedRowColumns:
 
 
 class MeasurementModel(_TimedRowColumns, Base):
+    """One timed config. Its knob columns (`KNOB_COLUMNS`) are added below the class, generated from the configs."""
+
     __tablename__ = "normtune_measurements"
     # One Optuna trial is stored at most once; rows without a trial (NULLs) never collide.
     __table_args__ = (UniqueConstraint("study_name", "trial_number"), Index(None, "problem_id", "status"))
     config_json: Mapped[str] = mapped_column(Text)
     config_hash: Mapped[str] = mapped_column(String(40), index=True)
-    k1_block_row: Mapped[int] = mapped_column(Integer, index=True)
-    k1_block_col: Mapped[int] = mapped_column(Integer, index=True)
-    k1_num_warps: Mapped[int] = mapped_column(Integer, index=True)
-    k1_num_stages: Mapped[int] = mapped_column(Integer, index=True)
-    k1_programs_per_sm: Mapped[float] = mapped_column(Float, index=True)  # fractions (0.5) leave SMs idle
-    k1_two_pass: Mapped[bool] = mapped_column(Boolean, index=True)
-    k1_eviction_policy: Mapped[str] = mapped_column(String(32), index=True)
-    k1_prefetch: Mapped[bool] = mapped_column(Boolean, index=True)
-    k1_recompute: Mapped[bool] = mapped_column(Boolean, index=True)
-    k1_row_split: Mapped[int] = mapped_column(Integer, index=True, default=1)
-    k1_strategy: Mapped[str] = mapped_column(String(16), index=True, default="rows")
-    k1_column_accumulators: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
-    k1_pipelined_split: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
-    k2_block_m: Mapped[int] = mapped_column(Integer, index=True)
-    k2_block_n: Mapped[int] = mapped_column(Integer, index=True)
-    k2_num_warps: Mapped[int] = mapped_column(Integer, index=True)
-    k2_num_stages: Mapped[int] = mapped_column(Integer, index=True)
-    k2_pdl: Mapped[bool] = mapped_column(Boolean, index=True)
-    k2_fused: Mapped[bool] = mapped_column(Boolean, index=True, default=False)
     status: Mapped[str] = mapped_column(_enum("measurement_status", STATUSES))
     kernel_1_us: Mapped[float | None] = mapped_column(Float)
     kernel_2_us: Mapped[float | None] = mapped_column(Float)
@@ -181,6 +170,10 @@ class MeasurementModel(_TimedRowColumns, Base):
     source: Mapped[str] = mapped_column(String(64), index=True)
     study_name: Mapped[str | None] = mapped_column(String(512))
     trial_number: Mapped[int | None] = mapped_column(Integer)
+
+
+for _column, _type, _default in KNOB_COLUMNS.values():
+    setattr(MeasurementModel, _column, mapped_column(_column, _type, index=True, default=_default))
 
 
 class PeerResultModel(_TimedRowColumns, Base):

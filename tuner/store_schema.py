@@ -27,13 +27,16 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
 
-from normtune.kernels.config import BackwardConfig
+from normtune.kernels.config import STRATEGIES, BackwardConfig
 
-from .store_models import (ADDED_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
+from .store_models import (KNOB_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
                            MetaModel, OlderSchemaError, RunModel, SchemaVersionError, StoreError, _config_hash)
 
 # Versions a writing command upgrades in place (every readable one but the current).
 OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
+
+# The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.
+LAYOUT_KEY = "config_layout"
 
 # How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
 # Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
@@ -233,12 +236,21 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
             f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by "
             f"{'a newer' if newer else 'an older'} normtune and was left unchanged. To use it, {advice}; to start "
             f"afresh, pass another database (e.g. --db results-v{SCHEMA_VERSION}.db).")
+    knobs = {f"{MeasurementModel.__tablename__}.{column}" for column, _, _ in KNOB_COLUMNS.values()}
     if found in OLDER_VERSIONS:
         if read_only:
             raise OlderSchemaError(
                 f"database schema {found}, this normtune expects {SCHEMA_VERSION}: {shown} was written by an older "
                 "normtune and was left unchanged; a writing command (e.g. normtune sweep) upgrades it in place.", found)
-        missing = [m for m in missing if m.split(".", 1)[1] not in ADDED_COLUMNS]
+        missing = [m for m in missing if m not in knobs]
+    elif found is not None:
+        stale = sorted(m.split(".", 1)[1] for m in missing if m in knobs)
+        missing = [m for m in missing if m not in knobs]
+        if read_only and not missing and (stale or stored_layout(engine) != config_layout()):
+            what = f"knob column(s) {', '.join(stale)}" if stale else "its configs' knobs"
+            raise OlderSchemaError(
+                f"{shown} predates {what} of this normtune and was left unchanged; a writing command (e.g. "
+                "normtune sweep) upgrades it in place.", found)
     if missing:
         # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
         raise SchemaVersionError(
@@ -265,22 +277,58 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     found = check(engine, shown, read_only=False)
     if found == "1":
         _upgrade_from_1(engine, url, shown)
-    if found in OLDER_VERSIONS:
-        _add_columns(engine, shown)
+    if found in OLDER_VERSIONS or stored_layout(engine) != config_layout() or _missing_knob_columns(engine):
+        upgrade_knobs(engine, shown)
 
 
-def _add_columns(engine: Engine, shown: str) -> None:
-    """Schema 2, 3 or 4 -> 5: the kernel knobs' columns added since (those missing), then the version; one
-    transaction."""
+def config_layout() -> str:
+    """Which strategies' own knobs the canonical config JSON holds, with their defaults ('' when none has any):
+    what a database's stored configs were written with (`LAYOUT_KEY`)."""
+    return ";".join(f"{name}:" + ",".join(f"{k.name}={k.default!r}" for k in s.extra)
+                    for name, s in sorted(STRATEGIES.items()) if s.extra)
+
+
+def stored_layout(engine: Engine) -> str:
+    """The layout recorded in the database (none recorded: configs without a strategy's own knobs)."""
+    with engine.connect() as conn:
+        return conn.execute(select(MetaModel.value).where(MetaModel.key == LAYOUT_KEY)).scalar() or ""
+
+
+def _missing_knob_columns(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        have = {c["name"] for c in inspect(conn).get_columns(MeasurementModel.__tablename__)}
+    return [column for column, _, _ in KNOB_COLUMNS.values() if column not in have]
+
+
+def _sql_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+
+def upgrade_knobs(engine: Engine, shown: str) -> None:
+    """One transaction: the knob columns this normtune's configs have and the database lacks (each at its default,
+    what the older measurements ran with, and indexed), every stored config rewritten in today's canonical JSON
+    (so that a lookup by config finds measurements stored before a knob existed), the layout and the version
+    recorded. No schema version is needed for a new knob."""
+    table = MeasurementModel.__tablename__
     try:
         with engine.begin() as conn:
-            have = {c["name"] for c in inspect(conn).get_columns("normtune_measurements")}
-            for column, ddl in ADDED_COLUMNS.items():
+            have = {c["name"] for c in inspect(conn).get_columns(table)}
+            for column, sql_type, default in KNOB_COLUMNS.values():
                 if column not in have:
-                    conn.exec_driver_sql(f"ALTER TABLE normtune_measurements ADD COLUMN {column} {ddl}")
+                    ddl = f"{sql_type.compile(dialect=conn.dialect)} NOT NULL DEFAULT {_sql_literal(default)}"
+                    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
+                    conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
             _canonical_configs(conn)
-            conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
-                         .values(value=str(SCHEMA_VERSION)))
+            meta = MetaModel.__table__
+            if conn.execute(select(meta.c.value).where(meta.c.key == LAYOUT_KEY)).scalar() is None:
+                conn.execute(meta.insert().values(key=LAYOUT_KEY, value=config_layout()))
+            else:
+                conn.execute(meta.update().where(meta.c.key == LAYOUT_KEY).values(value=config_layout()))
+            conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
     except SQLAlchemyError as err:
         raise StoreError(f"--db {shown}: cannot upgrade its schema to {SCHEMA_VERSION} ({short_reason(err)})") from None
 

@@ -15,7 +15,8 @@ import torch
 
 from normtune.kernels import layer_norm, rms_norm
 from normtune.kernels.config import BackwardConfig, Problem
-from normtune.kernels.heuristics import default_config, row_block_col
+from normtune.kernels.config import default_config
+from normtune.kernels.heuristics import row_block_col
 from normtune.tuner.measure import L2Flusher, copy_bandwidth, flush_size, host_launch_us, make_case, measure_config
 
 

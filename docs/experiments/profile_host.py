@@ -21,7 +21,7 @@ import torch
 from normtune.kernels import layer_norm, rms_norm
 from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.config import Problem
-from normtune.kernels.heuristics import default_config
+from normtune.kernels.config import default_config
 from normtune.tuner.cases import make_case
 from normtune.tuner.measure import TIMING, MeasureSession
 from normtune.tuner.space import Space

@@ -16,7 +16,7 @@ import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
-from normtune.kernels.heuristics import partial_rows
+from normtune.kernels.strategies import partial_rows
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 
 from ..bench import OURS

@@ -7,6 +7,7 @@ import copy
 from typing import Any
 
 from normtune.kernels.config import BackwardConfig
+from normtune.kernels.strategies import STRATEGIES
 
 from ..space import Space
 
@@ -111,28 +112,18 @@ DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
 
 
 def inapplicable(key: str, params: dict[str, Any]):
-    """None when knob `key` matters given the strategy and two_pass in `params`; else how to fix it (a function
-    of its domain): the single-pass (and dual) column tile is derived from N, recompute and column_accumulators
-    are single-pass knobs, pipelined_split applies to split rows pipelined (row_split and num_stages are
-    decided before it), and dual has no row split and no kernel_2 launch knobs. Fixed knobs are not trial
-    params, so the sampler does not learn from values that changed nothing."""
-    strategy = params.get("k1.strategy", "rows")
-    columns, dual = strategy == "columns", strategy == "dual"
-    two_pass = bool(params.get("k1.two_pass", False)) and not dual
-    if key == "k1.block_col" and not (two_pass or columns):
-        return lambda dom: dom[0]
-    if key == "k1.recompute" and (two_pass or dual):
-        return lambda dom: False
-    if key == "k1.row_split" and dual:
-        return lambda dom: dom[0]
-    if key == "k1.column_accumulators" and (two_pass or columns or dual):
-        return lambda dom: False
-    if key == "k1.pipelined_split" and (two_pass or columns or dual or params.get("k1.row_split", 1) == 1
-                                        or params.get("k1.num_stages", 1) == 1):
-        return lambda dom: False
-    if dual and key in ("k2.num_warps", "k2.num_stages", "k2.pdl", "k2.fused"):
-        return lambda dom: dom[0]
-    return None
+    """None when knob `key` matters given the knobs decided before it in `params` (the strategy's
+    `Strategy.sampled`: e.g. the single-pass column tile is derived from N); else how to fix it, a function of
+    its domain (its first value). Fixed knobs are not trial params, so the sampler does not learn from values that
+    changed nothing."""
+    strategy = STRATEGIES[params.get("k1.strategy", "rows")]
+    if strategy.knows(key) and strategy.sampled(key, params):
+        return None
+    return _first
+
+
+def _first(domain: tuple):
+    return domain[0]
 
 
 def _ask_tell_grid_sampler(optuna):

@@ -1,0 +1,218 @@
+"""The contract of a kernel_1 strategy, and what strategies share: the search domains of the knob layout and
+the checks every strategy's tile passes (register and shared-memory model).
+
+A strategy is one object (an instance of a `Strategy` subclass, one module each) that the registry
+(`strategies/__init__.py`) lists by name. Everything that depends on which strategy a config uses goes through
+it: validation, the analytic default, the search space's domains and conditional knobs, seeds, the grid and the
+launch plan. A knob of the strategy's own is declared in `extra` (a `Knob`) and held by its `config_type`, a
+subclass of `Kernel1Config`: the space, the seeds, the store and the tables then carry it with no other change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..capabilities import portable
+from ..heuristics import estimate_registers, register_budget, staged_shared_bytes
+from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, ROW_SPLITS, BackwardConfig, Kernel1Config
+from ..limits import DeviceLimits
+from ..problem import ConfigError, Problem
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A knob of one strategy's own: its `Kernel1Config` field name, the search domain (ordered: neighbours are
+    one step apart when seeding), and the value configs without it hold (and measurements older than it ran)."""
+
+    name: str
+    domain: tuple
+    default: Any
+
+
+# Search domains of the shared knob layout, in the order the sampler draws them (neighbours in a domain are one
+# step apart when seeding). Knobs a strategy does not use are fixed to their domain's first value.
+KERNEL_1_DOMAINS: dict[str, tuple] = {
+    "strategy": (),  # the registry's names, filled by the space (`Space.domains`)
+    "two_pass": (False, True),
+    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`rows.fitting_split`)
+    "row_split": ROW_SPLITS,
+    "block_row": (1, 2, 4, 8, 16, 32, 64),
+    # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
+    "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    "num_warps": NUM_WARPS,
+    "num_stages": (1, 2, 3),
+    "programs_per_sm": (0.5, 1, 2, 3, 4),
+    "eviction_policy": EVICTION_POLICIES[:2],
+    "prefetch": (False, True),
+    "recompute": (False, True),
+    "column_accumulators": (False, True),
+    "pipelined_split": (False, True),  # offered where rows split (decided after row_split and num_stages)
+}
+KERNEL_2_DOMAINS: dict[str, tuple] = {
+    "block_m": (32, 64, 128, 256),
+    "block_n": (8, 16, 32, 64, 128),
+    "num_warps": (1, 2, 4, 8),
+    "num_stages": (1, 2),
+    "pdl": (False, True),
+    "fused": (False, True),
+}
+
+
+def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False) -> None:
+    """The register tile on the device of `lim`: size, idle threads, the register estimate and the staged shared
+    memory."""
+    if k1.tile() > MAX_TILE:
+        raise ConfigError(f"kernel_1 tile block_row x block_col = {k1.tile()} exceeds {MAX_TILE} elements: shrink "
+                          "block_row or block_col")
+    if k1.num_warps > 1 and lim.warp_size * k1.num_warps > k1.tile():
+        raise ConfigError(f"kernel_1.num_warps={k1.num_warps} leaves threads idle on a {k1.block_row}x{k1.block_col} "
+                          f"tile: use num_warps <= {max(1, k1.tile() // lim.warp_size)}")
+    regs = estimate_registers(problem, k1.block_row, k1.block_col, k1.num_warps, two_pass, k1.prefetch,
+                              k1.recompute, k1.column_accumulators, lim.warp_size)
+    budget = register_budget(k1.num_warps, lim)
+    if regs > budget:
+        raise ConfigError(
+            f"kernel_1 register budget: a {k1.block_row}x{k1.block_col} tile on {k1.num_warps} warps keeps ~{regs} "
+            f"fp32 values per thread (budget {budget} at {k1.num_warps} warps): use more warps, a smaller "
+            "block_row, prefetch=false, or two_pass with a narrower block_col")
+    staged = staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
+                                 k1.num_warps)
+    if staged > lim.shared_per_block:
+        raise ConfigError(f"kernel_1.num_stages={k1.num_stages} stages {staged // 1024} KB in shared memory (budget "
+                          f"{lim.shared_per_block // 1024} KB on {lim.name}): use fewer stages or a smaller tile")
+
+
+def fit(config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> BackwardConfig | None:
+    """`config` in the device's portable form (`capabilities.portable`) if that is valid there, else None."""
+    config = portable(config, lim)
+    return config if config.is_valid(problem, lim) else None
+
+
+def describe_flags(k1: Kernel1Config) -> str:
+    """The boolean knobs that are on, and the cache hint, as `BackwardConfig.__str__` shows them."""
+    return ((" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
+            + (" colacc" if k1.column_accumulators else "") + (" pipelined" if k1.pipelined_split else "")
+            + (f" {k1.eviction_policy}" if k1.eviction_policy else ""))
+
+
+class Strategy:
+    """One kernel_1 strategy. Subclasses set the class attributes and override the methods marked so."""
+
+    name: str = ""
+    config_type: type = Kernel1Config  # a subclass of Kernel1Config when the strategy has knobs of its own
+    extra: tuple[Knob, ...] = ()  # the knobs of its own (fields of config_type beyond Kernel1Config's)
+    sweeps_rows = False  # its column programs sweep every row: offered only for few rows, time grows with M
+    # The fields of BackwardConfig.kernel_2 it launches with ("all", or the names of the ones it reads).
+    kernel_2_knobs: tuple[str, ...] = tuple(KERNEL_2_DOMAINS)
+
+    # ---- the config
+    def make(self, **fields) -> Kernel1Config:
+        """A kernel_1 config of this strategy (extra knobs at their defaults unless given)."""
+        for knob in self.extra:
+            fields.setdefault(knob.name, knob.default)
+        return self.config_type(**fields, strategy=self.name)
+
+    def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:  # override
+        """Raise `ConfigError` naming the field if the combination cannot run `problem` on the device of `lim`."""
+        raise NotImplementedError
+
+    def validate_extra(self, k1: Kernel1Config) -> None:
+        """Each knob of the strategy's own takes a value of its domain."""
+        for knob in self.extra:
+            value = getattr(k1, knob.name)
+            if value not in knob.domain:
+                raise ConfigError(f"kernel_1.{knob.name}={value!r} is not allowed for strategy={self.name!r}: use "
+                                  f"one of {', '.join(map(repr, knob.domain))}")
+
+    def describe(self, config: BackwardConfig) -> str:  # override
+        raise NotImplementedError
+
+    def describe_extra(self, k1: Kernel1Config) -> str:
+        return "".join(f" {k.name}={getattr(k1, k.name)}" for k in self.extra if getattr(k1, k.name) != k.default)
+
+    # ---- the grid
+    def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:  # override
+        """Programs kernel_1 launches for M > 0 rows."""
+        raise NotImplementedError
+
+    def partial_rows(self, M: int, config: BackwardConfig, sms: int) -> int:
+        """Rows of the fp32 partial dw/db buffers kernel_1 writes (none unless overridden)."""
+        return 0
+
+    # ---- what a table's config does on other problems
+    def holds_rows(self, k1: Kernel1Config) -> bool:
+        """Whether the config sizes its register tile for the element size it was fitted on (`adapt`)."""
+        return False
+
+    def whole_rows(self, k1: Kernel1Config) -> bool:
+        """Whether one program holds whole rows in a single pass (what the dual strategy can take over)."""
+        return False
+
+    # ---- the search space (`tuner/space.py`)
+    def offered(self, problem: Problem) -> bool:  # override
+        raise NotImplementedError
+
+    def variants(self, domains: Mapping[str, tuple]) -> tuple[dict, ...]:
+        """The values of the knobs decided first (`sampled_first`) the space enumerates for this strategy."""
+        return ({"k1.two_pass": domains["k1.two_pass"][0]},)
+
+    def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
+        """Whether knob `key` changes the launch, given the knobs decided before it in `params` (the sampler
+        fixes the others to their domain's first value, so that it does not learn from values that changed
+        nothing). The knobs of other strategies never do."""
+        if key.startswith("k2."):
+            return key[3:] in self.kernel_2_knobs
+        return self.knows(key)
+
+    def knows(self, key: str) -> bool:
+        """Whether knob `key` ('k1.…', 'k2.…') exists for this strategy: the shared layout, or its own knobs."""
+        if key.startswith("k2."):
+            return True
+        return key[3:] in KERNEL_1_DOMAINS or any(k.name == key[3:] for k in self.extra)
+
+    def enumerated(self, key: str, variant: Mapping[str, Any]) -> bool:
+        """Whether the space's enumeration walks knob `key`'s domain for this variant (else its first value)."""
+        return self.sampled(key, variant)
+
+    def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:  # override
+        """Sampled params ('k1.block_row', …) → this strategy's config."""
+        raise NotImplementedError
+
+    def extra_values(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        return {k.name: params.get(f"k1.{k.name}", k.default) for k in self.extra}
+
+    def params(self, config: BackwardConfig, params: dict[str, Any], domains: Mapping[str, tuple]) -> None:
+        """Set the knobs `config` does not use to their domain's first value in `params` (`Space.params`)."""
+        for key in domains:
+            if key != "k1.strategy" and not self.sampled(key, params) and key in params:
+                params[key] = domains[key][0]
+
+    def canonical(self, config: BackwardConfig, space) -> tuple[BackwardConfig, bool]:
+        """One spelling of knobs that do not change this strategy's launch; True if the grid knob
+        (programs_per_sm) is still to be canonicalized."""
+        return config, True
+
+    def why_not(self, config: BackwardConfig, problem: Problem) -> str | None:
+        """Beyond validity: why the space does not offer a valid config of this strategy (None: it does)."""
+        return None
+
+    # ---- defaults and seeds
+    def default(self, problem: Problem, lim: DeviceLimits) -> BackwardConfig | None:
+        """The analytic default for `problem` on the device of `lim` when this strategy should run it, else None
+        (`default_config` asks the strategies in `DEFAULT_ORDER`): a config valid there that asks for no feature
+        the device lacks (`fit`)."""
+        return None
+
+    def seeds(self, space, default: BackwardConfig) -> list[BackwardConfig]:
+        """Configs of this strategy a local search around the default would not reach (`tuner/seeds.py`)."""
+        return []
+
+    def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
+        """Further seeds derived from the others (after every strategy's `seeds`)."""
+        return []
+
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+        """A table rule's config made valid for another problem (`kernels/adapt.py`); None: the default."""
+        return None

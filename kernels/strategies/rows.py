@@ -1,0 +1,375 @@
+"""The rows strategy: persistent programs over row tiles, each writing a partial dw/db row that kernel_2 reduces
+(or that the same programs reduce after a grid-wide barrier: kernel_2.fused).
+
+Its forms, chosen by knobs:
+- single pass (two_pass=False): a program holds whole rows (block_col >= N) and grid-strides over row tiles;
+  recompute keeps only the raw 16-bit tile live across the row reductions and widens it again after them, halving
+  the registers the tile holds there (no effect for fp32 data);
+- two-pass: each row tile is walked in column chunks of block_col twice: pass 1 reduces the row terms, pass 2
+  re-reads them (from L2 when the tile fits) and writes grad_input and the partials;
+- split rows (row_split > 1, single pass): each row is spread over row_split programs, each holding one column
+  slice, so that a wide row's tile and accumulators fit the registers. A row group's programs exchange their
+  slices' row sums through global memory and add them in slice order: every program, and every rerun, gets
+  bitwise the same row terms. Splits of 3, 5, 6 and 7 fill the power-of-two tiles of rows of 3, 5 or 7 times a
+  power of two, where a split of 2, 4 or 8 leaves a quarter or more of their lanes masked;
+- column accumulators (single pass): dw/db accumulate one fp32 value per column, each tile's rows summed into it
+  as the tile is done, so a multi-row tile holds block_row times fewer accumulator registers;
+- pipelined split (row_split > 1): the exchange inside the tile loop waits through inline assembly instead of a
+  CTA barrier, which Triton's software pipeliner refuses, so num_stages > 1 pipelines a split row's loads too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..capabilities import portable
+from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_TILE_ELEMENTS, SPLIT_SLICE, WIDE_DEFAULT_MIN_ROWS,
+                          WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps, next_power_of_two,
+                          num_groups, row_block_col, slice_width, wide_fp32_rows)
+from ..knobs import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
+from ..limits import DeviceLimits
+from ..problem import ConfigError, Problem, is_power_of_two
+from .base import Strategy, check_tile, describe_flags, fit
+
+# Largest split-row tile the seeds offer with dw/db per column (`MAX_COLUMN_ACC_TILE` in the space).
+MAX_COLUMN_ACC_TILE = 32768
+# Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds.
+MANY_NARROW_ROWS = 16384
+
+
+def fitting_split(N: int, row_split: int) -> bool:
+    """The row's slices are exactly one power of two wide: no lane of their tiles is masked. A split of 2, 4 or 8
+    does that only for power-of-two rows; 3, 5, 6 and 7 for rows such as 3072, 5120, 12288 and 14336."""
+    return N % row_split == 0 and is_power_of_two(N // row_split)
+
+
+def narrow_odd_split(N: int, split: int) -> bool:
+    """A split of 3, 5, 6 or 7 whose slices are narrower than 4096 columns: never seeded."""
+    return not is_power_of_two(split) and row_block_col(N, split) < 4096
+
+
+class Rows(Strategy):
+    name = "rows"
+
+    def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
+        k1, k2 = config.kernel_1, config.kernel_2
+        if k1.recompute and k1.two_pass:
+            raise ConfigError("kernel_1.recompute=true applies to single pass: two_pass=true re-reads its chunks "
+                              "(use recompute=false)")
+        if k1.column_accumulators and k1.two_pass:
+            raise ConfigError("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
+                              "two_pass=false and strategy='rows', or column_accumulators=false")
+        if k1.pipelined_split and k1.row_split == 1:
+            raise ConfigError("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split "
+                              "> 1 with strategy='rows', or pipelined_split=false")
+        if k1.row_split > 1:
+            if k1.two_pass:
+                raise ConfigError("kernel_1.row_split > 1 splits a single-pass row: use two_pass=false or "
+                                  "row_split=1")
+            if slice_width(problem.N, k1.row_split) < 256:
+                raise ConfigError(f"kernel_1.row_split={k1.row_split} leaves slices under 256 of N={problem.N} "
+                                  "columns: use a smaller row_split")
+            if k1.block_col < slice_width(problem.N, k1.row_split):
+                raise ConfigError(
+                    f"kernel_1.block_col={k1.block_col} does not cover a 1/{k1.row_split} slice of N={problem.N}: "
+                    f"use block_col >= {row_block_col(problem.N, k1.row_split)}")
+        elif not k1.two_pass and k1.block_col < problem.N:
+            raise ConfigError(f"kernel_1.block_col={k1.block_col} < N={problem.N} in single pass: use block_col >= "
+                              f"{next_power_of_two(problem.N)} or two_pass=true")
+        check_tile(k1, problem, lim, two_pass=k1.two_pass)
+        k2.validate(lim)
+        if k2.fused:
+            k2.check_tile(k1.num_warps, "kernel_1.num_warps (fused reduction)", lim)
+
+    def describe(self, config: BackwardConfig) -> str:
+        k1, k2 = config.kernel_1, config.kernel_2
+        mode = "2pass" if k1.two_pass else "1pass"
+        split = f" split{k1.row_split}" if k1.row_split > 1 else ""
+        return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
+                f"pps{k1.programs_per_sm}{describe_flags(k1)}{self.describe_extra(k1)}] k2[{k2.block_m}x{k2.block_n} "
+                f"w{k2.num_warps} s{k2.num_stages}{' pdl' if k2.pdl else ''}{' fused' if k2.fused else ''}]")
+
+    def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
+        return num_groups(M, config, sms) * config.kernel_1.row_split
+
+    def partial_rows(self, M: int, config: BackwardConfig, sms: int) -> int:
+        return num_groups(M, config, sms)
+
+    def holds_rows(self, k1: Kernel1Config) -> bool:
+        """Split rows (each slice fills the registers) or recompute (the packed 16-bit tile kept live)."""
+        return not k1.two_pass and (k1.row_split > 1 or k1.recompute)
+
+    def whole_rows(self, k1: Kernel1Config) -> bool:
+        return not k1.two_pass and k1.row_split == 1
+
+    # ---- the search space
+    def offered(self, problem: Problem) -> bool:
+        return True
+
+    def variants(self, domains: Mapping[str, tuple]) -> tuple[dict, ...]:
+        return tuple({"k1.two_pass": v} for v in domains["k1.two_pass"])
+
+    def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
+        two_pass = bool(params.get("k1.two_pass", False))
+        if key == "k1.block_col":  # single pass derives it from N and row_split
+            return two_pass
+        if key in ("k1.recompute", "k1.column_accumulators"):
+            return not two_pass
+        if key == "k1.pipelined_split":  # decided after row_split and num_stages
+            return not two_pass and params.get("k1.row_split", 1) != 1 and params.get("k1.num_stages", 1) != 1
+        return super().sampled(key, params)
+
+    def enumerated(self, key: str, variant: Mapping[str, Any]) -> bool:
+        if variant["k1.two_pass"]:
+            return key not in ("k1.row_split", "k1.recompute", "k1.column_accumulators", "k1.pipelined_split")
+        return key != "k1.block_col"
+
+    def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:
+        two_pass = bool(params["k1.two_pass"])
+        row_split = 1 if two_pass else params.get("k1.row_split", 1)
+        k1 = self.make(
+            block_row=params["k1.block_row"],
+            block_col=params["k1.block_col"] if two_pass else row_block_col(problem.N, row_split),
+            num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
+            programs_per_sm=params["k1.programs_per_sm"], two_pass=two_pass,
+            eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
+            recompute=bool(params.get("k1.recompute", False)) and not two_pass,
+            column_accumulators=bool(params.get("k1.column_accumulators", False)) and not two_pass,
+            row_split=row_split, pipelined_split=bool(params.get("k1.pipelined_split", False)) and row_split > 1,
+            **self.extra_values(params))
+        fused = bool(params.get("k2.fused", False))
+        k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
+                           num_warps=space.kernel_2_domains()["num_warps"][0] if fused else params["k2.num_warps"],
+                           num_stages=params["k2.num_stages"], pdl=bool(params["k2.pdl"]) and not fused,
+                           fused=fused)
+        return BackwardConfig(k1, k2)
+
+    def params(self, config: BackwardConfig, params: dict[str, Any], domains: Mapping[str, tuple]) -> None:
+        if config.kernel_1.two_pass:
+            params["k1.row_split"] = domains["k1.row_split"][0]
+        else:
+            params["k1.block_col"] = domains["k1.block_col"][0]
+
+    def canonical(self, config: BackwardConfig, space) -> tuple[BackwardConfig, bool]:
+        if config.kernel_2.fused:  # kernel_1's warps run the fused reduction; nothing to overlap
+            config = dataclasses.replace(config, kernel_2=dataclasses.replace(
+                config.kernel_2, num_warps=space.kernel_2_domains()["num_warps"][0], pdl=False))
+        return config, True
+
+    # ---- the analytic default (after the columns strategy's, for rows too wide for one pass)
+    def default(self, problem: Problem, lim: DeviceLimits) -> BackwardConfig:
+        """Rules that keep a streaming kernel's loads in flight without spilling registers (the measurements
+        behind them: docs/perf-notes.md):
+
+        - single pass while a whole row fits the register tile (next_pow2(N) <= MAX_SINGLE_PASS); wider rows from
+          MAX_COLUMNS_ROWS rows split over programs in SPLIT_SLICE-column slices (16-bit data), else two-pass on
+          4096-column chunks on 8 warps;
+        - fp32 rows of 8193-16384 columns from WIDE_DEFAULT_MIN_ROWS rows: the fewest slices of at most
+          WIDE_FP32_SLICE columns, 2-row tiles, prefetch, dw/db per column;
+        - 16-bit rows of 8193-16384 columns from WIDE_DEFAULT_MIN_ROWS rows: LayerNorm in 4 slices of 4-row tiles,
+          dw/db per column, 3 stages through the pipelined exchange; RMSNorm prefetch with recompute;
+        - otherwise block_row fills the tile up to ROW_TILE_ELEMENTS (up to 64 rows), num_warps 8 up to 2048-column
+          rows and 16 from 4096, prefetch wherever its registers fit, else recompute for 16-bit LayerNorm with a
+          bias; evict_first, one program per SM;
+        - kernel_2: many programs of narrow columns and tall tiles (128x16), PDL off.
+
+        Every candidate is sized by the device's registers, shared memory and warps (`lim`), and taken in its
+        portable form (`fit`).
+        """
+        n_pow2 = next_power_of_two(problem.N)
+        two_pass = n_pow2 > MAX_SINGLE_PASS
+        tail = Kernel2Config(block_m=128, block_n=16, num_warps=4)
+        split = next((s for s in (2, 4, 8) if slice_width(problem.N, s) <= SPLIT_SLICE), 0) if two_pass else 0
+        if split and problem.M > MAX_COLUMNS_ROWS and problem.itemsize == 2:
+            # Many 16-bit rows too wide for one pass: slices keeping the raw tile, dw/db per column so that 2-4-row
+            # tiles fit.
+            split_k1 = self.make(block_row=2 if problem.has_bias else 4, block_col=row_block_col(problem.N, split),
+                                 num_warps=16, programs_per_sm=1, eviction_policy="evict_first", recompute=True,
+                                 row_split=split, column_accumulators=True)
+            for k1 in (split_k1, dataclasses.replace(split_k1, block_row=1)):
+                if config := fit(BackwardConfig(k1, tail), problem, lim):
+                    return config
+        if wide_fp32_rows(problem):
+            split = next(s for s in ROW_SPLITS[1:] if row_block_col(problem.N, s) <= WIDE_FP32_SLICE)
+            wide = BackwardConfig(
+                self.make(block_row=2, block_col=row_block_col(problem.N, split), num_warps=16, num_stages=1,
+                          programs_per_sm=1, eviction_policy="", prefetch=True, row_split=split,
+                          column_accumulators=True),
+                Kernel2Config(block_m=64, block_n=16, num_warps=4, pdl=True))
+            if config := fit(wide, problem, lim):
+                return config
+        wide_16_bit = n_pow2 == MAX_SINGLE_PASS and problem.itemsize == 2 and problem.M >= WIDE_DEFAULT_MIN_ROWS
+        if wide_16_bit and problem.norm == "layer_norm":
+            wide = BackwardConfig(
+                self.make(block_row=4, block_col=row_block_col(problem.N, 4), num_warps=8, num_stages=3,
+                          programs_per_sm=1, eviction_policy="", row_split=4, column_accumulators=True,
+                          pipelined_split=True),
+                Kernel2Config(block_m=64, block_n=16, num_warps=1, pdl=True))
+            if config := fit(wide, problem, lim):
+                return config
+        block_col = 4096 if two_pass else n_pow2
+        block_row = 1 if two_pass else max(1, min(64, ROW_TILE_ELEMENTS // block_col))
+        tile = block_row * block_col
+        num_warps = 8 if two_pass else (16 if block_col >= 4096 else max(4, min(8, tile // 1024)))
+        num_warps = min(num_warps, max_warps(tile, lim))
+        prefetch = estimate_registers(problem, block_row, block_col, num_warps, two_pass, True,
+                                      warp_size=lim.warp_size) <= hardware_registers(num_warps, lim)
+        # Where prefetch does not fit (one-row tiles of 16384 columns), 16-bit LayerNorm rows with a bias (two
+        # accumulators) keep their raw tile across the reductions instead of fp32 copies (recompute).
+        recompute = (not two_pass and not prefetch and problem.itemsize == 2 and block_row == 1
+                     and bool(problem.has_bias))
+        if wide_16_bit and not prefetch and problem.norm == "rms_norm":
+            prefetch = recompute = True  # prefetch fits once the raw tile is kept across the reductions
+        k1 = self.make(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
+                       programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
+                       recompute=recompute)
+        block_n, block_m = min(16, n_pow2), 128
+        k2 = Kernel2Config(block_m=block_m, block_n=block_n,
+                           num_warps=max(1, min(4, (block_m * block_n) // lim.warp_size)))
+        # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
+        # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
+        candidates = [k1, dataclasses.replace(k1, recompute=problem.itemsize == 2),
+                      dataclasses.replace(k1, recompute=problem.itemsize == 2,
+                                          num_warps=min(lim.max_warps, 2 * num_warps)),
+                      self.make(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
+                                two_pass=True, eviction_policy="evict_first", prefetch=True)]
+        for cand in candidates:
+            if config := fit(BackwardConfig(cand, k2), problem, lim):
+                return config
+        return portable(BackwardConfig(candidates[-1], k2), lim).validate(problem, lim)
+
+    # ---- seeds (`tuner/seeds.py`)
+    def seeds(self, space, default: BackwardConfig) -> list[BackwardConfig]:
+        """For wide rows: single pass keeping the raw tile (recompute), pipelining through shared memory, rows
+        split over 2-8 programs (dw/db per column on taller tiles), two-pass on multi-row tiles, kernel_2 launched
+        early on wider column blocks, and splits of 3, 5, 6, 7 on tall tiles; for many narrow rows, several
+        programs per SM on ~4096-element tiles with the reduction fused."""
+        p = space.problem
+        k1, k2 = default.kernel_1, default.kernel_2
+        n_pow2 = next_power_of_two(p.N)
+        alts: list[BackwardConfig] = []
+        if n_pow2 >= 4096:
+            if not k1.two_pass:
+                alts += [BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2),
+                         BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2)]
+            for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
+                if block_col < n_pow2:
+                    alts.append(BackwardConfig(self.make(
+                        block_row=block_row, block_col=block_col, num_warps=warps, programs_per_sm=1, two_pass=True,
+                        eviction_policy="evict_first", prefetch=True), k2))
+            for split, block_row in ((2, 1), (2, 2), (4, 2)):
+                width = row_block_col(p.N, split)
+                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
+                    alts.append(BackwardConfig(self.make(
+                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                        programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
+            alts += self._tall_split_tiles(p.N, k2)
+        early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
+        if n_pow2 >= 8192:  # wide rows: kernel_2 launched early (PDL) on 32-column blocks
+            alts.append(BackwardConfig(k1, early))
+            alts += self._tall_split_tiles(p.N, early)
+        if n_pow2 >= 4096:
+            # Rows of 3, 5 or 7 times a power of two: split so that each slice fills its tile, dw/db per column, the
+            # raw tile kept. Every tile pays one exchange of row sums, so the tile must be tall, and only slices of
+            # 4096 columns or wider are seeded (`narrow_odd_split`).
+            tail = early if n_pow2 >= 8192 else k2
+            for split in (s for s in space.domains()["k1.row_split"] if not is_power_of_two(s)):
+                if narrow_odd_split(p.N, split):
+                    continue
+                width = row_block_col(p.N, split)
+                for block_row, warps, per_sm in ((16384 // width, 16, 1), (32768 // width, 16, 1),
+                                                 (8192 // width, 8, 2)):
+                    if block_row * width <= MAX_COLUMN_ACC_TILE:
+                        alts.append(BackwardConfig(self.make(
+                            block_row=block_row, block_col=width, num_warps=min(warps, max_warps(block_row * width)),
+                            programs_per_sm=per_sm, eviction_policy="evict_first", recompute=True, row_split=split,
+                            column_accumulators=True), tail))
+        if n_pow2 <= 1024 and p.M >= MANY_NARROW_ROWS:
+            # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into kernel_1's
+            # tail; dw/db per column with loads pipelined through shared memory, or per tile element with prefetch.
+            tall = max(1, min(64, 4096 // n_pow2))
+            fused = Kernel2Config(block_m=64, block_n=min(16, n_pow2), num_warps=1, fused=True)
+            for colacc, stages, warps, prefetch in ((True, 3, 4, False), (False, 1, 8, True)):
+                alts.append(BackwardConfig(self.make(
+                    block_row=tall, block_col=n_pow2, num_warps=warps, num_stages=stages, programs_per_sm=3,
+                    eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
+        return alts
+
+    def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
+        """Each split-row config again with its exchange pipelined (`pipelined_split`), three stages deep where the
+        staged tiles fit shared memory, else two: without it a split tile loop compiles to no asynchronous copy
+        whatever its num_stages (the exchange's CTA barrier stops Triton's pipeliner)."""
+        out = []
+        for cfg in configs:
+            k1 = cfg.kernel_1
+            if cfg.strategy is not self or k1.row_split == 1 or k1.pipelined_split:
+                continue
+            for stages in (3, 2):
+                piped = BackwardConfig(dataclasses.replace(k1, pipelined_split=True, prefetch=False,
+                                                           num_stages=stages), cfg.kernel_2)
+                if space.why_not(piped) is None:
+                    out.append(piped)
+                    break
+        return out
+
+    def _tall_split_tiles(self, N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:
+        """Rows split over 2-8 programs on tiles of 2-4 rows, dw/db per column, the raw tile kept (recompute)."""
+        out = []
+        for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
+            width = row_block_col(N, split)
+            if width <= MAX_SINGLE_PASS and slice_width(N, split) >= 256:
+                out.append(BackwardConfig(self.make(
+                    block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
+                    programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
+                    column_accumulators=True), kernel_2))
+        return out
+
+    # ---- a table rule's config on another problem (`kernels/adapt.py`)
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+        """A split row keeps the rule's split if its slices still fit the rule's tile, else the next split that
+        keeps that tile, else the rule's split on wider tiles, else no split; then `fit_rows`."""
+        k1 = config.kernel_1
+        if k1.row_split > 1:  # the row's slices must stay >= 256 columns and fit one pass
+            fits = [s for s in ROW_SPLITS if s >= k1.row_split and row_block_col(problem.N, s) <= k1.block_col]
+            for split in fits[:1] + [k1.row_split]:
+                width = row_block_col(problem.N, split)
+                if slice_width(problem.N, split) >= 256 and width <= MAX_SINGLE_PASS:
+                    cand = BackwardConfig(dataclasses.replace(k1, block_col=width, row_split=split), config.kernel_2)
+                    if cand.is_valid(problem):
+                        return cand
+            k1 = dataclasses.replace(k1, row_split=1, pipelined_split=False)  # nothing to exchange: the plain loop
+        return fit_rows(k1, config.kernel_2, problem, sm_count)
+
+
+def fit_rows(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+    """A whole-row (or two-pass) kernel_1 fitted to `problem`: single pass takes block_col = next_pow2(N) (two-pass
+    past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), a tile no larger than the rule's,
+    and with `sm_count`, smaller row tiles for a problem too short to fill a quarter of the rule's grid; then the
+    rule's warps, or the fewest that validate. None: nothing validates."""
+    n_pow2 = next_power_of_two(problem.N)
+    if sm_count:
+        want = max(1, round(k1.programs_per_sm * sm_count) // 4)
+        while k1.block_row > 1 and -(-problem.M // k1.block_row) < want:
+            k1 = dataclasses.replace(k1, block_row=k1.block_row // 2)
+    if not k1.two_pass:
+        if n_pow2 <= MAX_SINGLE_PASS:
+            block_row = k1.block_row
+            while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
+                block_row //= 2  # keep the tile no larger than the rule's
+            k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
+        else:
+            k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
+                                     recompute=False, column_accumulators=False)
+    elif k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
+        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
+    if k2.block_n > n_pow2:
+        k2 = dataclasses.replace(k2, block_n=n_pow2)
+    for warps in (k1.num_warps, 16, 8, 4, 2, 1):
+        cand = BackwardConfig(dataclasses.replace(k1, num_warps=warps), k2)
+        if cand.is_valid(problem):
+            return cand
+    return None
+
+
+ROWS = Rows()
