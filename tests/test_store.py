@@ -409,18 +409,44 @@ def test_schema_version_mismatch_leaves_the_database_untouched(url, found, advic
 
 
 def test_missing_column_is_refused(url):
-    # A table layout older than this normtune's (a config field added without a column): refused up front.
+    # A table layout older than this normtune's (a column added without bumping the schema): refused up front.
     with Store(url) as s:
         s.start_run(H100, kind="sweep", command_line="x")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE normtune_measurements DROP COLUMN floor_fraction"))
+    engine.dispose()
+    before = _snapshot(url)
+    with pytest.raises(SchemaVersionError, match="normtune_measurements.floor_fraction"):
+        Store(url)
+    assert _snapshot(url) == before
+
+
+def test_a_missing_knob_column_is_added_by_a_writing_open(url):
+    """A knob column is generated from the config layout: a database without it (written before the knob) gains
+    it on a writing open, at the knob's default and indexed, with no schema version; a read-only open refuses
+    to read it as it is and leaves it unchanged."""
+    with Store(url) as s:
+        run_id = s.start_run(H100, kind="sweep", command_line="x")
+        s.add_measurement(run_id, RMS, CONFIG, ok(80.0), source="sweep")
     engine = create_engine(url)
     with engine.begin() as conn:
         conn.execute(text("DROP INDEX ix_normtune_measurements_k2_pdl"))
         conn.execute(text("ALTER TABLE normtune_measurements DROP COLUMN k2_pdl"))
     engine.dispose()
     before = _snapshot(url)
-    with pytest.raises(SchemaVersionError, match="normtune_measurements.k2_pdl"):
-        Store(url)
+    with pytest.raises(SchemaVersionError, match="k2_pdl.*upgrades it in place"):
+        Store(url, read_only=True)
     assert _snapshot(url) == before
+    with Store(url) as s:
+        assert s.schema_version == str(SCHEMA_VERSION)
+        assert s.count_measurements(config=CONFIG) == 1
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT DISTINCT k2_pdl FROM normtune_measurements")).all() == [(True,)]
+        assert "ix_normtune_measurements_k2_pdl" in {i["name"] for i in inspect(conn).get_indexes(
+            "normtune_measurements")}
+    engine.dispose()
 
 
 def test_old_sqlite_file_is_byte_identical_after_refusal(tmp_path):

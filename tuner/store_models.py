@@ -29,7 +29,7 @@ SCHEMA_VERSION = 5
 READABLE_VERSIONS = ("1", "2", "3", "4", "5")
 RUN_STATUSES = ("running", "finished", "interrupted", "failed", "dead")
 PEER_STATUSES = ("ok", "error", "unavailable")
-_SQL_TYPES = {bool: Boolean, int: Integer, float: Float, str: String(32)}
+_SQL_TYPES = {bool: Boolean(), int: Integer(), float: Float(), str: String(32)}
 
 
 def knob_columns() -> dict[tuple[str, str], tuple[str, Any, Any]]:

@@ -309,20 +309,22 @@ def _sql_literal(value: Any) -> str:
 
 
 def upgrade_knobs(engine: Engine, shown: str) -> None:
-    """One transaction: the knob columns this normtune's configs have and the database lacks (each at its default,
-    what the older measurements ran with, and indexed), every stored config rewritten in today's canonical JSON
+    """One transaction: the knob columns this normtune's configs have and the database lacks (indexed, each row's
+    value read from its stored config: the knob's default where the config predates it), every stored config rewritten in today's canonical JSON
     (so that a lookup by config finds measurements stored before a knob existed), the layout and the version
     recorded. No schema version is needed for a new knob."""
     table = MeasurementModel.__tablename__
     try:
         with engine.begin() as conn:
             have = {c["name"] for c in inspect(conn).get_columns(table)}
-            for column, sql_type, default in KNOB_COLUMNS.values():
+            added = []
+            for (kernel, name), (column, sql_type, default) in KNOB_COLUMNS.items():
                 if column not in have:
                     ddl = f"{sql_type.compile(dialect=conn.dialect)} NOT NULL DEFAULT {_sql_literal(default)}"
                     conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
                     conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
-            _canonical_configs(conn)
+                    added.append((kernel, name, column))
+            _canonical_configs(conn, tuple(added))
             meta = MetaModel.__table__
             if conn.execute(select(meta.c.value).where(meta.c.key == LAYOUT_KEY)).scalar() is None:
                 conn.execute(meta.insert().values(key=LAYOUT_KEY, value=config_layout()))
@@ -333,21 +335,26 @@ def upgrade_knobs(engine: Engine, shown: str) -> None:
         raise StoreError(f"--db {shown}: cannot upgrade its schema to {SCHEMA_VERSION} ({short_reason(err)})") from None
 
 
-def _canonical_configs(conn) -> None:
+def _canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> None:
     """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
     measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
-    existed. One statement for all rows (executemany): tens of thousands of measurements take seconds."""
+    existed; the knob columns just `added` ((kernel, field, column)) take each config's values. One statement for
+    all rows (executemany): tens of thousands of measurements take seconds."""
     table = MeasurementModel.__table__
-    canonical: dict[str, str] = {}
+    canonical: dict[str, tuple[str, dict]] = {}
     changed = []
     for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
         if stored not in canonical:
-            canonical[stored] = BackwardConfig.from_json(stored).to_json()
-        if canonical[stored] != stored:
-            changed.append({"row_id": row_id, "json": canonical[stored], "hash": _config_hash(canonical[stored])})
+            config = BackwardConfig.from_json(stored)
+            canonical[stored] = (config.to_json(), {f"v_{column}": getattr(getattr(config, kernel), name)
+                                                   for kernel, name, column in added})
+        text_, values = canonical[stored]
+        if text_ != stored or added:
+            changed.append({"row_id": row_id, "json": text_, "hash": _config_hash(text_), **values})
     if changed:
         conn.execute(table.update().where(table.c.id == bindparam("row_id"))
-                     .values(config_json=bindparam("json"), config_hash=bindparam("hash")), changed)
+                     .values(config_json=bindparam("json"), config_hash=bindparam("hash"),
+                             **{column: bindparam(f"v_{column}") for _, _, column in added}), changed)
 
 
 def _enable_wal(conn) -> None:
