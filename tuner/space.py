@@ -190,7 +190,8 @@ class Space:
                 keys = list(sub)
                 for values in itertools.product(*(sub[k] for k in keys)):
                     params = dict(zip(keys, values))
-                    if params["k2.fused"] and (params["k2.pdl"] or params["k2.num_warps"] != K2_DOMAINS["num_warps"][0]):
+                    fused = params["k2.fused"]
+                    if fused and (params["k2.pdl"] or params["k2.num_warps"] != K2_DOMAINS["num_warps"][0]):
                         continue  # fused: kernel_2's warps and PDL do not apply
                     cfg = self.config(params)
                     if self.why_not(cfg) is not None:

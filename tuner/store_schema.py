@@ -310,9 +310,9 @@ def _sql_literal(value: Any) -> str:
 
 def upgrade_knobs(engine: Engine, shown: str) -> None:
     """One transaction: the knob columns this normtune's configs have and the database lacks (indexed, each row's
-    value read from its stored config: the knob's default where the config predates it), every stored config rewritten in today's canonical JSON
-    (so that a lookup by config finds measurements stored before a knob existed), the layout and the version
-    recorded. No schema version is needed for a new knob."""
+    value read from its stored config: the knob's default where the config predates it), every stored config
+    rewritten in today's canonical JSON (so that a lookup by config finds measurements stored before a knob
+    existed), the layout and the version recorded. No schema version is needed for a new knob."""
     table = MeasurementModel.__tablename__
     try:
         with engine.begin() as conn:

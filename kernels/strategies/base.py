@@ -10,7 +10,6 @@ subclass of `Kernel1Config`: the space, the seeds, the store and the tables then
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two
-from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
+from ..knobs import BackwardConfig, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
 from .base import Strategy, check_tile, describe_flags, fit
