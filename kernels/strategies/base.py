@@ -193,10 +193,6 @@ class Strategy:
         (programs_per_sm) is still to be canonicalized."""
         return config, True
 
-    def why_not(self, config: BackwardConfig, problem: Problem) -> str | None:
-        """Beyond validity: why the space does not offer a valid config of this strategy (None: it does)."""
-        return None
-
     # ---- defaults and seeds
     def default(self, problem: Problem, lim: DeviceLimits) -> BackwardConfig | None:
         """The analytic default for `problem` on the device of `lim` when this strategy should run it, else None
