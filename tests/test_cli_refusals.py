@@ -10,7 +10,7 @@ from normtune.cli import app
 from normtune.tuner.store import Store
 from test_store import H100, RMS, ok
 
-from normtune.kernels.heuristics import default_config
+from normtune.kernels.config import default_config
 
 
 def _one_error(result) -> str:

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.heuristics import default_config
+from normtune.kernels.config import default_config
 from normtune.tuner.store import Store, StoreError
 from normtune.tuner.sweep.options import study_name
 from test_store import H100, RMS, ok

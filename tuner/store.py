@@ -75,7 +75,7 @@ class Store(WorkerCoordination):
                 self.schema_version = str(SCHEMA_VERSION)
         except BaseException:
             self._engine.dispose()
-            store_schema.release_sidecars(self.url, self._sidecars)  # a refused read leaves the file as it was
+            sqlite_files.release_sidecars(self.url, self._sidecars)  # a refused read leaves the file as it was
             raise
 
     @classmethod
