@@ -30,7 +30,7 @@ from torch import Tensor
 from . import forward_calls, saving
 from .config import BackwardConfig
 from .functional import check_inputs, check_options, contiguous_operand, explicit_config_text, rows_2d
-from .ops import _backward_impl, _forward_impl
+from .ops import backward_impl, forward_impl
 from .residual import residual_dtype_of
 from .residual_ops import forward_impl as _residual_forward_impl
 
@@ -69,7 +69,7 @@ def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool, residual=N
     check_options(eps, "input")
     x2d = rows_2d(x)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
-    y, rstd, mean = _forward_impl(x2d, w, b, float(eps), is_rms, zero_centered, False)
+    y, rstd, mean = forward_impl(x2d, w, b, float(eps), is_rms, zero_centered, False)
     if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
         forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
     return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
@@ -113,7 +113,7 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         mean = rstd  # not read
     text = explicit_config_text(config, grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                 save="output" if from_output else "input")
-    dx, dw, db = _backward_impl(rows_2d(grad), rows_2d(saved), contiguous_operand(weight),
+    dx, dw, db = backward_impl(rows_2d(grad), rows_2d(saved), contiguous_operand(weight),
                                 contiguous_operand(bias), rstd, mean, is_rms, zero_centered, from_output, text,
                                 None if grad_residual is None else rows_2d(grad_residual))
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db

@@ -17,132 +17,19 @@ torch itself refuses double backward.
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from . import forward_calls, saving
-from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
+from . import forward_calls
+from .call_checks import check_inputs, check_options, explicit_config_text, output_recovers, rows_2d
+from .config import BackwardConfig
 from .ops import contiguous_operand, eager_norm, norm_forward
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_options(eps, save: str, *, eps_may_be_none: bool = False) -> None:
-    """The rules for eps and save: at each call of `layer_norm`/`rms_norm`, and when a module is built (where
-    RMSNorm's eps=None means the dtype's eps, as in torch)."""
-    if type(eps) is float and 0.0 < eps < math.inf and save in SAVE_MODES:  # the usual call, in one test
-        return
-    if eps is None:
-        if not eps_may_be_none:
-            raise ValueError("eps must be a positive finite number (e.g. 1e-5), got None")
-    elif isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a positive finite number (e.g. 1e-5), got {eps!r}")
-    if save not in SAVE_MODES:
-        raise ValueError(f"save={save!r} is not allowed: use 'input' (save x) or 'output' (save y, recover x̂)")
-
-
-def _check_tensor(name: str, t: Any, x: Tensor | None = None) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x is None:
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}: use float32, bfloat16 or float16 (e.g. {name}.float())")
-        return
-    N = x.shape[-1]
-    if tuple(t.shape) != (N,):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({N},) to match x.shape[-1]")
-    if t.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{name} has dtype {t.dtype}: use x's dtype ({x.dtype}) or torch.float32")
-    if t.device != x.device:
-        raise ValueError(f"{name} is on {t.device} but x is on {x.device}: move them to one device")
-
-
-def _explicit_config(config: BackwardConfig | dict | str | None) -> BackwardConfig | str | None:
-    """An explicit config as a value (parsed once), or — while torch.compile traces, which cannot run the json
-    module — as text the backward op parses and validates outside the graph."""
-    if config is None or isinstance(config, BackwardConfig):
-        return config
-    if torch.compiler.is_compiling() and isinstance(config, (dict, str)):
-        return config if isinstance(config, str) else mapping_to_json(config)
-    if isinstance(config, dict):
-        return BackwardConfig.from_dict(config)
-    if isinstance(config, str):
-        return BackwardConfig.from_json(config)
-    raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
-
-
-def explicit_config_text(config: BackwardConfig | dict | str | None, saved: Tensor, weight, bias, *, is_rms: bool,
-                         zero_centered: bool, save: str) -> str:
-    """The config as the backward op carries it (JSON text; "" picks one), checked first against the problem of
-    `saved` (x, or y when save="output") and the weight and bias."""
-    config = _explicit_config(config)
-    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():  # shapes are symbolic there
-        N = saved.shape[-1]
-        problem = Problem("rms_norm" if is_rms else "layer_norm", saved.numel() // N, N, saved.dtype,
-                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
-                          zero_centered, save)
-        try:
-            config.validate(problem)
-        except ConfigError as err:
-            raise ValueError(f"config does not fit this input ({problem.M}x{problem.N}): {err}") from None
-    return config.to_json() if isinstance(config, BackwardConfig) else (config or "")
-
-
-def _fits(t: Any, x: Tensor, N: int) -> bool:
-    """weight/bias `t` follows the rules for x (the fast path's test; `_check_tensor` says which rule broke)."""
-    return isinstance(t, Tensor) and t.shape == (N,) and t.dtype in (x.dtype, torch.float32) and t.device == x.device
-
-
-def check_inputs(x, weight, bias, zero_centered: bool, *, name: str = "x") -> None:
-    """The tensor rules of the module docstring, each broken one raising TypeError/ValueError naming the argument
-    (eps and save: `check_options`). Inputs that follow every rule return after one pass over their attributes
-    (this runs on every call); the rules are then checked one by one, for the message."""
-    if isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES and x.dim():
-        N = x.shape[-1]
-        if (0 < N <= MAX_N and (weight is None or _fits(weight, x, N)) and (bias is None or _fits(bias, x, N))
-                and (weight is not None or not zero_centered)):
-            return
-    _check_tensor(name, x)
-    if x.dim() == 0:
-        raise ValueError(f"{name} is a scalar: normalization needs at least one dimension")
-    N = x.shape[-1]
-    if N < 1:
-        raise ValueError(f"{name} has an empty last dimension (shape {tuple(x.shape)}): nothing to normalize")
-    if N > MAX_N:
-        raise ValueError(f"{name}.shape[-1]={N} exceeds the supported maximum {MAX_N}: normalize fewer columns")
-    if weight is not None:
-        _check_tensor("weight", weight, x)
-    if bias is not None:
-        _check_tensor("bias", bias, x)
-    if zero_centered and weight is None:
-        raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
-
-
-def rows_2d(t: Tensor) -> Tensor:
-    """`t` as rows of its last dimension: a view where the rows allow one, the last dimension made contiguous."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
-def _output_recovers(x, weight, bias, zero_centered: bool) -> bool:
-    """`saving.recovers` for this call's weight and bias; True for inputs that break a rule of `check_inputs`
-    (which then names the rule)."""
-    if not (isinstance(x, Tensor) and x.dtype in _FLOAT_DTYPES and x.dim()):
-        return True
-    N = x.shape[-1]
-    if (weight is not None and not _fits(weight, x, N)) or (bias is not None and not _fits(bias, x, N)) or (
-            zero_centered and weight is None):
-        return True
-    return saving.recovers(weight, bias, x.dtype, zero_centered)
+from .residual import fused_add_norm
 
 
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
     compiling = torch.compiler.is_compiling()
-    if save == "output" and not compiling and not _output_recovers(x, weight, bias, zero_centered):
+    if save == "output" and not compiling and not output_recovers(x, weight, bias, zero_centered):
         save = "input"  # y would not determine x̂ as precisely as x does (saving.py's rule): save x for this call
     store_mean = not is_rms and save == "input"
     sig = None
@@ -201,6 +88,3 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, resi
     if residual_dtype is not None:
         raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
     return _norm(x, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save, config=config)
-
-
-from .residual import fused_add_norm  # noqa: E402 - residual.py builds on this module's checks

@@ -25,7 +25,7 @@ from .device import compute_capability, device_limits, device_name, use_triton
 from .select import on_clear, resolve_config
 
 
-def _empty(like: Tensor) -> Tensor:
+def empty_placeholder(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
@@ -61,11 +61,11 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], ep
     weight, bias = contiguous_operand(weight), contiguous_operand(bias)
     if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
         raise RuntimeError(saving.refusal("save='output' under torch.compile (normtune::norm_forward)"))
-    y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
-    return y, rstd, mean if mean is not None else _empty(rstd)
+    y, rstd, mean = forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+    return y, rstd, mean if mean is not None else empty_placeholder(rstd)
 
 
-def _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
+def forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
     """(y, rstd, mean); mean is None unless LayerNorm saves from the input (and off the Triton path, a tensor)."""
     store_mean = not is_rms and not save_output
     impl = _forward.forward if use_triton(x) else reference.forward
@@ -87,9 +87,9 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
     """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
     if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
         raise RuntimeError(saving.refusal("normtune::norm_backward from the output"))
-    dx, dw, db = _backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
+    dx, dw, db = backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
                                 zero_centered, save_output, config)
-    return dx, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+    return dx, dw if dw is not None else empty_placeholder(grad), db if db is not None else empty_placeholder(grad)
 
 
 # (shape, dtypes, flags, config text, device) of a backward call → (problem, config (None off the Triton path),
@@ -128,7 +128,7 @@ def clear_resolved() -> None:
 on_clear(clear_resolved)
 
 
-def _backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
+def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
     """(dx, dw, db), dw/db None where there is no weight/bias. `dh`: the residual stream's gradient rows (the
     residual form), added into dx, which then has dh's dtype."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
@@ -186,7 +186,7 @@ class EagerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None):
         """x: rows (2-D); or, with a `forward_calls` plan, x as the caller passed it (y then has x's shape)."""
         if plan is None:
-            y, rstd, mean = _forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+            y, rstd, mean = forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
         else:
             y, rstd, mean = forward_calls.run(plan, x, weight, bias, eps)
         ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
@@ -204,7 +204,7 @@ class EagerNorm(torch.autograd.Function):
         shape = grad_y.shape
         if len(shape) != 2:  # a planned forward took x with its leading dims: the kernels take rows
             grad_y, saved = grad_y.reshape(-1, shape[-1]), saved.reshape(-1, shape[-1])
-        dx, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
+        dx, dw, db = backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                     config)
         return (dx if len(shape) == 2 else dx.view(shape), dw if weight is not None else None,
                 db if bias is not None else None, None, None, None, None, None, None)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .problem import canonical_dtype
-from .functional import _output_recovers, check_inputs, check_options, explicit_config_text, rows_2d
+from .call_checks import check_inputs, check_options, explicit_config_text, output_recovers, rows_2d
 from .ops import contiguous_operand
 from .residual_ops import EagerFusedAdd, norm_residual_forward
 
@@ -50,7 +50,7 @@ def fused_add_norm(x, residual, weight, bias, eps, *, is_rms: bool, zero_centere
     """(y, h) of the residual form; arguments as `layer_norm`/`rms_norm` (save="output" follows their rule: where
     y would not determine x̂ the call saves h instead, and under torch.compile the custom op raises)."""
     compiling = torch.compiler.is_compiling()
-    if save == "output" and not compiling and not _output_recovers(x, weight, bias, zero_centered):
+    if save == "output" and not compiling and not output_recovers(x, weight, bias, zero_centered):
         save = "input"
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)

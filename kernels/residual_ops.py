@@ -20,7 +20,7 @@ from torch import Tensor
 from . import forward as _forward
 from . import reference, saving
 from .device import use_triton
-from .ops import _backward_impl, _empty, contiguous_operand
+from .ops import backward_impl, empty_placeholder, contiguous_operand
 
 
 def forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype):
@@ -39,7 +39,7 @@ def norm_residual_forward(x: Tensor, residual: Tensor, weight: Optional[Tensor],
     if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
         raise RuntimeError(saving.refusal("save='output' under torch.compile (normtune::norm_residual_forward)"))
     y, h, rstd, mean = forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype)
-    return y, h, rstd, mean if mean is not None else _empty(rstd)
+    return y, h, rstd, mean if mean is not None else empty_placeholder(rstd)
 
 
 @norm_residual_forward.register_fake
@@ -57,9 +57,9 @@ def norm_residual_backward(grad: Tensor, grad_h: Tensor, saved: Tensor, weight: 
     """(d, dw, db): d = grad_h + the norm's grad_input, in grad_h's dtype; dw/db empty where absent."""
     if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
         raise RuntimeError(saving.refusal("normtune::norm_residual_backward from the output"))
-    d, dw, db = _backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
+    d, dw, db = backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
                                zero_centered, save_output, config, dh=grad_h)
-    return d, dw if dw is not None else _empty(grad), db if db is not None else _empty(grad)
+    return d, dw if dw is not None else empty_placeholder(grad), db if db is not None else empty_placeholder(grad)
 
 
 @norm_residual_backward.register_fake
@@ -125,7 +125,7 @@ class EagerFusedAdd(torch.autograd.Function):
         if grad_y is None and grad_h is None:
             return (None,) * 10
         grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
-        d, dw, db = _backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
+        d, dw, db = backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                    config, dh=grad_h)
         dx, dr = _grads(d, x_dtype, residual_dtype)
         return (dx, dr, dw if weight is not None else None, db if bias is not None else None,

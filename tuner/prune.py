@@ -20,7 +20,7 @@ from sqlalchemy import inspect, select, text
 
 from normtune.kernels.config import ConfigError, Problem
 
-from .store_models import MeasurementModel, ProblemModel, StoreError, TrialClaimModel, _problem
+from .store_models import MeasurementModel, ProblemModel, StoreError, TrialClaimModel, problem_from_row
 from .sweep.options import space_tag
 
 # Optuna's tables (and columns: `store_schema.OPTUNA_COLUMNS`) that finding the superseded studies reads.
@@ -39,7 +39,7 @@ def superseded_studies(store) -> list[Superseded]:
     with store.session_scope() as session:
         if not _STUDY_TABLES <= set(inspect(session.connection()).get_table_names()):
             return []  # no sweep ever opened a study here (e.g. a database of bench runs only)
-        problems = {row.id: _problem(row) for row in session.scalars(select(ProblemModel))}
+        problems = {row.id: problem_from_row(row) for row in session.scalars(select(ProblemModel))}
         by_study = dict(session.execute(select(MeasurementModel.study_name, MeasurementModel.problem_id)
                                         .where(MeasurementModel.study_name.is_not(None)).distinct()).all())
         held = {name for (name,) in session.execute(select(TrialClaimModel.study_name)

@@ -36,11 +36,11 @@ from normtune.tuner.device import DeviceInfo
 from normtune.tuner.results import STATUSES, MeasureResult
 
 from . import sqlite_files, store_schema
-from .store_models import (_FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
+from .store_models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
-                           StoreIntegrityError, _check_choice, _config_hash, _figure, _measurement_record, _now,
-                           _peer_record, _problem, _run_record, device_columns)
+                           StoreIntegrityError, check_value, hash_config, figure_value, measurement_record, utc_now,
+                           peer_record, problem_from_row, run_record, device_columns)
 from .store_schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
 from .store_workers import WorkerCoordination
 
@@ -162,20 +162,20 @@ class Store(WorkerCoordination):
                   copy_bandwidth_gbps: float | None = None, started_at: dt.datetime | None = None) -> int:
         """A new run, `running` until `end_run`. `started_at` (aware) records a run stored after it ran (bench)
         with the time it really began; default: now."""
-        row = RunModel(kind=kind, command_line=command_line, copy_bandwidth_gbps=_figure(copy_bandwidth_gbps),
-                       started_at=_now(started_at), status="running", **device_columns(info))
+        row = RunModel(kind=kind, command_line=command_line, copy_bandwidth_gbps=figure_value(copy_bandwidth_gbps),
+                       started_at=utc_now(started_at), status="running", **device_columns(info))
         with self.session_scope() as session:
             session.add(row)
             session.flush()
             return row.id
 
     def end_run(self, run_id: int, status: str = "finished") -> None:
-        _check_choice("status", status, RUN_STATUSES)
+        check_value("status", status, RUN_STATUSES)
         with self.session_scope() as session:
             row = session.get(RunModel, run_id)
             if row is None:
                 raise StoreError(f"no run {run_id} in {self.display_url}")
-            row.status, row.ended_at = status, _now()
+            row.status, row.ended_at = status, utc_now()
 
     def problem_id(self, problem: Problem) -> int:
         """The problem's id, inserting it on first use (safe against concurrent writers)."""
@@ -205,7 +205,7 @@ class Store(WorkerCoordination):
         """Store one measurement. With (study_name, trial_number), a trial stored before returns its id. With the
         `slot` the run claimed for the trial, it is stored only while the run still holds that slot (in the same
         transaction that marks the slot measured); None when the slot was taken over meanwhile."""
-        _check_choice("status", result.status, STATUSES)
+        check_value("status", result.status, STATUSES)
         if trial_number is not None and study_name is None:
             raise ValueError("trial_number needs the study_name it belongs to")
         if slot is not None and trial_number is None:
@@ -216,12 +216,12 @@ class Store(WorkerCoordination):
         config_json = config.to_json()
         row = MeasurementModel(
             run_id=run_id, problem_id=self.problem_id(problem), config_json=config_json,
-            config_hash=_config_hash(config_json),
+            config_hash=hash_config(config_json),
             **{column: getattr(getattr(config, kernel), name) for (kernel, name), column in CONFIG_COLUMNS.items()},
             status=result.status, error=result.error, reps=result.reps, bytes_moved=result.bytes_moved,
             programs=result.programs, errors_json=json.dumps(result.errors, sort_keys=True),
             interpret=result.interpret, source=source, study_name=study_name, trial_number=trial_number,
-            created_at=_now(), **{f: _figure(getattr(result, f)) for f in _FIGURES})
+            created_at=utc_now(), **{f: figure_value(getattr(result, f)) for f in FIGURES})
         try:
             with self.session_scope() as session:
                 if slot is not None and not self._mark_measured(session, study_name, slot, run_id, trial_number):
@@ -243,11 +243,11 @@ class Store(WorkerCoordination):
                         median_us: float | None = None, p10_us: float | None = None, p90_us: float | None = None,
                         reps: int = 0, kernels: dict[str, float] | None = None, error: str | None = None,
                         note: str | None = None) -> int:
-        _check_choice("status", status, PEER_STATUSES)
+        check_value("status", status, PEER_STATUSES)
         row = PeerResultModel(run_id=run_id, problem_id=self.problem_id(problem), peer=peer, status=status,
-                              error=error, median_us=_figure(median_us), p10_us=_figure(p10_us),
-                              p90_us=_figure(p90_us), reps=reps, kernels_json=json.dumps(kernels or {}, sort_keys=True),
-                              note=note, created_at=_now())
+                              error=error, median_us=figure_value(median_us), p10_us=figure_value(p10_us),
+                              p90_us=figure_value(p90_us), reps=reps, kernels_json=json.dumps(kernels or {}, sort_keys=True),
+                              note=note, created_at=utc_now())
         with self.session_scope() as session:
             session.add(row)
             session.flush()
@@ -263,7 +263,7 @@ class Store(WorkerCoordination):
                       (MeasurementModel.source, source), (MeasurementModel.interpret, interpret),
                       (MeasurementModel.run_id, run_id), (MeasurementModel.study_name, study_name),
                       (ProblemModel.key, problem.key if problem is not None else None),
-                      (MeasurementModel.config_hash, _config_hash(config.to_json()) if config is not None else None)]
+                      (MeasurementModel.config_hash, hash_config(config.to_json()) if config is not None else None)]
         query = query.where(*(column == value for column, value in conditions if value is not None))
         if status is not None:
             query = query.where(MeasurementModel.status.in_([status] if isinstance(status, str) else list(status)))
@@ -278,7 +278,7 @@ class Store(WorkerCoordination):
                                         family_key=family_key, status=status, source=source, interpret=interpret,
                                         run_id=run_id, study_name=study_name, config=config)
         with self.session_scope() as session:
-            return [_measurement_record(*row) for row in session.execute(query.order_by(MeasurementModel.id))]
+            return [measurement_record(*row) for row in session.execute(query.order_by(MeasurementModel.id))]
 
     def count_measurements(self, **filters: Any) -> int:
         """How many measurements `measurements(**filters)` would return."""
@@ -293,7 +293,7 @@ class Store(WorkerCoordination):
         query = query.where(MeasurementModel.median_us.is_not(None))
         with self.session_scope() as session:
             row = session.execute(query.order_by(MeasurementModel.median_us, MeasurementModel.id).limit(1)).first()
-            return None if row is None else _measurement_record(*row)
+            return None if row is None else measurement_record(*row)
 
     def problems(self, *, gpu_key: str | None = None, interpret: bool | None = None) -> list[Problem]:
         """Problems that have measurements (on `gpu_key`, interpreted or not), by family then shape."""
@@ -301,7 +301,7 @@ class Store(WorkerCoordination):
         query = (select(ProblemModel).where(ProblemModel.id.in_(ids))
                  .order_by(ProblemModel.family_key, ProblemModel.M, ProblemModel.N))
         with self.session_scope() as session:
-            return [_problem(row) for row in session.scalars(query)]
+            return [problem_from_row(row) for row in session.scalars(query)]
 
     def runs(self, *, kind: str | None = None, gpu_key: str | None = None) -> list[RunRecord]:
         """Runs, oldest first."""
@@ -311,7 +311,7 @@ class Store(WorkerCoordination):
         if gpu_key is not None:
             query = query.where(RunModel.gpu_key == gpu_key)
         with self.session_scope() as session:
-            return [_run_record(row) for row in session.scalars(query)]
+            return [run_record(row) for row in session.scalars(query)]
 
     def latest_run(self, kind: str, gpu_key: str | None = None) -> RunRecord | None:
         query = select(RunModel).where(RunModel.kind == kind)
@@ -319,7 +319,7 @@ class Store(WorkerCoordination):
             query = query.where(RunModel.gpu_key == gpu_key)
         with self.session_scope() as session:
             row = session.scalars(query.order_by(RunModel.id.desc()).limit(1)).first()
-            return None if row is None else _run_record(row)
+            return None if row is None else run_record(row)
 
     def peer_results(self, *, run_id: int | None = None, gpu_key: str | None = None,
                      problem: Problem | None = None) -> list[PeerRecord]:
@@ -334,7 +334,7 @@ class Store(WorkerCoordination):
         if problem is not None:
             query = query.where(ProblemModel.key == problem.key)
         with self.session_scope() as session:
-            return [_peer_record(*row) for row in session.execute(query)]
+            return [peer_record(*row) for row in session.execute(query)]
 
 
 def _advice(err: SQLAlchemyError) -> str:

@@ -300,30 +300,30 @@ class PeerRecord(_TimedRecord):
     note: str | None
 
 
-_FIGURES = ("median_us", "p10_us", "p90_us", "kernel_1_us", "kernel_2_us", "compile_s", "gbps", "floor_us",
+FIGURES = ("median_us", "p10_us", "p90_us", "kernel_1_us", "kernel_2_us", "compile_s", "gbps", "floor_us",
             "floor_fraction")
 
 
-def _now(at: dt.datetime | None = None) -> dt.datetime:
+def utc_now(at: dt.datetime | None = None) -> dt.datetime:
     """`at` (an aware time; default: now) as stored: naive in UTC (SQLite has no time zones); records carry the
     zone again."""
     return (at or dt.datetime.now(dt.timezone.utc)).astimezone(dt.timezone.utc).replace(tzinfo=None)
 
 
-def _utc(value: dt.datetime | None) -> dt.datetime | None:
+def as_utc(value: dt.datetime | None) -> dt.datetime | None:
     return None if value is None else value.replace(tzinfo=dt.timezone.utc)
 
 
-def _figure(value: float | None) -> float | None:
+def figure_value(value: float | None) -> float | None:
     # NaN means "no figure": SQLite would store it as NULL anyway, so every backend does.
     return None if value is None or math.isnan(value) else float(value)
 
 
-def _config_hash(config_json: str) -> str:
+def hash_config(config_json: str) -> str:
     return hashlib.sha1(config_json.encode()).hexdigest()
 
 
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+def check_value(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
 
@@ -333,30 +333,30 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 RESIDUAL_FIELDS = ("residual", "residual_dtype")
 
 
-def _problem(row: ProblemModel) -> Problem:
+def problem_from_row(row: ProblemModel) -> Problem:
     family = ProblemFamily.from_key(row.family_key) if "/res-" in row.family_key else None
     return Problem(row.norm, row.M, row.N, row.dtype, row.weight_dtype, row.has_weight, row.has_bias,
                    row.zero_centered, row.save, family is not None, family.residual_dtype if family else None)
 
 
-def _run_record(row: RunModel) -> RunRecord:
+def run_record(row: RunModel) -> RunRecord:
     device = DeviceInfo(**{field: getattr(row, column) for field, column in _DEVICE_COLUMNS.items()})
     return RunRecord(id=row.id, kind=row.kind, device=device, command_line=row.command_line,
-                     copy_bandwidth_gbps=row.copy_bandwidth_gbps, started_at=_utc(row.started_at),
-                     ended_at=_utc(row.ended_at), status=row.status)
+                     copy_bandwidth_gbps=row.copy_bandwidth_gbps, started_at=as_utc(row.started_at),
+                     ended_at=as_utc(row.ended_at), status=row.status)
 
 
-def _measurement_record(row: MeasurementModel, problem: ProblemModel, run: RunModel) -> MeasurementRecord:
+def measurement_record(row: MeasurementModel, problem: ProblemModel, run: RunModel) -> MeasurementRecord:
     skip = {"problem", "config", "errors", "created_at", "gpu_key", "gpu_name"}
     values = {f.name: getattr(row, f.name) for f in dataclasses.fields(MeasurementRecord) if f.name not in skip}
-    return MeasurementRecord(**values, problem=_problem(problem), config=BackwardConfig.from_json(row.config_json),
-                             errors=json.loads(row.errors_json), created_at=_utc(row.created_at),
+    return MeasurementRecord(**values, problem=problem_from_row(problem), config=BackwardConfig.from_json(row.config_json),
+                             errors=json.loads(row.errors_json), created_at=as_utc(row.created_at),
                              gpu_key=run.gpu_key, gpu_name=run.gpu_name)
 
 
-def _peer_record(row: PeerResultModel, problem: ProblemModel, run: RunModel) -> PeerRecord:
+def peer_record(row: PeerResultModel, problem: ProblemModel, run: RunModel) -> PeerRecord:
     skip = {"problem", "kernels", "created_at", "gpu_key", "gpu_name"}
     values = {f.name: getattr(row, f.name) for f in dataclasses.fields(PeerRecord) if f.name not in skip}
-    return PeerRecord(**values, problem=_problem(problem), kernels=json.loads(row.kernels_json),
-                      created_at=_utc(row.created_at), gpu_key=run.gpu_key, gpu_name=run.gpu_name)
+    return PeerRecord(**values, problem=problem_from_row(problem), kernels=json.loads(row.kernels_json),
+                      created_at=as_utc(row.created_at), gpu_key=run.gpu_key, gpu_name=run.gpu_name)
 

@@ -30,7 +30,7 @@ from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, N
 from normtune.kernels.config import STRATEGIES, BackwardConfig
 
 from .store_models import (KNOB_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
-                           MetaModel, OlderSchemaError, RunModel, SchemaVersionError, StoreError, _config_hash)
+                           MetaModel, OlderSchemaError, RunModel, SchemaVersionError, StoreError, hash_config)
 
 # Versions a writing command upgrades in place (every readable one but the current).
 OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
@@ -350,7 +350,7 @@ def _canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> No
                                                    for kernel, name, column in added})
         text_, values = canonical[stored]
         if text_ != stored or added:
-            changed.append({"row_id": row_id, "json": text_, "hash": _config_hash(text_), **values})
+            changed.append({"row_id": row_id, "json": text_, "hash": hash_config(text_), **values})
     if changed:
         conn.execute(table.update().where(table.c.id == bindparam("row_id"))
                      .values(config_json=bindparam("json"), config_hash=bindparam("hash"),

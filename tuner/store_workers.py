@@ -26,7 +26,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 from normtune.kernels.config import Problem
 
 from .store_models import (Base, MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
-                           TrialClaimModel, _now, _problem, _utc)
+                           TrialClaimModel, utc_now, problem_from_row, as_utc)
 
 # Grace of a run that recorded no heartbeat yet (the seconds between its start and its first beat).
 FIRST_BEAT_GRACE_S = 60.0
@@ -123,9 +123,9 @@ class WorkerCoordination:
             row = session.get(RunHeartbeatModel, run_id)
             if row is None:
                 session.add(RunHeartbeatModel(run_id=run_id, host=socket.gethostname(), pid=os.getpid(),
-                                              device=device, grace_s=grace_s, beat_at=_now()))
+                                              device=device, grace_s=grace_s, beat_at=utc_now()))
             else:
-                row.beat_at = _now()
+                row.beat_at = utc_now()
             session.execute(update(RunModel).where(RunModel.id == run_id, RunModel.status == "dead")
                             .values(status="running", ended_at=None))
 
@@ -139,13 +139,13 @@ class WorkerCoordination:
         row = session.get(RunCostsModel, run_id)
         data = json.dumps(costs, sort_keys=True)
         if row is None:
-            session.add(RunCostsModel(run_id=run_id, costs_json=data, updated_at=_now()))
+            session.add(RunCostsModel(run_id=run_id, costs_json=data, updated_at=utc_now()))
         else:
-            row.costs_json, row.updated_at = data, _now()
+            row.costs_json, row.updated_at = data, utc_now()
 
     def mark_dead_runs(self) -> list[int]:
         """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""
-        now = _now()
+        now = utc_now()
         with self.session_scope() as session:
             rows = session.execute(select(RunModel.id, RunHeartbeatModel.beat_at, RunHeartbeatModel.grace_s)
                                    .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
@@ -168,15 +168,15 @@ class WorkerCoordination:
         query = (select(RunModel, RunHeartbeatModel, counts.c.n, counts.c.first, counts.c.last)
                  .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
                  .outerjoin(counts, counts.c.run_id == RunModel.id).order_by(RunModel.id))
-        now = _now()
+        now = utc_now()
         has_costs = RunCostsModel.__tablename__ in self._table_names()
         with self.session_scope() as session:
             costs = ({run_id: json.loads(data) for run_id, data in session.execute(
                 select(RunCostsModel.run_id, RunCostsModel.costs_json))} if has_costs else {})
             return [WorkerState(run.id, hb.host, hb.pid, hb.device, run.gpu_name, run.status,
                                 _alive(run.status, hb.beat_at, hb.grace_s, run.started_at, now),
-                                (now - hb.beat_at).total_seconds(), _utc(run.started_at), n or 0, _utc(first),
-                                _utc(last), costs.get(run.id))
+                                (now - hb.beat_at).total_seconds(), as_utc(run.started_at), n or 0, as_utc(first),
+                                as_utc(last), costs.get(run.id))
                     for run, hb, n, first, last in session.execute(query)]
 
     # -------------------------------------------------------------------------------------------- claims
@@ -189,7 +189,7 @@ class WorkerCoordination:
                  .join(RunModel, RunModel.id == TrialClaimModel.run_id)
                  .outerjoin(RunHeartbeatModel, RunHeartbeatModel.run_id == TrialClaimModel.run_id)
                  .where(TrialClaimModel.study_name == study_name))
-        now = _now()
+        now = utc_now()
         with self.session_scope() as session:
             return {slot: SlotState(slot, run_id, number, bool(measured),
                                     _alive(status, beat_at, grace_s, started_at, now))
@@ -207,7 +207,7 @@ class WorkerCoordination:
                 try:
                     with self.session_scope() as session:
                         session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id,
-                                                    measured=False, claimed_at=_now()))
+                                                    measured=False, claimed_at=utc_now()))
                     return slot, None
                 except StoreIntegrityError:  # another worker took it first
                     continue
@@ -220,7 +220,7 @@ class WorkerCoordination:
                                                       TrialClaimModel.slot == slot,
                                                       TrialClaimModel.run_id == state.run_id, same_trial,
                                                       TrialClaimModel.measured.is_(False))
-                        .values(run_id=run_id, trial_number=None, claimed_at=_now())).rowcount
+                        .values(run_id=run_id, trial_number=None, claimed_at=utc_now())).rowcount
                 if taken == 1:
                     return slot, state.trial_number
         return None
@@ -266,7 +266,7 @@ class WorkerCoordination:
         try:
             with self.session_scope() as session:
                 session.add_all(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id, trial_number=number,
-                                                measured=True, claimed_at=_now())
+                                                measured=True, claimed_at=utc_now())
                                 for slot, (number, run_id) in enumerate(rows))
         except StoreIntegrityError:  # a concurrent worker adopted them (or claimed) first
             return 0
@@ -283,7 +283,7 @@ class WorkerCoordination:
                     .where(MeasurementModel.study_name.startswith(prefix, autoescape=True)).group_by(MeasurementModel.study_name))
         out: dict[str, dict] = {}
         with self.session_scope() as session:
-            problems = {row.id: _problem(row) for row in session.scalars(select(ProblemModel))}
+            problems = {row.id: problem_from_row(row) for row in session.scalars(select(ProblemModel))}
             for name, n, failed, best, problem_id in session.execute(measured):
                 out[name] = dict(problem=problems.get(problem_id), finished=n, failed=int(failed or 0), best_us=best)
                 out[name]["best_run_id"] = session.execute(

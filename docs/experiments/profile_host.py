@@ -208,7 +208,7 @@ def sweep_trials(n: int = 30) -> None:
 def first_launches(n: int = 20) -> None:
     """A sweep trial's measurement when its kernels are in Triton's disk cache (compiled by other processes, as
     the sweep's compile-ahead workers do) but not yet loaded in the measuring process."""
-    from normtune.tuner.sweep.compiling import _compile_one, compile_pool
+    from normtune.tuner.sweep.compiling import compile_one, compile_pool
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -218,7 +218,7 @@ def first_launches(n: int = 20) -> None:
     configs = random_configs(Space(problem, sms), n + 1)
     pool = compile_pool(4, 0)
     t = time.perf_counter()
-    statuses = list(pool.map(_compile_one, [problem.to_dict()] * len(configs), [c.to_json() for c in configs],
+    statuses = list(pool.map(compile_one, [problem.to_dict()] * len(configs), [c.to_json() for c in configs],
                              [sms] * len(configs)))
     pool.shutdown()
     say(f"compiled {len(configs)} configs in 4 other processes: {time.perf_counter() - t:.1f} s "

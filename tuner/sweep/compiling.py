@@ -67,8 +67,7 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
 def _compile_init(device_index: int, parent_pid: int) -> None:
     import torch
 
-    from .lifeline import die_with_parent
-    from .measuring import ignore_stop_signals
+    from .lifeline import die_with_parent, ignore_stop_signals
 
     die_with_parent(parent_pid)
     ignore_stop_signals()
@@ -80,7 +79,7 @@ def _warm_up() -> None:
     import normtune.kernels.backward  # noqa: F401
 
 
-def _compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
+def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
     """(status, seconds, error) of compiling a config ahead of its measurement."""
     from normtune.kernels.backward import precompile
     from normtune.kernels.config import BackwardConfig as BC

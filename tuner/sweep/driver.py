@@ -37,7 +37,7 @@ from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
 from ..measure import MeasureResult
-from .compiling import _compile_one, wait_compiled
+from .compiling import compile_one, wait_compiled
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
@@ -349,7 +349,7 @@ class Sweep:
             self._running[trial.trial_id] = trial.number
         with self.costs.timed("database"):
             self.store.bind_slot(book.name, slot, run_id, trial.number)
-        future = (pool.submit(_compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
+        future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
                   if pool is not None else None)
         return _Pending(slot, trial, future, book, ps)
 

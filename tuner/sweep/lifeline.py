@@ -45,3 +45,10 @@ def _watch(parent_pid: int, sig: int) -> None:
         if os.getppid() != parent_pid:
             os.kill(os.getpid(), sig)
             return
+
+
+def ignore_stop_signals() -> None:
+    """Helper processes leave Ctrl-C / SIGTERM to the sweep that owns them: a terminal's Ctrl-C reaches the whole
+    process group, and the sweep decides whether the trial in flight finishes (first signal) or is abandoned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -11,14 +11,7 @@ import time
 from normtune.kernels.config import BackwardConfig, Problem
 
 from ..measure import MeasureResult, Timing
-from .lifeline import die_with_parent
-
-
-def ignore_stop_signals() -> None:
-    """Helper processes leave Ctrl-C / SIGTERM to the sweep that owns them: a terminal's Ctrl-C reaches the whole
-    process group, and the sweep decides whether the trial in flight finishes (first signal) or is abandoned."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+from .lifeline import die_with_parent, ignore_stop_signals
 
 
 def _measure_loop(conn, parent_pid: int, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
