@@ -14,7 +14,7 @@ import dataclasses
 import random
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
-from normtune.kernels.heuristics import default_config
+from normtune.kernels.config import default_config
 from normtune.kernels.limits import DeviceLimits
 from normtune.tuner.space import Space
 

@@ -16,8 +16,8 @@ from normtune.kernels import device as device_mod
 from normtune.kernels import limits as L
 from normtune.kernels.backward import launch
 from normtune.kernels.capabilities import fallbacks, portable
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
-from normtune.kernels.heuristics import default_config, estimate_registers, hardware_registers, staged_shared_bytes
+from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.heuristics import estimate_registers, hardware_registers, staged_shared_bytes
 from normtune.kernels.select import clear_caches, explain
 from normtune.kernels.table_chain import choose_table, table_for
 from normtune.tuner.space import Space
