@@ -22,21 +22,17 @@ import sqlite3
 import time
 from typing import Any, Callable
 
-from sqlalchemy import bindparam, create_engine, event, inspect, select, text
+from sqlalchemy import create_engine, event, inspect, select
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
 
-from normtune.kernels.config import STRATEGIES, BackwardConfig
-
-from .store_models import (KNOB_COLUMNS, READABLE_VERSIONS, RUN_STATUSES, SCHEMA_VERSION, Base, MeasurementModel,
-                           MetaModel, OlderSchemaError, RunModel, SchemaVersionError, StoreError, hash_config)
+from . import store_upgrades
+from .store_models import (KNOB_COLUMNS, READABLE_VERSIONS, SCHEMA_VERSION, Base, MeasurementModel, MetaModel,
+                           OlderSchemaError, SchemaVersionError, StoreError)
 
 # Versions a writing command upgrades in place (every readable one but the current).
 OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
-
-# The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.
-LAYOUT_KEY = "config_layout"
 
 # How long any connection (ours and Optuna's) waits for another process's SQLite write lock before failing.
 # Writes are single rows (milliseconds); the wait only matters when many workers write at the same moment.
@@ -246,7 +242,8 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
     elif found is not None:
         stale = sorted(m.split(".", 1)[1] for m in missing if m in knobs)
         missing = [m for m in missing if m not in knobs]
-        if read_only and not missing and (stale or stored_layout(engine) != config_layout()):
+        if read_only and not missing and (stale or store_upgrades.stored_layout(engine)
+                                          != store_upgrades.config_layout()):
             what = f"knob column(s) {', '.join(stale)}" if stale else "its configs' knobs"
             raise OlderSchemaError(
                 f"{shown} predates {what} of this normtune and was left unchanged; a writing command (e.g. "
@@ -275,86 +272,16 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     except SQLAlchemyError as err:
         raise StoreError(f"--db {shown}: cannot create the normtune tables ({short_reason(err)})") from None
     found = check(engine, shown, read_only=False)
-    if found == "1":
-        _upgrade_from_1(engine, url, shown)
-    if found in OLDER_VERSIONS or stored_layout(engine) != config_layout() or _missing_knob_columns(engine):
-        upgrade_knobs(engine, shown)
-
-
-def config_layout() -> str:
-    """Which strategies' own knobs the canonical config JSON holds, with their defaults ('' when none has any):
-    what a database's stored configs were written with (`LAYOUT_KEY`)."""
-    return ";".join(f"{name}:" + ",".join(f"{k.name}={k.default!r}" for k in s.extra)
-                    for name, s in sorted(STRATEGIES.items()) if s.extra)
-
-
-def stored_layout(engine: Engine) -> str:
-    """The layout recorded in the database (none recorded: configs without a strategy's own knobs)."""
-    with engine.connect() as conn:
-        return conn.execute(select(MetaModel.value).where(MetaModel.key == LAYOUT_KEY)).scalar() or ""
-
-
-def _missing_knob_columns(engine: Engine) -> list[str]:
-    with engine.connect() as conn:
-        have = {c["name"] for c in inspect(conn).get_columns(MeasurementModel.__tablename__)}
-    return [column for column, _, _ in KNOB_COLUMNS.values() if column not in have]
-
-
-def _sql_literal(value: Any) -> str:
-    if isinstance(value, bool):
-        return "TRUE" if value else "FALSE"
-    if isinstance(value, str):
-        return "'" + value.replace("'", "''") + "'"
-    return repr(value)
-
-
-def upgrade_knobs(engine: Engine, shown: str) -> None:
-    """One transaction: the knob columns this normtune's configs have and the database lacks (indexed, each row's
-    value read from its stored config: the knob's default where the config predates it), every stored config
-    rewritten in today's canonical JSON (so that a lookup by config finds measurements stored before a knob
-    existed), the layout and the version recorded. No schema version is needed for a new knob."""
-    table = MeasurementModel.__tablename__
     try:
-        with engine.begin() as conn:
-            have = {c["name"] for c in inspect(conn).get_columns(table)}
-            added = []
-            for (kernel, name), (column, sql_type, default) in KNOB_COLUMNS.items():
-                if column not in have:
-                    ddl = f"{sql_type.compile(dialect=conn.dialect)} NOT NULL DEFAULT {_sql_literal(default)}"
-                    conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
-                    conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
-                    added.append((kernel, name, column))
-            _canonical_configs(conn, tuple(added))
-            meta = MetaModel.__table__
-            if conn.execute(select(meta.c.value).where(meta.c.key == LAYOUT_KEY)).scalar() is None:
-                conn.execute(meta.insert().values(key=LAYOUT_KEY, value=config_layout()))
-            else:
-                conn.execute(meta.update().where(meta.c.key == LAYOUT_KEY).values(value=config_layout()))
-            conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
-    except SQLAlchemyError as err:
-        raise StoreError(f"--db {shown}: cannot upgrade its schema to {SCHEMA_VERSION} ({short_reason(err)})") from None
-
-
-def _canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> None:
-    """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
-    measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
-    existed; the knob columns just `added` ((kernel, field, column)) take each config's values. One statement for
-    all rows (executemany): tens of thousands of measurements take seconds."""
-    table = MeasurementModel.__table__
-    canonical: dict[str, tuple[str, dict]] = {}
-    changed = []
-    for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
-        if stored not in canonical:
-            config = BackwardConfig.from_json(stored)
-            canonical[stored] = (config.to_json(), {f"v_{column}": getattr(getattr(config, kernel), name)
-                                                   for kernel, name, column in added})
-        text_, values = canonical[stored]
-        if text_ != stored or added:
-            changed.append({"row_id": row_id, "json": text_, "hash": hash_config(text_), **values})
-    if changed:
-        conn.execute(table.update().where(table.c.id == bindparam("row_id"))
-                     .values(config_json=bindparam("json"), config_hash=bindparam("hash"),
-                             **{column: bindparam(f"v_{column}") for _, _, column in added}), changed)
+        if found == "1":
+            store_upgrades.upgrade_from_1(engine, sqlite_path(url), BUSY_TIMEOUT_S)
+        if (found in OLDER_VERSIONS or store_upgrades.stored_layout(engine) != store_upgrades.config_layout()
+                or store_upgrades.missing_knob_columns(engine)):
+            with engine.begin() as conn:
+                store_upgrades.upgrade_knobs(conn)
+    except (SQLAlchemyError, sqlite3.Error) as err:
+        raise StoreError(f"--db {shown}: cannot upgrade its schema from {found} to {SCHEMA_VERSION} "
+                         f"({short_reason(err)})") from None
 
 
 def _enable_wal(conn) -> None:
@@ -384,71 +311,6 @@ def retry_while_busy(conn, step: Callable[[Any], None]) -> None:
             if not transient or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-
-
-def _status_check_sql() -> str:
-    return "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")"
-
-
-def _upgrade_from_1(engine: Engine, url: str, shown: str) -> None:
-    """Schema 1 -> 2: the new tables exist already (create_all); the run-status CHECK gains 'dead'. One
-    transaction that re-reads the version first, so concurrent openers upgrade once."""
-    check_name = f"ck_{RunModel.__tablename__}_run_status"
-    path = sqlite_path(url)
-    try:
-        if path is None:
-            with engine.begin() as conn:
-                version = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")
-                                       .with_for_update()).scalar()
-                if version != "1":
-                    return
-                conn.execute(text(f"ALTER TABLE normtune_runs DROP CONSTRAINT IF EXISTS {check_name}"))
-                conn.execute(text(f"ALTER TABLE normtune_runs ADD CONSTRAINT {check_name} CHECK "
-                                  f"({_status_check_sql()})"))
-                conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
-                             .values(value=str(SCHEMA_VERSION)))
-            return
-        _upgrade_sqlite_from_1(path)
-    except (SQLAlchemyError, sqlite3.Error) as err:
-        raise StoreError(f"--db {shown}: cannot upgrade its schema from 1 to {SCHEMA_VERSION} "
-                         f"({short_reason(err)})") from None
-
-
-def _upgrade_sqlite_from_1(path: str) -> None:
-    """SQLite cannot alter a CHECK constraint: rebuild normtune_runs with the new one (SQLite's documented
-    12-step procedure), under BEGIN IMMEDIATE so that no other process writes meanwhile."""
-    con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-    try:
-        con.execute("PRAGMA foreign_keys=OFF")
-        con.execute("BEGIN IMMEDIATE")
-        version = con.execute("SELECT value FROM normtune_meta WHERE key = 'schema_version'").fetchone()
-        if version is None or version[0] != "1":
-            con.execute("ROLLBACK")
-            return
-        (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'normtune_runs'")\
-            .fetchone()
-        old_check = "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES if s != "dead") + ")"
-        if old_check not in sql:
-            raise sqlite3.DatabaseError(f"unexpected normtune_runs layout: {sql[:200]}")
-        indexes = [row[0] for row in con.execute(
-            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'normtune_runs' AND sql IS NOT NULL")]
-        new_sql = sql.replace(old_check, _status_check_sql()).replace("normtune_runs", "normtune_runs_new", 1)
-        con.execute(new_sql)
-        con.execute("INSERT INTO normtune_runs_new SELECT * FROM normtune_runs")
-        con.execute("DROP TABLE normtune_runs")
-        con.execute("ALTER TABLE normtune_runs_new RENAME TO normtune_runs")
-        for index in indexes:
-            con.execute(index)
-        con.execute(f"UPDATE normtune_meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'")
-        if con.execute("PRAGMA foreign_key_check").fetchall():
-            raise sqlite3.DatabaseError("foreign keys broken by the rebuild of normtune_runs")
-        con.execute("COMMIT")
-    except BaseException:
-        if con.in_transaction:
-            con.execute("ROLLBACK")
-        raise
-    finally:
-        con.close()
 
 
 # --------------------------------------------------------------------------------------------------- optuna

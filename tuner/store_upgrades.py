@@ -1,0 +1,152 @@
+"""Upgrading an older results database in place, each step one transaction: schema 1's run-status check, and
+the knob columns and canonical config JSON of configs stored before a knob existed (no schema version is needed
+for a new knob: its column is generated from the config layout, `store_models.KNOB_COLUMNS`, and the strategies'
+own knobs are recorded as the database's layout). `store_schema` decides when, and turns errors into one line."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from sqlalchemy import bindparam, inspect, select, text
+from sqlalchemy.engine import Engine
+
+from normtune.kernels.config import STRATEGIES, BackwardConfig
+
+from .store_models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, MeasurementModel, MetaModel, RunModel,
+                           hash_config)
+
+# The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.
+LAYOUT_KEY = "config_layout"
+
+
+def config_layout() -> str:
+    """Which strategies' own knobs the canonical config JSON holds, with their defaults ('' when none has any):
+    what a database's stored configs were written with (`LAYOUT_KEY`)."""
+    return ";".join(f"{name}:" + ",".join(f"{k.name}={k.default!r}" for k in s.extra)
+                    for name, s in sorted(STRATEGIES.items()) if s.extra)
+
+
+def stored_layout(engine: Engine) -> str:
+    """The layout recorded in the database (none recorded: configs without a strategy's own knobs)."""
+    with engine.connect() as conn:
+        return conn.execute(select(MetaModel.value).where(MetaModel.key == LAYOUT_KEY)).scalar() or ""
+
+
+def missing_knob_columns(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        have = {c["name"] for c in inspect(conn).get_columns(MeasurementModel.__tablename__)}
+    return [column for column, _, _ in KNOB_COLUMNS.values() if column not in have]
+
+
+def sql_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return repr(value)
+
+
+def upgrade_knobs(conn) -> None:
+    """In the caller's transaction: the knob columns this normtune's configs have and the database lacks
+    (indexed, each row's value read from its stored config: the knob's default where the config predates it),
+    every stored config rewritten in today's canonical JSON (so that a lookup by config finds measurements stored
+    before a knob existed), the layout and the version recorded. No schema version is needed for a new knob."""
+    table = MeasurementModel.__tablename__
+    have = {c["name"] for c in inspect(conn).get_columns(table)}
+    added = []
+    for (kernel, name), (column, sql_type, default) in KNOB_COLUMNS.items():
+        if column not in have:
+            ddl = f"{sql_type.compile(dialect=conn.dialect)} NOT NULL DEFAULT {sql_literal(default)}"
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
+            conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
+            added.append((kernel, name, column))
+    canonical_configs(conn, tuple(added))
+    meta = MetaModel.__table__
+    if conn.execute(select(meta.c.value).where(meta.c.key == LAYOUT_KEY)).scalar() is None:
+        conn.execute(meta.insert().values(key=LAYOUT_KEY, value=config_layout()))
+    else:
+        conn.execute(meta.update().where(meta.c.key == LAYOUT_KEY).values(value=config_layout()))
+    conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
+
+
+def canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> None:
+    """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
+    measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
+    existed; the knob columns just `added` ((kernel, field, column)) take each config's values. One statement for
+    all rows (executemany): tens of thousands of measurements take seconds."""
+    table = MeasurementModel.__table__
+    canonical: dict[str, tuple[str, dict]] = {}
+    changed = []
+    for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
+        if stored not in canonical:
+            config = BackwardConfig.from_json(stored)
+            canonical[stored] = (config.to_json(), {f"v_{column}": getattr(getattr(config, kernel), name)
+                                                   for kernel, name, column in added})
+        text_, values = canonical[stored]
+        if text_ != stored or added:
+            changed.append({"row_id": row_id, "json": text_, "hash": hash_config(text_), **values})
+    if changed:
+        conn.execute(table.update().where(table.c.id == bindparam("row_id"))
+                     .values(config_json=bindparam("json"), config_hash=bindparam("hash"),
+                             **{column: bindparam(f"v_{column}") for _, _, column in added}), changed)
+
+
+def status_check_sql() -> str:
+    return "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES) + ")"
+
+
+def upgrade_from_1(engine: Engine, path: str | None, timeout: float) -> None:
+    """Schema 1 -> 2: the new tables exist already (create_all); the run-status CHECK gains 'dead'. One
+    transaction that re-reads the version first, so concurrent openers upgrade once. `path`: the SQLite file (None
+    for a server database)."""
+    check_name = f"ck_{RunModel.__tablename__}_run_status"
+    if path is not None:
+        upgrade_sqlite_from_1(path, timeout)
+        return
+    with engine.begin() as conn:
+        version = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")
+                               .with_for_update()).scalar()
+        if version != "1":
+            return
+        conn.execute(text(f"ALTER TABLE normtune_runs DROP CONSTRAINT IF EXISTS {check_name}"))
+        conn.execute(text(f"ALTER TABLE normtune_runs ADD CONSTRAINT {check_name} CHECK ({status_check_sql()})"))
+        conn.execute(MetaModel.__table__.update().where(MetaModel.key == "schema_version")
+                     .values(value=str(SCHEMA_VERSION)))
+
+
+def upgrade_sqlite_from_1(path: str, timeout: float) -> None:
+    """SQLite cannot alter a CHECK constraint: rebuild normtune_runs with the new one (SQLite's documented
+    12-step procedure), under BEGIN IMMEDIATE so that no other process writes meanwhile."""
+    con = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    try:
+        con.execute("PRAGMA foreign_keys=OFF")
+        con.execute("BEGIN IMMEDIATE")
+        version = con.execute("SELECT value FROM normtune_meta WHERE key = 'schema_version'").fetchone()
+        if version is None or version[0] != "1":
+            con.execute("ROLLBACK")
+            return
+        (sql,) = con.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'normtune_runs'")\
+            .fetchone()
+        old_check = "status IN (" + ", ".join(f"'{s}'" for s in RUN_STATUSES if s != "dead") + ")"
+        if old_check not in sql:
+            raise sqlite3.DatabaseError(f"unexpected normtune_runs layout: {sql[:200]}")
+        indexes = [row[0] for row in con.execute(
+            "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = 'normtune_runs' AND sql IS NOT NULL")]
+        new_sql = sql.replace(old_check, status_check_sql()).replace("normtune_runs", "normtune_runs_new", 1)
+        con.execute(new_sql)
+        con.execute("INSERT INTO normtune_runs_new SELECT * FROM normtune_runs")
+        con.execute("DROP TABLE normtune_runs")
+        con.execute("ALTER TABLE normtune_runs_new RENAME TO normtune_runs")
+        for index in indexes:
+            con.execute(index)
+        con.execute(f"UPDATE normtune_meta SET value = '{SCHEMA_VERSION}' WHERE key = 'schema_version'")
+        if con.execute("PRAGMA foreign_key_check").fetchall():
+            raise sqlite3.DatabaseError("foreign keys broken by the rebuild of normtune_runs")
+        con.execute("COMMIT")
+    except BaseException:
+        if con.in_transaction:
+            con.execute("ROLLBACK")
+        raise
+    finally:
+        con.close()
