@@ -85,6 +85,37 @@ def test_slim_copy_reproduces_the_table_and_drops_the_rest(full, tmp_path):
     assert again.exit_code == 1 and "already exists" in again.stderr
 
 
+def test_slim_blanks_the_configs_its_knob_columns_describe_and_reads_them_back(full, tmp_path):
+    """The slim file keeps a config only in its knob columns (most of a row's bytes were its JSON): every reader
+    gets the same configs and hashes back, and a writing open recreates the knob indexes the file left out."""
+    path, table = full
+    out = tmp_path / "slim.db"
+    result = CliRunner().invoke(app, ["slim", "--db", f"sqlite:///{path}", "--out", str(out),
+                                      "--table", str(_write(tmp_path / "testgpu.json", table))])
+    assert result.exit_code == 0, result.output
+    con = sqlite3.connect(f"file:{out}?mode=ro", uri=True)
+    try:
+        blank, total = con.execute("SELECT sum(config_json = ''), count(*) FROM normtune_measurements").fetchone()
+        knob_indexes = con.execute("SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name LIKE "
+                                   "'ix_normtune_measurements_k%'").fetchone()[0]
+    finally:
+        con.close()
+    assert total > 0 and blank == total and knob_indexes == 0
+    with Store(f"sqlite:///{path}", read_only=True) as full_store, \
+            Store(f"sqlite:///{out}", read_only=True) as slim:
+        before = {m.id: (m.config, m.config_hash) for m in full_store.measurements() if m.run_id in (1, 4, 6, 7)}
+        after = {m.id: (m.config, m.config_hash) for m in slim.measurements()}
+    assert after == before
+    Store(f"sqlite:///{out}").close()  # a writing open
+    con = sqlite3.connect(out)
+    try:
+        knob_indexes = con.execute("SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name LIKE "
+                                   "'ix_normtune_measurements_k%'").fetchone()[0]
+    finally:
+        con.close()
+    assert knob_indexes == len(keep.KNOB_COLUMNS)
+
+
 def test_a_table_fitted_on_missing_runs_is_refused(full, tmp_path):
     path, table = full
     table = {**table, "provenance": {**table["provenance"], "runs": [1, 99]}}

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .emit import recorded_runs
+from .store_models import KNOB_COLUMNS, config_from_columns
 
 # Optuna's tables (its RDB storage schema) and normtune's slot claims in them: dropped whole.
 OPTUNA_TABLES = ("trial_params", "trial_user_attributes", "trial_system_attributes", "trial_values",
@@ -109,6 +110,7 @@ def write_slim(source: str, out: str, run_ids: list[int]) -> int:
             for table in ("normtune_trial_claims",) + OPTUNA_TABLES:
                 if table in present:
                     dst.execute(f"DELETE FROM {table}")  # noqa: S608 - fixed names
+        blank_described_configs(dst)
         dst.execute("PRAGMA journal_mode=DELETE")
         dst.execute("VACUUM")
         dst.close()
@@ -127,3 +129,19 @@ def load_tables(paths: list[Path]) -> dict[str, dict]:
         except (OSError, ValueError) as err:
             raise ValueError(f"--table {path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
     return out
+
+
+def blank_described_configs(dst: sqlite3.Connection) -> int:
+    """Blank the config JSON of every measurement whose knob columns describe that config exactly (the readers
+    rebuild it from them, `store_models.row_config`), and drop the knob columns' indexes; a config with knobs of a
+    strategy's own keeps its JSON. Most of a kept measurement's bytes were that JSON. Returns the rows blanked."""
+    columns = [column for column, _, _ in KNOB_COLUMNS.values()]
+    rows = dst.execute(f"SELECT id, config_json, {', '.join(columns)} FROM normtune_measurements")  # noqa: S608
+    blank = [(row[0],) for row in rows
+             if row[1] and config_from_columns(dict(zip(columns, row[2:]))).to_json() == row[1]]
+    with dst:
+        dst.executemany("UPDATE normtune_measurements SET config_json = '' WHERE id = ?", blank)
+        # Reading needs no knob index; a writing open recreates them (`store_upgrades.ensure_knob_indexes`).
+        for column in columns:
+            dst.execute(f"DROP INDEX IF EXISTS ix_normtune_measurements_{column}")  # noqa: S608 - fixed names
+    return len(blank)

@@ -346,10 +346,26 @@ def run_record(row: RunModel) -> RunRecord:
                      ended_at=as_utc(row.ended_at), status=row.status)
 
 
+def config_from_columns(values: Any) -> BackwardConfig:
+    """The config whose knobs a measurement row's knob columns hold (`values`: the row, or a mapping from column
+    name). A compacted file (`normtune slim`) blanks the config JSON of every row these columns describe exactly."""
+    get = values.get if isinstance(values, dict) else (lambda column: getattr(values, column))
+    kernels: dict[str, dict] = {"kernel_1": {}, "kernel_2": {}}
+    for (kernel, name), (column, _, default) in KNOB_COLUMNS.items():
+        value = get(column)
+        kernels[kernel][name] = type(default)(value) if isinstance(default, (bool, str)) else value
+    return BackwardConfig.from_dict(kernels)
+
+
+def row_config(row: Any) -> BackwardConfig:
+    """A measurement row's config: its JSON, or, where a compacted file left that blank, its knob columns."""
+    return BackwardConfig.from_json(row.config_json) if row.config_json else config_from_columns(row)
+
+
 def measurement_record(row: MeasurementModel, problem: ProblemModel, run: RunModel) -> MeasurementRecord:
     skip = {"problem", "config", "errors", "created_at", "gpu_key", "gpu_name"}
     values = {f.name: getattr(row, f.name) for f in dataclasses.fields(MeasurementRecord) if f.name not in skip}
-    return MeasurementRecord(**values, problem=problem_from_row(problem), config=BackwardConfig.from_json(row.config_json),
+    return MeasurementRecord(**values, problem=problem_from_row(problem), config=row_config(row),
                              errors=json.loads(row.errors_json), created_at=as_utc(row.created_at),
                              gpu_key=run.gpu_key, gpu_name=run.gpu_name)
 

@@ -279,6 +279,8 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
                 or store_upgrades.missing_knob_columns(engine)):
             with engine.begin() as conn:
                 store_upgrades.upgrade_knobs(conn)
+        with engine.begin() as conn:
+            store_upgrades.ensure_knob_indexes(conn)
     except (SQLAlchemyError, sqlite3.Error) as err:
         raise StoreError(f"--db {shown}: cannot upgrade its schema from {found} to {SCHEMA_VERSION} "
                          f"({short_reason(err)})") from None

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 from normtune.kernels.config import STRATEGIES, BackwardConfig
 
 from .store_models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, MeasurementModel, MetaModel, RunModel,
-                           hash_config)
+                           config_from_columns, hash_config)
 
 # The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.
 LAYOUT_KEY = "config_layout"
@@ -70,6 +70,14 @@ def upgrade_knobs(conn) -> None:
     conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
 
 
+def ensure_knob_indexes(conn) -> None:
+    """The knob columns' indexes, where a compacted file (`normtune slim`) left them out: recreated on a writing
+    open, so that queries by knob stay indexed wherever measurements are added."""
+    table = MeasurementModel.__tablename__
+    for column, _, _ in KNOB_COLUMNS.values():
+        conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
+
+
 def canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> None:
     """Rewrite each stored config in today's canonical JSON (every field, the new knobs at the values those
     measurements ran with) and its hash, so that a lookup by config finds measurements stored before a knob
@@ -78,7 +86,11 @@ def canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> Non
     table = MeasurementModel.__table__
     canonical: dict[str, tuple[str, dict]] = {}
     changed = []
-    for row_id, stored in conn.execute(select(table.c.id, table.c.config_json)).all():
+    columns = [table.c[column] for column, _, _ in KNOB_COLUMNS.values() if column in table.c]
+    for row in conn.execute(select(table.c.id, table.c.config_json, *columns)).mappings().all():
+        row_id, stored = row["id"], row["config_json"]
+        if not stored:  # a compacted file's row: its knob columns hold its config
+            stored = config_from_columns(dict(row)).to_json()
         if stored not in canonical:
             config = BackwardConfig.from_json(stored)
             canonical[stored] = (config.to_json(), {f"v_{column}": getattr(getattr(config, kernel), name)
