@@ -205,6 +205,65 @@ class _NamedOutOfResources(Exception):
 _NamedOutOfResources.__name__ = "OutOfResources"
 
 
+def test_the_reference_is_made_once_per_problem_and_a_wrong_trial_after_right_ones_is_caught(monkeypatch, device):
+    from normtune.tuner.cases import Case
+    from normtune.tuner.measure import MeasureSession
+
+    made = []
+    original_reference = Case.reference
+    monkeypatch.setattr(Case, "reference", lambda self: (made.append(self.problem), original_reference(self))[1])
+    session = MeasureSession(device if device != "cpu" else "cpu")
+    config = default_config(PROBLEM)
+    assert [session.measure_problem(PROBLEM, config).status for _ in range(3)] == ["ok"] * 3
+
+    def wrong(self, original):
+        original(self)
+        self.dx[3] *= 2
+
+    def skipping(self, original):
+        saved = self.dx[-1].clone()  # the poisoned (NaN) row of this trial's outputs
+        original(self)
+        self.dx[-1] = saved
+
+    for corrupt in (wrong, skipping):
+        with monkeypatch.context() as m:
+            _patch(m, "kernel_1", corrupt)
+            r = session.measure_problem(PROBLEM, config)
+        assert r.status == "incorrect" and "dx relative error" in r.error and r.median_us is None
+        assert session.measure_problem(PROBLEM, config).status == "ok"  # the same config, right again
+    assert made == [PROBLEM]  # one reference for all eight trials
+    other = Problem("rms_norm", 7, 40, "fp16")
+    assert session.measure_problem(other, default_config(other)).status == "ok"
+    assert session.measure_problem(other, default_config(other)).status == "ok"
+    assert made == [PROBLEM, other]
+    case = session.case(PROBLEM)  # measured without a reference given: the case's own, made once
+    assert [session.measure(case, config).status for _ in range(2)] == ["ok", "ok"]
+    assert made == [PROBLEM, other, PROBLEM]
+
+
+def test_the_gate_reads_back_once_and_agrees_with_relative_error(monkeypatch, device):
+    from normtune.tuner.measure import relative_error
+    from normtune.tuner.cases import Reference
+
+    problem = Problem("layer_norm", 11, 33, "bf16")
+    _, ref = _reference(problem, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    got = tuple((t.float() * (1 + 0.1 * torch.randn(t.shape, generator=gen, device=device))).to(t.dtype)
+                for t in ref)
+    prepared = Reference(ref)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    passed, errors, _ = gate(problem, got, prepared)
+    assert len(reads) == 1  # every output compared on the device, one read back
+    monkeypatch.undo()
+    assert not passed  # a 10 % error per element is past bf16's tolerance
+    for name, out, exact in zip(("dx", "dw", "db"), got, ref):
+        assert errors[name] == pytest.approx(relative_error(out, exact), rel=1e-12, abs=0)
+
+
 @pytest.mark.parametrize("err, status", [
     (OutOfResources(300000, 232448, "shared memory"), "out_of_resources"),
     (_NamedOutOfResources("too many registers"), "out_of_resources"),

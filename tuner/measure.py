@@ -27,7 +27,7 @@ import torch
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem
 
 from . import views
-from .cases import GATE_TOLERANCE, Case, gate, make_case, relative_error  # noqa: F401 - measure's public names
+from .cases import GATE_TOLERANCE, Case, Reference, gate, make_case, relative_error  # noqa: F401 - public names
 from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exception,  # noqa: F401
                       error_text, floor_bytes, floor_us, percentile)
 
@@ -241,7 +241,7 @@ def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gb
         return MeasureResult(status=classify_exception(err), error=error_text(err), interpret=interpret)
     result = MeasureResult(status="ok", compile_s=compile_s, programs=launch.programs, interpret=interpret)
     if check:
-        ref = reference_grads if reference_grads is not None else case.reference()
+        ref = reference_grads if reference_grads is not None else case.gate_reference()
         passed, errors, message = gate(problem, got, ref)
         result.errors = errors
         if not passed:
@@ -353,7 +353,7 @@ class MeasureSession:
             if self.on_gpu:
                 torch.cuda.empty_cache()
             self._case = self.case(problem)
-            self._reference = self._case.reference()
+            self._reference = self._case.gate_reference()
             if self.on_gpu:
                 torch.cuda.synchronize(self.device)
             phases["inputs"] = phases.get("inputs", 0.0) + time.perf_counter() - t
