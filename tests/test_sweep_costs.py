@@ -125,3 +125,38 @@ def test_a_proposal_considers_a_bounded_window_of_a_large_study():
     assert {n, n + 1} <= set(numbers)  # unfinished trials: the constant liar sees every one
     recent = [t.number for t in big[:n] if t.number not in {b.number for b in best}][-(CONSIDER - BEST_KEPT):]
     assert set(recent) <= set(numbers)
+
+
+def test_a_retry_after_a_rejected_proposal_reuses_the_read_and_samples_the_same():
+    """`StudyBook` proposes again on the same study when the space rejects a config: the retry reuses the trials
+    read and the relative search space (no new read of the study), and the samples are those fresh reads give."""
+    import optuna
+
+    from normtune.tuner.space import Space
+    from normtune.tuner.sweep.sampling import Sampling
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    space = Space(Problem("rms_norm", 4096, 4096, "bf16"), 132)
+    filler = Sampling("tpe", space, seed=3)
+    scratch = optuna.create_study(sampler=filler.sampler)
+    done = []
+    while len(done) < 12:  # past TPE's start-up trials: the multivariate sample runs
+        values, record = filler.propose(scratch)
+        done.append(optuna.trial.create_trial(params=record["params"], distributions=record["distributions"],
+                                              value=float(len(done) * 7 % 12)))
+        scratch.add_trial(done[-1])
+
+    def proposals(retry: bool):
+        study = optuna.create_study()
+        study.add_trials(done)
+        reads = []
+        original = study._get_trials
+        study._get_trials = lambda *a, **k: (reads.append(1), original(*a, **k))[1]
+        sampling = Sampling("tpe", space, seed=11)
+        got = [sampling.propose(study, retry=retry and i > 0)[0] for i in range(6)]
+        return got, len(reads)
+
+    fresh, fresh_reads = proposals(retry=False)
+    reused, reused_reads = proposals(retry=True)
+    assert reused == fresh
+    assert fresh_reads >= 6 and reused_reads == 1

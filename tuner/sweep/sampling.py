@@ -19,6 +19,7 @@ class Sampling:
         import optuna
 
         self.kind, self.space = kind, space
+        self._last = None  # (study, its trials as read, the relative search space) of the last proposal
         self._grid = list(space) if kind == "grid" else None
         if kind == "random":
             self.sampler = optuna.samplers.RandomSampler(seed=seed)
@@ -39,19 +40,29 @@ class Sampling:
         (it keeps its place in the trial's attributes), so it goes through `suggest`."""
         return self._grid is None
 
-    def propose(self, study) -> tuple[dict[str, Any], dict]:
+    def propose(self, study, retry: bool = False) -> tuple[dict[str, Any], dict]:
         """The next config's params and their distributions, sampled without touching the study's storage: the
         sweep rejects what the space's constraints forbid before any trial exists (a rejected config costs a
         sample, not a trial with a database write per knob), and creates the trial it keeps in one transaction.
         The same calls `Study.ask` + `suggest_categorical` make: the relative (multivariate) sample first, an
-        independent one for each knob outside it; the study's trials are read once per proposal."""
+        independent one for each knob outside it; the study's trials are read once per proposal.
+
+        `retry`: the previous proposal on this study was rejected, so no trial was created since: the trials it
+        read and the relative search space inferred from them are reused (a retry costs the sampling alone).
+        The samples are the ones a fresh read would give, the sampler's random state going on as before."""
         import optuna
         from optuna.distributions import CategoricalDistribution
 
-        view = _OneRead(study)
+        last = self._last
+        if retry and last is not None and last[0] is study:
+            view, relative_space = last[1].again(), last[2]
+        else:
+            view, relative_space = _OneRead(study), None
         frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params={}, distributions={})
         self.sampler.before_trial(view, frozen)
-        relative_space = self.sampler.infer_relative_search_space(view, frozen)
+        if relative_space is None:
+            relative_space = self.sampler.infer_relative_search_space(view, frozen)
+        self._last = (study, view, relative_space)
         relative = self.sampler.sample_relative(view, frozen, relative_space)
         d = self.space.domains()
         params: dict[str, Any] = {}
@@ -170,6 +181,11 @@ class _OneRead:
         self._study = study
         self._trials = None
         self._storage = _Recording(study._storage)
+
+    def again(self) -> "_OneRead":
+        """The same trials as read, for another proposal (its own record of what the sampler writes)."""
+        self._storage = _Recording(self._study._storage)
+        return self
 
     def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
         if self._trials is None:

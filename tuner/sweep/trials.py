@@ -157,9 +157,9 @@ class StudyBook:
         """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
         configs it rejects on the way are counted in `rejected` and never become trials."""
         optuna = self._optuna
-        for _ in range(INVALID_STREAK_LIMIT):
+        for attempt in range(INVALID_STREAK_LIMIT):
             with costs.timed("sampler"):
-                values, record = self.sampling.propose(self.study)
+                values, record = self.sampling.propose(self.study, retry=attempt > 0)
                 config = self.space.config(values)
                 why = self.space.why_not(config)
             if why is not None:
