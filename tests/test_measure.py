@@ -11,6 +11,7 @@ import ast
 import csv
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -239,6 +240,18 @@ def test_the_reference_is_made_once_per_problem_and_a_wrong_trial_after_right_on
     case = session.case(PROBLEM)  # measured without a reference given: the case's own, made once
     assert [session.measure(case, config).status for _ in range(2)] == ["ok", "ok"]
     assert made == [PROBLEM, other, PROBLEM]
+
+
+def test_the_first_launch_is_its_own_phase_apart_from_the_check_and_the_timing(device):
+    phases = {"load": 1.0}  # phases add up across trials
+    case = make_case(PROBLEM, device, seed=5)
+    t = time.perf_counter()
+    r = measure_config(case, default_config(PROBLEM), flusher=None, bandwidth_gbps=BANDWIDTH, phases=phases, **FAST)
+    wall = time.perf_counter() - t
+    assert r.status == "ok"
+    assert phases["load"] == pytest.approx(1.0 + r.compile_s)
+    assert phases["gate"] >= 0 and phases["timing"] > 0
+    assert phases["load"] - 1.0 + phases["gate"] + phases["timing"] == pytest.approx(wall, abs=0.05)
 
 
 def test_the_gate_reads_back_once_and_agrees_with_relative_error(monkeypatch, device):

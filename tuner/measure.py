@@ -202,10 +202,11 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
                    budget_s: float = 1.0, check: bool = True, spin_cycles: int = SPIN_CYCLES,
                    phases: dict[str, float] | None = None) -> MeasureResult:
     """Gate then time `config` on `case`. Never raises for a bad config: the status says what went wrong.
-    `phases`, when given, receives the seconds of the gate (first launch, which loads or compiles the kernels,
-    and the check) as "gate" and of the timed repetitions as "timing"."""
+    `phases`, when given, receives the seconds of the first launch (which loads or compiles the kernels) as
+    "load", of the rest of the gate (outputs, poisoning, the check) as "gate" and of the timed repetitions as
+    "timing"."""
     phases = {} if phases is None else phases
-    t_gate, timed_before = time.perf_counter(), phases.get("timing", 0.0)
+    t_gate, timed_before, loaded_before = time.perf_counter(), phases.get("timing", 0.0), phases.get("load", 0.0)
     try:
         return _gate_then_time(case, config, flusher=flusher, bandwidth_gbps=bandwidth_gbps,
                                reference_grads=reference_grads, warmup=warmup, min_reps=min_reps,
@@ -213,7 +214,8 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
                                phases=phases)
     finally:
         timed = phases.get("timing", 0.0) - timed_before
-        phases["gate"] = phases.get("gate", 0.0) + (time.perf_counter() - t_gate) - timed
+        loaded = phases.get("load", 0.0) - loaded_before
+        phases["gate"] = phases.get("gate", 0.0) + (time.perf_counter() - t_gate) - timed - loaded
 
 
 def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gbps, reference_grads, warmup,
@@ -237,6 +239,7 @@ def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gb
         if not interpret:
             torch.cuda.synchronize(device)
         compile_s = time.perf_counter() - t0
+        phases["load"] = phases.get("load", 0.0) + compile_s
     except Exception as err:  # noqa: BLE001 - every failure becomes a status
         return MeasureResult(status=classify_exception(err), error=error_text(err), interpret=interpret)
     result = MeasureResult(status="ok", compile_s=compile_s, programs=launch.programs, interpret=interpret)

@@ -12,7 +12,7 @@
 # Per run: wall (the whole command, process start-up included), trials measured, trials/s, the first
 # measurement's time after the command started, the GPU measuring share (the measuring processes' busy seconds
 # over the GPUs' wall after their start-up), and per worker the breakdown the sweep stores with its run
-# (start-up; measuring: inputs, gate, timing; the worker's sampler, database, compile wait, heartbeats; the
+# (start-up; measuring: inputs, load, gate, timing; the worker's sampler, database, compile wait, heartbeats; the
 # measuring process's idle time). Targets (issue 42): 1 GPU, 30 problems x 30 trials: wall <= 70 s, measuring
 # >= 80 % of the wall after the first measurement, first measurement <= 5 s; 2 GPUs >= 1.85x and 4 GPUs >= 3.4x
 # the trials/s of one (4 GPUs on 60 trials).

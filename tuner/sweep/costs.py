@@ -1,7 +1,8 @@
 """Where a sweep worker's wall clock goes: seconds per phase, kept while it runs and stored with its run.
 
 The measuring process reports its own busy time per trial (the problem's inputs and reference, the correctness
-gate, which includes loading or compiling the kernels, and the timed repetitions); the worker times its own
+first launch of each config, which loads or compiles its kernels, the rest of the correctness gate, and the
+timed repetitions); the worker times its own
 work: claiming slots and creating trials (database), the sampler's proposals, waiting on compile-ahead
 processes, storing measurements and telling trials (database), and the heartbeats (their own thread). The
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
@@ -15,10 +16,10 @@ import time
 from contextlib import contextmanager
 
 # The measuring process's phases, then the worker's own (in the order the closing line shows them).
-MEASURING = ("inputs", "gate", "timing")
+MEASURING = ("inputs", "load", "gate", "timing")
 WORKER = ("sampler", "database", "compile_wait", "heartbeat")
-LABELS = {"inputs": "inputs", "gate": "gate", "timing": "timing", "sampler": "sampler", "database": "database",
-          "compile_wait": "compile wait", "heartbeat": "heartbeat"}
+LABELS = {"inputs": "inputs", "load": "load", "gate": "gate", "timing": "timing", "sampler": "sampler",
+          "database": "database", "compile_wait": "compile wait", "heartbeat": "heartbeat"}
 
 
 class Costs:
