@@ -160,3 +160,46 @@ def test_a_retry_after_a_rejected_proposal_reuses_the_read_and_samples_the_same(
     reused, reused_reads = proposals(retry=True)
     assert reused == fresh
     assert fresh_reads >= 6 and reused_reads == 1
+
+
+def test_distinct_groups_decompose_as_optuna_does_and_the_samples_are_the_same():
+    """`DistinctGroups` (TPE's group decomposition from the distinct knob sets only) gives Optuna's groups after
+    every added trial, and a sampler using it proposes what one with Optuna's own proposes."""
+    import random
+
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+    from optuna.search_space.group_decomposed import _GroupDecomposedSearchSpace, _SearchSpaceGroup
+
+    from normtune.tuner.space import Space
+    from normtune.tuner.sweep.sampling import DistinctGroups, Sampling
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rng = random.Random(0)
+    names = [f"k{i}" for i in range(9)]
+    study = optuna.create_study()
+    ours, theirs = DistinctGroups(_SearchSpaceGroup), _GroupDecomposedSearchSpace()
+    for _ in range(40):
+        used = rng.sample(names, rng.randint(1, 6))  # conditional knobs: each trial has some of them
+        dists = {n: CategoricalDistribution([0, 1, 2]) for n in used}
+        study.add_trial(optuna.trial.create_trial(params={n: rng.randint(0, 2) for n in used}, distributions=dists,
+                                                  value=rng.random()))
+        assert ours.calculate(study).search_spaces == theirs.calculate(study).search_spaces
+
+    space = Space(Problem("rms_norm", 4096, 4096, "bf16"), 132)
+
+    def proposals(keep_optunas: bool):
+        sampling = Sampling("tpe", space, seed=5)
+        assert isinstance(sampling.sampler._group_decomposed_search_space, DistinctGroups)
+        if keep_optunas:
+            sampling.sampler._group_decomposed_search_space = _GroupDecomposedSearchSpace()
+        study = optuna.create_study(sampler=sampling.sampler)
+        got = []
+        for i in range(16):
+            values, record = sampling.propose(study)
+            got.append(values)
+            study.add_trial(optuna.trial.create_trial(params=record["params"], distributions=record["distributions"],
+                                                      value=float(i * 5 % 16)))
+        return got
+
+    assert proposals(keep_optunas=False) == proposals(keep_optunas=True)

@@ -28,6 +28,7 @@ class Sampling:
         else:
             self.sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
                                                       n_startup_trials=8)
+            _distinct_groups(self.sampler)
 
     @property
     def size(self) -> int | None:
@@ -220,3 +221,45 @@ class _Recording:
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def _distinct_groups(sampler) -> None:
+    """Give a TPE sampler with group=True a `DistinctGroups` in place of its group-decomposed search space, where
+    this Optuna has one of the form it knows (else the sampler keeps its own)."""
+    try:
+        from optuna.search_space.group_decomposed import _GroupDecomposedSearchSpace, _SearchSpaceGroup
+    except ImportError:  # pragma: no cover - another Optuna layout: keep the sampler's own
+        return
+    own = getattr(sampler, "_group_decomposed_search_space", None)
+    if type(own) is _GroupDecomposedSearchSpace and hasattr(own, "_include_pruned"):
+        sampler._group_decomposed_search_space = DistinctGroups(_SearchSpaceGroup, own._include_pruned)
+
+
+class DistinctGroups:
+    """TPE's group-decomposed search space (Optuna's `_GroupDecomposedSearchSpace`: the knobs split into groups
+    that are always sampled together), computed the same way from the distinct sets of knobs of the study's
+    trials only. Adding the knobs of a trial whose set was added before leaves the decomposition as it is, and
+    Optuna's keeps what it added across calls too: so each call costs a set per trial, not a decomposition step
+    per trial, and a proposal's cost no longer grows with the decomposition of every trial of the study."""
+
+    def __init__(self, group_class, include_pruned: bool = False):
+        self._group = group_class()
+        self._seen: set[frozenset] = set()
+        self._study_id: int | None = None
+        self._include_pruned = include_pruned
+
+    def calculate(self, study, use_cache: bool = False):
+        import optuna
+
+        if self._study_id is None:
+            self._study_id = study._study_id
+        elif self._study_id != study._study_id:
+            raise ValueError("`DistinctGroups` cannot handle multiple studies.")
+        TS = optuna.trial.TrialState
+        states = (TS.COMPLETE, TS.PRUNED) if self._include_pruned else (TS.COMPLETE,)
+        for trial in study._get_trials(deepcopy=False, states=states, use_cache=use_cache):
+            names = frozenset(trial.distributions)
+            if names not in self._seen:
+                self._seen.add(names)
+                self._group.add_distributions(trial.distributions)
+        return copy.deepcopy(self._group)
