@@ -409,10 +409,18 @@ def test_fitting_row_split_is_correct(split, N, save, device, tolerance, assert_
 def test_wide_fp32_default_is_correct(norm, N, save, device, tolerance, assert_close, reference_norm,
                                       make_norm_inputs):
     """The analytic default of fp32 rows of 8193-16384 columns, as it runs: the rows split in 3 or 4 slices of
-    2 x 4096 tiles (the last slice partly masked at 8200 columns), prefetch, dw/db per column."""
-    problem = Problem(norm, WIDE_DEFAULT_MIN_ROWS, N, "fp32", has_bias=norm == "layer_norm", save=save)
-    config = default_config(problem)
+    2 x 4096 tiles (the last slice partly masked at 8200 columns), prefetch, dw/db per column.
+
+    The default is picked for WIDE_DEFAULT_MIN_ROWS rows and run on 7: the property is the row width, and 7 rows
+    are 4 row tiles per program (the prefetch's first, steady and last tile, the last one half masked), as the
+    interpreter's one row group loops over every tile of the larger problem too."""
+    picked = Problem(norm, WIDE_DEFAULT_MIN_ROWS, N, "fp32", has_bias=norm == "layer_norm", save=save)
+    config = default_config(picked)
     assert config.kernel_1.row_split == (3 if N <= 12288 else 4) and config.kernel_1.prefetch
+    problem = dataclasses.replace(picked, M=7)
+    sms = sm_count(torch.device(device))
+    if device != "cuda":  # the same grid as the larger problem's: one row group, each slice's program loops
+        assert num_programs(problem.M, N, config, sms) == num_programs(picked.M, N, config, sms)
     check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
 
 
