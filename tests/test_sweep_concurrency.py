@@ -1,6 +1,6 @@
 """Several sweep workers on one database, SIGKILLed at random moments: the claims must keep every count exact.
 
-Each repetition starts 3 worker processes on a fresh database (SQLite file, and PostgreSQL when
+Each repetition (2 per database kind, NORMTUNE_STRESS=N for N) starts 3 worker processes on a fresh database (SQLite file, and PostgreSQL when
 NORMTUNE_TEST_POSTGRES_URL is set) sweeping the same 2 problems, SIGKILLs workers at random moments (each killed
 one is replaced by a new worker, as an operator restarting it would), waits for the survivors, and finally runs
 the same sweep once more after the grace period (what a user re-running the command does). Then: no worker
@@ -41,8 +41,19 @@ TRIALS = 7
 WORKERS = 3
 GRACE = 4
 # Per database kind, each with its own random kill times and counts: 0 crashes, 0 duplicates, 0 lost, exact counts
-# in every one (10 repetitions took 2 minutes per kind of CI's 2 cores).
-REPETITIONS = 5
+# in every one. The default run does 2 per kind; NORMTUNE_STRESS=20 runs the adversarial 20 per kind (DEVELOPERS.md).
+STRESS_ENV = "NORMTUNE_STRESS"
+
+
+def _repetitions_wanted() -> int:
+    raw = os.environ.get(STRESS_ENV, "2")
+    if not raw.isdigit() or int(raw) < 1:
+        raise pytest.UsageError(f"{STRESS_ENV}={raw!r}: set it to a whole number of repetitions >= 1, e.g. "
+                                f"{STRESS_ENV}=20")
+    return int(raw)
+
+
+REPETITIONS = _repetitions_wanted()
 INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
                   sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
                   triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
