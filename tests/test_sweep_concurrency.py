@@ -1,7 +1,7 @@
 """Several sweep workers on one database, SIGKILLed at random moments: the claims must keep every count exact.
 
-Each repetition (2 per database kind, NORMTUNE_STRESS=N for N) starts 3 worker processes on a fresh database (SQLite file, and PostgreSQL when
-NORMTUNE_TEST_POSTGRES_URL is set) sweeping the same 2 problems, SIGKILLs workers at random moments (each killed
+Each repetition (2 per database kind; NORMTUNE_STRESS=N for N) starts 3 worker processes on a fresh database
+(SQLite file, and PostgreSQL when NORMTUNE_TEST_POSTGRES_URL is set) sweeping the same 2 problems, SIGKILLs workers at random moments (each killed
 one is replaced by a new worker, as an operator restarting it would), waits for the survivors, and finally runs
 the same sweep once more after the grace period (what a user re-running the command does). Then: no worker
 crashed, each study has exactly `--trials` measurements, one per finished trial and none twice, no trial is
