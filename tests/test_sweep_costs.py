@@ -43,14 +43,14 @@ class BusyMeasurer:
 
     def submit(self, problem, config):
         self._due = time.perf_counter() + MEASURE_S
-        BusyMeasurer.log.append({"event": "submit", "running": len(SWEEP[0]._running)})
+        BusyMeasurer.log.append({"event": "submit", "running": len(SWEEP[0].pending.running)})
 
     def ready(self):
         return time.perf_counter() >= self._due
 
     def collect(self, timeout_s):
         time.sleep(max(0.0, self._due - time.perf_counter()))
-        BusyMeasurer.log.append({"event": "collect", "running": len(SWEEP[0]._running)})
+        BusyMeasurer.log.append({"event": "collect", "running": len(SWEEP[0].pending.running)})
         self.phases = {"inputs": 0.001, "gate": 0.01, "timing": MEASURE_S - 0.011}
         return MeasureResult(status="ok", median_us=10.0 + len(BusyMeasurer.log) % 7, reps=2, interpret=True)
 

@@ -36,25 +36,13 @@ from typing import Callable, Iterator
 from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
-from ..measure import MeasureResult
-from .compiling import compile_one, wait_compiled
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
-from .trials import NewTrial, StudyBook
+from .pending import Pending, PendingTrials
+from .trials import StudyBook
 
 log = logging.getLogger("normtune.sweep")
-
-
-@dataclass
-class _Pending:
-    slot: int
-    trial: NewTrial
-    compiled: object  # Future | None
-    book: StudyBook
-    ps: ProblemSummary
-    compile_s: float | None = None  # of its compile-ahead job
-    sent_at: float = 0.0  # when it went to the measuring process
 
 
 @dataclass
@@ -65,7 +53,6 @@ class _ProblemEnd:
 
 
 _IDLE = object()  # in the feed: only slots held by other workers are left for now
-_ABANDONED = MeasureResult(status="abandoned")  # a trial a second signal abandoned before it was measured
 
 
 class Sweep:
@@ -85,11 +72,10 @@ class Sweep:
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
         self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval,
                                             grace_period=opts.grace_period)
-        self._running: dict[int, int] = {}  # trial_id -> number, for heartbeats
-        self._lock = threading.Lock()
         self._books: dict[str, StudyBook] = {}
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
         self._measurer, self.costs, self._fed_stop = None, Costs(), None
+        self.pending: PendingTrials | None = None  # the trials on their way to the store, while `run()` runs
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
 
     # ------------------------------------------------------------------------------------------- signals
@@ -117,11 +103,9 @@ class Sweep:
     def _heartbeat_loop(self, run_id: int, stop: threading.Event) -> None:
         """Beats of this worker's run (with its costs so far, for `normtune status`) and of its trials."""
         while not stop.wait(self.opts.heartbeat_interval):
-            with self._lock:
-                ids = list(self._running)
             t = time.perf_counter()
             try:
-                for tid in ids:
+                for tid in self.pending.held():
                     self.storage.record_heartbeat(tid)
                 self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device(),
                                 costs=self.costs.to_dict())
@@ -145,6 +129,8 @@ class Sweep:
         measurer, pool = self._helpers or start_helpers(opts, self.info, MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
+        self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.costs, self.emit,
+                                     abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.mark_dead_runs()
@@ -204,7 +190,7 @@ class Sweep:
 
     def _feed(self, order: list[Problem], targets: list[int], run_id: int, pool, t0: float,
               by_key: dict[str, ProblemSummary]) -> Iterator:
-        """The trials to measure, in order: a `_Pending` per claimed slot (created, its compile submitted), a
+        """The trials to measure, in order: a `Pending` per claimed slot (created, its compile submitted), a
         `_ProblemEnd` after each problem's trials of a round, and `_IDLE` when only slots that other workers
         hold are left (the pipeline waits, then asks again). Lazy: a problem's study is opened only when its
         turn comes, so measuring starts before the rest are loaded."""
@@ -228,7 +214,7 @@ class Sweep:
                         if dead_trial is not None:
                             with self.costs.timed("database"):
                                 book.fail_orphan(dead_trial)
-                        item = self._start_trial(book, ps, slot, run_id, pool)
+                        item = self.pending.start(book, ps, slot, run_id, pool)
                         if item is None:
                             self._exhausted[problem.key] = True
                             break
@@ -264,13 +250,13 @@ class Sweep:
         is killed was never committed: its slot is taken over and measured again."""
         lookahead = max(2, self.opts.lookahead)
         queue: deque = deque()
-        inflight: _Pending | None = None  # sent to the measuring process
+        inflight: Pending | None = None  # sent to the measuring process
         collected: tuple | None = None  # (item, result): measured, not stored yet
         idle = ended = False
         try:
             while True:
                 stopping = self._stopping(t0)
-                while not (stopping or ended or idle) and sum(isinstance(x, _Pending) for x in queue) < lookahead:
+                while not (stopping or ended or idle) and sum(isinstance(x, Pending) for x in queue) < lookahead:
                     if inflight is not None and self._measurer.ready():
                         break
                     nxt = next(feed, None)
@@ -282,28 +268,28 @@ class Sweep:
                         queue.append(nxt)
                 self._summarize_ready(queue, inflight, collected)
                 if inflight is not None:
-                    collected, inflight = (inflight, self._collect(inflight, summary)), None
+                    collected, inflight = (inflight, self.pending.collect(inflight, summary)), None
                     stopping = self._stopping(t0)
-                nxt = None if stopping else next((x for x in queue if isinstance(x, _Pending)), None)
+                nxt = None if stopping else next((x for x in queue if isinstance(x, Pending)), None)
                 if nxt is not None:
                     queue.remove(nxt)
-                    at_once = self._send(nxt, summary)
+                    at_once = self.pending.send(nxt, summary)
                     if at_once is None:
                         inflight = nxt
                     else:  # nothing to measure: stored after the previous one
                         if collected is not None:
-                            self._store(*collected, run_id, summary)
+                            self.pending.commit(*collected, run_id, summary)
                         collected = (nxt, at_once)
                 if collected is not None:  # stored while the trial just sent measures
-                    self._store(*collected, run_id, summary)
+                    self.pending.commit(*collected, run_id, summary)
                     collected = None
                 if stopping:
                     summary.stopped = stopping
                     if inflight is not None:  # the trial in flight is finished (a second signal abandons it)
-                        self._store(inflight, self._collect(inflight, summary), run_id, summary)
+                        self.pending.commit(inflight, self.pending.collect(inflight, summary), run_id, summary)
                         inflight = None
                     break
-                if inflight is None and not any(isinstance(x, _Pending) for x in queue):
+                if inflight is None and not any(isinstance(x, Pending) for x in queue):
                     self._summarize_ready(queue, None, None)
                     if ended:
                         break
@@ -313,10 +299,10 @@ class Sweep:
             summary.stopped = summary.stopped or self._fed_stop  # the feed may have stopped first
         finally:
             for item in [x for x in (inflight, collected and collected[0]) if x is not None]:
-                self._abandon(item, run_id)
-            for rest in [x for x in queue if isinstance(x, _Pending)]:
+                self.pending.abandon(item, run_id)
+            for rest in [x for x in queue if isinstance(x, Pending)]:
                 queue.remove(rest)
-                self._abandon(rest, run_id)
+                self.pending.abandon(rest, run_id)
             self._summarize_ready(queue, None, None)
             feed.close()
 
@@ -324,7 +310,7 @@ class Sweep:
         """Summarize the problems whose round ended (a marker in `queue`) once the trials before it are stored."""
         unstored = {id(x.book) for x in (inflight, collected and collected[0]) if x is not None}
         for x in list(queue):
-            if isinstance(x, _Pending):
+            if isinstance(x, Pending):
                 unstored.add(id(x.book))
             elif id(x.book) not in unstored:
                 queue.remove(x)
@@ -339,86 +325,6 @@ class Sweep:
                 book.repair(self.store)
             self._books[problem.key] = book
         return self._books[problem.key]
-
-    def _start_trial(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> _Pending | None:
-        trial = book.new_trial(slot, self.costs)
-        if trial is None:
-            self.store.release_slot(book.name, slot, run_id)
-            return None
-        with self._lock:
-            self._running[trial.trial_id] = trial.number
-        with self.costs.timed("database"):
-            self.store.bind_slot(book.name, slot, run_id, trial.number)
-        future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
-                  if pool is not None else None)
-        return _Pending(slot, trial, future, book, ps)
-
-    def _abandon(self, item: _Pending, run_id: int) -> None:
-        if item.compiled is not None:
-            item.compiled.cancel()
-        with self.costs.timed("database"):
-            item.book.abandon(item.trial)
-            self.store.release_slot(item.book.name, item.slot, run_id)
-        with self._lock:
-            self._running.pop(item.trial.trial_id, None)
-
-    def _send(self, item: _Pending, summary: SweepSummary) -> MeasureResult | None:
-        """Wait for the trial's compile-ahead job, then hand it to the measuring process. A result at once when
-        there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
-        if item.compiled is not None:
-            t_wait = time.perf_counter()
-            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, lambda: self.stop_requested >= 2)
-            summary.compile_wait_s += time.perf_counter() - t_wait
-            self.costs.add("compile_wait", time.perf_counter() - t_wait)
-            if compiled is None:
-                return _ABANDONED
-            cstatus, item.compile_s, cerr = compiled
-            summary.compile_s += item.compile_s or 0.0
-            if cstatus in ("compile_error", "out_of_resources"):
-                return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
-                                     interpret=self.info.interpret)
-        self._measurer.submit(item.book.problem, item.trial.config)  # the first one waits for the process to start
-        item.sent_at = time.perf_counter()
-        self.costs.sent()
-        return None
-
-    def _collect(self, item: _Pending, summary: SweepSummary) -> MeasureResult:
-        result = self._measurer.collect(self.opts.trial_timeout_s)
-        summary.measure_s += time.perf_counter() - item.sent_at
-        self.costs.measured(self._measurer.phases)
-        if item.compile_s is not None:
-            result.compile_s = item.compile_s
-        return result
-
-    def _store(self, item: _Pending, result: MeasureResult, run_id: int, summary: SweepSummary) -> None:
-        """Commit a trial's measurement, then tell its trial; an abandoned one gives its slot back."""
-        book, trial, ps = item.book, item.trial, item.ps
-        if result is _ABANDONED or self.stop_requested >= 2:  # a second signal abandoned it mid-measurement
-            self._abandon(item, run_id)
-            return
-        # Commit the measurement first: a kill after this line loses nothing (the next worker tells the trial).
-        with self.costs.timed("database"):
-            stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
-                                                study_name=book.name, trial_number=trial.number, slot=item.slot)
-            if stored is None:  # this worker stalled past its grace period and another one took the slot over
-                log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
-                            book.name, trial.number)
-                book.abandon(trial)
-            else:
-                book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
-        with self._lock:
-            self._running.pop(trial.trial_id, None)
-        if stored is None:
-            return
-        ps.measured_now += 1
-        if result.status != "ok":
-            ps.failures[result.status] = ps.failures.get(result.status, 0) + 1
-        elif ps.best_us is None or result.median_us < ps.best_us:
-            ps.best_us, ps.best_config = result.median_us, trial.config
-        if trial.config == book.default and result.status == "ok":
-            ps.default_us = result.median_us
-        self.emit("trial", {"problem": book.problem, "config": trial.config, "result": result,
-                            "best_us": ps.best_us, "default_us": ps.default_us, "number": trial.number})
 
     # --------------------------------------------------------------------------------------------- ending
 

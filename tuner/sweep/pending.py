@@ -1,0 +1,138 @@
+"""A sweep worker's trials between their slot's claim and their stored measurement (`PendingTrials`): each
+claimed slot's trial is created (a seed or the sampler's) and its compile-ahead job submitted, handed to the
+measuring process once compiled, collected, and its measurement committed to the store before the trial is told;
+a trial abandoned on the way gives its slot back. The trials held (created, not yet stored nor given back) are
+listed for the heartbeat thread, which beats them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..device import DeviceInfo
+from ..measure import MeasureResult
+from .compiling import compile_one, wait_compiled
+from .costs import Costs
+from .options import ProblemSummary, SweepOptions, SweepSummary
+from .trials import NewTrial, StudyBook
+
+log = logging.getLogger("normtune.sweep")
+
+ABANDONED = MeasureResult(status="abandoned")  # a trial a second signal abandoned before it was measured
+
+
+@dataclass
+class Pending:
+    """A claimed slot's trial on its way to the store."""
+    slot: int
+    trial: NewTrial
+    compiled: object  # Future | None
+    book: StudyBook
+    ps: ProblemSummary
+    compile_s: float | None = None  # of its compile-ahead job
+    sent_at: float = 0.0  # when it went to the measuring process
+
+
+class PendingTrials:
+    """The worker's trials from creation to storage. `abandoning()` is true once a second signal asked to abandon
+    the trial being measured."""
+
+    def __init__(self, opts: SweepOptions, store, info: DeviceInfo, measurer, costs: Costs,
+                 emit: Callable[[str, dict], None], abandoning: Callable[[], bool]):
+        self.opts, self.store, self.info, self.measurer, self.costs = opts, store, info, measurer, costs
+        self.emit, self.abandoning = emit, abandoning
+        self.running: dict[int, int] = {}  # trial_id -> number of the trials held, for heartbeats
+        self._lock = threading.Lock()
+
+    def held(self) -> list[int]:
+        """The trial ids held now (from any thread)."""
+        with self._lock:
+            return list(self.running)
+
+    def start(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> Pending | None:
+        """The claimed slot's trial, created and its compile submitted; None (the slot given back) where the
+        problem's space has nothing left to propose."""
+        trial = book.new_trial(slot, self.costs)
+        if trial is None:
+            self.store.release_slot(book.name, slot, run_id)
+            return None
+        with self._lock:
+            self.running[trial.trial_id] = trial.number
+        with self.costs.timed("database"):
+            self.store.bind_slot(book.name, slot, run_id, trial.number)
+        future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
+                  if pool is not None else None)
+        return Pending(slot, trial, future, book, ps)
+
+    def abandon(self, item: Pending, run_id: int) -> None:
+        """The trial told abandoned and its slot given back."""
+        if item.compiled is not None:
+            item.compiled.cancel()
+        with self.costs.timed("database"):
+            item.book.abandon(item.trial)
+            self.store.release_slot(item.book.name, item.slot, run_id)
+        with self._lock:
+            self.running.pop(item.trial.trial_id, None)
+
+    def send(self, item: Pending, summary: SweepSummary) -> MeasureResult | None:
+        """Wait for the trial's compile-ahead job, then hand it to the measuring process. A result at once when
+        there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
+        if item.compiled is not None:
+            t_wait = time.perf_counter()
+            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning)
+            summary.compile_wait_s += time.perf_counter() - t_wait
+            self.costs.add("compile_wait", time.perf_counter() - t_wait)
+            if compiled is None:
+                return ABANDONED
+            cstatus, item.compile_s, cerr = compiled
+            summary.compile_s += item.compile_s or 0.0
+            if cstatus in ("compile_error", "out_of_resources"):
+                return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
+                                     interpret=self.info.interpret)
+        self.measurer.submit(item.book.problem, item.trial.config)  # the first one waits for the process to start
+        item.sent_at = time.perf_counter()
+        self.costs.sent()
+        return None
+
+    def collect(self, item: Pending, summary: SweepSummary) -> MeasureResult:
+        """The result of the trial sent last."""
+        result = self.measurer.collect(self.opts.trial_timeout_s)
+        summary.measure_s += time.perf_counter() - item.sent_at
+        self.costs.measured(self.measurer.phases)
+        if item.compile_s is not None:
+            result.compile_s = item.compile_s
+        return result
+
+    def commit(self, item: Pending, result: MeasureResult, run_id: int, summary: SweepSummary) -> None:
+        """Commit a trial's measurement, then tell its trial; an abandoned one gives its slot back."""
+        book, trial, ps = item.book, item.trial, item.ps
+        if result is ABANDONED or self.abandoning():  # a second signal abandoned it mid-measurement
+            self.abandon(item, run_id)
+            return
+        # Commit the measurement first: a kill after this line loses nothing (the next worker tells the trial).
+        with self.costs.timed("database"):
+            stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
+                                                study_name=book.name, trial_number=trial.number, slot=item.slot)
+            if stored is None:  # this worker stalled past its grace period and another one took the slot over
+                log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
+                            book.name, trial.number)
+                book.abandon(trial)
+            else:
+                book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
+        with self._lock:
+            self.running.pop(trial.trial_id, None)
+        if stored is None:
+            return
+        ps.measured_now += 1
+        if result.status != "ok":
+            ps.failures[result.status] = ps.failures.get(result.status, 0) + 1
+        elif ps.best_us is None or result.median_us < ps.best_us:
+            ps.best_us, ps.best_config = result.median_us, trial.config
+        if trial.config == book.default and result.status == "ok":
+            ps.default_us = result.median_us
+        self.emit("trial", {"problem": book.problem, "config": trial.config, "result": result,
+                            "best_us": ps.best_us, "default_us": ps.default_us, "number": trial.number})
