@@ -5,6 +5,7 @@ WAL database that the reading commands must still read. Files are compared by ha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sqlite3
@@ -23,7 +24,15 @@ from normtune.tuner.store import Store, StoreError
 from normtune.tuner.sweep.options import study_name
 from test_store import H100, RMS, ok
 
-CLI = [sys.executable, "-c", "from normtune.cli import app; app()"]
+# Runs each command line of the JSON list in argv[1] through the CLI, one JSON line per command: exit code, output.
+RUN_COMMANDS = """
+import json, sys
+from typer.testing import CliRunner
+from normtune.cli import app
+for args in json.loads(sys.argv[1]):
+    result = CliRunner().invoke(app, args)
+    print(json.dumps({"code": result.exit_code, "output": result.output + repr(result.exception or '')}))
+"""
 
 
 def _hashes(folder: Path) -> dict[str, str]:
@@ -177,16 +186,22 @@ def test_reading_commands_read_a_read_only_wal_database(tmp_path):
     os.chmod(folder, stat.S_IRUSR | stat.S_IXUSR | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
     before = _hashes(folder)
     out = tmp_path / "out"
-    try:
-        for args, expect in [
-            (["status", "--db", url], "no sweep studies"),
-            (["prune", "--dry-run", "--db", url], "would drop 1 superseded studies"),
-            (["emit", "--gpu", "h100", "--db", url, "--out", str(out / "h100.json")], "wrote"),
-            (["report", "--gpu", "h100", "--db", url, "--out", str(out / "report")], "wrote"),
-        ]:
-            result = subprocess.run(_unprivileged() + CLI + args, capture_output=True, text=True,
-                                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
-            assert result.returncode == 0 and expect in result.stdout + result.stderr, (args, result.stderr)
+    commands = [
+        (["status", "--db", url], "no sweep studies"),
+        (["prune", "--dry-run", "--db", url], "would drop 1 superseded studies"),
+        (["emit", "--gpu", "h100", "--db", url, "--out", str(out / "h100.json")], "wrote"),
+        (["report", "--gpu", "h100", "--db", url, "--out", str(out / "report")], "wrote"),
+    ]
+    try:  # one unprivileged process runs the four commands in turn (one interpreter start, not four)
+        result = subprocess.run(_unprivileged() + [sys.executable, "-c", RUN_COMMANDS,
+                                                   json.dumps([args for args, _ in commands])],
+                                capture_output=True, text=True,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
     finally:
         os.chmod(folder, stat.S_IRWXU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(outcomes) == len(commands), result.stdout[-3000:]
+    for (args, expect), outcome in zip(commands, outcomes):
+        assert outcome["code"] == 0 and expect in outcome["output"], (args, outcome["output"][-3000:])
     assert _hashes(folder) == before
