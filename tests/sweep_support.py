@@ -276,8 +276,23 @@ def check_studies(url: str, names: Iterable[str], target: int) -> dict[str, dict
 
 # These end-to-end sweeps run the kernels through the Triton interpreter (--interpret): in-process that needs
 # TRITON_INTERPRET=1 before the kernels are imported (tests/conftest.py sets it on machines without CUDA), and
-# Triton 3.6's interpreter (the GPU hosts' version) cannot run kernel_1. On a GPU host the sweep is exercised
-# for real by `normtune sweep --gpu ...` (docs/perf-notes.md), so these skip there.
-INTERPRETER_ONLY = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="needs the Triton interpreter (CPU-only machines; TRITON_INTERPRET=1 at start)")
+# a Triton the CLI accepts for --interpret (Triton 3.6's interpreter, the GPU hosts' version, cannot run kernel_1).
+# On a GPU host the sweep is exercised for real by `normtune sweep --gpu ...` (docs/perf-notes.md), so these skip
+# there, with the CLI's own refusal as the reason.
+def interpreter_cli_refusal() -> str | None:
+    """Why `--interpret` would be refused in this process, or None where the CLI accepts it."""
+    import triton
+
+    from normtune.commands.common import CLIError, check_interpreter_triton
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return "needs the Triton interpreter (CPU-only machines; TRITON_INTERPRET=1 at start)"
+    try:
+        check_interpreter_triton(triton.__version__)
+    except CLIError as err:
+        return str(err)
+    return None
+
+
+INTERPRETER_ONLY = pytest.mark.skipif(interpreter_cli_refusal() is not None,
+                                      reason=interpreter_cli_refusal() or "the interpreter CLI is accepted")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from sweep_support import INTERPRETER_ONLY
 
 from normtune.commands.common import CLIError, problems_option, with_residual
 from normtune.kernels.config import Problem, default_config
@@ -95,6 +96,7 @@ def test_where_names_the_residual_family():
 
 
 
+@INTERPRETER_ONLY
 def test_interpreted_sweep_and_emit_keep_the_residual_family(tmp_path):
     """`sweep --residual` stores residual problems under their own family, and `emit` writes that family's rules
     beside (not into) the plain family's; the emitted table answers the residual problem with its own rules."""
