@@ -1,5 +1,6 @@
-"""The checks a public norm call makes of its arguments before anything runs (`functional`, `residual`): the
-options, the tensors (dtype, device, shape, strides), an explicit config, and whether y gives x̂ back."""
+"""The checks a public norm call makes of its arguments before anything runs (`functional`, `residual`, `direct`):
+the options, the tensors (dtype, device, shape, strides), an explicit config (resolved to the backward it runs,
+once per signature), and whether y gives x̂ back."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from torch import Tensor
 
 from . import saving
-from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, Problem, mapping_to_json
+from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, mapping_to_json
+from .ops import BackwardCall, resolved
+from .select import parsed_config
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,35 +48,37 @@ def _check_tensor(name: str, t: Any, x: Tensor | None = None) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}: move them to one device")
 
 
-def _explicit_config(config: BackwardConfig | dict | str | None) -> BackwardConfig | str | None:
-    """An explicit config as a value (parsed once), or — while torch.compile traces, which cannot run the json
-    module — as text the backward op parses and validates outside the graph."""
-    if config is None or isinstance(config, BackwardConfig):
+def _explicit_config(config: BackwardConfig | dict | str) -> BackwardConfig:
+    """An explicit config as a value (JSON text parsed once per text)."""
+    if isinstance(config, BackwardConfig):
         return config
-    if torch.compiler.is_compiling() and isinstance(config, (dict, str)):
-        return config if isinstance(config, str) else mapping_to_json(config)
     if isinstance(config, dict):
         return BackwardConfig.from_dict(config)
     if isinstance(config, str):
-        return BackwardConfig.from_json(config)
+        return parsed_config(config)
     raise TypeError(f"config must be a BackwardConfig, a dict, JSON text or None, got {type(config).__name__}")
 
 
-def explicit_config_text(config: BackwardConfig | dict | str | None, saved: Tensor, weight, bias, *, is_rms: bool,
-                         zero_centered: bool, save: str) -> str:
-    """The config as the backward op carries it (JSON text; "" picks one), checked first against the problem of
-    `saved` (x, or y when save="output") and the weight and bias."""
+def explicit_backward(config: BackwardConfig | dict | str | None, rows: Tensor, weight, bias, *, is_rms: bool,
+                      zero_centered: bool, save: str, residual_dtype: torch.dtype | None = None) -> BackwardCall | str:
+    """What the backward takes for the call's `config=`: "" (None: selected per problem); the `BackwardCall` of
+    an explicit config, checked against the problem of `rows` (the backward's rows: x, or y when save="output",
+    as 2-D rows; with `residual_dtype`, the residual form's) and the weight and bias, once per signature; or,
+    while torch.compile traces (symbolic shapes, no json module), the config as JSON text, which the backward op
+    resolves outside the graph."""
+    if config is None:
+        return ""
+    if torch.compiler.is_compiling():
+        if isinstance(config, BackwardConfig):
+            return config.to_json()
+        if isinstance(config, (dict, str)):
+            return config if isinstance(config, str) else mapping_to_json(config)
     config = _explicit_config(config)
-    if isinstance(config, BackwardConfig) and not torch.compiler.is_compiling():  # shapes are symbolic there
-        N = saved.shape[-1]
-        problem = Problem("rms_norm" if is_rms else "layer_norm", saved.numel() // N, N, saved.dtype,
-                          weight.dtype if weight is not None else None, weight is not None, bias is not None,
-                          zero_centered, save)
-        try:
-            config.validate(problem)
-        except ConfigError as err:
-            raise ValueError(f"config does not fit this input ({problem.M}x{problem.N}): {err}") from None
-    return config.to_json() if isinstance(config, BackwardConfig) else (config or "")
+    M, N = rows.shape
+    try:
+        return resolved(rows, M, N, weight, bias, is_rms, zero_centered, save == "output", config, residual_dtype)
+    except ConfigError as err:
+        raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
 
 
 def _fits(t: Any, x: Tensor, N: int) -> bool:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 
 from .knobs import BackwardConfig
-from .limits import DeviceLimits
+from .limits import REFERENCE, DeviceLimits
+from .problem import Problem
 
 
 def fallbacks(config: BackwardConfig, limits: DeviceLimits) -> list[str]:
@@ -47,3 +48,30 @@ def portable(config: BackwardConfig, limits: DeviceLimits) -> BackwardConfig:
     if new_k1 == k1 and new_k2 == k2:
         return config
     return BackwardConfig(new_k1, new_k2)
+
+
+# (problem, config, limits) → the config's portable form, validated for the problem on that device: what
+# `checked` has answered. Validation is a pure function of the three, so each triple is validated once.
+_CHECKED: dict[tuple, BackwardConfig] = {}
+MAX_CHECKED = 8192
+
+
+def checked(problem: Problem, config: BackwardConfig, limits: DeviceLimits | None = None) -> BackwardConfig:
+    """`config` in the portable form of the device of `limits` (the reference device without), validated for
+    `problem` there (`BackwardConfig.validate`, which raises `ConfigError` naming the field). The runtime's one
+    validation of a config: the selection, an explicit `config=` and the launch plan all ask here, and a triple
+    already answered is not validated again (a config that fails is, each time it is asked about)."""
+    lim = limits or REFERENCE
+    key = (problem, config, lim)
+    hit = _CHECKED.get(key)
+    if hit is None:
+        hit = portable(config, lim).validate(problem, lim)
+        if len(_CHECKED) >= MAX_CHECKED:  # e.g. a new row count every step: start over rather than grow
+            _CHECKED.clear()
+        _CHECKED[key] = _CHECKED[(problem, hit, lim)] = hit  # the portable form is its own portable form
+    return hit
+
+
+def clear_checked() -> None:
+    """Forget validated configs (`select.clear_caches`)."""
+    _CHECKED.clear()

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from . import forward_calls, saving
+from .call_checks import check_inputs, check_options, explicit_backward, rows_2d
 from .config import BackwardConfig
-from .functional import check_inputs, check_options, contiguous_operand, explicit_config_text, rows_2d
-from .ops import backward_impl, forward_impl
+from .ops import backward_impl, contiguous_operand, forward_impl
 from .residual import residual_dtype_of
 from .residual_ops import forward_impl as _residual_forward_impl
 
@@ -111,11 +111,12 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         raise ValueError(saving.refusal("from_output=True"))
     if not uses_mean:
         mean = rstd  # not read
-    text = explicit_config_text(config, grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                                save="output" if from_output else "input")
-    dx, dw, db = backward_impl(rows_2d(grad), rows_2d(saved), contiguous_operand(weight),
-                                contiguous_operand(bias), rstd, mean, is_rms, zero_centered, from_output, text,
-                                None if grad_residual is None else rows_2d(grad_residual))
+    grad2d, dh = rows_2d(grad), None if grad_residual is None else rows_2d(grad_residual)
+    backward = explicit_backward(config, grad2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
+                                 save="output" if from_output else "input",
+                                 residual_dtype=None if dh is None else dh.dtype)
+    dx, dw, db = backward_impl(grad2d, rows_2d(saved), contiguous_operand(weight), contiguous_operand(bias), rstd,
+                                mean, is_rms, zero_centered, from_output, backward, dh)
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import forward_calls
-from .call_checks import check_inputs, check_options, explicit_config_text, output_recovers, rows_2d
+from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d
 from .config import BackwardConfig
 from .ops import contiguous_operand, eager_norm, norm_forward
 from .residual import fused_add_norm
@@ -40,14 +40,13 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
             return eager_norm(x, weight, bias, eps, is_rms, zero_centered, save == "output", "", plan)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)
-    config_text = explicit_config_text(config, x, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                                       save=save)
     x2d = rows_2d(x)
+    backward = explicit_backward(config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
     if compiling:
-        y, _, _ = norm_forward(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", config_text)
+        y, _, _ = norm_forward(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", backward)
     else:
-        y = eager_norm(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", config_text)
+        y = eager_norm(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", backward)
         if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
             forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, store_mean)
     return y if x.dim() == 2 else y.view(x.shape)

@@ -8,6 +8,7 @@ and `backward.py`; this module only dispatches between the Triton kernels and th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -35,18 +36,11 @@ def contiguous_operand(t: Optional[Tensor]) -> Optional[Tensor]:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
-def backward_problem(grad: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], *, is_rms: bool,
-                     zero_centered: bool, save_output: bool, residual_dtype: Optional[torch.dtype] = None) -> Problem:
-    """`residual_dtype`: dh's dtype in the residual form (None: no residual)."""
-    M, N = grad.shape
-    return _problem(M, N, grad.dtype, weight.dtype if weight is not None else None, weight is not None,
-                    bias is not None, is_rms, zero_centered, save_output, residual_dtype)
-
-
 @functools.lru_cache(maxsize=4096)
 def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output,
              residual_dtype=None) -> Problem:
-    """Built (and validated) once per shape and flags: it is on every call's host path."""
+    """Built (and validated) once per shape and flags (`resolved`); `residual_dtype`: dh's dtype in the residual
+    form (None: no residual)."""
     return Problem(norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=dtype, weight_dtype=weight_dtype,
                    has_weight=has_weight, has_bias=has_bias, zero_centered=zero_centered,
                    save="output" if save_output else "input", residual=residual_dtype is not None,
@@ -92,31 +86,47 @@ def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: O
     return dx, dw if dw is not None else empty_placeholder(grad), db if db is not None else empty_placeholder(grad)
 
 
-# (shape, dtypes, flags, config text, device) of a backward call → (problem, config (None off the Triton path),
-# the launch plans made for it). A call's config is resolved once per key: the per-call host path is then a dict
-# lookup.
-_RESOLVED: dict[tuple, tuple[Problem, Optional[BackwardConfig], dict]] = {}
+@dataclasses.dataclass(frozen=True, eq=False)
+class BackwardCall:
+    """A backward call resolved: its problem, the config that runs it (validated for the problem on the device;
+    None off the Triton path, where the reference backward runs) and the launch plans made for it (by row
+    strides, `BackwardLaunch`'s memo). One per signature (`resolved`); an eager call with an explicit config
+    carries its own from the forward to the backward, where the custom ops carry the config's JSON text."""
+
+    problem: Problem
+    config: Optional[BackwardConfig]
+    plans: dict
+
+
+# (rows, width, dtypes, flags, config (JSON text, "" to select, or a BackwardConfig), device) of a backward call
+# → its `BackwardCall`. A call's config is resolved (selected or validated) once per key: the per-call host path
+# is then a dict lookup.
+_RESOLVED: dict[tuple, BackwardCall] = {}
 MAX_RESOLVED = 4096
 
 
-def _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config, residual_dtype=None):
-    index = grad.get_device()  # -1 on CPU, where the interpreter setting decides the path
-    key = (*grad.shape, grad.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
-           zero_centered, save_output, config, index if index >= 0 else use_triton(grad), residual_dtype)
+def resolved(rows: Tensor, M: int, N: int, weight, bias, is_rms, zero_centered, save_output, config,
+             residual_dtype=None) -> BackwardCall:
+    """The `BackwardCall` of a backward on M x N gradient rows with `rows`' dtype and device (the gradient, or
+    the forward's input rows, which have its dtype): `config` is JSON text ("" selects one) or a
+    `BackwardConfig`. An explicit config that does not fit raises `ConfigError` naming the field."""
+    index = rows.get_device()  # -1 on CPU, where the interpreter setting decides the path
+    key = (M, N, rows.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
+           zero_centered, save_output, config, index if index >= 0 else use_triton(rows), residual_dtype)
     hit = _RESOLVED.get(key)
     if hit is None:
-        problem = backward_problem(grad, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                                   save_output=save_output, residual_dtype=residual_dtype)
-        if use_triton(grad):
-            cfg = resolve_config(problem, config, device_name(grad.device), compute_capability(grad.device),
-                                 device_limits(grad.device) if grad.is_cuda else None)
+        problem = _problem(M, N, rows.dtype, weight.dtype if weight is not None else None, weight is not None,
+                           bias is not None, is_rms, zero_centered, save_output, residual_dtype)
+        if use_triton(rows):
+            cfg = resolve_config(problem, config, device_name(rows.device), compute_capability(rows.device),
+                                 device_limits(rows.device) if rows.is_cuda else None)
         else:
             cfg = None
             if config:
                 resolve_config(problem, config, None)  # an explicit config is checked on every path
         if len(_RESOLVED) >= MAX_RESOLVED:  # e.g. a new row count every step: start over rather than grow
             _RESOLVED.clear()
-        hit = _RESOLVED[key] = (problem, cfg, {})
+        hit = _RESOLVED[key] = BackwardCall(problem, cfg, {})
     return hit
 
 
@@ -129,17 +139,22 @@ on_clear(clear_resolved)
 
 
 def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
-    """(dx, dw, db), dw/db None where there is no weight/bias. `dh`: the residual stream's gradient rows (the
-    residual form), added into dx, which then has dh's dtype."""
+    """(dx, dw, db), dw/db None where there is no weight/bias. `config`: JSON text ("" selects one), or the
+    `BackwardCall` an explicit config resolved to for these rows (`call_checks.explicit_backward`). `dh`: the
+    residual stream's gradient rows (the residual form), added into dx, which then has dh's dtype."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
     if dh is not None and dh.stride(-1) != 1:
         dh = dh.contiguous()
-    problem, cfg, plans = _resolved(grad, weight, bias, is_rms, zero_centered, save_output, config,
-                                    None if dh is None else dh.dtype)
-    if cfg is not None:
-        return _backward.BackwardLaunch(problem, cfg, grad, saved, weight, bias, rstd, mean, plans=plans,
-                                        dh=dh).run()
+    if type(config) is BackwardCall:
+        call = config
+    else:
+        M, N = grad.shape
+        call = resolved(grad, M, N, weight, bias, is_rms, zero_centered, save_output, config,
+                        None if dh is None else dh.dtype)
+    if call.config is not None:
+        return _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, bias, rstd, mean,
+                                        plans=call.plans, dh=dh).run()
     return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
                               from_output=save_output, dh=dh)
 
@@ -180,7 +195,8 @@ class EagerNorm(torch.autograd.Function):
     """The same forward/backward as the custom ops, for eager calls: a plain autograd.Function skips the custom
     ops' dispatch layers (their host cost is paid on every layer of every step). torch.compile traces the custom
     ops instead (`functional.py` picks). Its one output is y: rstd and mean are saved, never returned, which
-    spares autograd the bookkeeping of two more outputs on every call."""
+    spares autograd the bookkeeping of two more outputs on every call. `config` is what `backward_impl` takes:
+    "" (selected), or the `BackwardCall` of an explicit config, validated once per signature."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .problem import canonical_dtype
-from .call_checks import check_inputs, check_options, explicit_config_text, output_recovers, rows_2d
+from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d
 from .ops import contiguous_operand
 from .residual_ops import EagerFusedAdd, norm_residual_forward
 
@@ -55,15 +55,15 @@ def fused_add_norm(x, residual, weight, bias, eps, *, is_rms: bool, zero_centere
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)
     h_dtype = residual_dtype_of(x, residual, residual_dtype)
-    config_text = explicit_config_text(config, x, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
-                                       save=save)
     x2d, r2d = rows_2d(x), rows_2d(residual)
+    backward = explicit_backward(config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save,
+                                 residual_dtype=h_dtype)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
     args = (float(eps), is_rms, zero_centered, save == "output")
     if compiling:
-        y, h, _, _ = norm_residual_forward(x2d, r2d, w, b, *args, h_dtype, config_text)
+        y, h, _, _ = norm_residual_forward(x2d, r2d, w, b, *args, h_dtype, backward)
     else:
-        y, h = EagerFusedAdd.apply(x2d, r2d, w, b, *args, config_text, h_dtype)
+        y, h = EagerFusedAdd.apply(x2d, r2d, w, b, *args, backward, h_dtype)
     if x.dim() != 2:
         y, h = y.view(x.shape), h.view(x.shape)
     return y, h

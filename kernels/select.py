@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from . import table_chain, tables
-from .capabilities import fallbacks, portable
+from .capabilities import checked, clear_checked, fallbacks
 from .config import BackwardConfig, Problem
 from .limits import DeviceLimits
 from .strategies import default_config
@@ -64,9 +64,9 @@ def explain(problem: Problem, device_name: str | None = None, capability: tuple[
     if match is not None and match.config is not None:
         config = match.config
         if limits is not None:  # a table tuned on another GPU: its portable form, if that fits this one
-            lacking, config = tuple(fallbacks(config, limits)), portable(config, limits)
+            lacking = tuple(fallbacks(config, limits))
             try:
-                config.validate(problem, limits)
+                config = checked(problem, config, limits)
             except ValueError as err:
                 lacking += (f"the table's config does not fit {limits.name} ({err}): the analytic default runs",)
                 config = default_config(problem, limits)
@@ -88,12 +88,20 @@ def select_config(problem: Problem, device_name: str | None = None,
 
 def resolve_config(problem: Problem, config: BackwardConfig | str | None, device_name: str | None,
                    capability: tuple[int, int] | None = None, limits: DeviceLimits | None = None) -> BackwardConfig:
-    """An explicit config (value or JSON text) wins, after validation against the problem."""
+    """An explicit config (value or JSON text) wins, after validation against the problem on the device of
+    `limits` (`capabilities.checked`: in its portable form there, once per problem, config and device)."""
     if config is None or config == "":
         return select_config(problem, device_name, capability, limits)
     if isinstance(config, str):
-        config = BackwardConfig.from_json(config)
-    return config.validate(problem)
+        config = parsed_config(config)
+    checked(problem, config, limits)
+    return config
+
+
+@functools.lru_cache(maxsize=256)
+def parsed_config(text: str) -> BackwardConfig:
+    """`BackwardConfig.from_json`, once per text (a config passed as JSON on every call is parsed once)."""
+    return BackwardConfig.from_json(text)
 
 
 # What else remembers selections, forgotten with them (`on_clear`: the custom ops' resolved calls).
@@ -111,6 +119,7 @@ def clear_caches() -> None:
     for hook in _CLEAR_HOOKS:
         hook()
     select_config.cache_clear()
+    clear_checked()
     table_chain.choose_table.cache_clear()
     tables.load_table.cache_clear()
     tables.shipped_tables.cache_clear()

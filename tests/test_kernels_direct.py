@@ -98,7 +98,7 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
         got = layer_norm_backward(gs, xs, w, b, mean, rstd)
         for out, ref in zip(got, want):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        memos = [plans for _, cfg, plans in ops._RESOLVED.values() if cfg is not None and plans]
+        memos = [call.plans for call in ops._RESOLVED.values() if call.config is not None and call.plans]
     assert memos and all(len(plans) <= 3 for plans in memos)
     assert all(len(key) == 3 for plans in memos for key in plans)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import triton
 
-from ..capabilities import portable
+from ..capabilities import checked
 from ..config import RECOVER_LIMITS, BackwardConfig, Problem
 from ..device import device_limits, interpret_mode, sm_count
 from ..launcher import Launcher
@@ -140,12 +140,12 @@ def _waits(config: BackwardConfig, p: Problem) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool, hint: int = 1) -> Plan:
-    """The cached plan; validates the config once. A grid whose programs wait for each other is capped at the
-    compiled kernel's occupancy (compiling it here, once). `int64`: offsets need 64 bits; `hint`: the row width
-    and strides are multiples of it (`heuristics.alignment_hint`). A feature the device lacks runs in its portable
-    form (`capabilities.portable`)."""
-    limits = device_limits(device)
-    config = portable(config, limits).validate(problem, limits)
+    """The cached plan. A grid whose programs wait for each other is capped at the compiled kernel's occupancy
+    (compiling it here, once). `int64`: offsets need 64 bits; `hint`: the row width and strides are multiples of
+    it (`heuristics.alignment_hint`). A feature the device lacks runs in its portable form, validated there
+    (`capabilities.checked`: a config the call's selection or its explicit `config=` check already validated for
+    this problem and device is not validated again)."""
+    config = checked(problem, config, device_limits(device))
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     M, N = p.M, p.N
     phased = interpret_mode()
@@ -363,11 +363,10 @@ def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch
     (contiguous rows, the same integer specialization), so that Triton's on-disk cache serves the launch.
     Used by the tuner's compile-ahead workers; needs the GPU's driver but no data."""
     if problem.M == 0:
-        config.validate(problem)
+        checked(problem, config)
         return
     device = device or torch.device("cuda", torch.cuda.current_device())
-    limits = device_limits(device)
-    config = portable(config, limits).validate(problem, limits)
+    config = checked(problem, config, device_limits(device))
     p, k1, k2 = problem, config.kernel_1, config.kernel_2
     int64, hint = needs_int64(p.M, p.N), alignment_hint(p.N)
     f32 = torch.float32

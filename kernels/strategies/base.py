@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..capabilities import portable
+from ..capabilities import checked
 from ..heuristics import estimate_registers, register_budget, staged_shared_bytes
 from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, ROW_SPLITS, BackwardConfig, Kernel1Config
 from ..limits import DeviceLimits
@@ -84,9 +84,12 @@ def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pa
 
 
 def fit(config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> BackwardConfig | None:
-    """`config` in the device's portable form (`capabilities.portable`) if that is valid there, else None."""
-    config = portable(config, lim)
-    return config if config.is_valid(problem, lim) else None
+    """`config` in the device's portable form (`capabilities.portable`) if that is valid there, else None
+    (`capabilities.checked`: the launch plan then finds it validated)."""
+    try:
+        return checked(problem, config, lim)
+    except ConfigError:
+        return None
 
 
 def describe_flags(k1: Kernel1Config) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ..capabilities import portable
+from ..capabilities import checked
 from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_TILE_ELEMENTS, SPLIT_SLICE, WIDE_DEFAULT_MIN_ROWS,
                           WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps, next_power_of_two,
                           num_groups, row_block_col, slice_width, wide_fp32_rows)
@@ -237,7 +237,7 @@ class Rows(Strategy):
         for cand in candidates:
             if config := fit(BackwardConfig(cand, k2), problem, lim):
                 return config
-        return portable(BackwardConfig(candidates[-1], k2), lim).validate(problem, lim)
+        return checked(problem, BackwardConfig(candidates[-1], k2), lim)
 
     # ---- seeds (`tuner/seeds.py`)
     def seeds(self, space, default: BackwardConfig) -> list[BackwardConfig]:
