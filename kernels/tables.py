@@ -80,7 +80,8 @@ class Table:
     def family_key(self, family: ProblemFamily) -> str | None:
         """The key of the family's rules, or of the closest tuned family: same norm, the same dtype if the table
         tuned one, else the dtype's stand-in (`STAND_IN_DTYPES`), then most flags equal (a residual family without
-        rules of its own reads the plain family's: the same knobs run it); None when there is none."""
+        rules of its own reads those of another stream dtype's residual family, else the plain family's: the same
+        knobs run it); None when there is none."""
         if family.key in self.families:
             return family.key
         best, best_score = None, (-1, -1)
