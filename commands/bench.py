@@ -45,10 +45,10 @@ def bench(
 
     from rich.console import Console
 
-    from normtune.tuner import bench as B
-    from normtune.tuner import bench_output
-    from normtune.tuner.measure import TIMING
-    from normtune.tuner.peers import parse_peers
+    from normtune.tuner.measure import bench as B
+    from normtune.tuner.measure import bench_output
+    from normtune.tuner.measure.harness import TIMING
+    from normtune.tuner.measure.peers import parse_peers
 
     console = Console(stderr=True)
     problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,

@@ -8,7 +8,7 @@ from pathlib import Path
 def check_residual_options(peers: str, config: str) -> list[str]:
     """The residual peers' names; --config checked before anything is measured (ValueError naming it). The
     problems' own rules (--residual-dtype) are checked where they are built (commands.common.with_residual)."""
-    from normtune.tuner.peers_residual import parse_residual_peers
+    from normtune.tuner.measure.peers_residual import parse_residual_peers
 
     names = parse_residual_peers(peers)
     if config == "default":
@@ -19,9 +19,9 @@ def check_residual_options(peers: str, config: str) -> list[str]:
 
 def run_residual(console, info, norms, dtype, shapes, peer_names, residual_dtype, weight_dtype, config: str, cold,
                  timing, out: Path):
-    from normtune.tuner import bench as B
-    from normtune.tuner import bench_output
-    from normtune.tuner import bench_residual as R
+    from normtune.tuner.measure import bench as B
+    from normtune.tuner.measure import bench_output
+    from normtune.tuner.measure import bench_residual as R
 
     from .common import refuse, run_checked
 

@@ -77,7 +77,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     never imported cannot have been raised, and importing the store (and with it torch) just to name its error
     would cost a command that failed on its options seconds."""
     errors: list[type[BaseException]] = [CLIError, ValueError, OSError]
-    for module, name in (("normtune.tuner.store_models", "StoreError"), ("normtune.tuner.device", "NoGPUError")):
+    for module, name in (("normtune.tuner.store.models", "StoreError"), ("normtune.tuner.device", "NoGPUError")):
         found = getattr(sys.modules.get(module), name, None)
         if found is not None:
             errors.append(found)
@@ -255,7 +255,7 @@ def problems_for(norms: list[str], dtype: str, weight_dtype: str | None, shapes,
 
 def open_store(url: str):
     """The results database, opened (and checked) before any work that would be lost if it cannot be."""
-    from normtune.tuner.store import Store
+    from normtune.tuner.store.database import Store
 
     return run_checked(Store, url)
 
@@ -263,7 +263,7 @@ def open_store(url: str):
 def existing_store(url: str):
     """The results database for a command that changes only what is there (`prune`): refused, untouched, unless
     it already holds normtune results (a missing or empty file is not created)."""
-    from normtune.tuner.store import OlderSchemaError, Store
+    from normtune.tuner.store.database import OlderSchemaError, Store
 
     try:
         Store(url, read_only=True).close()
@@ -276,7 +276,7 @@ def read_only_store(db: str):
     """The results database for a command that only reads it (`emit` without --remeasure, `report`, `status`):
     opened read-only, so that nothing is created, upgraded or switched to WAL. A SQLite file of an older schema
     is read through an upgraded copy (`Store.for_reading`), said in one note line."""
-    from normtune.tuner.store import SCHEMA_VERSION, Store
+    from normtune.tuner.store.database import SCHEMA_VERSION, Store
 
     store = Store.for_reading(db)
     if store.upgraded_from is not None:

@@ -35,8 +35,8 @@ def compare(
 
     from normtune.kernels.config import NORMS
     from normtune.kernels.tables import load_table
-    from normtune.tuner import compare as C
-    from normtune.tuner.measure import TIMING, MeasureSession
+    from normtune.tuner.tables import compare as C
+    from normtune.tuner.measure.harness import TIMING, MeasureSession
 
     console = Console(stderr=True)
     if not 0 <= threshold < 1:

@@ -53,7 +53,7 @@ def _read_runs_of(runs: str | None, runs_of: Path | None) -> dict | None:
 
 
 def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, kind: str, git_revision: str | None):
-    from normtune.tuner import emit as E
+    from normtune.tuner.tables import emit as E
 
     run_ids = _ints(runs, "--runs")
     if recorded is not None:
@@ -68,7 +68,7 @@ def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, ki
 def _incumbent(keep: Path | None, runs_of: Path | None, recorded: dict | None):
     """The incumbent table: --keep's file, else the one the --runs-of table recorded (re-emission), else None."""
     from normtune.kernels.tables import TableError, read_table
-    from normtune.tuner import incumbent
+    from normtune.tuner.tables import incumbent
 
     try:
         if keep is not None:
@@ -111,11 +111,11 @@ def emit(
     run_checked(use_interpreter, interpret)
     from rich.console import Console
 
-    from normtune.tuner import emit as E
+    from normtune.tuner.tables import emit as E
     from normtune.tuner.device import command_line
-    from normtune.tuner.emit_notes import dropped_summary, kept_summary
-    from normtune.tuner.remeasure import remeasure_neighbours
-    from normtune.tuner.store import Store
+    from normtune.tuner.tables.emit_notes import dropped_summary, kept_summary
+    from normtune.tuner.tables.remeasure import remeasure_neighbours
+    from normtune.tuner.store.database import Store
 
     console = Console(stderr=True)
     if gpu.strip().lower() == "interpret" and not interpret:

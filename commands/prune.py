@@ -17,7 +17,7 @@ def prune(
     """Drop the Optuna studies of superseded search spaces (a sweep opens a new study once a problem's space
     grows) and their slot claims, keeping every normtune measurement: emission, validation and reports read those
     alone. Studies with a running trial or a held slot are kept. On SQLite the file then shrinks (VACUUM)."""
-    from normtune.tuner.prune import prune as drop, superseded_studies
+    from normtune.tuner.upkeep.superseded_studies import prune as drop, superseded_studies
 
     with run_checked(read_only_store if dry_run else existing_store, db) as store:
         studies = run_checked(superseded_studies, store)

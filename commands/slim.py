@@ -20,8 +20,8 @@ def slim(
     """Copy a SQLite results database keeping only the runs the tables were fitted on and each GPU's latest
     validate run and latest bench run per dtype and shape set (docs/results-db.md); Optuna's studies are dropped.
     The source is only read."""
-    from normtune.tuner import keep
-    from normtune.tuner.store_schema import sqlite_path
+    from normtune.tuner.upkeep import kept_subset as keep
+    from normtune.tuner.store.schema import sqlite_path
 
     tables = table or sorted(Path("configs").glob("*.json"))
     if not tables:

@@ -71,7 +71,7 @@ def sweep(
 
     from normtune.kernels.config import SAVE_MODES
     from normtune.tuner import sweep as S
-    from normtune.tuner.store import Store
+    from normtune.tuner.store.database import Store
 
     console = Console(stderr=True)
     started = time.monotonic()

@@ -20,7 +20,7 @@ def _validation_problems(shapes: str | None, shapes_from: Path | None, tokens: s
     shapes with --interpret); in the residual form with --residual."""
     if shapes is None and shapes_from is None and tokens is None and not interpret:
         from normtune.kernels.config import NORMS
-        from normtune.tuner.heldout import heldout_problems
+        from normtune.tuner.tables.heldout import heldout_problems
 
         norms = parse_list(norm, NORMS, "--norm") if norm is not None else list(NORMS)
         problems = heldout_problems(norms, parse_dtype(dtype) if dtype is not None else "bf16")
@@ -87,10 +87,10 @@ def validate(
 
     from rich.console import Console
 
-    from normtune.tuner import validate as V
+    from normtune.tuner.tables import validate as V
     from normtune.tuner.device import command_line
     from normtune.tuner.render import validation_summary, validation_table
-    from normtune.tuner.store import Store
+    from normtune.tuner.store.database import Store
 
     console = Console(stderr=True)
     if trials < 1:

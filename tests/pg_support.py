@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from normtune.tuner.store import normalize_url
+from normtune.tuner.store.database import normalize_url
 
 DROP_ATTEMPTS = 20
 

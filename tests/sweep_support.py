@@ -22,7 +22,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from normtune.kernels.config import BackwardConfig
-from normtune.tuner.store import normalize_url
+from normtune.tuner.store.database import normalize_url
 
 # The CLI in a fresh interpreter: works where the `normtune` console script is not on PATH.
 CLI = [sys.executable, "-c", "from normtune.cli import app; app()"]

@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.device import interpret_mode
-from normtune.tuner import bench_residual as R
-from normtune.tuner import peers_residual as P
+from normtune.tuner.measure import bench_residual as R
+from normtune.tuner.measure import peers_residual as P
 from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureSession
-from normtune.tuner.peers import PEERS, LigerCuteDSL, PeerUnavailable, liger_backend_call, parse_peers
+from normtune.tuner.measure.harness import MeasureSession
+from normtune.tuner.measure.peers import PEERS, LigerCuteDSL, PeerUnavailable, liger_backend_call, parse_peers
 
 needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="runs normtune's kernels on CPU: set "
                                                                     "TRITON_INTERPRET=1")
@@ -134,7 +134,7 @@ class _Timing:
         self.calls = 0
 
     def time_callable(self, fn):
-        from normtune.tuner.results import Stats
+        from normtune.tuner.measure.results import Stats
 
         self.calls += 1
         fn()

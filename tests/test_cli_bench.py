@@ -14,11 +14,11 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import MAX_N
 from normtune.kernels.device import interpret_mode
-from normtune.tuner import bench_output
-from normtune.tuner.bench import OURS
-from normtune.tuner.peers import PEERS
+from normtune.tuner.measure import bench_output
+from normtune.tuner.measure.bench import OURS
+from normtune.tuner.measure.peers import PEERS
 from normtune.tuner.shapes import HELDOUT, PRESETS, SEED, TINY, parse_shape, parse_shapes
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 
 runner = CliRunner()
 # `--interpret` must be in effect before the kernels are first imported: on a GPU host (no TRITON_INTERPRET) the
@@ -255,7 +255,7 @@ def test_config_from_a_json_file(tmp_path):
 
 def _no_measuring(monkeypatch):
     """Make any measurement fail the test: the error paths below must stop before measuring."""
-    from normtune.tuner import bench as bench_module
+    from normtune.tuner.measure import bench as bench_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured although the command should have failed first")
@@ -291,7 +291,7 @@ def test_unusable_database_fails_before_measuring(tmp_path, monkeypatch):
 
 @needs_interpreter
 def test_store_error_is_one_line(tmp_path, monkeypatch):
-    from normtune.tuner import store as store_module
+    from normtune.tuner.store import database as store_module
 
     def broken(url, *args, **kwargs):
         raise store_module.StoreError(f"unknown database scheme in {url!r}: use sqlite:/// or postgresql://")
@@ -329,7 +329,7 @@ def test_a_stored_bench_run_spans_the_bench(tmp_path, monkeypatch):
     last measurement was stored."""
     import datetime as dt
 
-    from normtune.tuner import bench as B
+    from normtune.tuner.measure import bench as B
 
     window = {}
     run_bench = B.run_bench
@@ -434,7 +434,7 @@ def _host_row(impl, norm, host, forward, *, direct=None, autograd=True):
 
 
 def test_host_target_sets_like_beside_like():
-    from normtune.tuner.bench_output import host_target_line
+    from normtune.tuner.measure.bench_output import host_target_line
 
     rows = [  # LayerNorm: quack without autograd, so normtune's direct calls (50 / 20) face it; Liger its autograd
         _host_row("normtune", "layer_norm", 200.0, 60.0, direct=(50.0, 20.0)),
@@ -514,7 +514,7 @@ def test_command_line_has_no_machine_paths(tmp_path, monkeypatch):
 def test_a_disturbed_timing_is_taken_again_and_the_steadier_kept():
     """A timing whose p90 is past DISTURBED_SPREAD times its p10 is re-taken once, for every implementation
     alike, and the one with the smaller spread is kept with a note (not the faster: that would favour noise)."""
-    from normtune.tuner.bench import DISTURBED_SPREAD, spread, steadier
+    from normtune.tuner.measure.bench import DISTURBED_SPREAD, spread, steadier
 
     calls = []
 

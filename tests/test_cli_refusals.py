@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 from test_store import H100, RMS, ok
 
 from normtune.kernels.config import default_config

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.kernels.device import interpret_mode
-from normtune.tuner.spread import Ratio, Timing, slower_beyond_spread
-from normtune.tuner.store import Store
+from normtune.tuner.measure.spread import Ratio, Timing, slower_beyond_spread
+from normtune.tuner.store.database import Store
 
 runner = CliRunner()
 GOOD = BackwardConfig(Kernel1Config(block_row=16, block_col=256, num_warps=4, prefetch=True,
@@ -98,7 +98,7 @@ def test_compare_fails_when_new_is_slower_and_passes_the_other_way(tmp_path):
 def test_compare_times_through_one_measure_session_with_its_preset(tmp_path, monkeypatch):
     """The device setup and timing of a head-to-head are measure.MeasureSession's (one place for bandwidth, L2
     flush, spin and repetitions), built once per command with the command's preset."""
-    from normtune.tuner import measure
+    from normtune.tuner.measure import harness as measure
 
     made, measured = [], []
     for_device = measure.MeasureSession.for_device.__func__
@@ -121,7 +121,7 @@ def test_compare_times_through_one_measure_session_with_its_preset(tmp_path, mon
 
 
 def test_compare_dry_run_lists_the_changed_configs_and_times_nothing(tmp_path, monkeypatch):
-    from normtune.tuner import measure
+    from normtune.tuner.measure import harness as measure
 
     def no_session(*args, **kwargs):
         raise AssertionError("--dry-run must not open a measurement session")
@@ -240,7 +240,7 @@ def test_an_interrupted_reference_sweep_stops_validate_without_a_report(tmp_path
 
 def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
     from normtune.kernels.config import Problem
-    from normtune.tuner import validate as V
+    from normtune.tuner.tables import validate as V
     from normtune.tuner.device import detect
 
     def row(M, measured):

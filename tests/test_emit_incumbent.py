@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
 from normtune.kernels.tables import parse_table
-from normtune.tuner import emit, emit_notes, fit, incumbent
+from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
-from normtune.tuner.remeasure import neighbour_plan
-from normtune.tuner.spread import Timing
-from normtune.tuner.store import Store
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.tables.remeasure import neighbour_plan
+from normtune.tuner.measure.spread import Timing
+from normtune.tuner.store.database import Store
 
 GPU = DeviceInfo(name="NVIDIA Test GPU", key="testgpu", compute_capability="9.0", sm_count=8, l2_bytes=50 * 2**20,
                  memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0", triton="3.2.0",

@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
-from normtune.tuner import emit, emit_notes, fit, incumbent
+from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
-from normtune.tuner.spread import Timing
-from normtune.tuner.store import Store
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.measure.spread import Timing
+from normtune.tuner.store.database import Store
 
 REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
 CONFIGS = Path(str(resources.files("normtune.configs")))
@@ -81,7 +81,7 @@ def test_validate_and_bench_runs_never_change_the_table(tmp_path):
 
 
 def test_a_held_out_shape_is_never_fitted_on_even_when_a_sweep_measured_it(tmp_path):
-    from normtune.tuner.heldout import HELDOUT_SHAPES
+    from normtune.tuner.tables.heldout import HELDOUT_SHAPES
 
     M, N = HELDOUT_SHAPES[0]
     store = sweep_store(tmp_path / "r.db")

@@ -1,4 +1,4 @@
-"""Emitting heuristic tables (`normtune.tuner.emit`) from stored measurements, and the runtime side that reads them
+"""Emitting heuristic tables (`normtune.tuner.tables.emit`) from stored measurements, and the runtime side that reads them
 (`normtune.kernels.tables`, `normtune.kernels.select`): determinism, rule fitting, lookup for any shape, the
 table-for-this-GPU chain with its one-time warnings, refusal of malformed tables, the `emit` CLI, and the
 committed tables.
@@ -29,11 +29,11 @@ from normtune.kernels.device import gpu_key, interpret_mode
 from normtune.kernels.select import clear_caches, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
 from normtune.kernels.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
-from normtune.tuner import emit, fit
+from normtune.tuner.tables import emit, fit
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
-from normtune.tuner.spread import Timing
-from normtune.tuner.store import Store
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.measure.spread import Timing
+from normtune.tuner.store.database import Store
 
 CONFIGS = Path(str(resources.files("normtune.configs")))
 H100_NAME = "NVIDIA H100 80GB HBM3"
@@ -325,7 +325,7 @@ def test_a_config_that_only_ties_with_the_default_gives_way_to_it():
 def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
     """Each problem's measured configs are planned on the other problems of its N bucket, and the adjacent
     bucket's top two adapted to this N; measured pairs are never planned again."""
-    from normtune.tuner.remeasure import neighbour_plan
+    from normtune.tuner.tables.remeasure import neighbour_plan
 
     a, b, c = (candidates(1024)[k] for k in "ABC")
     small, large, wide = RMS.problem(64, 1024), RMS.problem(4096, 1024), RMS.problem(64, 4096)
@@ -740,7 +740,7 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     boundary is 2048. A columns rule never reaches past the rows the columns strategy accepts."""
     from normtune.kernels.config import Problem
     from normtune.kernels.heuristics import MAX_COLUMNS_ROWS
-    from normtune.tuner.fit import m_boundary
+    from normtune.tuner.tables.fit import m_boundary
 
     def probs(*ms):
         return [Problem("rms_norm", m, 32768, "bf16") for m in ms]
@@ -780,8 +780,8 @@ def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
     linear in log M, crosses zero; a dual rule not timed above (it accepts at most MAX_COLUMNS_ROWS rows) is
     extrapolated as growing linearly in M. Without a crossing in between, the geometric midpoint stays."""
     from normtune.kernels.config import Problem
-    from normtune.tuner.fit import m_boundary, m_crossover
-    from normtune.tuner.spread import Timing
+    from normtune.tuner.tables.fit import m_boundary, m_crossover
+    from normtune.tuner.measure.spread import Timing
 
     lo, hi = Problem("layer_norm", 512, 3584, "bf16"), Problem("layer_norm", 4096, 3584, "bf16")
     rows = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16), Kernel2Config(128, 16))
@@ -817,8 +817,8 @@ def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
     the rows rule: a dual or columns range stops at the midpoint (256). A rows rule still ends where the times
     cross."""
     from normtune.kernels.config import Problem
-    from normtune.tuner.fit import m_boundary, m_crossover
-    from normtune.tuner.spread import Timing
+    from normtune.tuner.tables.fit import m_boundary, m_crossover
+    from normtune.tuner.measure.spread import Timing
 
     lo, hi = Problem("rms_norm", 128, 14336, "bf16"), Problem("rms_norm", 512, 14336, "bf16")
     upper = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
@@ -834,7 +834,7 @@ def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
 def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two():
     """An unseen N takes the rules fitted nearest to it on a log scale (5376 columns: the 5120 rules, not the
     6144 ones), but a rule never serves an N its tiles would have to be widened for."""
-    from normtune.tuner.fit import n_boundary
+    from normtune.tuner.tables.fit import n_boundary
 
     assert n_boundary(5120, 6144) == 5608  # isqrt(5120 * 6144)
     assert n_boundary(4096, 5120) == 4096  # 4097.. re-tile to 8192 columns: the 5120 rules' tiles

@@ -16,8 +16,8 @@ from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
 from normtune.kernels.table_chain import HOME_VAR
 from normtune.kernels.tables import read_table
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
-from normtune.tuner.store import Store
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.store.database import Store
 
 GPU = DeviceInfo(name="NVIDIA Test GPU X1", key="test-gpu-x1", compute_capability="9.0", sm_count=8,
                  l2_bytes=50 * 2**20, memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0",

@@ -19,7 +19,7 @@ from test_report import INTERPRETER, LN, add_sweep
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_compare_help_shows_one_default_per_option():
 
 
 def _interpreter_bench_report():
-    from normtune.tuner.bench import OURS, BenchReport
+    from normtune.tuner.measure.bench import OURS, BenchReport
     from normtune.tuner.device import detect
 
     provenance = {"device": detect(interpret=True).to_dict(), "peers": {"liger_kernel": None, "quack": None},
@@ -87,7 +87,7 @@ def _interpreter_bench_report():
 
 
 def test_interpreter_bench_output_never_says_gpu_time_and_lists_no_tools_as_peers():
-    from normtune.tuner import bench_output
+    from normtune.tuner.measure import bench_output
 
     report = _interpreter_bench_report()
     footer = bench_output.summary_footer(report)

@@ -1,11 +1,11 @@
-"""Host µs in interleaved rounds (`tuner/host_rounds.py`) and the bench's use of them."""
+"""Host µs in interleaved rounds (`tuner/measure/host_rounds.py`) and the bench's use of them."""
 
 from __future__ import annotations
 
 import pytest
 
 from normtune.kernels.device import interpret_mode
-from normtune.tuner.host_rounds import HostCall, measure_rounds
+from normtune.tuner.measure.host_rounds import HostCall, measure_rounds
 
 
 def _calls(names):
@@ -64,7 +64,7 @@ def test_a_note_already_on_the_row_is_kept():
 
 @pytest.mark.skipif(not interpret_mode(), reason="runs the kernels in the interpreter: set TRITON_INTERPRET=1")
 def test_the_bench_host_times_every_implementation_of_a_case_together(monkeypatch):
-    from normtune.tuner import bench as B
+    from normtune.tuner.measure import bench as B
     from normtune.tuner.device import detect
 
     batches = []

@@ -124,3 +124,25 @@ def test_no_import_cycles():
 def test_no_private_names_imported_across_modules():
     _, private = _graph()
     assert private == []
+
+
+def _rooms(graph: dict[str, set[str]], package: str = f"{PACKAGE}.tuner") -> dict[str, set[str]]:
+    """The graph with each subpackage of `package` folded into one node (its modules' imports together)."""
+    def room(name):
+        if not name.startswith(package + "."):
+            return name
+        return ".".join(name.split(".")[:len(package.split(".")) + 1])
+
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        out.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
+    return out
+
+
+def test_the_tuner_subpackages_do_not_import_each_other_in_a_circle():
+    folded = _rooms({"normtune.tuner.a.x": {"normtune.tuner.b.y"}, "normtune.tuner.b.z": {"normtune.tuner.a.w"}})
+    assert _cycles(folded) == [["normtune.tuner.a", "normtune.tuner.b"]]
+    graph, _ = _graph()
+    rooms = _rooms(graph)
+    assert {"normtune.tuner.store", "normtune.tuner.measure", "normtune.tuner.tables"} <= set(rooms)
+    assert _cycles(rooms) == []

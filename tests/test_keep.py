@@ -1,4 +1,4 @@
-"""`normtune slim` (tuner/keep.py): the shipped results.db keeps the runs its tables were fitted on and each GPU's
+"""`normtune slim` (tuner/upkeep/kept_subset.py): the shipped results.db keeps the runs its tables were fitted on and each GPU's
 latest validate and bench runs, drops the rest and Optuna's studies, and a table still re-emits from it byte for
 byte. Also: a read-only command leaves no -wal/-shm files beside a WAL database, and the committed file's size."""
 
@@ -13,8 +13,9 @@ from test_report import GPU, LN, RMS, add_bench, add_sweep, add_validation, conf
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.tuner import emit, keep
-from normtune.tuner.store import Store
+from normtune.tuner.tables import emit
+from normtune.tuner.upkeep import kept_subset as keep
+from normtune.tuner.store.database import Store
 
 REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
 SIZE_LIMIT = 30_000_000  # bytes: the most results.db may weigh in the repository (docs/results-db.md)

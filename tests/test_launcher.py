@@ -291,7 +291,7 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
     aligned and the integers of contiguous rows. A launch on aligned, contiguous inputs must pass exactly that,
     or the measuring process compiles every trial's kernel again (a sync-counter slice 8 bytes off did)."""
     from normtune.kernels.backward.launch import _placeholder_args
-    from normtune.tuner.cases import make_case
+    from normtune.tuner.measure.cases import make_case
 
     problem = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
     config = next((c for c in Space(problem, 4).seeds() if STRATEGIES[strategy](c)), None)

@@ -1,5 +1,5 @@
-"""`normtune.tuner.measure` (statistics, bytes and floor, the correctness gate, failure classification, one
-measurement in the interpreter) and the bench writers of `normtune.tuner.bench_output`.
+"""`normtune.tuner.measure.harness` (statistics, bytes and floor, the correctness gate, failure classification, one
+measurement in the interpreter) and the bench writers of `normtune.tuner.measure.bench_output`.
 
 Kernels run on the `device` fixture's device: CPU through the Triton interpreter without a GPU (see conftest.py).
 Timings are only checked for their shape (finite, positive, consistent with each other), never their values.
@@ -24,10 +24,10 @@ from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.kernels.device import sm_count
 from normtune.kernels.strategies import num_programs, partial_rows
-from normtune.tuner import bench_output
-from normtune.tuner.bench import OURS, BenchReport, summary
+from normtune.tuner.measure import bench_output
+from normtune.tuner.measure.bench import OURS, BenchReport, summary
 from normtune.tuner.device import detect
-from normtune.tuner.measure import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
+from normtune.tuner.measure.harness import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
                                     floor_bytes, floor_us, flush_size, gate, make_case, measure_config, percentile)
 
 # Fast timing for the interpreter: the figures only need to exist.
@@ -207,8 +207,8 @@ _NamedOutOfResources.__name__ = "OutOfResources"
 
 
 def test_the_reference_is_made_once_per_problem_and_a_wrong_trial_after_right_ones_is_caught(monkeypatch, device):
-    from normtune.tuner.cases import Case
-    from normtune.tuner.measure import MeasureSession
+    from normtune.tuner.measure.cases import Case
+    from normtune.tuner.measure.harness import MeasureSession
 
     made = []
     original_reference = Case.reference
@@ -255,8 +255,8 @@ def test_the_first_launch_is_its_own_phase_apart_from_the_check_and_the_timing(d
 
 
 def test_the_gate_reads_back_once_and_agrees_with_relative_error(monkeypatch, device):
-    from normtune.tuner.measure import relative_error
-    from normtune.tuner.cases import Reference
+    from normtune.tuner.measure.harness import relative_error
+    from normtune.tuner.measure.cases import Reference
 
     problem = Problem("layer_norm", 11, 33, "bf16")
     _, ref = _reference(problem, device)
@@ -566,7 +566,7 @@ def test_write_all(tmp_path):
 
 def test_results_module_has_no_torch():
     """Storage and reports read results without importing the stopwatch (or torch)."""
-    import normtune.tuner.results as results
+    import normtune.tuner.measure.results as results
 
     tree = ast.parse(open(results.__file__).read())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
@@ -577,7 +577,7 @@ def test_results_module_has_no_torch():
 def test_the_gpu_time_view_times_the_whole_backward_without_an_event_between_the_kernels(monkeypatch, device):
     """With PDL an event between kernel_1 and kernel_2 would break their overlap: the headline figure must come
     from one event pair around both launches."""
-    from normtune.tuner import measure
+    from normtune.tuner.measure import harness as measure
 
     calls = []
     real = measure.time_kernels
@@ -594,7 +594,7 @@ def test_the_gpu_time_view_times_the_whole_backward_without_an_event_between_the
 
 
 def test_pdl_split_reports_kernel_2_as_what_follows_kernel_1():
-    from normtune.tuner.measure import split_kernel_times
+    from normtune.tuner.measure.harness import split_kernel_times
 
     # Without PDL the event split stands; with PDL kernel_2 is the overlapped total minus kernel_1.
     assert split_kernel_times(30.0, 20.0, 12.0, pdl=False) == (20.0, 12.0)
@@ -603,7 +603,7 @@ def test_pdl_split_reports_kernel_2_as_what_follows_kernel_1():
 
 
 def test_measure_config_uses_the_pdl_split_when_the_launch_has_pdl(monkeypatch, device):
-    from normtune.tuner import measure
+    from normtune.tuner.measure import harness as measure
 
     # The kernels launch as built; only the flag says PDL.
     monkeypatch.setattr(BackwardLaunch, "pdl", property(lambda self: True))
@@ -616,7 +616,7 @@ def test_measure_config_uses_the_pdl_split_when_the_launch_has_pdl(monkeypatch, 
 
 
 def test_kernel_sum():
-    from normtune.tuner.views import kernel_sum
+    from normtune.tuner.measure.views import kernel_sum
 
     assert kernel_sum({"_kernel_1_single_pass": 30.5, "_kernel_2": 4.5}) == pytest.approx(35.0)
     assert kernel_sum({}) is None
@@ -626,7 +626,7 @@ def test_kernel_sum():
 def test_kernel_sum_counts_overlapping_kernels_once():
     """Under PDL kernel_2 starts while kernel_1 runs and waits inside its own kernel time: the time both run is
     counted once, so the kernel sum of a PDL pair is the device time spent in its kernels."""
-    from normtune.tuner.views import OVERLAP, kernel_sum, overlap_us
+    from normtune.tuner.measure.views import OVERLAP, kernel_sum, overlap_us
 
     assert overlap_us([]) == 0.0
     assert overlap_us([(0.0, 10.0), (10.0, 12.0), (20.0, 25.0)]) == 0.0  # back to back: nothing twice
@@ -647,7 +647,7 @@ def _prologue_run(t: float, flush_us: float = 30.0) -> list:
 def test_call_kernels_takes_the_prologue_out_by_position():
     """The prologue's kernels (flush, spin) are taken out run by run, whatever each run of them cost, so none of
     their time leaks into the call's kernels; a call's own kernel named like the flush is kept."""
-    from normtune.tuner.views import call_kernels
+    from normtune.tuner.measure.views import call_kernels
 
     prologue = _prologue_run(0.0) + _prologue_run(1000.0)
     kernels, t = [], 0.0
@@ -668,7 +668,7 @@ def test_call_kernels_takes_the_prologue_out_by_position():
 def test_profile_kernels_counts_only_the_calls_kernels(monkeypatch):
     """A flush slower in the calls' profile than in its own used to leave its excess as a kernel of the call's
     (and a faster one was dropped, never subtracted): the kernel sum of a call is now its own kernels' alone."""
-    from normtune.tuner import views
+    from normtune.tuner.measure import views
 
     class Event:
         def __init__(self, name, start, end):
@@ -705,7 +705,7 @@ def test_profile_kernels_counts_only_the_calls_kernels(monkeypatch):
 
 
 def test_host_us_per_call_divides_by_the_number_of_calls(monkeypatch):
-    from normtune.tuner import views
+    from normtune.tuner.measure import views
 
     clock = iter(range(0, 10**6, 1))  # perf_counter advances 1 s per reading
     monkeypatch.setattr(views.time, "perf_counter", lambda: float(next(clock)))
@@ -716,7 +716,7 @@ def test_host_us_per_call_divides_by_the_number_of_calls(monkeypatch):
 
 
 def test_session_on_cpu(device):
-    from normtune.tuner.measure import TIMING, MeasureSession
+    from normtune.tuner.measure.harness import TIMING, MeasureSession
 
     if device != "cpu":
         pytest.skip("the CPU session")
@@ -798,7 +798,7 @@ def test_kernels_plot_stack_is_the_measured_total(tmp_path, monkeypatch):
 
 def test_a_session_keeps_one_problems_inputs_and_reference_across_measurements(monkeypatch):
     """measure_problem makes a problem's inputs and float64 reference once, and anew for the next problem."""
-    from normtune.tuner.measure import MeasureSession
+    from normtune.tuner.measure.harness import MeasureSession
 
     session = MeasureSession.for_device(detect(interpret=True))
     made = []

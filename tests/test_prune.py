@@ -7,7 +7,7 @@ import optuna
 from sweep_support import sweep_args
 from test_sweep import RMS_A, invoke, names, sqlite_url
 
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 
 
 def _old_copy(url: str, tag: str) -> str:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.tuner import emit
+from normtune.tuner.tables import emit
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
+from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.report import heatmap_cells, load_report_data, write_report
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO_DB = Path(__file__).resolve().parents[1] / "results.db"

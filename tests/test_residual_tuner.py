@@ -11,10 +11,10 @@ from sweep_support import INTERPRETER_ONLY
 
 from normtune.commands.common import CLIError, problems_option, with_residual
 from normtune.kernels.config import Problem, default_config
-from normtune.tuner.cases import gate, make_case
-from normtune.tuner.measure import MeasureResult, measure_config
-from normtune.tuner.results import floor_bytes, forward_floor_bytes
-from normtune.tuner.store import Store
+from normtune.tuner.measure.cases import gate, make_case
+from normtune.tuner.measure.harness import MeasureResult, measure_config
+from normtune.tuner.measure.results import floor_bytes, forward_floor_bytes
+from normtune.tuner.store.database import Store
 from normtune.tuner.device import DeviceInfo
 
 RES = Problem("rms_norm", 4096, 4096, "bf16", residual=True)

@@ -19,7 +19,7 @@ from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, 
 from normtune.kernels.heuristics import next_power_of_two, row_block_col, slice_width
 from normtune.kernels.strategies import num_programs
 from normtune.kernels.device import sm_count
-from normtune.tuner.measure import make_case, measure_config
+from normtune.tuner.measure.harness import make_case, measure_config
 from normtune.tuner.space import (K1_DOMAINS, K2_DOMAINS, MAX_COLUMN_ACC_TILE, MAX_SINGLE_PASS, MAX_SPACE_TILE, Space,
                                   fitting_split)
 

@@ -1,4 +1,4 @@
-"""Contract suite of `normtune.tuner.store`, run against every backend through the `url` fixture (Optuna's way).
+"""Contract suite of `normtune.tuner.store.database`, run against every backend through the `url` fixture (Optuna's way).
 
 SQLite always runs (a file under tmp_path). PostgreSQL runs when NORMTUNE_TEST_POSTGRES_URL names a role that may
 create databases; each test gets a fresh database. Start a local server with:
@@ -23,10 +23,10 @@ from sqlalchemy.engine import make_url
 from pg_support import fresh_database
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
-from normtune.tuner import store as store_module
+from normtune.tuner.store import database as store_module
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import STATUSES, MeasureResult
-from normtune.tuner.store import (CONFIG_COLUMNS, SCHEMA_VERSION, MeasurementModel, MetaModel, SchemaVersionError,
+from normtune.tuner.measure.harness import STATUSES, MeasureResult
+from normtune.tuner.store.database import (CONFIG_COLUMNS, SCHEMA_VERSION, MeasurementModel, MetaModel, SchemaVersionError,
                                   Store, StoreError, StoreIntegrityError)
 
 POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
@@ -523,8 +523,8 @@ def test_the_store_imports_nothing_that_times():
     import subprocess
     import sys
 
-    timing = ("normtune.tuner.measure", "normtune.tuner.views", "normtune.tuner.cases")
-    code = ("import sys, normtune.tuner.store, normtune.tuner.store_models; "
+    timing = ("normtune.tuner.measure.harness", "normtune.tuner.measure.views", "normtune.tuner.measure.cases")
+    code = ("import sys, normtune.tuner.store.database, normtune.tuner.store.models; "
             f"print([m for m in {timing!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

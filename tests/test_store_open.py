@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig
-from normtune.tuner.store import SCHEMA_VERSION, SchemaVersionError, Store, StoreError
+from normtune.tuner.store.database import SCHEMA_VERSION, SchemaVersionError, Store, StoreError
 from test_store import CONFIG, H100, RMS, ok
 
 REPO = Path(__file__).resolve().parents[1]

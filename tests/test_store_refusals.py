@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import default_config
-from normtune.tuner.store import Store, StoreError
+from normtune.tuner.store.database import Store, StoreError
 from normtune.tuner.sweep.options import study_name
 from test_store import H100, RMS, ok
 

@@ -18,9 +18,9 @@ from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, 
 from normtune.kernels.strategies import STRATEGIES, Knob
 from normtune.kernels.strategies.dual import Dual
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.results import MeasureResult
+from normtune.tuner.measure.results import MeasureResult
 from normtune.tuner.space import Space
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 from normtune.tuner.sweep.sampling import inapplicable
 
 ROOT = Path(__file__).resolve().parents[1]

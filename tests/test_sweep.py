@@ -1,4 +1,4 @@
-"""End-to-end tests of the sweep driver (`normtune sweep`: cli.py → tuner/sweep.py → tuner/store.py) on CPU.
+"""End-to-end tests of the sweep driver (`normtune sweep`: cli.py → tuner/sweep.py → tuner/store/database.py) on CPU.
 
 Every sweep here runs with `--interpret`: the spawned measuring process runs the Triton kernels in the
 interpreter on tiny problems (40x96, 24x200), so the timings mean nothing but every code path of the driver
@@ -35,7 +35,7 @@ from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import K1_DOMAINS, K2_DOMAINS, Space
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, study_name
 from normtune.tuner.sweep.options import space_tag
 
@@ -91,7 +91,7 @@ def test_study_names_are_deterministic(monkeypatch):
 
 def test_worker_options_travel_to_a_spawned_worker_unchanged():
     """A multi-GPU worker gets its options as plain data: problems and the timing preset come back as values."""
-    from normtune.tuner.measure import Timing
+    from normtune.tuner.measure.harness import Timing
     from normtune.tuner.sweep.launcher import options_from_dict, options_to_dict, worker_options
     from normtune.tuner.sweep.options import SweepOptions
 

@@ -16,8 +16,8 @@ from normtune.cli import app
 from normtune.kernels.config import Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.measure import MeasureResult
-from normtune.tuner.store import Store
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, costs_line, driver, study_name
 
 PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, "bf16")]

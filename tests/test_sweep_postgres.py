@@ -22,7 +22,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import Space
 from normtune.tuner.sweep.sampling import DECIDED_FIRST, inapplicable
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, study_name
 
 pytestmark = [pytest.mark.postgres, INTERPRETER_ONLY]

@@ -11,7 +11,7 @@ import torch
 from normtune.kernels import Problem
 from normtune.kernels.backward import workspace
 from normtune.kernels.backward.workspace import scratch
-from normtune.tuner.cases import make_case
+from normtune.tuner.measure.cases import make_case
 from normtune.tuner.space import Space
 
 

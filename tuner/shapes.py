@@ -6,7 +6,7 @@ import os
 
 from normtune.kernels.config import MAX_N
 
-from .heldout import HELDOUT_SHAPES
+from .tables.heldout import HELDOUT_SHAPES
 
 # The 15 seed shapes (docs/seed-shapes.md): three problem sizes (M·N = 2^25, 2^24, 2^23 elements) x five hidden sizes.
 SEED = (

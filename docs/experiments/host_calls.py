@@ -24,8 +24,8 @@ import torch
 import normtune
 from normtune.kernels import direct, launcher
 from normtune.kernels.config import Problem
-from normtune.tuner.peers import NormtuneAPI, PeerUnavailable, make_peer
-from normtune.tuner.views import host_us_per_call
+from normtune.tuner.measure.peers import NormtuneAPI, PeerUnavailable, make_peer
+from normtune.tuner.measure.views import host_us_per_call
 
 EPS = 1e-5
 

@@ -15,7 +15,7 @@ import torch
 from normtune.kernels.config import Problem
 from normtune.kernels.config import default_config
 from normtune.kernels.heuristics import max_warps
-from normtune.tuner.measure import TIMING, MeasureSession
+from normtune.tuner.measure.harness import TIMING, MeasureSession
 
 SHAPES = ((131072, 128), (262144, 128), (1048576, 128), (65536, 256), (131072, 256), (524288, 256))
 

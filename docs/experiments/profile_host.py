@@ -22,8 +22,8 @@ from normtune.kernels import layer_norm, rms_norm
 from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.config import Problem
 from normtune.kernels.config import default_config
-from normtune.tuner.cases import make_case
-from normtune.tuner.measure import TIMING, MeasureSession
+from normtune.tuner.measure.cases import make_case
+from normtune.tuner.measure.harness import TIMING, MeasureSession
 from normtune.tuner.space import Space
 
 LINES: list[str] = []
@@ -127,7 +127,7 @@ def launches() -> None:
     say(f"direct launch bitwise equal to the JIT launch: {torch.equal(ref, launch.dx)}")
     say("  cProfile of kernel_1 through normtune's launcher:")
     profile(launch.kernel_1, top=8)
-    from normtune.tuner.views import host_us_per_call
+    from normtune.tuner.measure.views import host_us_per_call
 
     def busy(fn) -> float:  # the bench's host view: calls issued while the GPU is kept busy by a spin
         return host_us_per_call(fn, device=dev, calls=20, reps=5)
@@ -152,7 +152,7 @@ def random_configs(space: Space, n: int) -> list:
 def bench_view() -> None:
     """Host µs per call as `normtune bench` measures it (GPU kept busy), before and after a profiler session in
     the same process (the bench runs the profiler for its kernel-sum view first)."""
-    from normtune.tuner.peers import NormtuneAPI, PeerUnavailable, make_peer
+    from normtune.tuner.measure.peers import NormtuneAPI, PeerUnavailable, make_peer
 
     dev = torch.device("cuda")
     session = MeasureSession(dev, l2_bytes=torch.cuda.get_device_properties(dev).L2_cache_size,

@@ -20,8 +20,8 @@ import torch
 
 from normtune.kernels.select import select_config
 from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureSession, Timing
-from normtune.tuner.views import kernel_sum
+from normtune.tuner.measure.harness import MeasureSession, Timing
+from normtune.tuner.measure.views import kernel_sum
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import case_problems  # noqa: E402

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from normtune.kernels.config import Problem
 from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureResult
+from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.shapes import SEED
-from normtune.tuner.store import Store
+from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import costs_line, driver
 from normtune.tuner.sweep.options import SweepOptions
 

@@ -26,8 +26,8 @@ import triton.language as tl
 from normtune.kernels.backward.common import arrive_and_wait, arrive_and_wait_in_loop, leave_and_reset
 from normtune.kernels.backward.reduce import kernel_2, reduce_columns
 from normtune.tuner.device import detect
-from normtune.tuner.measure import MeasureSession, Timing
-from normtune.tuner.views import kernel_sum
+from normtune.tuner.measure.harness import MeasureSession, Timing
+from normtune.tuner.measure.views import kernel_sum
 
 FUSED = ((64, 16, 1), (128, 8, 1), (256, 8, 1), (256, 16, 1), (128, 32, 2), (32, 128, 1), (256, 64, 1))
 SEPARATE = ((128, 16, 4), (64, 16, 4), (128, 32, 4), (32, 128, 4))

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from normtune.kernels.strategies import partial_rows
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 
-from ..bench import OURS
-from ..measure import bytes_moved, floor_bytes
+from ..measure.bench import OURS
+from ..measure.harness import bytes_moved, floor_bytes
 from ..space import Space
-from ..store import MeasurementRecord, RunRecord
-from ..validate import ValidationRow, rows_from_measurements
+from ..store.database import MeasurementRecord, RunRecord
+from ..tables.validate import ValidationRow, rows_from_measurements
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def bench_runs(store, data: ReportData) -> tuple[BenchRun | None, list[BenchRun]
     """(the bench run the peers section shows, the others worth a line). Shown: the latest bf16 run that timed
     every seed shape, else the latest bf16 run, else the latest run. The others: the latest run of each other
     dtype and shape set (older repeats of a set are left out)."""
-    from ..keep import bench_shapes
+    from ..upkeep.kept_subset import bench_shapes
     from ..shapes import SEED
 
     seed = {(norm, m, n) for norm in ("layer_norm", "rms_norm") for m, n in SEED}

@@ -13,11 +13,11 @@ from pathlib import Path
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.tables import TableError, parse_table
 
-from ..bench import OURS, summary
-from ..emit import build_table
-from ..fit import single_pass_threshold
+from ..measure.bench import OURS, summary
+from ..tables.emit import build_table
+from ..tables.fit import single_pass_threshold
 from ..render import MISSING, geomean, markdown_table, num, ratio, validation_summary, validation_table
-from ..validate import summarize
+from ..tables.validate import summarize
 from . import plots
 from .data import BenchRun, ProblemSummary, ReportData, heatmap_cells
 from .provenance import command_text

@@ -85,7 +85,7 @@ def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, fl
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P
 
-    from ..measure import classify_exception
+    from ..measure.harness import classify_exception
 
     t = time.perf_counter()
     try:

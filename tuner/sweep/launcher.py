@@ -19,7 +19,7 @@ from typing import Callable
 
 from normtune.kernels.config import Problem
 
-from ..measure import Timing
+from ..measure.harness import Timing
 from .compiling import share_of
 from .options import SweepOptions
 
@@ -42,7 +42,7 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
 
     die_with_parent(parent_pid, signal.SIGTERM)  # a killed launcher: each worker finishes its trial and stops
     from ..device import detect
-    from ..store import Store
+    from ..store.database import Store
     from .driver import Sweep
     from .measuring import start_helpers
 

@@ -10,7 +10,7 @@ import time
 
 from normtune.kernels.config import BackwardConfig, Problem
 
-from ..measure import MeasureResult, Timing
+from ..measure.harness import MeasureResult, Timing
 from .lifeline import die_with_parent, ignore_stop_signals
 
 
@@ -34,7 +34,7 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timi
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P
 
-    from ..measure import MeasureSession, classify_exception
+    from ..measure.harness import MeasureSession, classify_exception
 
     if interpret:
         session = MeasureSession("cpu")

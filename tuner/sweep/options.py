@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, Problem
 
-from ..measure import TIMING, Timing
+from ..measure.harness import TIMING, Timing
 
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..device import DeviceInfo
-from ..measure import MeasureResult
+from ..measure.harness import MeasureResult
 from .compiling import compile_one, wait_compiled
 from .costs import Costs
 from .options import ProblemSummary, SweepOptions, SweepSummary

@@ -131,7 +131,7 @@ class LiveView:
         self._since = dt.datetime.now(dt.timezone.utc)  # workers started before the view are not this sweep's
 
     def _poll(self) -> None:
-        from ..store import Store, StoreError
+        from ..store.database import Store, StoreError
 
         while not self._stop.is_set():
             try:
@@ -172,7 +172,7 @@ class LiveView:
         return self
 
     def __exit__(self, *exc) -> None:
-        from ..store import Store, StoreError
+        from ..store.database import Store, StoreError
 
         self._stop.set()
         self._thread.join(5)

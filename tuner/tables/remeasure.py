@@ -14,7 +14,7 @@ from normtune.kernels.tables import adapt
 from .emit import TOP_K, Selection, collect, select_inputs
 from .fit import Data, default_in
 from .incumbent import configs_for
-from .spread import Timing
+from ..measure.spread import Timing
 
 
 def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[BackwardConfig]:
@@ -62,7 +62,7 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
     """Measure each family's neighbour plan (see `neighbour_plan`; with the `incumbent` table's configs) in a new
     "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind its floors.
     Returns (run id, pairs measured)."""
-    from .measure import TIMING, MeasureSession
+    from ..measure.harness import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
     session = MeasureSession.for_device(info, timing=TIMING["remeasure"])

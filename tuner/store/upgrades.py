@@ -13,7 +13,7 @@ from sqlalchemy.engine import Engine
 
 from normtune.kernels.config import STRATEGIES, BackwardConfig
 
-from .store_models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, MeasurementModel, MetaModel, RunModel,
+from .models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, MeasurementModel, MetaModel, RunModel,
                            config_from_columns, hash_config)
 
 # The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.

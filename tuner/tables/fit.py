@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
 
-from .render import geomean
-from .spread import Timing, slower_beyond_spread
+from ..render import geomean
+from ..measure.spread import Timing, slower_beyond_spread
 
 SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than 1%
 MAX_GROUPS = 3
@@ -59,7 +59,7 @@ class Fitted:
 def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig]:
     """Problem → the measured config that is today's analytic default (as `default_config` returns it, or in
     the canonical form the sweep seeds it), for the problems where it was measured."""
-    from .space import Space
+    from ..space import Space
 
     out = {}
     for p, cfgs in data.items():

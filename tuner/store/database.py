@@ -33,16 +33,16 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.results import STATUSES, MeasureResult
+from normtune.tuner.measure.results import STATUSES, MeasureResult
 
-from . import sqlite_files, store_schema
-from .store_models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
+from . import sqlite_files, schema as store_schema
+from .models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
                            StoreIntegrityError, check_value, hash_config, figure_value, measurement_record, utc_now,
                            peer_record, problem_from_row, run_record, device_columns)
-from .store_schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
-from .store_workers import WorkerCoordination
+from .schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
+from .workers import WorkerCoordination
 
 __all__ = ["BUSY_TIMEOUT_S", "CONFIG_COLUMNS", "SCHEMA_VERSION", "MeasurementModel", "MeasurementRecord",
            "MetaModel", "PeerRecord", "RunRecord", "SchemaVersionError", "Store", "StoreError",

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from normtune.kernels.config import Problem
 
-from .store_models import (Base, MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
+from .models import (Base, MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
                            TrialClaimModel, utc_now, problem_from_row, as_utc)
 
 # Grace of a run that recorded no heartbeat yet (the seconds between its start and its first beat).

@@ -20,7 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily
 from normtune.tuner.device import DeviceInfo
-from normtune.tuner.results import STATUSES, MeasureResult
+from normtune.tuner.measure.results import STATUSES, MeasureResult
 
 # The layout of the tables. The kernels' knobs are not part of it: their columns are generated from the configs
 # (`KNOB_COLUMNS`), and a database missing some gains them on a writing open (`store_upgrades.upgrade_knobs`).

@@ -28,7 +28,7 @@ from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
 from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold
 from .heldout import HELDOUT_SHAPES
 from .incumbent import configs_for, record as record_incumbent
-from .spread import Timing
+from ..measure.spread import Timing
 
 TOP_K = 3  # configs per problem carried into the matrix and re-measured on neighbours
 FIT_KINDS = ("sweep", "emit")  # run kinds fitted on by default (emit's runs hold the neighbour re-measurements)

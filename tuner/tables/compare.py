@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
-from .render import MISSING, geomean, interval, markdown_table, num
-from .spread import Ratio, Timing, slower_beyond_spread
+from ..render import MISSING, geomean, interval, markdown_table, num
+from ..measure.spread import Ratio, Timing, slower_beyond_spread
 
 if TYPE_CHECKING:  # the session (torch) is made by the caller
-    from .measure import MeasureSession
+    from ..measure.harness import MeasureSession
 
 ROUNDS = 5  # interleaved rounds per head-to-head (each round is itself a median over cold-L2 repetitions)
 THRESHOLD = 0.03  # compare: NEW may be up to 3 % slower than OLD before the gate fails

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from .compare import ROUNDS, config_for, head_to_head
-from .device import DeviceInfo
-from .device import command_line as device_command_line
-from .render import geomean
-from .spread import Ratio, Timing, slower_beyond_spread
+from ..device import DeviceInfo
+from ..device import command_line as device_command_line
+from ..render import geomean
+from ..measure.spread import Ratio, Timing, slower_beyond_spread
 
 REFERENCE_TRIALS = 40
 REFERENCE_PREFIX = "normtune-validate-unseeded"  # the reference sweeps' own studies
@@ -85,7 +85,7 @@ class ReferenceInterrupted(Exception):
 def reference_sweep(store, info: DeviceInfo, gpu_key: str, problems: list[Problem], *, trials: int,
                     storage_url: str, compile_workers: int, progress=None) -> dict[str, tuple]:
     """problem key → (best config or None, trials measured) of an unseeded sweep of `trials` trials."""
-    from .sweep import Sweep, SweepOptions, study_name
+    from ..sweep import Sweep, SweepOptions, study_name
 
     names = {p.key: study_name(gpu_key, p, info.interpret, REFERENCE_PREFIX) for p in problems}
     opts = SweepOptions(gpu_key=gpu_key, problems=problems, trials=trials, interpret=info.interpret,
@@ -113,7 +113,7 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
     receives the sweep's events and ("validated", {"index", "total", "row"})."""
     reference = reference_sweep(store, info, gpu_key, problems, trials=trials, storage_url=storage_url,
                                 compile_workers=compile_workers, progress=progress)
-    from .measure import TIMING, MeasureSession
+    from ..measure.harness import TIMING, MeasureSession
 
     session = MeasureSession.for_device(info, timing=TIMING["validate"])
     run_id = store.start_run(info, kind="validate", command_line=command_line or device_command_line(),
@@ -164,7 +164,7 @@ def summarize(rows: list[ValidationRow]) -> dict:
 
 def markdown(rows: list[ValidationRow], info: DeviceInfo, table_path: str | None, trials: int) -> str:
     """validate.md."""
-    from .render import validation_summary, validation_table
+    from ..render import validation_summary, validation_table
 
     timing = ("Triton-interpreter timings: host wall-clock on CPU, not GPU time" if info.interpret else
               "median µs of cold-L2 repetitions, pooled over interleaved rounds")

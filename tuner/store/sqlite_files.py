@@ -7,7 +7,7 @@ import sqlite3
 
 from sqlalchemy.exc import ArgumentError
 
-from .store_schema import BUSY_TIMEOUT_S, sqlite_path
+from .schema import BUSY_TIMEOUT_S, sqlite_path
 
 
 def missing_sidecars(url: str) -> list[str]:

@@ -23,8 +23,8 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from .emit import recorded_runs
-from .store_models import KNOB_COLUMNS, config_from_columns
+from ..tables.emit import recorded_runs
+from ..store.models import KNOB_COLUMNS, config_from_columns
 
 # Optuna's tables (its RDB storage schema) and normtune's slot claims in them: dropped whole.
 OPTUNA_TABLES = ("trial_params", "trial_user_attributes", "trial_system_attributes", "trial_values",

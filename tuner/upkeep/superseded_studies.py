@@ -20,8 +20,8 @@ from sqlalchemy import inspect, select, text
 
 from normtune.kernels.config import ConfigError, Problem
 
-from .store_models import MeasurementModel, ProblemModel, StoreError, TrialClaimModel, problem_from_row
-from .sweep.options import space_tag
+from ..store.models import MeasurementModel, ProblemModel, StoreError, TrialClaimModel, problem_from_row
+from ..sweep.options import space_tag
 
 # Optuna's tables (and columns: `store_schema.OPTUNA_COLUMNS`) that finding the superseded studies reads.
 _STUDY_TABLES = {"studies", "study_user_attributes", "trials"}

@@ -27,8 +27,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
 
-from . import store_upgrades
-from .store_models import (KNOB_COLUMNS, READABLE_VERSIONS, SCHEMA_VERSION, Base, MeasurementModel, MetaModel,
+from . import upgrades as store_upgrades
+from .models import (KNOB_COLUMNS, READABLE_VERSIONS, SCHEMA_VERSION, Base, MeasurementModel, MetaModel,
                            OlderSchemaError, SchemaVersionError, StoreError)
 
 # Versions a writing command upgrades in place (every readable one but the current).

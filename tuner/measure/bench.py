@@ -30,9 +30,9 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.select import select_config
 
 from .cases import relative_error
-from .device import DeviceInfo, peer_versions, tool_versions
+from ..device import DeviceInfo, peer_versions, tool_versions
 from .host_rounds import HostCall, measure_rounds
-from .measure import TIMING, MeasureSession, Timing
+from .harness import TIMING, MeasureSession, Timing
 from .peers import NormtuneAPI, PeerUnavailable, make_peer
 from .views import kernel_sum
 
@@ -312,7 +312,7 @@ def to_json(report: BenchReport) -> str:
 def store_report(store, report: BenchReport, info: DeviceInfo) -> int:
     """Record a bench run: normtune's rows as measurements (source "bench-<config source>"), peers as peer
     results. The run row spans the bench: it starts when the bench began and ends once its rows are stored."""
-    from .device import command_line
+    from ..device import command_line
     from .results import MeasureResult
 
     run_id = store.start_run(info, kind="bench", command_line=command_line(),
