@@ -64,9 +64,9 @@ def test_status_prefix_matches_names_literally(tmp_path):
             store.add_measurement(run_id, RMS, default_config(RMS), ok(80.0 + i), source="sweep", study_name=name,
                                   trial_number=0)
         store.end_run(run_id)
-        assert [p.study_name for p in store.study_progress("%")] == []
-        assert [p.study_name for p in store.study_progress("normtune_")] == ["normtune_h100:b"]
-        assert [p.study_name for p in store.study_progress("other:100%")] == ["other:100%:c"]
+        assert [p.study_name for p in store.workers.study_progress("%")] == []
+        assert [p.study_name for p in store.workers.study_progress("normtune_")] == ["normtune_h100:b"]
+        assert [p.study_name for p in store.workers.study_progress("other:100%")] == ["other:100%:c"]
     for prefix in ("%", "_"):
         result = CliRunner().invoke(app, ["status", "--db", url, "--prefix", prefix])
         assert result.exit_code == 0 and f"no sweep studies named {prefix}…" in result.output, result.output

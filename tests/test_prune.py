@@ -23,7 +23,7 @@ def test_prune_drops_superseded_studies_and_keeps_measurements(tmp_path):
     old, held = _old_copy(url, "00000000"), _old_copy(url, "11111111")
     with Store(url) as store:
         run_id = store.runs()[0].id
-        assert store.claim_slot(held, 1, run_id) == (0, None)  # an unmeasured slot: a worker may still use it
+        assert store.workers.claim_slot(held, 1, run_id) == (0, None)  # an unmeasured slot: a worker may still use it
         before = [(m.id, m.config, m.median_us) for m in store.measurements()]
 
     dry = invoke(["prune", "--db", url, "--dry-run"])

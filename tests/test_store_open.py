@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig
 from normtune.tuner.store.database import SCHEMA_VERSION, SchemaVersionError, Store, StoreError
+from normtune.tuner.store.workers import Workers
 from test_store import CONFIG, H100, RMS, ok
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,8 +144,8 @@ def test_a_schema_1_database_is_read_as_it_is_and_upgraded_when_written(tmp_path
     with Store(f"sqlite:///{old}") as s:
         assert [r.id for r in s.runs()] == [r.id for r in runs]
         run_id = s.start_run(H100, kind="sweep", command_line="after the upgrade")
-        s.beat(run_id, grace_s=0.0)
-        assert run_id in s.mark_dead_runs()  # 'dead' is a run status now
+        s.workers.beat(run_id, grace_s=0.0)
+        assert run_id in s.workers.mark_dead_runs()  # 'dead' is a run status now
         assert s.runs()[-1].status == "dead"
         assert s.count_measurements() > 0
     con = sqlite3.connect(old)
@@ -232,12 +233,24 @@ def test_an_older_database_is_read_through_an_upgraded_copy(tmp_path, version, k
         assert s.upgraded_from is None and s._scratch is None and s.schema_version == str(SCHEMA_VERSION)
 
 
+def test_the_store_holds_its_worker_coordination(tmp_path):
+    """Heartbeats and trial slots are a component of the store (`store.workers`), not a base class of it."""
+    assert Store.__bases__ == (object,)
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as s:
+        assert isinstance(s.workers, Workers)
+        run_id = s.start_run(H100, kind="sweep", command_line="one worker")
+        assert s.workers.claim_slot("normtune:h100:" + RMS.key, 1, run_id) == (0, None)
+        s.workers.beat(run_id, grace_s=60.0, device=0)
+        (state,) = s.workers.states()
+        assert state.run_id == run_id and state.alive
+
+
 def test_status_reads_a_database_without_changing_it(tmp_path):
     url = _filled(tmp_path / "results.db")
     with Store(url) as s:
         run_id = s.start_run(H100, kind="sweep", command_line="a worker that died")
-        s.beat(run_id, grace_s=0.0, device=1)
-        s.claim_slot("normtune:h100:" + RMS.key, 3, run_id)
+        s.workers.beat(run_id, grace_s=0.0, device=1)
+        s.workers.claim_slot("normtune:h100:" + RMS.key, 3, run_id)
         s.add_measurement(run_id, RMS, CONFIG, ok(70.0), source="sweep", study_name="normtune:h100:" + RMS.key,
                           trial_number=0)
     before = _files(tmp_path)

@@ -141,7 +141,7 @@ def _check(url: str) -> None:
         assert not info["waiting"], f"{name}: WAITING trials {info['waiting']} left behind"
         assert all(t.state != TS.RUNNING for t in info["trials"])
     with Store(url) as store:
-        runs = store.workers()
+        runs = store.workers.states()
         rows = store.measurements()
     assert len(rows) == TRIALS * len(PROBLEMS)
     measured_configs = {}

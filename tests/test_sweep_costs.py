@@ -86,7 +86,7 @@ def test_the_next_trials_are_proposed_while_one_measures_and_the_costs_are_store
     assert costs["database_s"] > 0 and costs["sampler_s"] >= 0 and costs["startup_s"] > 0
     assert abs(costs["gpu_idle_s"] - (costs["wall_s"] - costs["startup_s"] - costs["measuring_s"])) < 1e-6
     with Store(url) as store:
-        (worker,) = store.workers()
+        (worker,) = store.workers.states()
     assert worker.costs == costs  # stored with the run
     out = CliRunner().invoke(app, ["status", "--db", url, "--prefix", "normtune:interpret:"])
     assert out.exit_code == 0, out.output

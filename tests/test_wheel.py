@@ -50,7 +50,7 @@ def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("normtune/__init__.py", "normtune/configs/h100.json", "normtune/configs/h200.json",
                      "normtune/configs/__init__.py", "normtune/cli.py", "normtune/kernels/__init__.py",
-                     "normtune/kernels/tables.py", "normtune/tuner/__init__.py", "normtune/tuner/store.py",
+                     "normtune/kernels/tables.py", "normtune/tuner/__init__.py", "normtune/tuner/store/database.py",
                      "normtune/commands/common.py"):
         assert required in names, required
     dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
@@ -63,10 +63,10 @@ def test_wheel_contents(wheel):
     assert {n for n in names if n.startswith("normtune/") and n.count("/") == 1} == {"normtune/__init__.py",
                                                                                     "normtune/cli.py"}
     assert not [n for n in names if n.endswith((".db", ".png", ".md")) or "/tests/" in n or "/docs/" in n]
-    # Every module of the source tree is in the wheel.
+    # Every module of the source tree is in the wheel, those of subpackages (`packages` is an explicit list) too.
     for pkg in ("kernels", "tuner", "commands", "configs"):
-        for module in (ROOT / pkg).glob("*.py"):
-            assert f"normtune/{pkg}/{module.name}" in names
+        for module in (ROOT / pkg).rglob("*.py"):
+            assert f"normtune/{module.relative_to(ROOT).as_posix()}" in names
 
 
 def test_wheel_metadata(wheel):

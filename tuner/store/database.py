@@ -1,9 +1,9 @@
 """The results store: runs with provenance, problems, measurements and peer results, in one SQL database.
 
-SQLAlchemy lives in the store's modules only (`store_models`: tables and records; `store_schema`: opening,
-checking, creating; `store_workers`: what sweep workers coordinate through). Callers (sweep, bench, validate,
-emit, report) hand `Store` plain values (`DeviceInfo`, `Problem`, `BackwardConfig`, `MeasureResult`) and get
-frozen records back, never ORM objects.
+SQLAlchemy lives in the store's modules only (`models`: tables and records; `schema`: opening, checking,
+creating; `workers`: what sweep workers coordinate through, held as `Store.workers`). Callers (sweep, bench,
+validate, emit, report) hand `Store` plain values (`DeviceInfo`, `Problem`, `BackwardConfig`, `MeasureResult`) and
+get frozen records back, never ORM objects.
 
 One `session_scope` commits, rolls back and turns `SQLAlchemyError` into a one-line `StoreError` -- the shape of
 Optuna's RDB storage, whose study lives in the same database: `Store.optuna_storage()` hands it over, so the
@@ -35,21 +35,21 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
-from . import sqlite_files, schema as store_schema
+from . import schema, sqlite_files
 from .models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
                            StoreIntegrityError, check_value, hash_config, figure_value, measurement_record, utc_now,
                            peer_record, problem_from_row, run_record, device_columns)
 from .schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
-from .workers import WorkerCoordination
+from .workers import Workers
 
 __all__ = ["BUSY_TIMEOUT_S", "CONFIG_COLUMNS", "SCHEMA_VERSION", "MeasurementModel", "MeasurementRecord",
            "MetaModel", "PeerRecord", "RunRecord", "SchemaVersionError", "Store", "StoreError",
            "StoreIntegrityError", "normalize_url"]
 
 
-class Store(WorkerCoordination):
+class Store:
     """Results of runs, measurements and peers in one database (`sqlite:///results.db` by default).
 
     Safe to use from several processes at once (each opens its own `Store`; one inherited through fork
@@ -62,16 +62,17 @@ class Store(WorkerCoordination):
         self.read_only = read_only
         # A read-only open of a WAL file creates its -wal/-shm files; `close` removes those it created.
         self._sidecars = sqlite_files.missing_sidecars(self.url) if read_only else []
-        self._engine = store_schema.create(self.url, read_only=read_only)
+        self._engine = schema.create(self.url, read_only=read_only)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._problem_ids: dict[str, int] = {}
+        self.workers = Workers(self)  # heartbeats, trial slots, study progress: `workers.py`
         self.upgraded_from: str | None = None  # `for_reading`: the older schema of the file read through a copy
         self._scratch: str | None = None  # `for_reading`: the folder of that copy
         try:
             # Check before anything writes: a database that is not ours to change is left exactly as it was.
-            self.schema_version = store_schema.check(self._engine, self.display_url, read_only=read_only)
+            self.schema_version = schema.check(self._engine, self.display_url, read_only=read_only)
             if not read_only:
-                store_schema.create_schema(self._engine, self.url, self.display_url)
+                schema.create_schema(self._engine, self.url, self.display_url)
                 self.schema_version = str(SCHEMA_VERSION)
         except BaseException:
             self._engine.dispose()
@@ -86,12 +87,12 @@ class Store(WorkerCoordination):
         try:
             return cls(url, read_only=True)
         except OlderSchemaError as err:
-            path, found = store_schema.sqlite_path(normalize_url(url)), err.found
+            path, found = schema.sqlite_path(normalize_url(url)), err.found
             if path is None:
                 raise
         folder = tempfile.mkdtemp(prefix="normtune-upgraded-")
         try:
-            copy = f"sqlite:///{store_schema.snapshot(path, folder)}"
+            copy = f"sqlite:///{schema.snapshot(path, folder)}"
             cls(copy).close()  # opening it for writing upgrades it
             store = cls(copy, read_only=True)
         except BaseException:
@@ -102,7 +103,7 @@ class Store(WorkerCoordination):
 
     def vacuum(self) -> None:
         """SQLite: give the pages of deleted rows back to the file system (no-op elsewhere)."""
-        if store_schema.sqlite_path(self.url) is None:
+        if schema.sqlite_path(self.url) is None:
             return
         try:
             with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
@@ -116,7 +117,7 @@ class Store(WorkerCoordination):
         `rdb_options` are RDBStorage's own (heartbeat_interval, grace_period, …)."""
         if self.read_only:
             raise StoreError(f"{self.display_url} was opened read-only: Optuna's storage needs a writable store")
-        return store_schema.optuna_storage(self.url, self.display_url, **rdb_options)
+        return schema.optuna_storage(self.url, self.display_url, **rdb_options)
 
     @contextmanager
     def session_scope(self) -> Iterator[Session]:
@@ -139,7 +140,7 @@ class Store(WorkerCoordination):
         finally:
             session.close()
 
-    def _table_names(self) -> set[str]:
+    def table_names(self) -> set[str]:
         with self._engine.connect() as conn:
             return set(inspect(conn).get_table_names())
 
@@ -224,7 +225,7 @@ class Store(WorkerCoordination):
             created_at=utc_now(), **{f: figure_value(getattr(result, f)) for f in FIGURES})
         try:
             with self.session_scope() as session:
-                if slot is not None and not self._mark_measured(session, study_name, slot, run_id, trial_number):
+                if slot is not None and not self.workers.mark_measured(session, study_name, slot, run_id, trial_number):
                     return None
                 session.add(row)
                 session.flush()

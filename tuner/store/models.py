@@ -23,7 +23,7 @@ from normtune.tuner.device import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
 # The layout of the tables. The kernels' knobs are not part of it: their columns are generated from the configs
-# (`KNOB_COLUMNS`), and a database missing some gains them on a writing open (`store_upgrades.upgrade_knobs`).
+# (`KNOB_COLUMNS`), and a database missing some gains them on a writing open (`upgrades.upgrade_knobs`).
 SCHEMA_VERSION = 5
 # Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
 READABLE_VERSIONS = ("1", "2", "3", "4", "5")

@@ -27,7 +27,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, NoSuchModuleError, OperationalError,
                             ProgrammingError, SQLAlchemyError)
 
-from . import upgrades as store_upgrades
+from . import upgrades
 from .models import (KNOB_COLUMNS, READABLE_VERSIONS, SCHEMA_VERSION, Base, MeasurementModel, MetaModel,
                            OlderSchemaError, SchemaVersionError, StoreError)
 
@@ -242,8 +242,8 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
     elif found is not None:
         stale = sorted(m.split(".", 1)[1] for m in missing if m in knobs)
         missing = [m for m in missing if m not in knobs]
-        if read_only and not missing and (stale or store_upgrades.stored_layout(engine)
-                                          != store_upgrades.config_layout()):
+        if read_only and not missing and (stale or upgrades.stored_layout(engine)
+                                          != upgrades.config_layout()):
             what = f"knob column(s) {', '.join(stale)}" if stale else "its configs' knobs"
             raise OlderSchemaError(
                 f"{shown} predates {what} of this normtune and was left unchanged; a writing command (e.g. "
@@ -274,13 +274,13 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     found = check(engine, shown, read_only=False)
     try:
         if found == "1":
-            store_upgrades.upgrade_from_1(engine, sqlite_path(url), BUSY_TIMEOUT_S)
-        if (found in OLDER_VERSIONS or store_upgrades.stored_layout(engine) != store_upgrades.config_layout()
-                or store_upgrades.missing_knob_columns(engine)):
+            upgrades.upgrade_from_1(engine, sqlite_path(url), BUSY_TIMEOUT_S)
+        if (found in OLDER_VERSIONS or upgrades.stored_layout(engine) != upgrades.config_layout()
+                or upgrades.missing_knob_columns(engine)):
             with engine.begin() as conn:
-                store_upgrades.upgrade_knobs(conn)
+                upgrades.upgrade_knobs(conn)
         with engine.begin() as conn:
-            store_upgrades.ensure_knob_indexes(conn)
+            upgrades.ensure_knob_indexes(conn)
     except (SQLAlchemyError, sqlite3.Error) as err:
         raise StoreError(f"--db {shown}: cannot upgrade its schema from {found} to {SCHEMA_VERSION} "
                          f"({short_reason(err)})") from None

@@ -1,7 +1,7 @@
 """Upgrading an older results database in place, each step one transaction: schema 1's run-status check, and
 the knob columns and canonical config JSON of configs stored before a knob existed (no schema version is needed
-for a new knob: its column is generated from the config layout, `store_models.KNOB_COLUMNS`, and the strategies'
-own knobs are recorded as the database's layout). `store_schema` decides when, and turns errors into one line."""
+for a new knob: its column is generated from the config layout, `models.KNOB_COLUMNS`, and the strategies'
+own knobs are recorded as the database's layout). `schema` decides when, and turns errors into one line."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """What sweep workers coordinate through, beside Optuna's studies: run liveness and trial claims.
 
+`Store.workers` (a `Workers`) holds them.
+
 - Liveness: a sweep worker's run records a heartbeat (`beat`) every few seconds. A `running` run whose last beat
   is older than its grace period is dead; any worker (or `normtune status`) sees it so, and `mark_dead_runs`
   records it, so a killed run never stays `running`.
@@ -99,8 +101,12 @@ def _alive(status: str, beat_at: dt.datetime | None, grace_s: float | None, star
     return (now - last).total_seconds() <= grace
 
 
-class WorkerCoordination:
-    """Mixed into `Store` (which provides `session_scope`)."""
+class Workers:
+    """A `Store`'s worker coordination (`store.workers`): liveness, trial claims and status, each method one
+    transaction of the store's."""
+
+    def __init__(self, store) -> None:
+        self._store = store
 
     # ------------------------------------------------------------------------------------------ liveness
 
@@ -110,14 +116,14 @@ class WorkerCoordination:
             return set()
         query = text("SELECT trial_id FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(
             bindparam("ids", expanding=True))
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             return {row[0] for row in session.execute(query, {"ids": list(trial_ids)})}
 
     def beat(self, run_id: int, *, grace_s: float, device: int | None = None, costs: dict | None = None) -> None:
         """Record that `run_id` is alive (and its `costs` so far, in the same transaction). A run declared dead
         meanwhile (its worker stalled past its grace period) is running again: the slots taken over from it are
         lost to it, which the claims make harmless."""
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             if costs is not None:
                 self._put_costs(session, run_id, costs)
             row = session.get(RunHeartbeatModel, run_id)
@@ -131,7 +137,7 @@ class WorkerCoordination:
 
     def save_costs(self, run_id: int, costs: dict) -> None:
         """Record where `run_id`'s wall clock went (replacing what it saved before)."""
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             self._put_costs(session, run_id, costs)
 
     @staticmethod
@@ -146,7 +152,7 @@ class WorkerCoordination:
     def mark_dead_runs(self) -> list[int]:
         """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""
         now = utc_now()
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             rows = session.execute(select(RunModel.id, RunHeartbeatModel.beat_at, RunHeartbeatModel.grace_s)
                                    .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
                                    .where(RunModel.status == "running")).all()
@@ -157,9 +163,9 @@ class WorkerCoordination:
                                 .values(status="dead", ended_at=beat_at))
         return [run_id for run_id, _ in dead]
 
-    def workers(self) -> list[WorkerState]:
+    def states(self) -> list[WorkerState]:
         """Every run that recorded heartbeats, oldest first, with its measurement count and time span."""
-        if "normtune_run_heartbeats" not in self._table_names():
+        if "normtune_run_heartbeats" not in self._store.table_names():
             return []
         counts = (select(MeasurementModel.run_id, func.count(MeasurementModel.id).label("n"),
                          func.min(MeasurementModel.created_at).label("first"),
@@ -169,8 +175,8 @@ class WorkerCoordination:
                  .join(RunHeartbeatModel, RunHeartbeatModel.run_id == RunModel.id)
                  .outerjoin(counts, counts.c.run_id == RunModel.id).order_by(RunModel.id))
         now = utc_now()
-        has_costs = RunCostsModel.__tablename__ in self._table_names()
-        with self.session_scope() as session:
+        has_costs = RunCostsModel.__tablename__ in self._store.table_names()
+        with self._store.session_scope() as session:
             costs = ({run_id: json.loads(data) for run_id, data in session.execute(
                 select(RunCostsModel.run_id, RunCostsModel.costs_json))} if has_costs else {})
             return [WorkerState(run.id, hb.host, hb.pid, hb.device, run.gpu_name, run.status,
@@ -190,7 +196,7 @@ class WorkerCoordination:
                  .outerjoin(RunHeartbeatModel, RunHeartbeatModel.run_id == TrialClaimModel.run_id)
                  .where(TrialClaimModel.study_name == study_name))
         now = utc_now()
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             return {slot: SlotState(slot, run_id, number, bool(measured),
                                     _alive(status, beat_at, grace_s, started_at, now))
                     for slot, run_id, number, measured, status, started_at, beat_at, grace_s
@@ -205,7 +211,7 @@ class WorkerCoordination:
             state = states.get(slot)
             if state is None:
                 try:
-                    with self.session_scope() as session:
+                    with self._store.session_scope() as session:
                         session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id,
                                                     measured=False, claimed_at=utc_now()))
                     return slot, None
@@ -214,7 +220,7 @@ class WorkerCoordination:
             if state.free:
                 same_trial = (TrialClaimModel.trial_number.is_(None) if state.trial_number is None
                               else TrialClaimModel.trial_number == state.trial_number)
-                with self.session_scope() as session:
+                with self._store.session_scope() as session:
                     taken = session.execute(
                         update(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
                                                       TrialClaimModel.slot == slot,
@@ -227,7 +233,7 @@ class WorkerCoordination:
 
     def bind_slot(self, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """Record which trial fills a slot `run_id` holds. False when the slot is no longer this run's."""
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             return session.execute(
                 update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
                                               TrialClaimModel.run_id == run_id)
@@ -235,13 +241,13 @@ class WorkerCoordination:
 
     def release_slot(self, study_name: str, slot: int, run_id: int) -> None:
         """Give a slot back (its trial was abandoned unmeasured): another worker, or a re-run, takes it."""
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             session.execute(delete(TrialClaimModel).where(TrialClaimModel.study_name == study_name,
                                                           TrialClaimModel.slot == slot,
                                                           TrialClaimModel.run_id == run_id,
                                                           TrialClaimModel.measured.is_(False)))
 
-    def _mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
+    def mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """First statement of the transaction that stores a claimed trial's measurement (so that it takes the
         write lock before reading anything): True when `run_id` still holds the slot with that trial."""
         return session.execute(
@@ -253,7 +259,7 @@ class WorkerCoordination:
 
     def adopt_measured_trials(self, study_name: str) -> int:
         """Give the measured trials of a study swept before claims existed (schema 1) their slots, once; how many."""
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             if session.execute(select(TrialClaimModel.slot).where(TrialClaimModel.study_name == study_name)
                                .limit(1)).first() is not None:
                 return 0
@@ -264,7 +270,7 @@ class WorkerCoordination:
         if not rows:
             return 0
         try:
-            with self.session_scope() as session:
+            with self._store.session_scope() as session:
                 session.add_all(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id, trial_number=number,
                                                 measured=True, claimed_at=utc_now())
                                 for slot, (number, run_id) in enumerate(rows))
@@ -282,7 +288,7 @@ class WorkerCoordination:
                            func.min(MeasurementModel.problem_id))
                     .where(MeasurementModel.study_name.startswith(prefix, autoescape=True)).group_by(MeasurementModel.study_name))
         out: dict[str, dict] = {}
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             problems = {row.id: problem_from_row(row) for row in session.scalars(select(ProblemModel))}
             for name, n, failed, best, problem_id in session.execute(measured):
                 out[name] = dict(problem=problems.get(problem_id), finished=n, failed=int(failed or 0), best_us=best)
@@ -291,7 +297,7 @@ class WorkerCoordination:
                                                           MeasurementModel.median_us == best,
                                                           MeasurementModel.status == "ok").limit(1)).scalar()
         running: dict[str, int] = {}
-        if "normtune_trial_claims" in self._table_names():
+        if "normtune_trial_claims" in self._store.table_names():
             names = {r[0] for r in self._select(select(TrialClaimModel.study_name).distinct()
                                                 .where(TrialClaimModel.study_name.startswith(prefix, autoescape=True)))}
             for name in names:
@@ -302,5 +308,5 @@ class WorkerCoordination:
                 for name in sorted(set(out) | set(running))]
 
     def _select(self, query) -> list:
-        with self.session_scope() as session:
+        with self._store.session_scope() as session:
             return list(session.execute(query))

@@ -107,7 +107,7 @@ class Sweep:
             try:
                 for tid in self.pending.held():
                     self.storage.record_heartbeat(tid)
-                self.store.beat(run_id, grace_s=self.opts.grace_period, device=self._device(),
+                self.store.workers.beat(run_id, grace_s=self.opts.grace_period, device=self._device(),
                                 costs=self.costs.to_dict())
             except Exception as err:  # noqa: BLE001 - a missed heartbeat only risks a takeover
                 log.debug("heartbeat failed: %s", err)
@@ -132,8 +132,8 @@ class Sweep:
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
-        self.store.beat(run_id, grace_s=opts.grace_period, device=self._device())
-        self.store.mark_dead_runs()
+        self.store.workers.beat(run_id, grace_s=opts.grace_period, device=self._device())
+        self.store.workers.mark_dead_runs()
         stop_hb = threading.Event()
         threading.Thread(target=self._heartbeat_loop, args=(run_id, stop_hb), daemon=True).start()
         status = "failed"
@@ -150,7 +150,7 @@ class Sweep:
             summary.remaining = self._remaining()
             summary.costs = self.costs.to_dict()
             try:
-                self.store.save_costs(run_id, summary.costs)
+                self.store.workers.save_costs(run_id, summary.costs)
             finally:
                 self.store.end_run(run_id, status=status)
             for sig, handler in old_handlers.items():
@@ -176,7 +176,7 @@ class Sweep:
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
         short = [] if summary.stopped else [
             p for p in order if p.key in self._books and not self._exhausted.get(p.key) and sum(
-                s.measured for s in self.store.slots(self._books[p.key].name).values())
+                s.measured for s in self.store.workers.slots(self._books[p.key].name).values())
             < self._books[p.key].target(self.opts.trials)]
         if short:
             self._pipeline(self._feed(short, [self.opts.trials], run_id, pool, t0, by_key), run_id, t0, summary)
@@ -184,7 +184,7 @@ class Sweep:
         # Leave the studies clean for whoever looks next: trials of workers that died after storing their
         # measurement are told, and dead runs recorded.
         with self.costs.timed("database"):
-            self.store.mark_dead_runs()
+            self.store.workers.mark_dead_runs()
             for book in self._books.values():
                 book.repair(self.store)
 
@@ -207,7 +207,7 @@ class Sweep:
                     self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
                     while not self._feed_stops(t0) and not self._exhausted.get(problem.key):
                         with self.costs.timed("database"):
-                            claim = self.store.claim_slot(book.name, goal, run_id)
+                            claim = self.store.workers.claim_slot(book.name, goal, run_id)
                         if claim is None:
                             break
                         slot, dead_trial = claim
@@ -226,7 +226,7 @@ class Sweep:
                 if busy:
                     yield _IDLE
                     with self.costs.timed("database"):
-                        self.store.mark_dead_runs()
+                        self.store.workers.mark_dead_runs()
                         for problem in busy:
                             self._book(problem).repair(self.store)
 
@@ -237,7 +237,7 @@ class Sweep:
     def _held_by_others(self, book: StudyBook, goal: int, run_id: int) -> bool:
         """True when slots of the problem below `goal` are unmeasured and held by another live worker."""
         with self.costs.timed("database"):
-            slots = self.store.slots(book.name)
+            slots = self.store.workers.slots(book.name)
         if sum(s.measured for s in slots.values()) >= goal:
             return False
         return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
@@ -320,8 +320,8 @@ class Sweep:
         if problem.key not in self._books:
             with self.costs.timed("database"):
                 book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
-                                 claimed_slots=lambda name: max(self.store.slots(name), default=-1) + 1)
-                self.store.adopt_measured_trials(book.name)
+                                 claimed_slots=lambda name: max(self.store.workers.slots(name), default=-1) + 1)
+                self.store.workers.adopt_measured_trials(book.name)
                 book.repair(self.store)
             self._books[problem.key] = book
         return self._books[problem.key]
@@ -332,7 +332,7 @@ class Sweep:
         """A problem's trials of this round are all stored: its summary from the database."""
         book, ps = end.book, end.ps
         with self.costs.timed("database"):
-            ps.trials = sum(s.measured for s in self.store.slots(book.name).values())
+            ps.trials = sum(s.measured for s in self.store.workers.slots(book.name).values())
             best = self.store.best(book.problem, gpu_key=self.opts.gpu_key, interpret=self.info.interpret)
             if best is not None:
                 ps.best_us, ps.best_config = best.median_us, best.config
@@ -348,7 +348,7 @@ class Sweep:
             book = self._books.get(problem.key)
             name = book.name if book else study_name(self.opts.gpu_key, problem, self.info.interpret,
                                                       self.opts.study_prefix)
-            done = sum(s.measured for s in self.store.slots(name).values())
+            done = sum(s.measured for s in self.store.workers.slots(name).values())
             left = (book.target(self.opts.trials) if book else self.opts.trials) - done
             if left > 0:
                 out.append(f"{problem.key}: {left} trials")

@@ -58,12 +58,12 @@ class PendingTrials:
         problem's space has nothing left to propose."""
         trial = book.new_trial(slot, self.costs)
         if trial is None:
-            self.store.release_slot(book.name, slot, run_id)
+            self.store.workers.release_slot(book.name, slot, run_id)
             return None
         with self._lock:
             self.running[trial.trial_id] = trial.number
         with self.costs.timed("database"):
-            self.store.bind_slot(book.name, slot, run_id, trial.number)
+            self.store.workers.bind_slot(book.name, slot, run_id, trial.number)
         future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
                   if pool is not None else None)
         return Pending(slot, trial, future, book, ps)
@@ -74,7 +74,7 @@ class PendingTrials:
             item.compiled.cancel()
         with self.costs.timed("database"):
             item.book.abandon(item.trial)
-            self.store.release_slot(item.book.name, item.slot, run_id)
+            self.store.workers.release_slot(item.book.name, item.slot, run_id)
         with self._lock:
             self.running.pop(item.trial.trial_id, None)
 

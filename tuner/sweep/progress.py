@@ -37,7 +37,7 @@ class ProblemProgress:
 @dataclass
 class Snapshot:
     problems: list[ProblemProgress]
-    workers: list = field(default_factory=list)  # store_workers.WorkerState
+    workers: list = field(default_factory=list)  # store.workers.WorkerState
 
     @property
     def finished(self) -> int:
@@ -55,7 +55,7 @@ def snapshot(store, prefix: str = "normtune:", targets: dict[str, int] | None = 
     defaults = {} if defaults is None else defaults
     runs = None
     rows = []
-    for study in store.study_progress(prefix):
+    for study in store.workers.study_progress(prefix):
         if targets is not None and study.study_name not in targets:
             continue
         default_us = defaults.get(study.study_name)
@@ -68,7 +68,7 @@ def snapshot(store, prefix: str = "normtune:", targets: dict[str, int] | None = 
                                     study.best_us, default_us, (targets or {}).get(study.study_name)))
     for name in sorted(set(targets or {}) - {r.study for r in rows}):
         rows.append(ProblemProgress(name, None, 0, 0, 0, None, None, targets[name]))
-    return Snapshot(rows, store.workers())
+    return Snapshot(rows, store.workers.states())
 
 
 def _default_us(store, study, runs) -> float | None:

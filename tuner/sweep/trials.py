@@ -233,7 +233,7 @@ class StudyBook:
         cutoff = dt.datetime.now() - dt.timedelta(seconds=self.opts.grace_period)  # Optuna stores local times
         old = [t for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
                if t.datetime_start is not None and t.datetime_start.replace(tzinfo=None) < cutoff]
-        beaten = store.trials_with_heartbeats([t._trial_id for t in old])
+        beaten = store.workers.trials_with_heartbeats([t._trial_id for t in old])
         for t in old:
             if t._trial_id in beaten:
                 continue

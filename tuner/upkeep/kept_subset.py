@@ -133,7 +133,7 @@ def load_tables(paths: list[Path]) -> dict[str, dict]:
 
 def blank_described_configs(dst: sqlite3.Connection) -> int:
     """Blank the config JSON of every measurement whose knob columns describe that config exactly (the readers
-    rebuild it from them, `store_models.row_config`), and drop the knob columns' indexes; a config with knobs of a
+    rebuild it from them, `store.models.row_config`), and drop the knob columns' indexes; a config with knobs of a
     strategy's own keeps its JSON. Most of a kept measurement's bytes were that JSON. Returns the rows blanked."""
     columns = [column for column, _, _ in KNOB_COLUMNS.values()]
     rows = dst.execute(f"SELECT id, config_json, {', '.join(columns)} FROM normtune_measurements")  # noqa: S608
@@ -141,7 +141,7 @@ def blank_described_configs(dst: sqlite3.Connection) -> int:
              if row[1] and config_from_columns(dict(zip(columns, row[2:]))).to_json() == row[1]]
     with dst:
         dst.executemany("UPDATE normtune_measurements SET config_json = '' WHERE id = ?", blank)
-        # Reading needs no knob index; a writing open recreates them (`store_upgrades.ensure_knob_indexes`).
+        # Reading needs no knob index; a writing open recreates them (`store.upgrades.ensure_knob_indexes`).
         for column in columns:
             dst.execute(f"DROP INDEX IF EXISTS ix_normtune_measurements_{column}")  # noqa: S608 - fixed names
     return len(blank)

@@ -23,7 +23,7 @@ from normtune.kernels.config import ConfigError, Problem
 from ..store.models import MeasurementModel, ProblemModel, StoreError, TrialClaimModel, problem_from_row
 from ..sweep.options import space_tag
 
-# Optuna's tables (and columns: `store_schema.OPTUNA_COLUMNS`) that finding the superseded studies reads.
+# Optuna's tables (and columns: `store.schema.OPTUNA_COLUMNS`) that finding the superseded studies reads.
 _STUDY_TABLES = {"studies", "study_user_attributes", "trials"}
 
 
