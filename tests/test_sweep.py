@@ -92,7 +92,7 @@ def test_study_names_are_deterministic(monkeypatch):
 def test_worker_options_travel_to_a_spawned_worker_unchanged():
     """A multi-GPU worker gets its options as plain data: problems and the timing preset come back as values."""
     from normtune.tuner.measure.harness import Timing
-    from normtune.tuner.sweep.launcher import options_from_dict, options_to_dict, worker_options
+    from normtune.tuner.sweep.device_workers import options_from_dict, options_to_dict, worker_options
     from normtune.tuner.sweep.options import SweepOptions
 
     opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 64, 512)], trials=5,
