@@ -31,14 +31,12 @@ from .cases import GATE_TOLERANCE, Case, Reference, gate, make_case, relative_er
 from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exception,  # noqa: F401
                       error_text, floor_bytes, floor_us, percentile)
 
-# GPU cycles to spin before each timed repetition when the clock is not calibrated (~250 µs at Hopper clocks),
-# and the spin in µs once it is: longer than the host needs to queue a repetition's flush, events and launches
-# (normtune's launches go straight to the compiled kernels, a few µs each). Peers' whole calls get a spin
-# stretched to twice their measured host time (`MeasureSession.time_callable`).
+# GPU cycles to spin before each timed repetition when the clock is not calibrated, and the spin in µs once it
+# is: longer than the host needs to queue a repetition's flush, events and launches. Peers' whole calls get a
+# spin stretched to twice their measured host time (`MeasureSession.time_callable`).
 SPIN_CYCLES = 500_000
 SPIN_US = 100.0
-# Hopper SM clock under load is ~1.98 GHz: cycles per µs of spin, until `calibrate_spin` measures it.
-CYCLES_PER_US = 2000
+CYCLES_PER_US = 2000  # cycles per µs of spin until `calibrate_spin` measures the clock
 
 
 @dataclass(frozen=True)
