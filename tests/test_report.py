@@ -249,7 +249,11 @@ def test_report_from_the_committed_results_db(tmp_path, monkeypatch):
     head = "\n".join(text.splitlines()[:30])
     assert "normtune vs the fastest peer** (NVIDIA H100 80GB HBM3, bf16, 30 shapes" in head
     assert "## Validation on held-out shapes" in text and "NVIDIA H100 80GB HBM3, **bf16**, bench run" in text
-    assert {"validation_rms_norm.png", "peers.png", "kernels_rms_norm_bf16.png"} <= {p.name for p in paths}
+    names = {p.name for p in paths}
+    assert {"validation_rms_norm.png", "peers.png"} <= names
+    # One breakdown per bf16 family: the plain one and, since the table has them, the fused residual one.
+    assert {"kernels_rms_norm_bf16_wbf16_nobias_save-input.png",
+            "kernels_rms_norm_bf16_wbf16_nobias_save-input_res-bf16.png"} <= names
     assert_valid_pngs(paths)
     for name, fig in figures:
         for ax in fig.axes:
