@@ -403,8 +403,11 @@ def test_resume_after_sigkill_loses_nothing_and_ends_at_the_target(tmp_path, kil
     killed = running_trials(url)
     running = [(n, number) for n, number, _ in killed]
     assert (name_a, 2) in running, running
+    # A trial whose measurement was committed but not yet told to Optuna when the kill came (trial 1, when the kill
+    # lands between the two) stays RUNNING: the re-run tells it from the store, without measuring it again.
+    measured = {(r["study_name"], r["trial_number"]) for r in committed}
     # The others were proposed ahead while trial 2 measured: later slots, within the look-ahead, never measured.
-    ahead = [t for t in running if t != (name_a, 2)]
+    ahead = [t for t in running if t != (name_a, 2) and t not in measured]
     assert len(ahead) <= SweepOptions.lookahead and all(number > 2 for n, number in ahead if n == name_a), running
     if kill_at == "after-heartbeats":
         time.sleep(grace + 1)  # its heartbeat is stale now: the re-run fails it and re-queues it
@@ -423,6 +426,8 @@ def test_resume_after_sigkill_loses_nothing_and_ends_at_the_target(tmp_path, kil
     for n, number in ahead:  # failed too, never measured
         t = load_study(url, n).get_trials()[number]
         assert t.state == TS.FAIL and "status" not in t.user_attrs, (n, number, t.state, t.user_attrs)
+    for n, number in measured:  # told from its committed measurement, whether or not the kill came first
+        assert load_study(url, n).get_trials()[number].state in (TS.COMPLETE, TS.FAIL), (n, number)
     assert "status" not in trials[2].user_attrs
     retries = [t for t in trials.values() if t.number != 2 and t.params == trials[2].params]
     assert len(retries) == 1 and retries[0].state in (TS.COMPLETE, TS.FAIL)
