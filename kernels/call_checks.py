@@ -118,6 +118,13 @@ def rows_2d(t: Tensor) -> Tensor:
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
+def rows_view(t: Tensor, rows: Tensor) -> bool:
+    """Whether `rows` (`rows_2d(t)`) is a view of t's own elements, not a copy."""
+    if rows is t:
+        return True
+    return t.stride(-1) == 1 and rows._base is not None and rows._base is (t if t._base is None else t._base)
+
+
 def output_recovers(x, weight, bias, zero_centered: bool) -> bool:
     """`saving.recovers` for this call's weight and bias; True for inputs that break a rule of `check_inputs`
     (which then names the rule)."""

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import forward_calls
-from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d
+from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d, rows_view
 from .config import BackwardConfig
 from .ops import contiguous_operand, eager_norm, norm_forward
 from .residual import fused_add_norm
@@ -46,10 +46,12 @@ def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str,
     if compiling:
         y, _, _ = norm_forward(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", backward)
     else:
-        y = eager_norm(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", backward)
+        # x itself where its rows are a view of it, as a planned call passes it: both save the same shapes
+        y = eager_norm(x if rows_view(x, x2d) else x2d, w, b, float(eps), is_rms, zero_centered, save == "output",
+                       backward)
         if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
             forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, store_mean)
-    return y if x.dim() == 2 else y.view(x.shape)
+    return y if y.shape == x.shape else y.view(x.shape)
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,

@@ -200,9 +200,15 @@ class EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None):
-        """x: rows (2-D); or, with a `forward_calls` plan, x as the caller passed it (y then has x's shape)."""
+        """x: rows (2-D), or x as the caller passed it where its rows are a view of it (y then has x's shape).
+        A call with a `forward_calls` plan passes x as the caller did; so does the checked call before it, so that
+        both save tensors of the same shapes (activation checkpointing's recompute compares them with the
+        forward's, and one may be a first call, the other a planned one)."""
         if plan is None:
-            y, rstd, mean = forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            y, rstd, mean = forward_impl(rows, weight, bias, eps, is_rms, zero_centered, save_output)
+            if rows is not x:
+                y = y.view(x.shape)
         else:
             y, rstd, mean = forward_calls.run(plan, x, weight, bias, eps)
         ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
@@ -218,7 +224,7 @@ class EagerNorm(torch.autograd.Function):
                                             zero_centered=zero_centered, save_output=save_output)
             return dx, dw, db, None, None, None, None, None, None
         shape = grad_y.shape
-        if len(shape) != 2:  # a planned forward took x with its leading dims: the kernels take rows
+        if len(shape) != 2:  # the forward took x with its leading dims: the kernels take rows
             grad_y, saved = grad_y.reshape(-1, shape[-1]), saved.reshape(-1, shape[-1])
         dx, dw, db = backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                     config)

@@ -467,3 +467,32 @@ def test_transformers_model_compiled(device, tolerance, assert_close):
     grads = {name.removeprefix("_orig_mod."): grad for name, grad in grads.items()}  # the compiled wrapper's names
     for name, grad in ref[2].items():
         assert_close(grads[name], grad, tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("save", ["input", "output"])
+def test_activation_checkpointing_recomputes_what_the_forward_saved(save, device, tolerance, assert_close):
+    """transformers' gradient checkpointing (torch.utils.checkpoint, non-reentrant) recomputes each layer in the
+    backward and requires the recompute to save tensors of the shapes the forward saved. A norm's first call of a
+    signature takes the checked path and later ones the planned path (`forward_calls`): both save x (or y) with
+    the caller's leading dims, so a layer whose forward ran a norm's first call recomputes it as a planned one.
+    Plans are cleared first, so the first step's forward holds first calls."""
+    from normtune.kernels import forward_calls
+
+    model = _tiny_causal_lm("llama", torch.float32, device)
+    reference = copy.deepcopy(model)
+    normtune.patch(model, save=save)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids = _token_ids(model, tokens=8)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    tol = tolerance(torch.float32)
+    forward_calls.clear()
+    for step in range(2):
+        (logits, loss, grads), ref = _logits_loss_grads(model, ids), _logits_loss_grads(reference, ids)
+        assert_close(loss, ref[1], tol, f"loss, step {step}")
+        assert list(grads) == list(ref[2])
+        for name, grad in ref[2].items():
+            assert_close(grads[name], grad, tol, f"grad {name}, step {step}")
+        for optimizer in optimizers:
+            optimizer.step()
