@@ -53,8 +53,12 @@ def compare(
     shape_list = run_checked(parse_shapes_option, shapes, interpret)
     problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
     problems = run_checked(with_residual, problems, residual, residual_dtype)
-    if dry_run:
-        typer.echo("\n".join(C.changes_markdown(C.config_changes(*tables, problems), len(problems))))
+    if dry_run:  # no GPU needed: the configs as they run on the GPU NEW was tuned on
+        from normtune.tuner.device import stored_limits
+
+        t = tables[1]
+        limits = stored_limits(t.gpu_key, t.gpu_name, t.compute_capability, t.sm_count, t.interpret or interpret)
+        typer.echo("\n".join(C.changes_markdown(C.config_changes(*tables, problems, limits), len(problems))))
         return
     info = run_checked(device_info, gpu, interpret)
     if interpret:

@@ -130,6 +130,37 @@ STAND_INS = {"h100": H100, "h200": H200, "a100": A100, "b200": B200, "rtx4090": 
 REFERENCE = H100
 
 
+# ROCm's torch reports an AMD GPU's architecture as a compute capability (major, minor): gfx90a is 9.0, gfx942
+# 9.4, gfx950 9.5.
+_AMD_ARCH_BY_CAPABILITY = {(9, 0): "gfx90a", (9, 4): "gfx942", (9, 5): "gfx950"}
+
+
+def recorded(key: str, name: str | None = None, sm_count: int | None = None,
+             capability: tuple[int, int] | None = None, vendor: str | None = None) -> tuple[DeviceLimits, str | None]:
+    """The limits of a GPU known only from what a stored run recorded of it (no device to read them from):
+    (limits, note). Its stand-in (`STAND_INS`, by GPU key) where there is one, else what its compute capability
+    (NVIDIA) or architecture (AMD, as ROCm reports it in the capability) gives; each with the recorded name and
+    SM count. Where neither says, the reference device's with the vendor's warp size, and `note` says so
+    (None when the limits are the GPU's own)."""
+    base = STAND_INS.get(key)
+    if base is not None:
+        return dataclasses.replace(base, name=name or base.name, sm_count=sm_count or base.sm_count), None
+    name = name or key
+    cc = f"compute capability {capability[0]}.{capability[1]}" if capability else "compute capability (none recorded)"
+    if vendor == "amd":
+        arch = _AMD_ARCH_BY_CAPABILITY.get(capability) if capability else None
+        limits = _amd(name, arch or "gfx", sm_count or REFERENCE.sm_count)
+        note = None if arch else (f"{name}: architecture unknown ({cc}): sized as a CDNA GPU "
+                                  f"({limits.warp_size}-lane wavefronts, "
+                                  f"{limits.shared_per_block // 1024} KiB LDS per block)")
+        return limits, note
+    if vendor == "nvidia" and capability in _NVIDIA_BY_CAPABILITY:
+        return _nvidia(name, capability, sm_count or REFERENCE.sm_count), None
+    limits = dataclasses.replace(REFERENCE, name=name, sm_count=sm_count or REFERENCE.sm_count)
+    return limits, (f"{name}: no stand-in and no limits known for {cc}: sized as {REFERENCE.name} "
+                    f"(its registers, shared memory and {limits.warp_size}-thread warps)")
+
+
 def from_properties(props: Any, hip: bool = False) -> DeviceLimits:
     """Limits from `torch.cuda.get_device_properties(i)` (CUDA or ROCm builds). A property this torch does not
     report takes the value of the GPU's compute capability (NVIDIA) or architecture (AMD)."""

@@ -60,19 +60,27 @@ def explain(problem: Problem, device_name: str | None = None, capability: tuple[
     if warn:
         warn_once(choice.warning)
     match = choice.table.match(problem) if choice.table is not None else None
-    lacking: tuple[str, ...] = ()
     if match is not None and match.config is not None:
-        config = match.config
-        if limits is not None:  # a table tuned on another GPU: its portable form, if that fits this one
-            lacking = tuple(fallbacks(config, limits))
-            try:
-                config = checked(problem, config, limits)
-            except ValueError as err:
-                lacking += (f"the table's config does not fit {limits.name} ({err}): the analytic default runs",)
-                config = default_config(problem, limits)
+        config, lacking = on_device(match.config, problem, limits)
     else:
-        config = default_config(problem, limits)
+        config, lacking = default_config(problem, limits), ()
     return Explanation(problem, choice.steps, choice.table, match, config, lacking)
+
+
+def on_device(config: BackwardConfig, problem: Problem,
+              limits: DeviceLimits | None) -> tuple[BackwardConfig, tuple[str, ...]]:
+    """(what runs, what the device lacked) for a table's `config` on the device of `limits` (None: the
+    reference device, the config as it is): its portable form if that fits the device, else the analytic
+    default sized for it."""
+    if limits is None:
+        return config, ()
+    lacking = tuple(fallbacks(config, limits))
+    try:
+        config = checked(problem, config, limits)
+    except ValueError as err:
+        lacking += (f"the table's config does not fit {limits.name} ({err}): the analytic default runs",)
+        config = default_config(problem, limits)
+    return config, lacking
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,12 +8,16 @@ import platform
 import socket
 import subprocess
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
 import torch
 
+from normtune.kernels import device as kernel_device
 from normtune.kernels.device import gpu_key  # noqa: F401 - re-exported: the tuner's GPU keys are the runtime's
+from normtune.kernels.device import vendor_of
+from normtune.kernels.limits import STAND_INS, DeviceLimits, recorded
 
 INTERPRET_KEY = "interpret"
 
@@ -129,6 +133,39 @@ def check_gpu_key(requested: str, info: DeviceInfo) -> str:
         raise ValueError(f"--gpu {requested} does not match the detected device: requested {requested!r}, "
                          f"detected {info.key!r} ({info.name}). Pass --gpu {info.key} or --gpu auto")
     return requested
+
+
+def measured_limits(device: torch.device) -> DeviceLimits | None:
+    """The limits of the GPU measured on, read as the runtime reads them (`kernels.device.device_limits`): what
+    sizes the analytic default the runtime runs there, and so the "default" a command times. None on CPU (the
+    interpreter), where the runtime sizes it for the reference device."""
+    return kernel_device.device_limits(device) if device.type == "cuda" else None
+
+
+def run_limits(info: DeviceInfo) -> DeviceLimits | None:
+    """The limits of the GPU a stored run measured on, for the commands that read stored runs away from it
+    (emit, report): see `stored_limits`."""
+    return stored_limits(info.key, info.name, info.compute_capability, info.sm_count, info.interpret)
+
+
+@functools.lru_cache(maxsize=None)
+def stored_limits(key: str, name: str | None, compute_capability: str | None, sm_count: int | None,
+                  interpret: bool = False) -> DeviceLimits | None:
+    """The limits of a GPU known only by what was recorded of it (a run's device, a table's "gpu"): its stand-in
+    or what its compute capability gives (`kernels.limits.recorded`); None for the interpreter (the reference
+    device's). Warns, once, where neither describes the GPU and its limits are assumed."""
+    if interpret:
+        return None
+    try:
+        cc = tuple(int(x) for x in compute_capability.split(".")[:2]) if compute_capability else None
+    except ValueError:
+        cc = None
+    limits, note = recorded(key if key in STAND_INS else gpu_key(name or key), name, sm_count, cc,
+                            vendor_of(name or key))
+    if note:
+        warnings.warn(f"normtune: {note}; the analytic default named for it may differ from the one it runs "
+                      "there", stacklevel=3)
+    return limits
 
 
 def peer_versions() -> dict[str, str | None]:

@@ -27,10 +27,11 @@ from typing import Callable
 import torch
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
+from normtune.kernels.limits import DeviceLimits
 from normtune.kernels.select import select_config
 
 from .cases import relative_error
-from ..device import DeviceInfo, peer_versions, tool_versions
+from ..device import DeviceInfo, measured_limits, peer_versions, tool_versions
 from .host_rounds import HostCall, measure_rounds
 from .harness import TIMING, MeasureSession, Timing
 from .peers import NormtuneAPI, PeerUnavailable, make_peer
@@ -84,14 +85,16 @@ def parse_config_option(spec: str) -> BackwardConfig | str:
         return BackwardConfig.from_json(fh.read())
 
 
-def resolve_bench_config(spec: BackwardConfig | str, problem: Problem, info: DeviceInfo) -> tuple[BackwardConfig, str]:
-    """(config, how it was chosen) for a parsed --config."""
+def resolve_bench_config(spec: BackwardConfig | str, problem: Problem, info: DeviceInfo,
+                         limits: DeviceLimits | None = None) -> tuple[BackwardConfig, str]:
+    """(config, how it was chosen) for a parsed --config, as the runtime chooses it on the device of `limits` (the
+    GPU measured on: `device.measured_limits`; None: the reference device's, as on CPU)."""
     if spec == "default":
-        return default_config(problem), "default"
+        return default_config(problem, limits), "default"
     if spec == "table":
         cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
         name = None if info.interpret else info.name
-        return select_config(problem, name, cc), "table"
+        return select_config(problem, name, cc, limits), "table"
     if isinstance(spec, str):
         spec = parse_config_option(spec)
     return spec.validate(problem), "explicit"
@@ -116,6 +119,7 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
     started_at = dt.datetime.now(dt.timezone.utc)
     config_spec = parse_config_option(opts.config) if isinstance(opts.config, str) else opts.config
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
+    limits = measured_limits(session.device)
     peers = {}
     for name in opts.peers:
         if info.interpret and name != "torch":
@@ -141,7 +145,7 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
             floor = session.floor_us(problem)
             base = {"norm": norm, "M": M, "N": N, "dtype": problem.dtype, "weight_dtype": problem.weight_dtype,
                     "floor_us": _nan_to_none(floor)}
-            config, chosen = resolve_bench_config(config_spec, problem, info)
+            config, chosen = resolve_bench_config(config_spec, problem, info, limits)
             host: list[HostCall] = []  # every implementation's calls, host-timed together once all are ready
             rows = [_time_ours(session, case, ref, config, chosen, _empty_row(base, OURS), host)]
             for name, peer in peers.items():

@@ -1,9 +1,9 @@
 """The report's data: what the store knows about one GPU, summarized per problem, with one meaning per number.
 
 - best: the fastest correct measurement of the problem, of any run;
-- default: today's analytic default config (`default_config`, or its canonical form as the sweep seeds it),
-  timed in the *same run* as the best (else not shown: a default from another run or another day's default
-  would compare different conditions);
+- default: today's analytic default config on the run's GPU (`default_config` sized by its limits, or its
+  canonical form as the sweep seeds it), timed in the *same run* as the best (else not shown: a default from
+  another run or another day's default would compare different conditions);
 - % floor: the memory floor at the copy bandwidth measured and stored with the best's run (runs that stored
   none show n/a: never another run's bandwidth);
 - GB/s: every byte both kernels move ÷ the best time.
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from normtune.kernels.strategies import partial_rows
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
+from normtune.kernels.limits import DeviceLimits
 
+from ..device import run_limits
 from ..measure.bench import OURS
 from ..measure.harness import bytes_moved, floor_bytes
 from ..space import Space
@@ -87,7 +89,9 @@ def summarize_problems(data: ReportData) -> list[ProblemSummary]:
         default_us = gbps = floor = None
         if best is not None:
             run = data.run(best.run_id)
-            defaults = [m.median_us for m in ok if m.run_id == best.run_id and is_default(m, run.device.sm_count)]
+            limits = run_limits(run.device)
+            defaults = [m.median_us for m in ok
+                        if m.run_id == best.run_id and is_default(m, run.device.sm_count, limits)]
             default_us = statistics.median(defaults) if defaults else None
             gbps, floor = _gbps(best, run.device.sm_count), run_floor_us(problem, run)
         failures = dict(sorted(Counter(m.status for m in rows if m.status != "ok").items()))
@@ -104,13 +108,14 @@ def _gbps(m: MeasurementRecord, sm_count: int | None) -> float | None:
     return moved / (m.median_us * 1e3) if moved else None  # B / µs / 1e3 = GB/s
 
 
-def is_default(m: MeasurementRecord, sm_count: int | None) -> bool:
-    """Whether `m` timed today's analytic default (programs_per_sm values giving the same grid are one)."""
+def is_default(m: MeasurementRecord, sm_count: int | None, limits: DeviceLimits | None = None) -> bool:
+    """Whether `m` timed today's analytic default on the device of `limits` (the run's: `device.run_limits`;
+    programs_per_sm values giving the same grid are one)."""
     try:
-        default = default_config(m.problem)
+        default = default_config(m.problem, limits)
     except ConfigError:  # no analytic config runs this problem: there is nothing to compare with
         return False
-    return m.config == default or bool(sm_count) and m.config == Space(m.problem, sm_count).canonical(default)
+    return m.config == default or bool(sm_count) and m.config == Space(m.problem, sm_count, limits).canonical(default)
 
 
 def choose_heatmap_problem(summaries: list[ProblemSummary], key: str | None) -> ProblemSummary | None:
@@ -151,7 +156,7 @@ def validation_rows(store, run: RunRecord | None) -> list[ValidationRow]:
     for row in rows:
         timed = next((m for m in measurements if m.problem == row.problem and m.config == row.configs["default"]),
                      None)
-        if timed is not None and not is_default(timed, run.device.sm_count):
+        if timed is not None and not is_default(timed, run.device.sm_count, run_limits(run.device)):
             row.times["default"] = row.configs["default"] = None
     return rows
 

@@ -72,12 +72,14 @@ def snapshot(store, prefix: str = "normtune:", targets: dict[str, int] | None = 
 
 
 def _default_us(store, study, runs) -> float | None:
+    from ..device import run_limits
     from ..space import Space
 
     run = runs.get(study.best_run_id)
     if run is None:
         return None
-    config = Space(study.problem, run.device.sm_count).canonical(default_config(study.problem))
+    limits = run_limits(run.device)  # the sweep's GPU, as its run recorded it
+    config = Space(study.problem, run.device.sm_count, limits).canonical(default_config(study.problem, limits))
     found = store.measurements(study_name=study.study_name, config=config, status="ok")
     return found[0].median_us if found else None
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
+from normtune.kernels.limits import DeviceLimits
+from normtune.kernels.select import on_device
 
 from ..render import MISSING, geomean, interval, markdown_table, num
 from ..measure.spread import Ratio, Timing, slower_beyond_spread
@@ -41,10 +43,12 @@ def head_to_head(session: MeasureSession, problem: Problem, configs: dict[str, B
     return {name: Timing.pool(rs) for name, rs in results.items()}
 
 
-def config_for(table, problem: Problem) -> BackwardConfig:
-    """What the runtime would run with `table` (None: no table): its rule adapted, else the analytic default."""
+def config_for(table, problem: Problem, limits: DeviceLimits | None = None) -> BackwardConfig:
+    """What the runtime would run with `table` (None: no table) on the device of `limits` (None: the reference
+    device, as on CPU): its rule adapted, in the form the device runs (`select.on_device`), else the analytic
+    default sized for the device."""
     config = table.lookup(problem) if table is not None else None
-    return config if config is not None else default_config(problem)
+    return on_device(config, problem, limits)[0] if config is not None else default_config(problem, limits)
 
 
 @dataclass
@@ -79,10 +83,14 @@ class Comparison:
 
 def compare_tables(old, new, problems: list[Problem], session: MeasureSession, *, rounds: int = ROUNDS,
                    progress: Callable[[int, Comparison], None] | None = None) -> list[Comparison]:
-    """One `Comparison` per problem; shapes where both tables pick the same config are not timed."""
+    """One `Comparison` per problem, each table's config as the runtime would run it on the session's GPU; shapes
+    where both tables pick the same config are not timed."""
+    from ..device import measured_limits
+
+    limits = measured_limits(session.device)
     out = []
     for i, problem in enumerate(problems):
-        row = Comparison(problem, config_for(old, problem), config_for(new, problem))
+        row = Comparison(problem, config_for(old, problem, limits), config_for(new, problem, limits))
         if not row.same_config:
             times = head_to_head(session, problem, {"old": row.old_config, "new": row.new_config}, rounds=rounds)
             row.old, row.new = times["old"], times["new"]
@@ -92,9 +100,10 @@ def compare_tables(old, new, problems: list[Problem], session: MeasureSession, *
     return out
 
 
-def config_changes(old, new, problems: list[Problem]) -> list[Comparison]:
-    """One untimed `Comparison` per problem where the two tables pick different configs (what the gate times)."""
-    rows = [Comparison(p, config_for(old, p), config_for(new, p)) for p in problems]
+def config_changes(old, new, problems: list[Problem], limits: DeviceLimits | None = None) -> list[Comparison]:
+    """One untimed `Comparison` per problem where the two tables pick different configs on the device of `limits`
+    (what the gate times there)."""
+    rows = [Comparison(p, config_for(old, p, limits), config_for(new, p, limits)) for p in problems]
     return [r for r in rows if not r.same_config]
 
 

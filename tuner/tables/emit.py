@@ -25,6 +25,7 @@ from pathlib import Path
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
 
+from ..device import run_limits
 from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold
 from .heldout import HELDOUT_SHAPES
 from .incumbent import configs_for, record as record_incumbent
@@ -128,7 +129,7 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
     families = {}
     n_measured = 0
     for family, data in sorted(collect(inputs).items(), key=lambda kv: kv[0].key):
-        fitted = fit_family(family, data, default_in(data, latest.device.sm_count),
+        fitted = fit_family(family, data, default_in(data, latest.device.sm_count, run_limits(latest.device)),
                             configs_for(incumbent, data) if incumbent is not None else None)
         n_measured += sum(len(v) for v in data.values())
         families[family.key] = {

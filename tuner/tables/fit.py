@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily, default_config
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
+from normtune.kernels.limits import DeviceLimits
 
 from ..render import geomean
 from ..measure.spread import Timing, slower_beyond_spread
@@ -56,18 +57,19 @@ class Fitted:
 
 
 
-def default_in(data: Data, sm_count: int | None) -> dict[Problem, BackwardConfig]:
-    """Problem → the measured config that is today's analytic default (as `default_config` returns it, or in
-    the canonical form the sweep seeds it), for the problems where it was measured."""
+def default_in(data: Data, sm_count: int | None, limits: DeviceLimits | None = None) -> dict[Problem, BackwardConfig]:
+    """Problem → the measured config that is today's analytic default on the device of `limits` (the reference
+    device without; as `default_config` returns it, or in the canonical form the sweep seeds it), for the
+    problems where it was measured."""
     from ..space import Space
 
     out = {}
     for p, cfgs in data.items():
         try:
-            default = default_config(p)
+            default = default_config(p, limits)
         except ConfigError:
             continue
-        forms = [default] + ([Space(p, sm_count).canonical(default)] if sm_count else [])
+        forms = [default] + ([Space(p, sm_count, limits).canonical(default)] if sm_count else [])
         found = [c for c in forms if c in cfgs]
         if found:
             out[p] = found[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
+from normtune.kernels.limits import DeviceLimits
 from normtune.kernels.tables import adapt
 
 from .emit import TOP_K, Selection, collect, select_inputs
@@ -22,12 +23,14 @@ def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[Back
 
 
 def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None = None,
-                   sm_count: int | None = None) -> list[tuple[Problem, BackwardConfig]]:
+                   sm_count: int | None = None,
+                   limits: DeviceLimits | None = None) -> list[tuple[Problem, BackwardConfig]]:
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
     problems of its N bucket, and the adjacent buckets' top configs adapted to this N; with `incumbents` (problem
     → the incumbent table's config), each problem's incumbent config on every problem of its bucket, so that
     emission can weigh the incumbent against the new winner; each problem's analytic default where it is not
-    measured in either of its forms (see `fit.default_in`). Already measured pairs are skipped."""
+    measured in either of its forms (see `fit.default_in`; sized by `limits`, the device's that measures the plan).
+    Already measured pairs are skipped."""
     incumbents = incumbents or {}
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
@@ -47,11 +50,11 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
                 c = adapt(c, p)
                 if c not in data[p]:
                     plan.append((p, c))
-    measured_defaults = default_in(data, sm_count)
+    measured_defaults = default_in(data, sm_count, limits)
     for p in sorted(data, key=lambda q: (q.N, q.M)):
         if p not in measured_defaults:
             try:
-                plan.append((p, default_config(p)))
+                plan.append((p, default_config(p, limits)))
             except ConfigError:
                 continue
     return list(dict.fromkeys(plan))
@@ -62,17 +65,19 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
     """Measure each family's neighbour plan (see `neighbour_plan`; with the `incumbent` table's configs) in a new
     "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind its floors.
     Returns (run id, pairs measured)."""
+    from ..device import measured_limits
     from ..measure.harness import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))
     session = MeasureSession.for_device(info, timing=TIMING["remeasure"])
     run_id = store.start_run(info, kind="emit", command_line=command_line,
                              copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
+    limits = measured_limits(session.device)
     count = 0
     try:
         for family, data in sorted(families.items(), key=lambda kv: kv[0].key):
             plan = neighbour_plan(data, configs_for(incumbent, data) if incumbent is not None else None,
-                                  info.sm_count)
+                                  info.sm_count, limits)
             for p, c in sorted(plan, key=lambda pc: (pc[0].key, pc[1].to_json())):
                 r = session.measure_problem(p, c)
                 store.add_measurement(run_id, p, c, r, source="neighbor")

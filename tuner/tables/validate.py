@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from .compare import ROUNDS, config_for, head_to_head
-from ..device import DeviceInfo
+from ..device import DeviceInfo, measured_limits
 from ..device import command_line as device_command_line
 from ..render import geomean
 from ..measure.spread import Ratio, Timing, slower_beyond_spread
@@ -116,13 +116,15 @@ def run_validate(store, info: DeviceInfo, gpu_key: str, problems: list[Problem],
     from ..measure.harness import TIMING, MeasureSession
 
     session = MeasureSession.for_device(info, timing=TIMING["validate"])
+    limits = measured_limits(session.device)  # the table's config and the default as the runtime runs them here
     run_id = store.start_run(info, kind="validate", command_line=command_line or device_command_line(),
                              copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
     rows = []
     try:
         for i, p in enumerate(problems):
             best, measured = reference[p.key]
-            configs = {"table": config_for(table, p), "reference": best, "default": default_config(p)}
+            configs = {"table": config_for(table, p, limits), "reference": best,
+                       "default": default_config(p, limits)}
             timed = {k: c for k, c in configs.items() if c is not None}
 
             def store_result(name, config, result, p=p):
