@@ -7,7 +7,7 @@ u·|x̂|. The rule: y may stand in for x only where every column has
 
     |w| >= finfo(dtype).tiny   and   |b| <= |w|         (w = 1 + w' when zero-centered; w = 1 without a weight)
 
-so that the recovered x̂ carries at most one more rounding of the activation dtype than saving x gives. A weight of
+so that the recovered x̂ holds at most one more rounding of the activation dtype than saving x gives. A weight of
 0 (or w' = −1), a denormal-sized weight, or a bias larger than the weight in any column breaks it.
 
 Where it is broken, the autograd API saves x instead for that call (exact, at the memory cost of keeping x);
