@@ -59,6 +59,21 @@ KERNEL_2_DOMAINS: dict[str, tuple] = {
 }
 
 
+# The rows strategy's own knobs, refused elsewhere (and in the rows strategy's forms they do not apply to).
+COLUMN_ACCUMULATORS_ROWS_ONLY = ("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
+                                 "two_pass=false and strategy='rows', or column_accumulators=false")
+PIPELINED_SPLIT_ROWS_ONLY = ("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split > 1 "
+                             "with strategy='rows', or pipelined_split=false")
+
+
+def refuse_rows_only_knobs(k1: Kernel1Config) -> None:
+    """A strategy other than rows refuses the rows strategy's column accumulators and pipelined split."""
+    if k1.column_accumulators:
+        raise ConfigError(COLUMN_ACCUMULATORS_ROWS_ONLY)
+    if k1.pipelined_split:
+        raise ConfigError(PIPELINED_SPLIT_ROWS_ONLY)
+
+
 def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False) -> None:
     """The register tile on the device of `lim`: size, idle threads, the register estimate and the staged shared
     memory."""

@@ -13,7 +13,7 @@ from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_
 from ..knobs import BackwardConfig, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
-from .base import Strategy, check_tile, describe_flags, fit
+from .base import Strategy, check_tile, describe_flags, fit, refuse_rows_only_knobs
 
 # Widest column slice of one program (its rows' dw/db accumulate in registers while it sweeps every row).
 MAX_SLICE = 1024
@@ -28,12 +28,7 @@ class Columns(Strategy):
 
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1 = config.kernel_1
-        if k1.column_accumulators:
-            raise ConfigError("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
-                              "two_pass=false and strategy='rows', or column_accumulators=false")
-        if k1.pipelined_split:
-            raise ConfigError("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split "
-                              "> 1 with strategy='rows', or pipelined_split=false")
+        refuse_rows_only_knobs(k1)
         if k1.two_pass or k1.row_split != 1 or k1.recompute:
             raise ConfigError("kernel_1.strategy='columns' sweeps rows of a column slice: use two_pass=false, "
                               "row_split=1, recompute=false")

@@ -30,7 +30,8 @@ from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_TILE_ELEMENTS, 
 from ..knobs import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem, is_power_of_two
-from .base import Strategy, check_tile, describe_flags, fit
+from .base import (COLUMN_ACCUMULATORS_ROWS_ONLY, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile, describe_flags,
+                   fit)
 
 # Largest split-row tile the seeds offer with dw/db per column (`MAX_COLUMN_ACC_TILE` in the space).
 MAX_COLUMN_ACC_TILE = 32768
@@ -58,11 +59,9 @@ class Rows(Strategy):
             raise ConfigError("kernel_1.recompute=true applies to single pass: two_pass=true re-reads its chunks "
                               "(use recompute=false)")
         if k1.column_accumulators and k1.two_pass:
-            raise ConfigError("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
-                              "two_pass=false and strategy='rows', or column_accumulators=false")
+            raise ConfigError(COLUMN_ACCUMULATORS_ROWS_ONLY)
         if k1.pipelined_split and k1.row_split == 1:
-            raise ConfigError("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split "
-                              "> 1 with strategy='rows', or pipelined_split=false")
+            raise ConfigError(PIPELINED_SPLIT_ROWS_ONLY)
         if k1.row_split > 1:
             if k1.two_pass:
                 raise ConfigError("kernel_1.row_split > 1 splits a single-pass row: use two_pass=false or "
