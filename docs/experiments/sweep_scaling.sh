@@ -10,7 +10,7 @@
 # 4096x4096,8192x8192. Run it on an idle CUDA host with normtune installed (`pip install -e ".[tune]"`).
 #
 # Per run: wall (the whole command, process start-up included), trials measured, trials/s, the first
-# measurement's time after the command started, the GPU measuring share (the measuring processes' busy seconds
+# measurement's time after the command started (NORMTUNE_GIT_REVISION, where set, names the tree measured), the GPU measuring share (the measuring processes' busy seconds
 # over the GPUs' wall after their start-up), and per worker the breakdown the sweep stores with its run
 # (start-up; measuring: inputs, load, gate, timing; the worker's sampler, database, compile wait, heartbeats; the
 # measuring process's idle time). Targets (issue 42): 1 GPU, 30 problems x 30 trials: wall <= 70 s, measuring
@@ -36,7 +36,7 @@ TABLE="$OUTDIR/sweep_scaling.md"
     echo
     echo "\`$NT sweep --gpu $GPU --shapes $SHAPES --trials $TRIALS --devices …\`, a fresh SQLite database per row;"
     echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null || echo unknown) x $NGPU visible;"
-    echo "normtune $("$PY" -c 'import normtune; print(getattr(normtune, "__version__", "?"))'), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')."
+    echo "normtune $("$PY" -c 'import normtune; print(getattr(normtune, "__version__", "?"))'),  tree of ${NORMTUNE_GIT_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown')}."
     echo
     echo "| GPUs | trials | wall s | trials/s | vs 1 GPU | first measurement s | measuring share |"
     echo "|---:|---:|---:|---:|---:|---:|---:|"
