@@ -282,6 +282,40 @@ def run_plan(plan: tuple, x: torch.Tensor, weight, bias, eps: float, device: tor
     return (y if view_shape is None else y.view(view_shape)), rstd, mean
 
 
+def residual_call_plan(x: torch.Tensor, x2d: torch.Tensor, residual: torch.Tensor, residual2d: torch.Tensor,
+                       weight, bias, h_dtype: torch.dtype, is_rms: bool, zero_centered: bool,
+                       store_mean: bool) -> tuple | None:
+    """`call_plan` of the residual form: None where `x2d` or `residual2d` is a copy, or there are no rows. Outputs
+    (y and h) are allocated contiguous in x's shape."""
+    M, N = x2d.shape
+    if M == 0 or data_ptr(x2d) != data_ptr(x) or data_ptr(residual2d) != data_ptr(residual):
+        return None
+    strides = (x2d.stride(0), N, residual2d.stride(0), N)
+    rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs
+    w = rstd if weight is None else weight
+    b = rstd if bias is None else bias
+    key = _launch_key(x2d, strides[0], w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
+    key += (strides, residual2d.dtype, h_dtype, 0, data_ptr(residual2d) & 15, 0, 0, 0)
+    launch, grid = _planned(key, M, N, strides[0], N, weight is not None, bias is not None, is_rms, zero_centered,
+                            store_mean, strides[2:])
+    return launch, grid, key, M, N, strides[0], strides[2], h_dtype, store_mean
+
+
+def run_residual_plan(plan: tuple, x: torch.Tensor, residual: torch.Tensor, weight, bias, eps: float,
+                      device: torch.device):
+    """(y, h, rstd, mean) of a residual forward on inputs that match `plan` (`residual_call_plan`): y and h in
+    x's shape; mean None unless stored."""
+    launch, grid, key, M, N, x_stride, r_stride, h_dtype, store_mean = plan
+    shape = x.shape
+    y = torch.empty(shape, dtype=x.dtype, device=device)
+    h = torch.empty(shape, dtype=h_dtype, device=device)
+    rstd = torch.empty(M, dtype=torch.float32, device=device)
+    mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
+    launch(grid, (x, x_stride, y, N, residual, r_stride, h, N, rstd if weight is None else weight,
+                  rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
+    return y, h, rstd, mean
+
+
 @functools.lru_cache(maxsize=1024)
 def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
               int64: bool, hint: int = 1, has_residual: bool = False) -> tuple[Launcher, int]:

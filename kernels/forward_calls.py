@@ -11,12 +11,18 @@ checks read is part of the signature. eps is a runtime argument, so a fast call 
 finite float; anything else takes the checked path). Inputs whose rows need a copy (a last dimension that is
 not contiguous, leading dims that cannot be flattened in place) get no plan, nor do calls whose weight or bias is
 not contiguous (the call copies it; a plan would launch on the strided tensor).
+
+Residual calls (`residual.py`) are planned alike (`residual_signature`, `remember_residual`, `run_residual`): their
+signature adds the residual's shape, strides, dtype, device and alignment, `residual_dtype` as passed and the save
+mode, and both x and the residual must be read in place. Their outputs y and h are allocated in x's shape, on the
+checked path as on the planned one, so that both save tensors of the same shapes for the backward.
 """
 
 from __future__ import annotations
 
 import math
 
+import torch
 from torch import Tensor
 
 from . import forward as _forward
@@ -27,6 +33,7 @@ _PLANS: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
 
 _ABSENT = (None,)
+_RESIDUAL = "residual"  # marks a residual call's signature
 
 
 def _operand(t) -> tuple:
@@ -49,6 +56,23 @@ def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mea
         return None
 
 
+def residual_signature(x, residual, weight, bias, eps, residual_dtype, is_rms: bool, zero_centered: bool,
+                       save_output: bool) -> tuple | None:
+    """The signature of a residual call (`signature` plus the residual's shape, strides, dtype, device and
+    alignment, `residual_dtype` as passed and the save mode), or None where it cannot have a plan (as `signature`;
+    also a residual that is not a plain tensor, a `residual_dtype` that is neither None nor a torch.dtype)."""
+    if type(residual) is not Tensor or not (residual_dtype is None or type(residual_dtype) is torch.dtype):
+        return None
+    sig = signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms and not save_output)
+    if sig is None:
+        return None
+    try:
+        return sig + (_RESIDUAL, residual.shape, residual.stride(), residual.dtype, residual.device,
+                      data_ptr(residual) & 15, residual_dtype, save_output)
+    except RuntimeError:
+        return None
+
+
 def lookup(sig: tuple | None) -> tuple | None:
     """The plan stored under `sig` (None: none yet, or no signature)."""
     return _PLANS.get(sig) if sig is not None else None
@@ -67,9 +91,28 @@ def remember(sig: tuple | None, x: Tensor, x2d: Tensor, weight, bias, is_rms: bo
     _PLANS[sig] = plan
 
 
+def remember_residual(sig: tuple | None, x: Tensor, x2d: Tensor, residual: Tensor, residual2d: Tensor, weight,
+                      bias, h_dtype: torch.dtype, is_rms: bool, zero_centered: bool, save_output: bool) -> None:
+    """`remember` for a residual call that passed every check (x2d, residual2d: the rows it launched on)."""
+    if sig is None or not use_triton(x):
+        return
+    plan = _forward.residual_call_plan(x, x2d, residual, residual2d, weight, bias, h_dtype, is_rms, zero_centered,
+                                       not is_rms and not save_output)
+    if plan is None:
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig] = plan
+
+
 def run(plan: tuple, x: Tensor, weight, bias, eps: float):
     """(y, rstd, mean) of a planned call: y shaped like x; mean None unless the plan stores it."""
     return _forward.run_plan(plan, x, weight, bias, eps, x.device)
+
+
+def run_residual(plan: tuple, x: Tensor, residual: Tensor, weight, bias, eps: float):
+    """(y, h, rstd, mean) of a planned residual call: y and h shaped like x; mean None unless the plan stores it."""
+    return _forward.run_residual_plan(plan, x, residual, weight, bias, eps, x.device)
 
 
 def clear() -> None:

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from . import forward as _forward
-from . import reference, saving
+from . import forward_calls, reference, saving
+from .call_checks import rows_2d
 from .device import use_triton
 from .ops import backward_impl, empty_placeholder, contiguous_operand
 
@@ -108,25 +109,73 @@ norm_residual_forward.register_autograd(_autograd_backward, setup_context=_setup
 
 class EagerFusedAdd(torch.autograd.Function):
     """The custom ops' forward and backward for eager calls (a plain autograd.Function skips the custom ops'
-    dispatch layers); returns (y, h). An output that gets no gradient counts as a zero one."""
+    dispatch layers); returns (y, h), both in x's shape. An output that gets no gradient counts as a zero one.
+
+    x and residual come as the caller passed them (checked). A call with a `forward_calls` plan launches on them
+    in place (h_dtype None: the plan's); a checked call takes their rows (a view, or a copy where the rows need one) and, given the call's
+    signature, stores the plan for later calls. Both save h (or y) in x's shape, so that activation
+    checkpointing's recompute, which may be a planned call where the forward was a first one, saves the same
+    shapes."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config, h_dtype):
-        y, h, rstd, mean = forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype)
+    def forward(ctx, x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config, h_dtype, plan=None,
+                sig=None):
+        if plan is None:
+            x2d, r2d = rows_2d(x), rows_2d(residual)
+            y, h, rstd, mean = forward_impl(x2d, r2d, weight, bias, eps, is_rms, zero_centered, save_output,
+                                            h_dtype)
+            if x.dim() != 2:
+                y, h = y.view(x.shape), h.view(x.shape)
+            if sig is not None:
+                forward_calls.remember_residual(sig, x, x2d, residual, r2d, weight, bias, h_dtype, is_rms,
+                                                zero_centered, save_output)
+        else:
+            y, h, rstd, mean = forward_calls.run_residual(plan, x, residual, weight, bias, eps)
         ctx.save_for_backward(y if save_output else h, weight, bias, rstd, mean)
-        ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h_dtype)
+        ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h.dtype)
         ctx.set_materialize_grads(False)
         return y, h
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
+        if grad_y is None and grad_h is None:
+            return (None,) * 12
         saved, weight, bias, rstd, mean = ctx.saved_tensors
         is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype = ctx.flags
-        if grad_y is None and grad_h is None:
-            return (None,) * 10
         grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
+        shape = saved.shape
+        if len(shape) != 2:  # the kernels take rows
+            N = shape[-1]
+            grad_y, grad_h, saved = grad_y.reshape(-1, N), grad_h.reshape(-1, N), saved.view(-1, N)
         d, dw, db = backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
                                    config, dh=grad_h)
+        if len(shape) != 2:
+            d = d.view(shape)
         dx, dr = _grads(d, x_dtype, residual_dtype)
         return (dx, dr, dw if weight is not None else None, db if bias is not None else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
+
+
+def _eager_apply():
+    """`EagerFusedAdd.apply` without its Python wrapper's per-call work, as `ops._eager_apply` for `EagerNorm`;
+    None where this torch lacks those entry points."""
+    try:
+        return super(torch.autograd.Function, EagerFusedAdd).apply, torch._C._functorch.unwrap_if_dead, \
+            torch._C._are_functorch_transforms_active
+    except AttributeError:
+        return None
+
+
+_EAGER = _eager_apply()
+
+
+def eager_fused_add(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config, h_dtype, plan=None,
+                    sig=None) -> tuple[Tensor, Tensor]:
+    """(y, h) = EagerFusedAdd.apply(...), at less host cost per call."""
+    if _EAGER is None or _EAGER[2]():  # functorch transforms go through Function.apply's own handling
+        return EagerFusedAdd.apply(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config,
+                                   h_dtype, plan, sig)
+    apply, unwrap, _ = _EAGER
+    return apply(unwrap(x), unwrap(residual), weight if weight is None else unwrap(weight),
+                 bias if bias is None else unwrap(bias), eps, is_rms, zero_centered, save_output, config, h_dtype,
+                 plan, sig)
