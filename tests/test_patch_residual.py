@@ -126,12 +126,16 @@ def test_fused_model_trains_like_the_original_in_bf16(device, tolerance, relativ
         assert relative_error(our_grads[name], grad) <= tol + relative_error(their_grads[name], grad), name
 
 
-def test_gradient_checkpointing_turns_the_handover_off(device, tolerance, assert_close, monkeypatch):
+@pytest.mark.parametrize("plans", ["cold", "warm"])
+def test_gradient_checkpointing_turns_the_handover_off(plans, device, tolerance, assert_close, monkeypatch):
     model = _model("llama", device)
     reference = copy.deepcopy(model)
     normtune.patch(model, fuse_residual=True)
     ids = _ids(model)
-    forward_calls.clear()  # the checkpointed forward holds the norms' first calls, the recompute planned ones
+    forward_calls.clear()  # cold: the checkpointed forward holds the norms' first calls, the recompute planned ones
+    if plans == "warm":  # warm: both are planned calls
+        _logits_and_grads(model, ids)
+        assert any(len(sig) > 10 and sig[10] == forward_calls._RESIDUAL for sig in forward_calls._PLANS)
     for m in (model, reference):
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
         m.train()
