@@ -32,6 +32,11 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def _shaped(y: Tensor, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """y and h in x's shape (they have it already unless normalized_shape has several dims)."""
+    return (y, h) if y.shape == x.shape else (y.view(x.shape), h.view(x.shape))
+
+
 class _Norm(nn.Module):
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config):
         super().__init__()
@@ -118,7 +123,7 @@ class FusedAddLayerNorm(LayerNorm):
         y, h = layer_norm(self._rows(x), self._flat(self.weight), self._flat(self.bias), self.eps,
                           residual=self._rows(residual), residual_dtype=self.residual_dtype,
                           zero_centered=self.zero_centered, save=self.save, config=self.config)
-        return y.view(x.shape), h.view(x.shape)
+        return _shaped(y, h, x)
 
 
 class FusedAddRMSNorm(RMSNorm):
@@ -136,4 +141,4 @@ class FusedAddRMSNorm(RMSNorm):
         y, h = rms_norm(self._rows(x), self._flat(self.weight), eps, residual=self._rows(residual),
                         residual_dtype=self.residual_dtype, zero_centered=self.zero_centered, save=self.save,
                         config=self.config)
-        return y.view(x.shape), h.view(x.shape)
+        return _shaped(y, h, x)

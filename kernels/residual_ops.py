@@ -24,12 +24,19 @@ from .device import use_triton
 from .ops import backward_impl, empty_placeholder, contiguous_operand
 
 
-def forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype):
-    """(y, h, rstd, mean); mean is None unless LayerNorm saves from the input."""
+def forward_impl(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, h_dtype, y=None, h=None):
+    """(y, h, rstd, mean); mean is None unless LayerNorm saves from the input. y and h: rows to write them to
+    (both or neither; None: allocated here)."""
     store_mean = not is_rms and not save_output
-    impl = _forward.forward_residual if use_triton(x) else reference.forward_residual
-    return impl(x, residual, weight, bias, eps, h_dtype=h_dtype, is_rms=is_rms, zero_centered=zero_centered,
-                store_mean=store_mean)
+    if use_triton(x):
+        return _forward.forward_residual(x, residual, weight, bias, eps, h_dtype=h_dtype, is_rms=is_rms,
+                                         zero_centered=zero_centered, store_mean=store_mean, y=y, h=h)
+    y_ref, h_ref, rstd, mean = reference.forward_residual(x, residual, weight, bias, eps, h_dtype=h_dtype,
+                                                          is_rms=is_rms, zero_centered=zero_centered,
+                                                          store_mean=store_mean)
+    if y is None:
+        return y_ref, h_ref, rstd, mean
+    return y.copy_(y_ref), h.copy_(h_ref), rstd, mean
 
 
 @torch.library.custom_op("normtune::norm_residual_forward", mutates_args=())
@@ -122,10 +129,12 @@ class EagerFusedAdd(torch.autograd.Function):
                 sig=None):
         if plan is None:
             x2d, r2d = rows_2d(x), rows_2d(residual)
-            y, h, rstd, mean = forward_impl(x2d, r2d, weight, bias, eps, is_rms, zero_centered, save_output,
-                                            h_dtype)
-            if x.dim() != 2:
-                y, h = y.view(x.shape), h.view(x.shape)
+            # y and h allocated in x's shape, not views of rows: autograd refuses in-place changes of an output
+            # that is a view when a Function returns several
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            h = torch.empty(x.shape, dtype=h_dtype, device=x.device)
+            _, _, rstd, mean = forward_impl(x2d, r2d, weight, bias, eps, is_rms, zero_centered, save_output,
+                                            h_dtype, y.view(x2d.shape), h.view(x2d.shape))
             if sig is not None:
                 forward_calls.remember_residual(sig, x, x2d, residual, r2d, weight, bias, h_dtype, is_rms,
                                                 zero_centered, save_output)

@@ -306,3 +306,106 @@ def test_direct_residual_forward_plans(device, monkeypatch):
         for got, want in zip(again, first):
             assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
         assert again[0].shape == x.shape and again[-1].shape == x.shape
+
+
+def test_modules_return_y_and_h_in_the_input_shape(device):
+    """A fused module over a multi-dimensional normalized_shape returns y and h in x's shape, the flat call's
+    values; over one dimension, the planned call's outputs themselves."""
+    from normtune.kernels import FusedAddLayerNorm, FusedAddRMSNorm
+
+    x = (torch.randn(3, 4, 8) + 0.5).to(device=device, dtype=BF16)
+    r = torch.randn(3, 4, 8).to(device=device, dtype=BF16)
+    m = FusedAddLayerNorm((4, 8), device=device, dtype=BF16)
+    y, h = m(x, r)
+    want = layer_norm(x.reshape(3, 32), m.weight.reshape(-1), m.bias.reshape(-1), residual=r.reshape(3, 32))
+    assert y.shape == h.shape == x.shape and torch.equal(y.reshape(3, 32), want[0])
+    assert torch.equal(h.reshape(3, 32), want[1])
+    m = FusedAddRMSNorm(8, eps=1e-6, device=device, dtype=BF16, residual_dtype=FP32)
+    for _ in range(2):
+        y, h = m(x, r)
+        assert y.shape == h.shape == x.shape and h.dtype == FP32
+        assert torch.equal(y, rms_norm(x, m.weight, 1e-6, residual=r, residual_dtype=FP32)[0])
+
+
+# --------------------------------------------------------------------------- inputs that could go silently wrong
+
+def _block64(x, r, w, dy, dh, h_of):
+    """float64 gradient of x (and of r) for h = h_of(x, r), y = rms_norm(h)."""
+    x64 = x.detach().double().requires_grad_()
+    r64 = r.detach().double().requires_grad_() if r is not None else None
+    h = h_of(x64, r64)
+    y = F.rms_norm(h, (h.shape[-1],), w.double(), 1e-6)
+    ((y * dy.double()).sum() + (h * dh.double()).sum()).backward()
+    return x64.grad, (r64.grad if r64 is not None else None)
+
+
+@pytest.mark.parametrize("attempt", ["first", "planned"])
+def test_a_residual_that_is_x_or_overlaps_it(attempt, device):
+    """residual=x (h = 2x) gives x both gradients; a residual overlapping x's memory reads it as it was."""
+    n = 16
+    x0 = (torch.randn(4, n) + 0.5).to(device=device, dtype=FP32)
+    w = (1 + 0.1 * torch.randn(n)).to(device=device)
+    dy, dh = torch.randn(4, n, device=device), torch.randn(4, n, device=device)
+    forward_calls.clear()
+    for _ in range(1 if attempt == "first" else 2):
+        x = x0.clone().requires_grad_()
+        y, h = rms_norm(x, w, residual=x)
+        torch.autograd.backward([y, h], [dy, dh])
+    want, _ = _block64(x0, None, w, dy, dh, lambda a, _: a + a)
+    assert torch.equal(h, 2 * x0)
+    torch.testing.assert_close(x.grad.double(), want, rtol=1e-4, atol=1e-4)
+    buf0 = torch.randn(4, n + 1, device=device)
+    for _ in range(1 if attempt == "first" else 2):
+        buf = buf0.clone().requires_grad_()
+        y, h = rms_norm(buf[:, :n], w, residual=buf[:, 1:])
+        torch.autograd.backward([y, h], [dy, dh])
+    b64 = buf0.double().requires_grad_()
+    h64 = b64[:, :n] + b64[:, 1:]
+    ((F.rms_norm(h64, (n,), w.double(), 1e-6) * dy.double()).sum() + (h64 * dh.double()).sum()).backward()
+    torch.testing.assert_close(buf.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_flow_only_where_asked(device):
+    """A residual without requires_grad gets no gradient while x gets its whole one; with neither, y and h need
+    none; with only the residual, the residual gets it."""
+    x0 = (torch.randn(4, 16) + 0.5).to(device=device)
+    r0, w = torch.randn(4, 16, device=device), torch.ones(16, device=device)
+    dy, dh = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    want_x, want_r = _block64(x0, r0, w, dy, dh, lambda a, b: a + b)
+    for _ in range(2):
+        y, h = rms_norm(x0, w, residual=r0)
+        assert not y.requires_grad and not h.requires_grad
+        x, r = x0.clone().requires_grad_(), r0.clone()
+        torch.autograd.backward(rms_norm(x, w, residual=r), [dy, dh])
+        assert r.grad is None
+        torch.testing.assert_close(x.grad.double(), want_x, rtol=1e-4, atol=1e-4)
+        x, r = x0.clone(), r0.clone().requires_grad_()
+        torch.autograd.backward(rms_norm(x, w, residual=r), [dy, dh])
+        assert x.grad is None
+        torch.testing.assert_close(r.grad.double(), want_r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attempt", ["first", "planned"])
+def test_an_output_the_backward_needs_cannot_be_changed_in_place(attempt, device):
+    """save="input" keeps h, save="output" keeps y: changing that output in place before the backward raises
+    autograd's in-place error instead of computing gradients from the changed values; changing the other one is
+    harmless (its gradient does not read it)."""
+    x0 = (torch.randn(2, 3, 16) + 0.5).to(device=device)
+    r, w = torch.randn(2, 3, 16, device=device), torch.ones(16, device=device)
+    forward_calls.clear()
+    if attempt == "planned":
+        for save in ("input", "output"):
+            rms_norm(x0, w, residual=r, save=save)
+    for save, kept in (("input", 1), ("output", 0)):
+        x = x0.clone().requires_grad_()
+        outs = rms_norm(x, w, residual=r, save=save)
+        outs[kept].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            outs[1 - kept].sum().backward(retain_graph=True)
+        x = x0.clone().requires_grad_()
+        outs = rms_norm(x, w, residual=r, save=save)
+        ref = x0.clone().requires_grad_()
+        rms_norm(ref, w, residual=r, save=save)[kept].sum().backward()
+        outs[1 - kept].mul_(3.0)
+        outs[kept].sum().backward()
+        assert torch.equal(x.grad, ref.grad), save

@@ -19,7 +19,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from normtune.kernels import launcher, layer_norm, rms_norm  # noqa: E402
+from normtune.kernels import FusedAddRMSNorm, launcher, layer_norm, rms_norm  # noqa: E402
 
 
 def calls_for(shape: tuple[int, ...]) -> dict:
@@ -32,6 +32,7 @@ def calls_for(shape: tuple[int, ...]) -> dict:
     w = (1 + 0.1 * torch.randn(N)).to(bf16).requires_grad_()
     b = (0.1 * torch.randn(N)).to(bf16).requires_grad_()
     gy, gh16, gh32 = torch.randn(shape, dtype=bf16), torch.randn(shape, dtype=bf16), torch.randn(shape)
+    module = FusedAddRMSNorm(N, eps=1e-6, dtype=bf16)
     out = {
         "rms_norm forward": lambda: rms_norm(x, w),
         "rms_norm fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w), (x, w), gy),
@@ -43,6 +44,7 @@ def calls_for(shape: tuple[int, ...]) -> dict:
                                                                    (x, r16, w, b), (gy, gh16)),
         "rms_norm fp32-stream fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, residual=r32), (x, r32, w),
                                                                     (gy, gh32)),
+        "FusedAddRMSNorm fwd+bwd": lambda: torch.autograd.grad(module(x, r16), (x, r16, module.weight), (gy, gh16)),
     }
     return out
 
