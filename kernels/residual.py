@@ -7,6 +7,8 @@
 One forward reads x and residual and writes h and y; the backward takes dy and dh and writes dh + the norm's
 grad_input once, as the gradient of both x and residual. Input rules are the plain norm's (functional.py) plus:
 residual has x's shape and device and x's dtype or float32; residual_dtype is x's dtype or float32.
+Double backward (create_graph=True) runs the differentiable composite on h, as the plain norm's does on x (it
+needs save="input").
 """
 
 from __future__ import annotations

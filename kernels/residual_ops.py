@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import forward as _forward
-from . import forward_calls, reference, saving
+from . import composite, forward_calls, reference, saving
 from .call_checks import rows_2d
 from .device import use_triton
 from .ops import backward_impl, empty_placeholder, contiguous_operand
@@ -117,6 +117,8 @@ norm_residual_forward.register_autograd(_autograd_backward, setup_context=_setup
 class EagerFusedAdd(torch.autograd.Function):
     """The custom ops' forward and backward for eager calls (a plain autograd.Function skips the custom ops'
     dispatch layers); returns (y, h), both in x's shape. An output that gets no gradient counts as a zero one.
+    A backward under create_graph=True runs the differentiable composite (`composite.py`) on h, as `EagerNorm`'s
+    does on x, so second-order gradients reach x and residual through h (save="output" raises there).
 
     x and residual come as the caller passed them (checked). A call with a `forward_calls` plan launches on them
     in place (h_dtype None: the plan's); a checked call takes their rows (a view, or a copy where the rows need one) and, given the call's
@@ -141,7 +143,7 @@ class EagerFusedAdd(torch.autograd.Function):
         else:
             y, h, rstd, mean = forward_calls.run_residual(plan, x, residual, weight, bias, eps)
         ctx.save_for_backward(y if save_output else h, weight, bias, rstd, mean)
-        ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h.dtype)
+        ctx.flags = (is_rms, zero_centered, save_output, config, x.dtype, residual.dtype, h.dtype, eps)
         ctx.set_materialize_grads(False)
         return y, h
 
@@ -150,8 +152,13 @@ class EagerFusedAdd(torch.autograd.Function):
         if grad_y is None and grad_h is None:
             return (None,) * 12
         saved, weight, bias, rstd, mean = ctx.saved_tensors
-        is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype = ctx.flags
+        is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype, eps = ctx.flags
         grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
+        if composite.needs_graph(grad_y, grad_h, saved, weight, bias):  # create_graph=True: differentiable
+            dxn, dw, db = composite.backward(grad_y.float(), saved, weight, bias, eps, is_rms=is_rms,
+                                             zero_centered=zero_centered, save_output=save_output)
+            dx, dr = _grads((grad_h.float() + dxn).to(h_dtype), x_dtype, residual_dtype)
+            return (dx, dr, dw, db) + (None,) * 8
         shape = saved.shape
         if len(shape) != 2:  # the kernels take rows
             N = shape[-1]

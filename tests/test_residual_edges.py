@@ -1,0 +1,166 @@
+"""The residual form's inputs and outputs that could go silently wrong: a residual that is x or overlaps it,
+gradients asked of only some inputs, outputs changed in place before the backward, double backward
+(create_graph=True), modules over several normalized dims; each on a first (checked) and a planned call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from normtune.kernels import forward_calls, layer_norm, rms_norm
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    forward_calls.clear()
+    yield
+    forward_calls.clear()
+
+
+def test_modules_return_y_and_h_in_the_input_shape(device):
+    """A fused module over a multi-dimensional normalized_shape returns y and h in x's shape, the flat call's
+    values; over one dimension, the planned call's outputs themselves."""
+    from normtune.kernels import FusedAddLayerNorm, FusedAddRMSNorm
+
+    x = (torch.randn(3, 4, 8) + 0.5).to(device=device, dtype=BF16)
+    r = torch.randn(3, 4, 8).to(device=device, dtype=BF16)
+    m = FusedAddLayerNorm((4, 8), device=device, dtype=BF16)
+    y, h = m(x, r)
+    want = layer_norm(x.reshape(3, 32), m.weight.reshape(-1), m.bias.reshape(-1), residual=r.reshape(3, 32))
+    assert y.shape == h.shape == x.shape and torch.equal(y.reshape(3, 32), want[0])
+    assert torch.equal(h.reshape(3, 32), want[1])
+    m = FusedAddRMSNorm(8, eps=1e-6, device=device, dtype=BF16, residual_dtype=FP32)
+    for _ in range(2):
+        y, h = m(x, r)
+        assert y.shape == h.shape == x.shape and h.dtype == FP32
+        assert torch.equal(y, rms_norm(x, m.weight, 1e-6, residual=r, residual_dtype=FP32)[0])
+
+
+def _block64(x, r, w, dy, dh, h_of):
+    """float64 gradient of x (and of r) for h = h_of(x, r), y = rms_norm(h)."""
+    x64 = x.detach().double().requires_grad_()
+    r64 = r.detach().double().requires_grad_() if r is not None else None
+    h = h_of(x64, r64)
+    y = F.rms_norm(h, (h.shape[-1],), w.double(), 1e-6)
+    ((y * dy.double()).sum() + (h * dh.double()).sum()).backward()
+    return x64.grad, (r64.grad if r64 is not None else None)
+
+
+@pytest.mark.parametrize("attempt", ["first", "planned"])
+def test_a_residual_that_is_x_or_overlaps_it(attempt, device):
+    """residual=x (h = 2x) gives x both gradients; a residual overlapping x's memory reads it as it was."""
+    n = 16
+    x0 = (torch.randn(4, n) + 0.5).to(device=device, dtype=FP32)
+    w = (1 + 0.1 * torch.randn(n)).to(device=device)
+    dy, dh = torch.randn(4, n, device=device), torch.randn(4, n, device=device)
+    forward_calls.clear()
+    for _ in range(1 if attempt == "first" else 2):
+        x = x0.clone().requires_grad_()
+        y, h = rms_norm(x, w, residual=x)
+        torch.autograd.backward([y, h], [dy, dh])
+    want, _ = _block64(x0, None, w, dy, dh, lambda a, _: a + a)
+    assert torch.equal(h, 2 * x0)
+    torch.testing.assert_close(x.grad.double(), want, rtol=1e-4, atol=1e-4)
+    buf0 = torch.randn(4, n + 1, device=device)
+    for _ in range(1 if attempt == "first" else 2):
+        buf = buf0.clone().requires_grad_()
+        y, h = rms_norm(buf[:, :n], w, residual=buf[:, 1:])
+        torch.autograd.backward([y, h], [dy, dh])
+    b64 = buf0.double().requires_grad_()
+    h64 = b64[:, :n] + b64[:, 1:]
+    ((F.rms_norm(h64, (n,), w.double(), 1e-6) * dy.double()).sum() + (h64 * dh.double()).sum()).backward()
+    torch.testing.assert_close(buf.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_flow_only_where_asked(device):
+    """A residual without requires_grad gets no gradient while x gets its whole one; with neither, y and h need
+    none; with only the residual, the residual gets it."""
+    x0 = (torch.randn(4, 16) + 0.5).to(device=device)
+    r0, w = torch.randn(4, 16, device=device), torch.ones(16, device=device)
+    dy, dh = torch.randn(4, 16, device=device), torch.randn(4, 16, device=device)
+    want_x, want_r = _block64(x0, r0, w, dy, dh, lambda a, b: a + b)
+    for _ in range(2):
+        y, h = rms_norm(x0, w, residual=r0)
+        assert not y.requires_grad and not h.requires_grad
+        x, r = x0.clone().requires_grad_(), r0.clone()
+        torch.autograd.backward(rms_norm(x, w, residual=r), [dy, dh])
+        assert r.grad is None
+        torch.testing.assert_close(x.grad.double(), want_x, rtol=1e-4, atol=1e-4)
+        x, r = x0.clone(), r0.clone().requires_grad_()
+        torch.autograd.backward(rms_norm(x, w, residual=r), [dy, dh])
+        assert x.grad is None
+        torch.testing.assert_close(r.grad.double(), want_r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attempt", ["first", "planned"])
+def test_an_output_the_backward_needs_cannot_be_changed_in_place(attempt, device):
+    """save="input" keeps h, save="output" keeps y: changing that output in place before the backward raises
+    autograd's in-place error instead of computing gradients from the changed values; changing the other one is
+    harmless (its gradient does not read it)."""
+    x0 = (torch.randn(2, 3, 16) + 0.5).to(device=device)
+    r, w = torch.randn(2, 3, 16, device=device), torch.ones(16, device=device)
+    forward_calls.clear()
+    if attempt == "planned":
+        for save in ("input", "output"):
+            rms_norm(x0, w, residual=r, save=save)
+    for save, kept in (("input", 1), ("output", 0)):
+        x = x0.clone().requires_grad_()
+        outs = rms_norm(x, w, residual=r, save=save)
+        outs[kept].add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            outs[1 - kept].sum().backward(retain_graph=True)
+        x = x0.clone().requires_grad_()
+        outs = rms_norm(x, w, residual=r, save=save)
+        ref = x0.clone().requires_grad_()
+        rms_norm(ref, w, residual=r, save=save)[kept].sum().backward()
+        outs[1 - kept].mul_(3.0)
+        outs[kept].sum().backward()
+        assert torch.equal(x.grad, ref.grad), save
+
+
+def _penalty_grads(norm, x, r, w, b, a, c, save="input"):
+    """Gradients of x, r, w (and b) of the gradient penalty Σ(∂L/∂x)² + Σ(∂L/∂w)², L = Σ y·a + Σ h·c."""
+    leaves = [t for t in (x, r, w, b) if t is not None]
+    if norm == "rms_norm":
+        y, h = rms_norm(x, w, residual=r, save=save) if save else _block(norm, x, r, w, b)
+    else:
+        y, h = layer_norm(x, w, b, residual=r, save=save) if save else _block(norm, x, r, w, b)
+    gx, gw = torch.autograd.grad((y * a).sum() + (h * c).sum(), (x, w), create_graph=True)
+    ((gx * gx).sum() + (gw * gw).sum()).backward()
+    return [t.grad for t in leaves]
+
+
+def _block(norm, x, r, w, b):
+    """The unfused block, in x's dtype (float64 for the reference)."""
+    h = x + r
+    n = (h.shape[-1],)
+    return (F.rms_norm(h, n, w, 1e-6) if norm == "rms_norm" else F.layer_norm(h, n, w, b, 1e-5)), h
+
+
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+def test_double_backward_reaches_x_and_residual(norm, device):
+    """A gradient penalty (create_graph=True) differentiates the backward: x, residual, weight and bias get the
+    float64 block's second-order gradients on a first and on a planned call, not gradients of a detached
+    backward (which drop the penalty's terms); save="output" refuses, naming save='input'."""
+    n = 24
+    x0 = (torch.randn(2, 3, n) + 0.5).to(device)
+    r0, a, c = (torch.randn(2, 3, n, device=device) for _ in range(3))
+    w0 = (1 + 0.1 * torch.randn(n)).to(device)
+    b0 = (0.1 * torch.randn(n)).to(device) if norm == "layer_norm" else None
+
+    def leaves(dtype):
+        return [t.detach().to(dtype).requires_grad_() if t is not None else None for t in (x0, r0, w0, b0)]
+
+    want = _penalty_grads(norm, *leaves(torch.float64), a.double(), c.double(), save=None)
+    for attempt in ("first", "planned"):
+        got = _penalty_grads(norm, *leaves(FP32), a, c)
+        for what, g, ref in zip(("x", "residual", "weight", "bias"), got, want):
+            assert g is not None, (attempt, what)
+            if ref is None:  # the penalty does not depend on it (LayerNorm's bias): float64 autograd leaves None
+                ref = torch.zeros_like(g, dtype=torch.float64)
+            torch.testing.assert_close(g.double(), ref, rtol=1e-3, atol=1e-3, msg=f"{attempt}: {what}")
+    with pytest.raises(RuntimeError, match="save='input'"):
+        _penalty_grads(norm, *leaves(FP32), a, c, save="output")
