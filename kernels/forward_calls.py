@@ -60,8 +60,8 @@ def residual_signature(x, residual, weight, bias, eps, residual_dtype, is_rms: b
                        save_output: bool) -> tuple | None:
     """The signature of a residual call (`signature` plus the residual's shape, strides, dtype, device and
     alignment, `residual_dtype` as passed and the save mode), or None where it cannot have a plan (as `signature`;
-    also a residual that is not a plain tensor, a `residual_dtype` that is neither None nor a torch.dtype)."""
-    if type(residual) is not Tensor or not (residual_dtype is None or type(residual_dtype) is torch.dtype):
+    also a residual that is not a plain tensor, a `residual_dtype` that is not None, a torch.dtype or a str)."""
+    if type(residual) is not Tensor or not (residual_dtype is None or type(residual_dtype) in (torch.dtype, str)):
         return None
     sig = signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms and not save_output)
     if sig is None:

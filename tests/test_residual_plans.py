@@ -167,6 +167,7 @@ def _variants(base: dict, device) -> dict:
     return {
         "residual fp32 (an fp32 stream)": dict(r=r.float()),
         "residual_dtype=float32": dict(residual_dtype=FP32),
+        "residual_dtype='fp32'": dict(residual_dtype="fp32"),
         "residual_dtype=bfloat16 of an fp32 residual": dict(r=r.float(), residual_dtype=BF16),
         "residual strides": dict(r=wide[:, 1:N + 1].copy_(r)),
         "residual alignment": dict(r=flat[1:].view(6, N).copy_(r)),
@@ -306,3 +307,13 @@ def test_direct_residual_forward_plans(device, monkeypatch):
         for got, want in zip(again, first):
             assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
         assert again[0].shape == x.shape and again[-1].shape == x.shape
+
+
+def test_a_residual_dtype_given_by_name_is_planned(device, monkeypatch):
+    """residual_dtype="fp32" (a module built with a name, say) takes the planned path on repeated calls."""
+    base = _base(device)
+    first = _outputs(base | {"residual_dtype": "fp32"})
+    assert len(forward_calls._PLANS) == 1 and first[1].dtype == FP32
+    monkeypatch.setattr(residual, "check_inputs", lambda *a, **k: pytest.fail("checked again"))
+    for got, want in zip(_outputs(base | {"residual_dtype": "fp32"}), first):
+        assert torch.equal(got, want)
