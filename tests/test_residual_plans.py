@@ -142,7 +142,7 @@ def _outputs(call: dict, grad: bool = True) -> list:
     r = call["r"].detach().requires_grad_(grad) if isinstance(call["r"], torch.Tensor) else call["r"]
     params = [t.detach().clone().requires_grad_(grad) if t is not None else None for t in (call["w"], call["b"])]
     kw = dict(residual=r, residual_dtype=call["residual_dtype"], save=call["save"],
-              zero_centered=call["zero_centered"])
+              zero_centered=call["zero_centered"], config=call.get("config"))
     with torch.set_grad_enabled(grad):
         y, h = (rms_norm(x, params[0], call["eps"], **kw) if call["norm"] == "rms_norm"
                 else layer_norm(x, params[0], params[1], call["eps"], **kw))
@@ -186,7 +186,15 @@ def _variants(base: dict, device) -> dict:
         "layer_norm": dict(norm="layer_norm", eps=1e-5),
         "layer_norm with bias": dict(norm="layer_norm", eps=1e-5, b=0.1 * w),
         "layer_norm with bias, save=output": dict(norm="layer_norm", eps=1e-5, b=0.1 * w, save="output"),
+        "explicit config (the one selected)": dict(config=_selected_config(x, w)),
     }
+
+
+def _selected_config(x, w):
+    """The backward config selection picks for the base call, to pass explicitly."""
+    from normtune.kernels.ops import resolved
+
+    return resolved(x, x.shape[0], N, w, None, True, False, False, "", x.dtype).config
 
 
 def test_a_call_that_differs_does_not_reuse_a_plan(device, poisoned):
