@@ -1,5 +1,5 @@
 """Host µs per call on a CUDA host, as `normtune bench` measures it (calls issued back to back while a spin keeps
-the GPU busy): normtune's direct functions and autograd API, quack's and Liger's calls, and the pieces a call is
+the GPU busy): normtune's direct functions and autograd API (plain and fused residual), quack's and Liger's calls, and the pieces a call is
 made of (an allocation, one launch through normtune's launcher). Meant to be run more than once, alternating
 builds (PYTHONPATH pointing at another checkout's parent folder), so that two builds are compared on one host
 within minutes: the host's speed drifts more than the differences measured.
@@ -22,12 +22,28 @@ import os
 import torch
 
 import normtune
-from normtune.kernels import direct, launcher
+from normtune.kernels import direct, launcher, layer_norm, rms_norm
 from normtune.kernels.config import Problem
 from normtune.tuner.measure.peers import NormtuneAPI, PeerUnavailable, make_peer
 from normtune.tuner.measure.views import host_us_per_call
 
 EPS = 1e-5
+
+
+def residual_calls(norm: str, x, w, b, g) -> dict:
+    """The fused residual form through the autograd API (bf16 stream, and an fp32 stream), forward alone and
+    forward + backward (`torch.autograd.grad`: no gradient accumulation), beside the plain call's."""
+    xl, wl = x.detach().requires_grad_(), w.detach().requires_grad_()
+    params = (wl,) if b is None else (wl, b.detach().requires_grad_())
+    call = rms_norm if norm == "rms_norm" else layer_norm
+    out = {"normtune autograd fwd+bwd": lambda: torch.autograd.grad(call(xl, *params, EPS), (xl, *params), g)}
+    for name, dtype in (("residual", x.dtype), ("fp32-stream residual", torch.float32)):
+        r = torch.randn(x.shape, device=x.device, dtype=dtype, requires_grad=True)
+        gh = torch.randn_like(r)
+        out[f"normtune {name} forward"] = lambda r=r: call(xl, *params, EPS, residual=r)
+        out[f"normtune {name} fwd+bwd"] = lambda r=r, gh=gh: torch.autograd.grad(
+            call(xl, *params, EPS, residual=r), (xl, r, *params), (g, gh))
+    return out
 
 
 def calls_for(norm: str, M: int, N: int, dev: torch.device, peers: list[str]) -> dict:
@@ -48,6 +64,7 @@ def calls_for(norm: str, M: int, N: int, dev: torch.device, peers: list[str]) ->
         out["normtune direct forward"] = lambda: direct.rms_norm_forward(x, w, EPS)
         out["normtune direct backward"] = lambda: direct.rms_norm_backward(g, x, w, rstd)
     api = NormtuneAPI().prepare(problem, x, w, b, g, None)
+    out.update(residual_calls(norm, x, w, b, g))
     out["normtune forward"], out["normtune backward"] = api.forward, api.run
     for name in peers:
         try:
@@ -94,7 +111,7 @@ def main() -> None:
                         fh.write(json.dumps({"tag": args.tag, "norm": norm, "M": M, "N": N, "call": name,
                                              "round": rnd, "host_us": us}) + "\n")
                         if rnd == args.rounds - 1:
-                            print(f"{norm} {M}x{N} {name:28s} {us:7.1f} µs", flush=True)
+                            print(f"{norm} {M}x{N} {name:34s} {us:7.1f} µs", flush=True)
                 del calls
                 torch.cuda.empty_cache()
 
