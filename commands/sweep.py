@@ -67,19 +67,9 @@ def sweep(
     Any number of sweeps (GPUs of this host with --devices, other hosts on the same PostgreSQL --db) may share the
     work: together they end each problem with exactly --trials trials. Exit code 130/143 after SIGINT/SIGTERM."""
     run_checked(use_interpreter, interpret)
-    from rich.console import Console
+    from normtune.tuner.sweep import timeline
 
-    from normtune.kernels.config import SAVE_MODES
-    from normtune.tuner import sweep as S
-    from normtune.tuner.store.database import Store
-
-    console = Console(stderr=True)
-    started = time.monotonic()
-    if save not in SAVE_MODES:
-        run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
-    problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
-                                  interpret=interpret, bias=bias, zero_centered=zero_centered, save=save,
-                                  residual=residual, residual_dtype=residual_dtype)
+    timeline.origin()  # the processes started below count from this command's start
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
@@ -88,14 +78,53 @@ def sweep(
         run_checked(positive_seconds, time_budget, "--time-budget")
     if summary is not None:
         run_checked(check_writable_file, summary, "--summary")
+    timeline.mark("options")
+    helpers = None
+    if not (device_list and len(device_list) > 1):
+        # One worker here: its measuring and compiling processes start first, before this process imports torch
+        # and opens the database, so that their start-up (torch, the CUDA context) overlaps all of that.
+        from normtune.tuner.sweep.measuring import start_helpers
+
+        helpers = start_helpers(device_list[0] if device_list else device, interpret, compile_workers)
+    try:
+        _sweep(gpu, device_list, device, interpret, compile_workers, helpers, save=save, norm=norm, dtype=dtype,
+               shapes=shapes, shapes_from=shapes_from, tokens=tokens, weight_dtype=weight_dtype, bias=bias,
+               zero_centered=zero_centered, residual=residual, residual_dtype=residual_dtype, trials=trials,
+               time_budget=time_budget, sampler=sampler, storage=storage, trial_timeout=trial_timeout, seed=seed,
+               heartbeat_interval=heartbeat_interval, grace_period=grace_period, summary=summary)
+    finally:
+        if helpers is not None:  # a refusal before the sweep took them over: nothing is left running
+            from normtune.tuner.sweep.compiling import stop_pool
+
+            helpers[0].close()
+            stop_pool(helpers[1])
+
+
+def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, *, save, norm, dtype, shapes, shapes_from,
+           tokens, weight_dtype, bias, zero_centered, residual, residual_dtype, trials, time_budget, sampler, storage,
+           trial_timeout, seed, heartbeat_interval, grace_period, summary):
+    from rich.console import Console
+
+    from normtune.kernels.config import SAVE_MODES
+    from normtune.tuner import sweep as S
+    from normtune.tuner.store.database import Store
+    from normtune.tuner.sweep import timeline
+
+    console = Console(stderr=True)
+    started = time.monotonic() - (time.time() - timeline.origin())
+    if save not in SAVE_MODES:
+        run_checked(refuse, f"--save {save!r}: use one of {', '.join(SAVE_MODES)}")
+    problems, model = run_checked(problems_option, shapes, shapes_from, tokens, norm, dtype, weight_dtype,
+                                  interpret=interpret, bias=bias, zero_centered=zero_centered, save=save,
+                                  residual=residual, residual_dtype=residual_dtype)
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = run_checked(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
                        sampler=sampler, device=device_list[0] if device_list else device, interpret=interpret,
                        compile_workers=compile_workers, trial_timeout_s=trial_timeout, seed=seed,
                        heartbeat_interval=heartbeat_interval, grace_period=grace_period)
-    helpers = None if device_list and len(device_list) > 1 else S.start_helpers(opts, info)
     store = run_checked(Store, storage)
+    timeline.mark("store_open")
     if interpret:
         console.print("[yellow]--interpret: kernels run on CPU in the Triton interpreter; these timings are "
                       "interpreter timings and are never emitted as a GPU table[/]")

@@ -1,16 +1,32 @@
 """`normtune sweep`: an Optuna search over both kernels' launch knobs, per problem, measured cold-L2, stored.
 
 One job per module: `options` (what to do, names, summaries), `measuring` (the GPU process), `compiling` (the
-compile-ahead workers), `sampling` (sampler and seeds), `trials` (one problem's study), `driver` (the ask/tell
-loop of one worker), `device_workers` (one worker process per GPU), `progress` (live view and status, from the database).
+compile-ahead workers, and the host's pool the `--devices` workers share), `sampling` (sampler and seeds),
+`trials` (one problem's study), `driver` (the ask/tell loop of one worker), `device_workers` (one worker process
+per GPU), `progress` (live view and status, from the database), `costs` and `timeline` (where the time went).
+
+The names below are loaded on first use: importing this package (as a spawned measuring process does) imports
+neither Optuna nor the database layer nor torch.
 """
 
-from .costs import line as costs_line
-from .driver import Sweep
-from .device_workers import run_on_devices
-from .measuring import MeasuringProcess, start_helpers
-from .options import SAMPLERS, ProblemSummary, SweepOptions, SweepSummary, study_name, summary_json
-from .progress import LiveView, snapshot, worker_lines
+from __future__ import annotations
 
-__all__ = ["SAMPLERS", "LiveView", "MeasuringProcess", "ProblemSummary", "Sweep", "SweepOptions", "SweepSummary",
-           "costs_line", "run_on_devices", "snapshot", "start_helpers", "study_name", "summary_json", "worker_lines"]
+import importlib
+
+_WHERE = {"costs_line": ("costs", "line"), "Sweep": ("driver", "Sweep"),
+          "run_on_devices": ("device_workers", "run_on_devices"),
+          "MeasuringProcess": ("measuring", "MeasuringProcess"), "start_helpers": ("measuring", "start_helpers"),
+          **{name: ("options", name) for name in ("SAMPLERS", "ProblemSummary", "SweepOptions", "SweepSummary",
+                                                  "study_name", "summary_json")},
+          **{name: ("progress", name) for name in ("LiveView", "snapshot", "worker_lines")}}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _WHERE[name]
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), attr)
+    globals()[name] = value
+    return value

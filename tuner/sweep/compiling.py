@@ -64,23 +64,47 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
             return "ok", None, None
 
 
-def _compile_init(device_index: int, parent_pid: int) -> None:
-    import torch
+def stop_pool(pool) -> None:
+    """Stop a compile pool now: queued jobs cancelled, its processes killed (they hold nothing to save)."""
+    if pool is None:
+        return
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+        except (OSError, ValueError, AttributeError):
+            pass
 
+
+# Why this compile process cannot compile (its device could not be selected), else None: its jobs then answer
+# "not compiled ahead" and the measuring process compiles (or reports the device's failure) itself.
+_UNUSABLE: list[str] = []
+
+
+def _compile_init(device_index: int, parent_pid: int) -> None:
     from .lifeline import die_with_parent, ignore_stop_signals
 
     die_with_parent(parent_pid)
     ignore_stop_signals()
-    torch.cuda.set_device(device_index)
+    try:
+        import torch
+
+        torch.cuda.set_device(device_index)
+    except Exception as err:  # noqa: BLE001 - started before the sweep checked its device: no traceback here
+        _UNUSABLE.append(f"{type(err).__name__}: {err}")
 
 
 def _warm_up() -> None:
     """Import what compiling needs, so that the first config's compile does not pay for it."""
-    import normtune.kernels.backward  # noqa: F401
+    if not _UNUSABLE:
+        import normtune.kernels.backward  # noqa: F401
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
-    """(status, seconds, error) of compiling a config ahead of its measurement."""
+    """(status, seconds, error) of compiling a config ahead of its measurement; ("ok", None, None) where this
+    process cannot compile (the measuring process then compiles it)."""
+    if _UNUSABLE:
+        return "ok", None, None
     from normtune.kernels.backward import precompile
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P

@@ -7,6 +7,10 @@ work: claiming slots and creating trials (database), the sampler's proposals, wa
 processes, storing measurements and telling trials (database), and the heartbeats (their own thread). The
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
+
+`timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
+options parsed, measuring process spawned and ready, database open, first study open, first trial sent, its
+result back, stored.
 """
 
 from __future__ import annotations
@@ -15,9 +19,15 @@ import threading
 import time
 from contextlib import contextmanager
 
+from . import timeline
+
 # The measuring process's phases, then the worker's own (in the order the closing line shows them).
 MEASURING = ("inputs", "load", "gate", "timing")
 WORKER = ("sampler", "database", "compile_wait", "heartbeat")
+# The start-up steps of `timeline`, as the closing line names them.
+STEPS = {"options": "options", "measurer_spawned": "measuring process spawned",
+         "measurer_ready": "measuring process ready", "store_open": "database open", "first_study": "first study",
+         "first_sent": "first trial sent", "first_result": "first result", "first_stored": "first stored"}
 LABELS = {"inputs": "inputs", "load": "load", "gate": "gate", "timing": "timing", "sampler": "sampler",
           "database": "database", "compile_wait": "compile wait", "heartbeat": "heartbeat"}
 
@@ -49,11 +59,13 @@ class Costs:
         """A trial went to the measuring process."""
         if self.startup_s is None:
             self.startup_s = time.perf_counter() - self.t0
+            timeline.mark("first_sent")
 
     def measured(self, phases: dict[str, float]) -> None:
         """A result came back, with the measuring process's seconds per phase."""
         if self.first_result_s is None:
             self.first_result_s = time.perf_counter() - self.t0
+            timeline.mark("first_result")
         self.trials += 1
         for name in MEASURING:
             self.add(name, float(phases.get(name, 0.0)))
@@ -65,7 +77,8 @@ class Costs:
             startup = self.startup_s if self.startup_s is not None else wall
             return {"wall_s": wall, "startup_s": startup, "first_result_s": self.first_result_s,
                     "trials": self.trials, "measuring_s": measuring,
-                    "gpu_idle_s": max(0.0, wall - startup - measuring), **{f"{k}_s": v for k, v in self.phases.items()}}
+                    "gpu_idle_s": max(0.0, wall - startup - measuring), **{f"{k}_s": v for k, v in self.phases.items()},
+                    "timeline": timeline.marks()}
 
 
 def line(costs: dict) -> str:
@@ -82,4 +95,8 @@ def line(costs: dict) -> str:
              + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in MEASURING),
              "worker: " + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in WORKER),
              f"measuring process idle {costs.get('gpu_idle_s', 0.0):.1f} s after start-up"]
+    steps = costs.get("timeline") or {}
+    if steps:
+        parts.append("since the command started: " + ", ".join(
+            f"{STEPS.get(k, k)} {v:.1f}" for k, v in sorted(steps.items(), key=lambda kv: kv[1])))
     return "; ".join(parts)

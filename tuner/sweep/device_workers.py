@@ -15,13 +15,12 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from normtune.kernels.config import Problem
-
-from ..measure.harness import Timing
 from .compiling import share_of
-from .options import SweepOptions
+
+if TYPE_CHECKING:  # this module is what a spawned worker imports first: torch and the kernels come later
+    from .options import SweepOptions
 
 
 def options_to_dict(opts: SweepOptions) -> dict:
@@ -32,6 +31,11 @@ def options_to_dict(opts: SweepOptions) -> dict:
 
 
 def options_from_dict(data: dict) -> SweepOptions:
+    from normtune.kernels.config import Problem
+
+    from ..measure.harness import Timing
+    from .options import SweepOptions
+
     return SweepOptions(**{**data, "problems": [Problem.from_dict(p) for p in data["problems"]],
                            "timing": Timing(**data["timing"])})
 
@@ -41,14 +45,17 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
     from .lifeline import die_with_parent
 
     die_with_parent(parent_pid, signal.SIGTERM)  # a killed launcher: each worker finishes its trial and stops
+    from .measuring import start_helpers
+
+    # Started before this process imports torch and opens the database: their start-up overlaps all of it.
+    helpers = start_helpers(opts_dict["device"], opts_dict["interpret"], opts_dict["compile_workers"],
+                            timing=opts_dict["timing"])
     from ..device import detect
     from ..store.database import Store
     from .driver import Sweep
-    from .measuring import start_helpers
 
     opts = options_from_dict(opts_dict)
     info = detect(opts.device, interpret=opts.interpret)
-    helpers = start_helpers(opts, info)  # their start overlaps opening the database
     with Store(url) as store:
         summary = Sweep(opts, store, info, helpers=helpers).run()
     raise SystemExit(summary.exit_code)

@@ -36,6 +36,7 @@ from typing import Callable, Iterator
 from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
+from . import timeline
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
@@ -126,7 +127,9 @@ class Sweep:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
-        measurer, pool = self._helpers or start_helpers(opts, self.info, MeasuringProcess)
+        measurer, pool = self._helpers or start_helpers(opts.device, opts.interpret, opts.compile_workers,
+                                                        timing=opts.timing, l2_bytes=self.info.l2_bytes,
+                                                        measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.costs, self.emit,
@@ -259,6 +262,8 @@ class Sweep:
                 while not (stopping or ended or idle) and sum(isinstance(x, Pending) for x in queue) < lookahead:
                     if inflight is not None and self._measurer.ready():
                         break
+                    if inflight is None and self._sendable(queue):  # measure it now, propose the rest meanwhile
+                        break
                     nxt = next(feed, None)
                     if nxt is None:
                         ended = True
@@ -306,6 +311,12 @@ class Sweep:
             self._summarize_ready(queue, None, None)
             feed.close()
 
+    @staticmethod
+    def _sendable(queue: deque) -> bool:
+        """True when the first trial of `queue` is ready to measure (compiled, or nothing to compile ahead)."""
+        first = next((x for x in queue if isinstance(x, Pending)), None)
+        return first is not None and (first.compiled is None or first.compiled.done())
+
     def _summarize_ready(self, queue: deque, inflight, collected) -> None:
         """Summarize the problems whose round ended (a marker in `queue`) once the trials before it are stored."""
         unstored = {id(x.book) for x in (inflight, collected and collected[0]) if x is not None}
@@ -324,6 +335,7 @@ class Sweep:
                 self.store.workers.adopt_measured_trials(book.name)
                 book.repair(self.store)
             self._books[problem.key] = book
+            timeline.mark("first_study")
         return self._books[problem.key]
 
     # --------------------------------------------------------------------------------------------- ending

@@ -1,4 +1,8 @@
-"""The measuring process: the sweep's GPU side, in its own process so that a hung kernel can be killed."""
+"""The measuring process: the sweep's GPU side, in its own process so that a hung kernel can be killed.
+
+This module imports neither torch nor the kernels (the measuring process does, once started): a sweep starts its
+measuring process before it imports them itself, so that both processes' start-up overlaps.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,25 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from typing import TYPE_CHECKING
 
-from normtune.kernels.config import BackwardConfig, Problem
-
-from ..measure.harness import MeasureResult, Timing
 from .lifeline import die_with_parent, ignore_stop_signals
+from .timeline import mark
+
+if TYPE_CHECKING:
+    from normtune.kernels.config import BackwardConfig, Problem
+
+    from ..measure.harness import MeasureResult, Timing
 
 
-def _measure_loop(conn, parent_pid: int, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
+def _result(**kwargs) -> "MeasureResult":
+    from ..measure.results import MeasureResult
+
+    return MeasureResult(**kwargs)
+
+
+def _measure_loop(conn, parent_pid: int, device_index: int, interpret: bool, l2_bytes: int | None,
+                  timing: "Timing | dict | None") -> None:
     """Body of the measuring process: owns the CUDA context and one `MeasureSession` (bandwidth, L2 flush, spin,
     timing), which keeps one problem's inputs at a time. It dies with the sweep that started it, and a sweep gone
     while it was busy (its pipe closed) ends it quietly: nothing is left to report to."""
@@ -26,22 +41,36 @@ def _measure_loop(conn, parent_pid: int, device_index: int, interpret: bool, l2_
         os._exit(0)
 
 
-def _serve(conn, device_index: int, interpret: bool, l2_bytes: int, timing: Timing) -> None:
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
+def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "Timing | dict | None"):
+    """The measuring session of this process: the device's own L2 size when `l2_bytes` is None, and the sweep's
+    timing preset when `timing` is None."""
     import torch
 
+    from ..measure.harness import TIMING, MeasureSession, Timing
+
+    if interpret:
+        return MeasureSession("cpu")
+    timing = Timing(**timing) if isinstance(timing, dict) else timing or TIMING["sweep"]
+    torch.cuda.set_device(device_index)
+    if l2_bytes is None:
+        l2_bytes = int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or 50 * 2**20)
+    return MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
+
+
+def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timing: "Timing | dict | None") -> None:
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        session = _session(device_index, interpret, l2_bytes, timing)
+    except Exception as err:  # noqa: BLE001 - e.g. no such device: the sweep reports it (or has refused already)
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
+        return
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P
 
-    from ..measure.harness import MeasureSession, classify_exception
+    from ..measure.harness import MeasureResult, classify_exception
 
-    if interpret:
-        session = MeasureSession("cpu")
-    else:
-        torch.cuda.set_device(device_index)
-        session = MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
-    conn.send(("ready", session.bandwidth_gbps))
+    conn.send(("ready", session.bandwidth_gbps, time.time()))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -63,7 +92,10 @@ class MeasuringProcess:
     the two the sweep stores the previous result and proposes the next trials while the GPU measures. `phases`
     holds the measuring process's seconds per phase of the last result collected (see `costs`)."""
 
-    def __init__(self, device_index: int, interpret: bool, l2_bytes: int, timing: Timing):
+    def __init__(self, device_index: int, interpret: bool, l2_bytes: int | None = None,
+                 timing: "Timing | dict | None" = None):
+        """`l2_bytes` None: the device's own (read in the measuring process); `timing` None: the sweep's preset.
+        Neither needs torch in this process, so that the measuring process may start before it is imported."""
         self._args = (device_index, interpret, l2_bytes, timing)
         self._proc = None
         self._conn = None
@@ -80,12 +112,17 @@ class MeasuringProcess:
         parent, child = ctx.Pipe()
         self._proc = ctx.Process(target=_measure_loop, args=(child, os.getpid(), *self._args), daemon=True)
         self._proc.start()
+        mark("measurer_spawned")
         self._conn, self._ready = parent, False
 
     def _await_ready(self) -> None:
         if not self._conn.poll(600):
             raise RuntimeError("the measuring process did not start within 600 s")
-        _, self.bandwidth_gbps = self._conn.recv()
+        message = self._conn.recv()
+        if message[0] == "failed":
+            raise EOFError(message[1])
+        _, self.bandwidth_gbps, ready_at = message
+        mark("measurer_ready", at=ready_at)
         self._ready = True
 
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
@@ -100,18 +137,18 @@ class MeasuringProcess:
         if not self._ready:
             try:
                 self._await_ready()
-            except EOFError:
+            except EOFError as err:
                 self.kill()
-                self._failed = MeasureResult(status="error", error="the measuring process died while starting",
-                                             interpret=self._args[1])
+                self._failed = _result(status="error", interpret=self._args[1],
+                                       error="the measuring process failed to start" + (f": {err}" if str(err) else ""))
                 return
         try:
             self._conn.send(("measure", problem.to_dict(), config.to_json()))
             self._sent_at = time.monotonic()
         except (BrokenPipeError, ConnectionResetError):
             self.kill()
-            self._failed = MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
-                                         interpret=self._args[1])
+            self._failed = _result(status="error", error="the measuring process died (e.g. a device fault)",
+                                   interpret=self._args[1])
 
     def ready(self) -> bool:
         """True when `collect` would return at once."""
@@ -123,15 +160,15 @@ class MeasuringProcess:
             return self._failed
         if self._conn is None or not self._conn.poll(max(0.0, self._sent_at + timeout_s - time.monotonic())):
             self.kill()
-            return MeasureResult(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
-                                 interpret=self._args[1])
+            return _result(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
+                           interpret=self._args[1])
         try:
             _, data, self.phases = self._conn.recv()
         except (EOFError, ConnectionResetError):
             self.kill()
-            return MeasureResult(status="error", error="the measuring process died (e.g. a device fault)",
-                                 interpret=self._args[1])
-        return MeasureResult(**data)
+            return _result(status="error", error="the measuring process died (e.g. a device fault)",
+                           interpret=self._args[1])
+        return _result(**data)
 
     def interrupt(self) -> None:
         """Stop the measurement in flight now (safe in a signal handler): `measure` then returns an error."""
@@ -184,12 +221,14 @@ def asynchronous(measurer):
     return measurer if hasattr(measurer, "submit") else _Synchronous(measurer)
 
 
-def start_helpers(opts, info, measurer_class=MeasuringProcess) -> tuple:
+def start_helpers(device: int, interpret: bool, compile_workers: int, *, timing=None, l2_bytes: int | None = None,
+                  measurer_class=MeasuringProcess) -> tuple:
     """Start a sweep worker's measuring process and compile-ahead processes, without waiting for them: they take
     seconds to start (importing torch, the CUDA context), which then overlaps whatever the caller does before
-    `Sweep.run` (opening the database and the studies). Returns (measurer, pool) for `Sweep(helpers=…)`."""
+    `Sweep.run` (importing torch itself, opening the database and the studies). Needs neither torch nor the
+    device's properties here. Returns (measurer, pool) for `Sweep(helpers=…)`."""
     from .compiling import compile_pool
 
-    measurer = measurer_class(opts.device, opts.interpret, info.l2_bytes, opts.timing)
+    measurer = measurer_class(device, interpret, l2_bytes, timing)
     measurer.start()
-    return measurer, (None if opts.interpret else compile_pool(opts.compile_workers, opts.device))
+    return measurer, (None if interpret else compile_pool(compile_workers, device))

@@ -16,6 +16,7 @@ from typing import Callable
 from ..device import DeviceInfo
 from ..measure.harness import MeasureResult
 from .compiling import compile_one, wait_compiled
+from . import timeline
 from .costs import Costs
 from .options import ProblemSummary, SweepOptions, SweepSummary
 from .trials import NewTrial, StudyBook
@@ -127,6 +128,7 @@ class PendingTrials:
             self.running.pop(trial.trial_id, None)
         if stored is None:
             return
+        timeline.mark("first_stored")
         ps.measured_now += 1
         if result.status != "ok":
             ps.failures[result.status] = ps.failures.get(result.status, 0) + 1

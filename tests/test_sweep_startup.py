@@ -1,0 +1,107 @@
+"""A sweep's start-up: the measuring process starts before the command imports torch and opens the database,
+the first trial is measured before the rest of the look-ahead is proposed, and the stored costs say when each
+start-up step happened (no timings asserted: only what comes before what)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+
+from sweep_support import INTERPRETER_ONLY, run_sweep, sweep_args, sweep_env
+
+from normtune.tuner.sweep import timeline
+from normtune.tuner.sweep.costs import line
+from normtune.tuner.sweep.measuring import MeasuringProcess
+
+pytestmark = INTERPRETER_ONLY
+
+
+def test_the_sweep_modules_a_spawned_process_imports_first_import_neither_torch_nor_optuna():
+    code = ("import sys; import normtune.tuner.sweep as S, normtune.tuner.sweep.measuring, "
+            "normtune.tuner.sweep.compiling, normtune.tuner.sweep.device_workers, normtune.tuner.sweep.timeline; "
+            "heavy = [m for m in ('torch', 'optuna', 'sqlalchemy', 'triton') if m in sys.modules]; "
+            "assert not heavy, heavy; assert S.Sweep.__name__ == 'Sweep' and 'optuna' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_stored_timeline_shows_the_measuring_process_started_before_the_database_opened(tmp_path):
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    done = run_sweep(sweep_args(url, trials=2), sweep_env(tmp_path), tmp_path)
+    assert done.returncode == 0, done.stderr
+    (costs,) = [json.loads(c) for (c,) in sqlite3.connect(tmp_path / "results.db").execute(
+        "SELECT costs_json FROM normtune_run_costs")]
+    steps = costs["timeline"]
+    order = sorted(steps, key=steps.get)  # stored as JSON with sorted keys: ordered by when they happened
+    assert order.index("options") < order.index("measurer_spawned") < order.index("store_open") \
+        < order.index("first_study") < order.index("first_sent") < order.index("first_result") \
+        < order.index("first_stored"), steps
+    assert "measurer_ready" in steps and all(v >= 0 for v in steps.values())
+    assert "since the command started: options" in line(costs)
+    assert "first stored" in " ".join(done.stderr.split())
+
+
+def test_a_measuring_process_that_cannot_start_reports_it_as_the_trials_error_without_a_traceback(capfd):
+    from normtune.kernels.config import Problem, default_config
+
+    problem = Problem("rms_norm", 8, 64, "fp32")
+    measurer = MeasuringProcess(0, False)  # a CUDA device on a host without one
+    measurer.start()
+    try:
+        measurer.submit(problem, default_config(problem))
+        result = measurer.collect(60)
+    finally:
+        measurer.close()
+    assert result.status == "error" and result.error.startswith("the measuring process failed to start: ")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_marks_count_from_the_command_start_recorded_for_spawned_processes(monkeypatch):
+    monkeypatch.setenv(timeline.ENV, "1000.0")
+    monkeypatch.setattr(timeline, "_marks", {})
+    timeline.mark("b", at=1002.5)
+    timeline.mark("a", at=1001.0)
+    timeline.mark("a", at=1003.0)  # only the first time counts
+    assert timeline.marks() == {"a": 1.0, "b": 2.5}
+
+
+def test_the_first_trial_is_measured_before_the_trials_after_it_are_proposed(tmp_path, monkeypatch):
+    from normtune.kernels.config import Problem
+    from normtune.tuner.measure.harness import MeasureResult
+    from normtune.tuner.store.database import Store
+    from normtune.tuner.sweep import SweepOptions, driver
+
+    from test_sweep_costs import INFO
+
+    held_at_submit: list[int] = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            self.phases = {}
+
+        def start(self):
+            pass
+
+        def submit(self, problem, config):
+            held_at_submit.append(len(sweeps[0].pending.running))
+
+        def ready(self):
+            return True
+
+        def collect(self, timeout_s):
+            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(driver, "MeasuringProcess", Recorder)
+    opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=4,
+                        sampler="random", interpret=True, compile_workers=0, lookahead=6)
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        sweeps = [driver.Sweep(opts, store, INFO)]
+        sweeps[0].run()
+    assert held_at_submit[0] == 1 and len(held_at_submit) == 4, held_at_submit
