@@ -53,8 +53,8 @@ def sweep(
     devices: Annotated[Optional[str], typer.Option(help="Comma list of CUDA devices (0,1,…): one worker per GPU, "
                                                         "sharing only the database")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
-        help="CPU processes compiling upcoming configs, shared out among the --devices workers [default: 8 per GPU, "
-             "within the host's cores]")] = None,
+        help="CPU processes compiling upcoming configs: one pool for the host, shared by the --devices workers "
+             "[default: 8 per GPU, within the host's cores]")] = None,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
     seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
     heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,

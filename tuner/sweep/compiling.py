@@ -1,5 +1,6 @@
 """Compile-ahead workers: CPU processes that compile upcoming configs so that Triton's on-disk cache serves the
-measuring process (the GPU never waits on a compiler)."""
+measuring process (the GPU never waits on a compiler). One sweep worker has a pool of its own; the workers of
+`--devices` share the host's (`host_pool`)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def default_compile_workers(gpus: int, cpus: int | None = None) -> int:
 
 
 def share_of(total: int, workers: int, index: int) -> int:
-    """Worker `index`'s share of `total` compile processes on a host running `workers` sweep workers: the
-    host's cores are divided, not multiplied by the number of GPUs (at least one each when total > 0)."""
+    """Share `index` of `total` compile processes divided among `workers` pools (the host's kinds of GPU, or
+    sweep workers with pools of their own): the host's cores are divided, not multiplied (at least one each when
+    total > 0)."""
     if total <= 0:
         return 0
     return max(1, total // workers + (1 if index < total % workers else 0))

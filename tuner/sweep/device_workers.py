@@ -1,8 +1,9 @@
 """Many GPUs of one host: one sweep worker process per device (`--devices 0,1,…`), sharing only the database.
 
-Each worker is a whole `Sweep` (its own measuring process, its own share of the compile-ahead processes, its
-own place to start in the problem list); they coordinate through the store's trial claims only, so the same
-command on another host against the same PostgreSQL database simply adds workers.
+Each worker is a whole `Sweep` (its own measuring process, its own place to start in the problem list); they
+coordinate through the store's trial claims only, so the same command on another host against the same
+PostgreSQL database simply adds workers. The compile-ahead processes are the host's, one pool that every worker
+of this launcher submits to (`host_pool`), sized from the host's cores.
 
 Signals: the workers run in their own process group, so a terminal's Ctrl-C reaches this launcher only, which
 passes every SIGINT/SIGTERM on to each worker once (first: finish the trial in flight; second: abandon it).
@@ -40,7 +41,7 @@ def options_from_dict(data: dict) -> SweepOptions:
                            "timing": Timing(**data["timing"])})
 
 
-def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
+def _worker_main(opts_dict: dict, url: str, parent_pid: int, compile_ends: tuple | None = None) -> None:
     os.setpgid(0, 0)
     from .lifeline import die_with_parent
 
@@ -48,8 +49,13 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
     from .measuring import start_helpers
 
     # Started before this process imports torch and opens the database: their start-up overlaps all of it.
-    helpers = start_helpers(opts_dict["device"], opts_dict["interpret"], opts_dict["compile_workers"],
-                            timing=opts_dict["timing"])
+    measurer, pool = start_helpers(opts_dict["device"], opts_dict["interpret"], opts_dict["compile_workers"],
+                                   timing=opts_dict["timing"])
+    if compile_ends is not None:
+        from .host_pool import RemoteCompilePool
+
+        pool = RemoteCompilePool(compile_ends, opts_dict["device"])
+    helpers = (measurer, pool)
     from ..device import detect
     from ..store.database import Store
     from .driver import Sweep
@@ -61,11 +67,20 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int) -> None:
     raise SystemExit(summary.exit_code)
 
 
-def worker_options(opts: SweepOptions, devices: list[int]) -> list[SweepOptions]:
-    """The options of each device's worker: its device, its place, its share of the compile processes."""
+def worker_options(opts: SweepOptions, devices: list[int], shared_pool: bool = False) -> list[SweepOptions]:
+    """The options of each device's worker: its device, its place, and its share of the compile processes (none
+    of its own when the host's pool serves it)."""
     return [dataclasses.replace(opts, device=device, worker_index=i, workers=len(devices),
-                                compile_workers=share_of(opts.compile_workers, len(devices), i))
+                                compile_workers=0 if shared_pool else share_of(opts.compile_workers, len(devices), i))
             for i, device in enumerate(devices)]
+
+
+def device_kinds(devices: list[int]) -> list[str]:
+    """Each device's kind (name and compute capability): devices of one kind share compiled binaries."""
+    import torch
+
+    return [f"{torch.cuda.get_device_name(d)} sm_{''.join(map(str, torch.cuda.get_device_capability(d)))}"
+            for d in devices]
 
 
 def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
@@ -73,9 +88,16 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     """Run one sweep worker per device on the database `url` and wait; returns the exit code the command should
     end with: 130/143 when a signal stopped it, 1 when a worker failed, else 0."""
     ctx = mp.get_context("spawn")
-    procs = []
-    for worker in worker_options(opts, devices):
-        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url, os.getpid())))
+    host = None
+    if opts.compile_workers > 0 and not opts.interpret:
+        from .host_pool import HostCompiler
+
+        host = HostCompiler.for_devices(devices, opts.compile_workers, device_kinds(devices), ctx)
+    procs, passed = [], []
+    for worker in worker_options(opts, devices, shared_pool=host is not None):
+        ends = host.connect() if host is not None else None
+        passed.append(ends or ())
+        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url, os.getpid(), ends)))
     received: list[int] = []
 
     def forward(signum, frame):
@@ -86,8 +108,12 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for p in procs:
+        if host is not None:
+            host.start()
+        for p, ends in zip(procs, passed):
             p.start()
+            for end in ends:  # the worker's ends are its own now: its exit closes them (the host sees it)
+                end.close()
         while any(p.is_alive() for p in procs):
             if on_tick is not None:
                 on_tick()
@@ -97,6 +123,8 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        if host is not None:
+            host.stop()
     codes = [p.exitcode for p in procs]
     if received:
         return 128 + received[0]
