@@ -78,14 +78,27 @@ def test_workers_served_by_the_host_pool_start_no_compile_processes_of_their_own
     assert [w.compile_workers for w in worker_options(opts, [0, 1, 2])] == [4, 4, 4]
 
 
-def test_one_pool_per_kind_of_gpu_on_its_first_device(monkeypatch):
+def test_one_pool_per_kind_of_gpu_spread_over_its_devices(monkeypatch):
     from normtune.tuner.sweep import host_pool
 
     made = []
-    monkeypatch.setattr(host_pool, "compile_pool", lambda n, device: made.append((n, device)) or (n, device))
+    monkeypatch.setattr(host_pool, "compile_pool", lambda n, devices: made.append((n, devices)) or (n, devices[0]))
     host = HostCompiler.for_devices([0, 1, 2, 3], 16, ["H100 sm_90"] * 3 + ["A100 sm_80"], mp.get_context("spawn"))
-    assert made == [(8, 0), (8, 3)]
+    assert made == [(8, [0, 1, 2]), (8, [3])]
     assert [host._pools[d] for d in range(4)] == [(8, 0)] * 3 + [(8, 3)]
+
+
+def test_a_pools_processes_take_its_devices_in_turn(monkeypatch):
+    from normtune.tuner.sweep import compiling
+
+    picked = []
+    monkeypatch.setattr("torch.cuda.set_device", picked.append)
+    monkeypatch.setattr("normtune.tuner.sweep.lifeline.die_with_parent", lambda *a: None)
+    monkeypatch.setattr("normtune.tuner.sweep.lifeline.ignore_stop_signals", lambda: None)
+    started = mp.get_context("spawn").Value("i", 0)
+    for _ in range(5):
+        compiling._compile_init([2, 3], started, 0)
+    assert picked == [2, 3, 2, 3, 2] and not compiling._UNUSABLE
 
 
 def _spawned_worker(ends, results):

@@ -15,12 +15,15 @@ from typing import Callable
 log = logging.getLogger("normtune.sweep")
 
 
-def compile_pool(workers: int, device_index: int) -> ProcessPoolExecutor | None:
-    """`workers` compiling processes for the GPU `device_index` (None: compile in the measuring process)."""
+def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor | None:
+    """`workers` compiling processes for the GPU `devices` (None: compile in the measuring process). Given several
+    devices of one kind, the processes' CUDA contexts are spread over them, one device after another."""
     if workers <= 0:
         return None
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_compile_init,
-                               initargs=(device_index, os.getpid()))
+    ctx = mp.get_context("spawn")
+    devices = [devices] if isinstance(devices, int) else list(devices)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_compile_init,
+                               initargs=(devices, ctx.Value("i", 0), os.getpid()))
     for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
         pool.submit(_warm_up)
     return pool
@@ -83,15 +86,18 @@ def stop_pool(pool) -> None:
 _UNUSABLE: list[str] = []
 
 
-def _compile_init(device_index: int, parent_pid: int) -> None:
+def _compile_init(devices: list[int], started, parent_pid: int) -> None:
+    """Set up a compile process: the next of `devices` (`started` counts the pool's processes so far)."""
     from .lifeline import die_with_parent, ignore_stop_signals
 
     die_with_parent(parent_pid)
     ignore_stop_signals()
+    with started.get_lock():
+        index, started.value = started.value, started.value + 1
     try:
         import torch
 
-        torch.cuda.set_device(device_index)
+        torch.cuda.set_device(devices[index % len(devices)])
     except Exception as err:  # noqa: BLE001 - started before the sweep checked its device: no traceback here
         _UNUSABLE.append(f"{type(err).__name__}: {err}")
 

@@ -7,8 +7,8 @@ not need. A job the host has already compiled or is compiling -- the same proble
 is compiled once: its later requests share the first one's result. Configs whose kernels compile to the same
 binary share it through Triton's on-disk cache (the later compile is a cache lookup).
 
-Jobs are compiled on the first device of each kind (name and compute capability): the binary does not depend on
-which of a host's identical GPUs it is compiled on, and only that device gets the compile processes' contexts.
+There is one pool per kind of GPU (name and compute capability): the binary does not depend on which of a
+host's identical GPUs it is compiled on, so the pool's processes (and their CUDA contexts) are spread over them.
 A worker whose launcher is gone gets its pending jobs failed, which makes the measuring process compile them
 itself (`compiling.wait_compiled`).
 """
@@ -44,12 +44,12 @@ class HostCompiler:
     @classmethod
     def for_devices(cls, devices: list[int], processes: int, kinds: list[str], ctx) -> "HostCompiler":
         """`processes` compile processes for the host, shared out among the kinds of GPU in `devices`
-        (`kinds[i]` names device i's kind): one pool per kind, on its first device."""
-        first: dict[str, int] = {}
+        (`kinds[i]` names device i's kind): one pool per kind, spread over its devices."""
+        of_kind: dict[str, list[int]] = {}
         for device, kind in zip(devices, kinds):
-            first.setdefault(kind, device)
-        executors = {kind: compile_pool(share_of(processes, len(first), i), first[kind])
-                     for i, kind in enumerate(first)}
+            of_kind.setdefault(kind, []).append(device)
+        executors = {kind: compile_pool(share_of(processes, len(of_kind), i), group)
+                     for i, (kind, group) in enumerate(of_kind.items())}
         return cls({device: executors[kind] for device, kind in zip(devices, kinds)}, ctx)
 
     def connect(self) -> tuple:
