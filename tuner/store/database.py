@@ -25,7 +25,7 @@ import json
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -202,10 +202,12 @@ class Store:
 
     def add_measurement(self, run_id: int, problem: Problem, config: BackwardConfig, result: MeasureResult, *,
                         source: str, study_name: str | None = None, trial_number: int | None = None,
-                        slot: int | None = None) -> int | None:
+                        slot: int | None = None, also: Callable[[Session], None] | None = None) -> int | None:
         """Store one measurement. With (study_name, trial_number), a trial stored before returns its id. With the
         `slot` the run claimed for the trial, it is stored only while the run still holds that slot (in the same
-        transaction that marks the slot measured); None when the slot was taken over meanwhile."""
+        transaction that marks the slot measured); None when the slot was taken over meanwhile. `also(session)`
+        writes more in the transaction that stores it (the sweep tells the trial there); it does not run where
+        the measurement is not stored by this call."""
         check_value("status", result.status, STATUSES)
         if trial_number is not None and study_name is None:
             raise ValueError("trial_number needs the study_name it belongs to")
@@ -229,6 +231,8 @@ class Store:
                     return None
                 session.add(row)
                 session.flush()
+                if also is not None:
+                    also(session)
                 return row.id
         except StoreIntegrityError:
             if study_name is not None and (found := self._trial_measurement(study_name, trial_number)) is not None:

@@ -234,10 +234,15 @@ class Workers:
     def bind_slot(self, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """Record which trial fills a slot `run_id` holds. False when the slot is no longer this run's."""
         with self._store.session_scope() as session:
-            return session.execute(
-                update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
-                                              TrialClaimModel.run_id == run_id)
-                .values(trial_number=trial_number)).rowcount == 1
+            return self.bind_slot_in(session, study_name, slot, run_id, trial_number)
+
+    @staticmethod
+    def bind_slot_in(session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
+        """`bind_slot` within the caller's transaction `session` (e.g. the one that creates the trial)."""
+        return session.execute(
+            update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
+                                          TrialClaimModel.run_id == run_id)
+            .values(trial_number=trial_number)).rowcount == 1
 
     def release_slot(self, study_name: str, slot: int, run_id: int) -> None:
         """Give a slot back (its trial was abandoned unmeasured): another worker, or a re-run, takes it."""

@@ -57,14 +57,17 @@ class PendingTrials:
     def start(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> Pending | None:
         """The claimed slot's trial, created and its compile submitted; None (the slot given back) where the
         problem's space has nothing left to propose."""
-        trial = book.new_trial(slot, self.costs)
+        workers = self.store.workers
+        trial = book.new_trial(slot, self.costs, bind=lambda session, number: workers.bind_slot_in(
+            session, book.name, slot, run_id, number))
         if trial is None:
-            self.store.workers.release_slot(book.name, slot, run_id)
+            workers.release_slot(book.name, slot, run_id)
             return None
         with self._lock:
             self.running[trial.trial_id] = trial.number
-        with self.costs.timed("database"):
-            self.store.workers.bind_slot(book.name, slot, run_id, trial.number)
+        if not trial.bound:
+            with self.costs.timed("database"):
+                workers.bind_slot(book.name, slot, run_id, trial.number)
         future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
                   if pool is not None else None)
         return Pending(slot, trial, future, book, ps)
@@ -114,16 +117,21 @@ class PendingTrials:
         if result is ABANDONED or self.abandoning():  # a second signal abandoned it mid-measurement
             self.abandon(item, run_id)
             return
-        # Commit the measurement first: a kill after this line loses nothing (the next worker tells the trial).
+        # The measurement and the trial's tell are committed together where Optuna's internals allow, else the
+        # measurement first: a kill after it loses nothing (the next worker tells the trial from the store).
+        value = result.median_us if result.status == "ok" else None
+        told: list = []
         with self.costs.timed("database"):
-            stored = self.store.add_measurement(run_id, book.problem, trial.config, result, source=trial.source,
-                                                study_name=book.name, trial_number=trial.number, slot=item.slot)
+            stored = self.store.add_measurement(
+                run_id, book.problem, trial.config, result, source=trial.source, study_name=book.name,
+                trial_number=trial.number, slot=item.slot,
+                also=lambda session: told.append(book.tell_in(session, trial, result.status, value, result.error)))
             if stored is None:  # this worker stalled past its grace period and another one took the slot over
                 log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
                             book.name, trial.number)
                 book.abandon(trial)
-            else:
-                book.tell(trial, result.status, result.median_us if result.status == "ok" else None, result.error)
+            elif not told or told[0] is None:
+                book.tell(trial, result.status, value, result.error)
         with self._lock:
             self.running.pop(trial.trial_id, None)
         if stored is None:

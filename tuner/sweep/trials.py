@@ -23,7 +23,7 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from ..space import Space
 from .costs import Costs
-from .rows import create_running_trial, finish_trial
+from .rows import create_running_trial, finish_trial, finish_trial_in
 from .options import METRIC_NAME, SEED_VERSION, SweepOptions, study_name
 from .sampling import Sampling
 
@@ -47,6 +47,7 @@ class NewTrial:
     number: int
     config: BackwardConfig
     source: str  # "seed" or the sweep's source
+    bound: bool = False  # its slot was bound to it in the transaction that created it
 
 
 class StudyBook:
@@ -125,10 +126,12 @@ class StudyBook:
 
     # ------------------------------------------------------------------------------------------- trials
 
-    def new_trial(self, slot: int, costs: Costs | None = None) -> NewTrial | None:
+    def new_trial(self, slot: int, costs: Costs | None = None,
+                  bind: Callable[[object, int], None] | None = None) -> NewTrial | None:
         """A RUNNING trial for `slot`: its seed when it has one, else the sampler's next valid config. None when
         the sampler gave nothing but invalid configs INVALID_STREAK_LIMIT times in a row. `costs` gets the
-        seconds of the sampler and of the database writes."""
+        seconds of the sampler and of the database writes; `bind(session, number)` records the slot's trial in
+        the transaction that creates it where it can (`NewTrial.bound`)."""
         costs = costs or Costs()
         index = slot - self.seed_base
         if 0 <= index < len(self.seeds):
@@ -136,9 +139,9 @@ class StudyBook:
             if template is not None:
                 source = "seed" if self.opts.source == "sweep" else self.opts.source
                 with costs.timed("database"):
-                    return self._created(template, self.seeds[index], source)
+                    return self._created(template, self.seeds[index], source, bind)
         if self.sampling.proposes:
-            return self._proposed_trial(costs)
+            return self._proposed_trial(costs, bind)
         for _ in range(INVALID_STREAK_LIMIT):
             trial = self.study.ask()
             # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
@@ -153,7 +156,7 @@ class StudyBook:
             self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         return None
 
-    def _proposed_trial(self, costs: Costs) -> NewTrial | None:
+    def _proposed_trial(self, costs: Costs, bind=None) -> NewTrial | None:
         """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
         configs it rejects on the way are counted in `rejected` and never become trials."""
         optuna = self._optuna
@@ -169,15 +172,16 @@ class StudyBook:
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
             with costs.timed("database"):
-                return self._created(template, self.space.canonical(config), self.opts.source)
+                return self._created(template, self.space.canonical(config), self.opts.source, bind)
         return None
 
-    def _created(self, template, config: BackwardConfig, source: str) -> NewTrial:
+    def _created(self, template, config: BackwardConfig, source: str, bind=None) -> NewTrial:
         """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
         dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
         considers stale)."""
-        trial_id, number = create_running_trial(self.storage, self.study._study_id, template)
-        return NewTrial(trial_id, number, config, source)
+        trial_id, number, bound = create_running_trial(self.storage, self.study._study_id, template,
+                                                       after=bind)
+        return NewTrial(trial_id, number, config, source, bound)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
@@ -191,6 +195,19 @@ class StudyBook:
                 finish_trial(self.storage, self.study, trial.trial_id, trial.number, TS.COMPLETE, value, attrs)
         except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
             log.warning("trial %s of %s was finished by another worker: %s", trial.number, self.name, err)
+
+    def tell_in(self, session, trial: NewTrial, status: str, value: float | None, error: str | None) -> bool | None:
+        """`tell` within the caller's transaction `session` (the store's, recording the measurement): True when
+        told, False when the trial was finished meanwhile (e.g. failed as stale: its measurement counts), None
+        where it must be told afterwards with `tell`."""
+        TS = self._optuna.trial.TrialState
+        attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
+        finite = value is not None and math.isfinite(value)
+        done = finish_trial_in(session, self.storage, trial.trial_id, TS.COMPLETE if finite else TS.FAIL,
+                               value if finite else None, attrs)
+        if done is False:
+            log.warning("trial %s of %s was finished by another worker", trial.number, self.name)
+        return done
 
     def abandon(self, trial: NewTrial) -> None:
         """An unmeasured trial given up (interrupt, time budget): PRUNED, marked, never left RUNNING."""

@@ -1,0 +1,132 @@
+"""The sweep's own writes of Optuna's rows: the same rows Optuna's public calls write, fewer statements and
+transactions, and what is written together is committed together (a trial and the slot it fills; a measurement
+and its trial's tell)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.distributions import CategoricalDistribution, IntDistribution
+from optuna.trial import TrialState as TS
+from sqlalchemy import event, text
+
+from normtune.kernels.config import Problem, default_config
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.store.database import Store
+from normtune.tuner.sweep.rows import create_running_trial, finish_trial_in
+
+DISTRIBUTIONS = {"k1.num_warps": CategoricalDistribution([1, 2, 4, 8]), "k1.block_row": IntDistribution(1, 16)}
+
+
+def _template():
+    return optuna.trial.create_trial(state=TS.RUNNING, params={"k1.num_warps": 4, "k1.block_row": 3},
+                                     distributions=DISTRIBUTIONS, system_attrs={"proposal": {"a": 1}},
+                                     user_attrs={"origin": "seed"})
+
+
+@pytest.fixture()
+def store(tmp_path):
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as s:
+        yield s
+
+
+def test_a_trial_written_by_the_sweep_has_the_rows_optunas_public_calls_write(store):
+    storage = store.optuna_storage()
+    study = optuna.create_study(study_name="rows", storage=storage)
+    ours, _, _ = create_running_trial(storage, study._study_id, _template())
+    with store.session_scope() as session:
+        assert finish_trial_in(session, storage, ours, TS.COMPLETE, 12.5, {"status": "ok", "config": "{}"})
+    public = storage.create_new_trial(study._study_id, template_trial=_template())
+    storage.record_heartbeat(public)
+    for key, value in {"status": "ok", "config": "{}"}.items():
+        storage.set_trial_user_attr(public, key, value)
+    study.tell(storage.get_trial_number_from_id(public), 12.5)
+    a, b = storage.get_trial(ours), storage.get_trial(public)
+    assert (a.params, a.distributions, a.user_attrs, a.system_attrs, a.values, a.state) == \
+        (b.params, b.distributions, b.user_attrs, b.system_attrs, b.values, b.state)
+    assert (a.number, b.number) == (0, 1)
+    with store.session_scope() as session:
+        beats = session.execute(text("SELECT trial_id FROM trial_heartbeats ORDER BY trial_id")).scalars().all()
+    assert beats == [ours, public]
+
+
+def test_a_finished_trial_is_left_as_it_is(store):
+    storage = store.optuna_storage()
+    study = optuna.create_study(study_name="rows", storage=storage)
+    trial_id, number, _ = create_running_trial(storage, study._study_id, _template())
+    storage.set_trial_state_values(trial_id, state=TS.FAIL)  # failed as stale meanwhile
+    with store.session_scope() as session:
+        assert finish_trial_in(session, storage, trial_id, TS.COMPLETE, 1.0, {"status": "ok"}) is False
+    assert storage.get_trial(trial_id).state == TS.FAIL and "status" not in storage.get_trial(trial_id).user_attrs
+
+
+def test_a_trial_and_what_its_creation_writes_after_it_are_one_transaction(store):
+    storage = store.optuna_storage()
+    study = optuna.create_study(study_name="rows", storage=storage)
+
+    def failing(session, number):
+        session.execute(text("UPDATE studies SET study_name = 'renamed'"))
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        create_running_trial(storage, study._study_id, _template(), after=failing)
+    assert storage.get_all_trials(study._study_id) == [] and optuna.get_all_study_names(storage) == ["rows"]
+
+
+def test_a_measurement_and_what_is_written_with_it_are_one_transaction(store):
+    from normtune.tuner.device import detect
+
+    problem = Problem("rms_norm", 8, 64, "bf16")
+    run_id = store.start_run(detect(interpret=True), kind="sweep", command_line="normtune sweep")
+    result = MeasureResult(status="ok", median_us=3.0, reps=2, interpret=True)
+
+    def failing(session):
+        raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        store.add_measurement(run_id, problem, default_config(problem), result, source="seed", also=failing)
+    assert store.measurements() == []
+    written = []
+    store.add_measurement(run_id, problem, default_config(problem), result, source="seed", also=written.append)
+    assert len(store.measurements()) == 1 and len(written) == 1
+
+
+def test_a_sweep_trial_takes_fewer_transactions(tmp_path, monkeypatch):
+    """Claim, trial (with its slot), measurement (with its tell): the trial's slot and tell are not separate
+    transactions any more."""
+    from test_sweep_costs import INFO
+
+    from normtune.tuner.sweep import SweepOptions, driver
+
+    class Instant:
+        def __init__(self, *args, **kwargs):
+            self.phases = {}
+
+        def start(self):
+            pass
+
+        def submit(self, problem, config):
+            pass
+
+        def ready(self):
+            return True
+
+        def collect(self, timeout_s):
+            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(driver, "MeasuringProcess", Instant)
+    opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=30,
+                        sampler="random", interpret=True, compile_workers=0)
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as s:
+        sweep = driver.Sweep(opts, s, INFO)
+        commits = []
+        for engine in (s._engine, sweep.storage.engine):
+            event.listen(engine, "commit", lambda conn: commits.append(1))
+        sweep.run()
+    assert len(commits) / 30 < 6, len(commits) / 30  # 7 per trial when each was its own transaction
