@@ -12,8 +12,9 @@ with exactly `trials` measurements, each measured once:
   stores the result and proposes the trials after it (up to `lookahead`, across problems) while that one
   measures (`_pipeline`). Where the wall clock went is kept per phase (`costs`) and stored with the run.
 
-- A measurement is committed to the store before the trial is told, so a SIGKILL loses nothing that was measured;
-  a trial found measured but not told is told from the store by the next worker that looks (no re-measure).
+- A measurement is committed to the store together with its trial's tell (or before it, where Optuna's internals
+  are not the expected ones), so a SIGKILL loses nothing that was measured; a trial found measured but not told
+  is told from the store by the next worker that looks (no re-measure).
 - Heartbeats: this worker's run and its trials beat every `heartbeat_interval`; a worker whose beats stop for
   `grace_period` is dead: its run is marked `dead`, its unmeasured trials failed as stale, its slots taken over.
 - No GPU waits for another: when the slots left of a problem are held by other workers, this one moves on to
@@ -248,8 +249,8 @@ class Sweep:
     def _pipeline(self, feed: Iterator, run_id: int, t0: float, summary: SweepSummary) -> None:
         """Measure what `feed` gives, one trial in the measuring process at a time: as soon as a result comes
         back the next trial is sent, and the result is stored while that one measures; the trials after it are
-        proposed (up to `lookahead` ahead) in the same wait. A measurement is committed to the store before its
-        trial is told, so a SIGKILL loses nothing stored; a result collected but not stored yet when the worker
+        proposed (up to `lookahead` ahead) in the same wait. A measurement is committed to the store with (or before)
+        its trial's tell, so a SIGKILL loses nothing stored; a result collected but not stored yet when the worker
         is killed was never committed: its slot is taken over and measured again."""
         lookahead = max(2, self.opts.lookahead)
         queue: deque = deque()

@@ -1,6 +1,6 @@
 """A sweep worker's trials between their slot's claim and their stored measurement (`PendingTrials`): each
 claimed slot's trial is created (a seed or the sampler's) and its compile-ahead job submitted, handed to the
-measuring process once compiled, collected, and its measurement committed to the store before the trial is told;
+measuring process once compiled, collected, and its measurement committed to the store with its trial's tell;
 a trial abandoned on the way gives its slot back. The trials held (created, not yet stored nor given back) are
 listed for the heartbeat thread, which beats them.
 """
