@@ -60,6 +60,23 @@ def test_plan_keeps_the_fitted_runs_and_the_latest_validate_and_benches(full):
         4: ("latest testgpu bf16 bench of its 2 shapes",), 7: ("latest testgpu fp16 bench of its 1 shapes",)}
 
 
+def test_plan_keeps_the_latest_validation_of_each_problem_form(tmp_path):
+    """A residual-form validation is kept beside a later plain one (and the older plain one goes)."""
+    store = Store(f"sqlite:///{tmp_path / 'forms.db'}")
+    assert add_sweep(store) == 1
+    add_validation(store)  # 2: plain, superseded by 4
+    run = store.start_run(GPU, kind="validate", command_line="validate --residual")
+    residual = dataclasses.replace(RMS, residual=True)
+    store.add_measurement(run, residual, config(residual, 1, 8), ok(9.0), source="validate-table")
+    store.end_run(run)  # 3
+    add_validation(store)  # 4
+    table = emit.build_table(store, "testgpu", selection=emit.Selection(run_ids=(1,)))
+    kept = keep.plan(store, {"testgpu.json": table})
+    store.close()
+    assert {r.id: r.reasons for r in kept} == {
+        1: ("fitted testgpu.json",), 3: ("latest testgpu residual validate",), 4: ("latest testgpu validate",)}
+
+
 def test_slim_copy_reproduces_the_table_and_drops_the_rest(full, tmp_path):
     path, table = full
     out = tmp_path / "slim.db"

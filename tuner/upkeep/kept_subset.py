@@ -4,8 +4,9 @@ The policy (docs/results-db.md says why):
 
 1. every run a table was fitted on (`provenance.runs` of each given table), so that
    `emit --runs-of TABLE --check` reproduces it;
-2. per GPU key, the latest validate run, and the latest bench run of each activation dtype and shape set (the
-   seed shapes, the llm shapes, …), which `report` shows and labels by dtype;
+2. per GPU key, the latest validate run of each problem form (plain norms, and the fused residual form), and the
+   latest bench run of each activation dtype, form and shape set (the seed shapes, the llm shapes, …), which
+   `report` shows and labels by dtype;
 
 `report` shows these runs: its best config per problem is the fastest of the kept measurements.
 
@@ -56,12 +57,25 @@ def plan(store, tables: dict[str, dict]) -> list[KeptRun]:
             reasons.setdefault(run_id, []).append(f"fitted {name}")
     for gpu_key in sorted({r.gpu_key for r in runs.values()}):
         mine = [r for r in runs.values() if r.gpu_key == gpu_key]
-        validate = max((r.id for r in mine if r.kind == "validate"), default=None)
-        if validate is not None:
-            reasons.setdefault(validate, []).append(f"latest {gpu_key} validate")
+        for form, run_id in _latest_validations(store, [r for r in mine if r.kind == "validate"]):
+            reasons.setdefault(run_id, []).append(f"latest {gpu_key} {form}validate")
         for dtype, count, run_id in _latest_benches(store, [r for r in mine if r.kind == "bench"]):
             reasons.setdefault(run_id, []).append(f"latest {gpu_key} {dtype} bench of its {count} shapes")
     return [KeptRun(i, runs[i].kind, runs[i].gpu_key, tuple(reasons[i])) for i in sorted(reasons)]
+
+
+def _latest_validations(store, validations) -> list[tuple[str, int]]:
+    """(form, run id) of the latest validate run of each problem form: "" for the plain norms, "residual " for
+    the fused residual form (a run that validated both counts for both)."""
+    latest: dict[str, int] = {}
+    for run in sorted(validations, key=lambda r: r.id):
+        for form in {_form(record.problem) for record in store.measurements(run_id=run.id)} or {""}:
+            latest[form] = run.id
+    return sorted(latest.items())
+
+
+def _form(problem) -> str:
+    return "residual " if problem.residual else ""
 
 
 def _latest_benches(store, benches) -> list[tuple[str, int, int]]:
@@ -74,11 +88,12 @@ def _latest_benches(store, benches) -> list[tuple[str, int, int]]:
 
 
 def bench_shapes(store, run_id: int) -> dict[str, frozenset]:
-    """dtype → the (norm, M, N) a bench run timed in it (normtune's rows and the peers')."""
+    """dtype (followed by " residual" for the fused residual form) → the (norm, M, N) a bench run timed in it
+    (normtune's rows and the peers')."""
     out: dict[str, set] = {}
     for record in [*store.measurements(run_id=run_id), *store.peer_results(run_id=run_id)]:
         p = record.problem
-        out.setdefault(p.dtype, set()).add((p.norm, p.M, p.N))
+        out.setdefault(p.dtype + (" residual" if p.residual else ""), set()).add((p.norm, p.M, p.N))
     return {dtype: frozenset(shapes) for dtype, shapes in out.items()}
 
 
