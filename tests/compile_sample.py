@@ -2,7 +2,12 @@
 
 - `covering_sample`: per strategy, a few configs of the device's search space (`Space` with its limits) in which
   every value of every knob the strategy uses occurs at least once (a covering array of strength 1, built
-  greedily from seeded random draws that favour the values still missing);
+  greedily from seeded random draws that favour the values still missing); with `features_only`, every value of
+  the knobs that change the generated code's form rather than its sizes (`FEATURES`: pass mode, stages,
+  eviction hint, prefetch, recompute, column accumulators, pipelined split, PDL, fused reduction, split or not),
+  which takes a few configs per strategy instead of one per tile size;
+- `variants`: per strategy, a problem with a residual stream, and problems whose offsets need 64 bits (rows,
+  single and two-pass: the only strategy a problem that large gets);
 - `default_forms`: one problem per distinct form the analytic default takes on the device, over a grid of
   norms, dtypes, saves, row counts and widths (forms differ in strategy, split, pass mode, stages and the
   boolean knobs; two problems whose defaults differ only in tile sizes, split count or dtype are one form).
@@ -42,6 +47,12 @@ UNREACHABLE = {
 }
 SINGLE_PASS_BLOCK_COLS = (256,)  # rows: a narrow row's own tile width (8192x256), in the domain
 
+# The knobs a features-only sample covers, each mapped to the form its value selects (a split of 2 or 7 rows is
+# one form: the split count is a compile-time size).
+FEATURES = {"k1.two_pass": None, "k1.num_stages": None, "k1.eviction_policy": None, "k1.prefetch": None,
+            "k1.recompute": None, "k1.column_accumulators": None, "k1.pipelined_split": None,
+            "k1.row_split": lambda v: v > 1, "k2.num_stages": None, "k2.pdl": None, "k2.fused": None}
+
 # Valid draws compared before the one covering most missing values joins the sample.
 DRAWS = 12
 
@@ -49,8 +60,14 @@ FIELDS = {**{f"k1.{f.name}": ("kernel_1", f.name) for f in dataclasses.fields(Ke
           **{f"k2.{f.name}": ("kernel_2", f.name) for f in dataclasses.fields(Kernel2Config)}}
 
 
-def _pairs(config: BackwardConfig, knobs) -> set:
-    return {(k, getattr(getattr(config, FIELDS[k][0]), FIELDS[k][1])) for k in knobs}
+def _form(knob: str, value, features_only: bool):
+    """What a knob's value counts as in the sample: itself, or with `features_only` the form it selects."""
+    classify = FEATURES.get(knob)
+    return classify(value) if features_only and classify else value
+
+
+def _pairs(config: BackwardConfig, knobs, features_only: bool = False) -> set:
+    return {(k, _form(k, getattr(getattr(config, FIELDS[k][0]), FIELDS[k][1]), features_only)) for k in knobs}
 
 
 def applicable(space: Space, strategy: str, base: dict) -> set[str]:
@@ -66,9 +83,11 @@ def applicable(space: Space, strategy: str, base: dict) -> set[str]:
     return out
 
 
-def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> tuple[list, dict[str, list[str]]]:
-    """(strategy, problem, config) triples covering every knob value each strategy uses on the device (module
-    doc), and per strategy the (knob, value) pairs no draw reached."""
+def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000,
+                    features_only: bool = False) -> tuple[list, dict[str, list[str]]]:
+    """(strategy, problem, config) triples covering every knob value each strategy uses on the device, or with
+    `features_only` every form of the `FEATURES` knobs (module doc), and per strategy the (knob, value) pairs no
+    draw reached."""
     rng = random.Random(seed)
     sample, unreached = [], {}
     for strategy, problems in STRATEGY_PROBLEMS.items():
@@ -78,8 +97,10 @@ def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> 
         for s in spaces:
             base = {k: v[0] for k, v in s.domains().items()}
             knobs |= applicable(s, strategy, base)
-        wanted = {(k, v) for s in spaces for k in knobs for v in s.domains()[k]}
-        wanted -= set(UNREACHABLE[strategy])
+        if features_only:
+            knobs &= set(FEATURES)
+        wanted = {(k, v) for s in spaces for k in knobs for v in s.domains()[k]} - set(UNREACHABLE[strategy])
+        wanted = {(k, _form(k, v, features_only)) for k, v in wanted}
         covered: set = set()
         best, drawn = None, 0
         for _ in range(tries):
@@ -87,7 +108,7 @@ def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> 
             if not missing:
                 break
             if best is not None and drawn >= DRAWS:  # the draw covering most missing values joins the sample
-                covered |= _pairs(best[2], knobs)
+                covered |= _pairs(best[2], knobs, features_only)
                 sample.append(best)
                 best, drawn = None, 0
                 continue
@@ -95,7 +116,7 @@ def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> 
             d = space.domains()
             params = {}
             for k, values in d.items():
-                gaps = [v for v in values if (k, v) in missing]
+                gaps = [v for v in values if (k, _form(k, v, features_only)) in missing]
                 params[k] = rng.choice(gaps) if gaps and rng.random() < 0.7 else rng.choice(values)
             params["k1.strategy"] = strategy
             if params["k2.fused"]:
@@ -104,14 +125,14 @@ def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000) -> 
             if space.why_not(cfg) is not None:
                 continue
             cfg = space.canonical(cfg)
-            gain = len(_pairs(cfg, knobs) & missing)
+            gain = len(_pairs(cfg, knobs, features_only) & missing)
             if space.why_not(cfg) is not None or not gain:
                 continue
             drawn += 1
-            if best is None or gain > len(_pairs(best[2], knobs) & missing):
+            if best is None or gain > len(_pairs(best[2], knobs, features_only) & missing):
                 best = (strategy, space.problem, cfg)
         if best is not None and wanted - covered:
-            covered |= _pairs(best[2], knobs)
+            covered |= _pairs(best[2], knobs, features_only)
             sample.append(best)
         unreached[strategy] = sorted(f"{k}={v}" for k, v in wanted - covered)
     return sample, unreached
@@ -133,3 +154,17 @@ def default_forms(limits: DeviceLimits) -> list[tuple[Problem, BackwardConfig]]:
                                 k2.fused)
                         forms.setdefault(form, (p, cfg))
     return list(forms.values())
+
+
+def variants(limits: DeviceLimits) -> list[tuple[str, Problem, BackwardConfig]]:
+    """(variant, problem, config): per strategy a residual stream (fp32 or bf16), and the rows strategy's single
+    and two-pass forms at sizes whose offsets need 64 bits (module doc)."""
+    residual = {"rows": Problem("rms_norm", 4096, 4096, "bf16", residual=True, residual_dtype="fp32"),
+                "columns": Problem("rms_norm", 256, 32768, "bf16", residual=True, residual_dtype="fp32"),
+                "dual": Problem("layer_norm", 64, 4096, "bf16", has_bias=True, residual=True, residual_dtype="bf16")}
+    wide = [Problem("rms_norm", 65536, 32768, "bf16"), Problem("layer_norm", 16384, 131072, "bf16", has_bias=True)]
+    out = []
+    for strategy, problem in residual.items():
+        candidates = [default_config(problem, limits)] + Space(problem, limits.sm_count, limits).seeds()
+        out.append((f"residual-{strategy}", problem, next(c for c in candidates if c.kernel_1.strategy == strategy)))
+    return out + [("int64", p, default_config(p, limits)) for p in wide]

@@ -9,8 +9,11 @@ the portable form that device gets), then compiles each kernel once for the targ
 Triton's wheel (NVIDIA) or Triton's AMD backend (its LLVM and linker are in the wheel), and prints one JSON line
 per kernel; the tests run it in a subprocess without the interpreter. Per target it compiles:
 
-- a covering sample of each strategy's search space: every knob value the strategy uses occurs (`compile_sample`);
+- a covering sample of each strategy's search space (`compile_sample`): on sm_90 every knob value the strategy
+  uses occurs, tile sizes included; on the other targets every value of the knobs that change the code's form
+  (pass mode, stages, eviction hint, prefetch, recompute, pipelined split, PDL, fused reduction, ...);
 - every form the analytic default takes on that device;
+- per strategy a residual stream, and the rows strategy at sizes whose offsets need 64 bits;
 - the forward kernel;
 - on sm_90 also CASES below, whose compiled code the tests inspect (pipelining, spills, vector width).
 """
@@ -133,8 +136,9 @@ def _signature(kernel, args, kwargs):
 
 
 def _jobs(target: str, limits) -> list[tuple[str, object, object]]:
-    """(pick, problem, config) to compile for the target: CASES on sm_90, the covering sample, the defaults."""
-    from compile_sample import covering_sample, default_forms
+    """(pick, problem, config) to compile for the target: CASES on sm_90, the covering sample (every knob value
+    on sm_90, every code form elsewhere), the defaults' forms, the residual and 64-bit variants."""
+    from compile_sample import covering_sample, default_forms, variants
 
     from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
     from normtune.tuner.space import Space
@@ -158,11 +162,11 @@ def _jobs(target: str, limits) -> list[tuple[str, object, object]]:
                     prefetch=False, column_accumulators=False, block_row=2, block_col=4096, num_warps=8,
                     num_stages=3), config.kernel_2)
             jobs.append((pick, problem, config))
-    sample, unreached = covering_sample(limits)
+    sample, unreached = covering_sample(limits, features_only=target != "sm_90")
     print(json.dumps({"target": target, "pick": "unreached", "unreached": unreached}), flush=True)
     jobs += [(f"sample-{strategy}", problem, config) for strategy, problem, config in sample]
     jobs += [("default-form", problem, config) for problem, config in default_forms(limits)]
-    return jobs
+    return jobs + variants(limits)
 
 
 def main(targets: list[str]) -> None:
@@ -195,11 +199,12 @@ def main(targets: list[str]) -> None:
                 options = {k: v for k, v in kwargs.items() if k not in signature}
                 key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constants.items())),
                        repr(sorted(attrs.items())), repr(sorted(options.items())))
-                if key in compiled_keys and pick.startswith(("sample-", "default-form")):
+                if key in compiled_keys and pick.startswith(("sample-", "default-form", "residual-", "int64")):
                     continue  # the same kernel as an earlier config's
                 compiled_keys.add(key)
                 row = {"target": target, "case": f"{problem.key} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
                        "config": str(config), "error": None, "num_stages": k1.num_stages,
+                       "int64": constants.get("INT64"), "residual": constants.get("HAS_DRES"),
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
                                                               k1.two_pass, k1.prefetch, k1.num_warps)}
@@ -294,23 +299,34 @@ def _missing(target: str) -> str | None:
     return None if os.path.exists(codegen) else f"this Triton has no AMD backend ({codegen} is missing)"
 
 
+def _compile(target: str) -> tuple[str, str]:
+    """The JSON lines and stderr of one subprocess compiling for the target."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    result = subprocess.run([sys.executable, __file__, target], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{target}: {result.stderr[-3000:]}"
+    return result.stdout, result.stderr
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, list[dict]]:
-    """Each available target's JSON lines, from one subprocess compiling them all in turn."""
+    """Each available target's JSON lines, from one subprocess per target, two at a time (sm_90, the largest,
+    first)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     targets = [t for t in TARGETS if _missing(t) is None]
     if not targets:
         pytest.skip("this Triton can compile for none of the targets")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__)] + env.get("PYTHONPATH", "").split(os.pathsep))
-    result = subprocess.run([sys.executable, __file__, *targets], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    targets.sort(key=lambda t: t != "sm_90")
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        outputs = dict(zip(targets, pool.map(_compile, targets)))
     # The AMD backend's LLVM reports some errors (an inline-asm constraint it does not know, as PTX's) on stderr
     # and still returns a binary: none may appear.
-    reported = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    reported = [f"{t}: {line}" for t, (_, err) in outputs.items() for line in err.splitlines()
+                if "error" in line.lower()]
     assert not reported, "\n".join(reported[:20])
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    return {t: [r for r in lines if r["target"] == t] for t in targets}
+    return {t: [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            for t, (out, _) in outputs.items()}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -326,6 +342,11 @@ def test_every_strategy_and_default_compiles_for(target, compiled):
     assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
             "kernel_2"} <= {r["kernel"] for r in kernels}
     assert {r["pick"] for r in kernels} >= {"sample-rows", "sample-columns", "sample-dual", "default-form"}
+    # each strategy's kernel_1 with a residual stream, and the rows kernels (single and two-pass) on 64-bit offsets
+    residual = {r["kernel"] for r in kernels if r["residual"]}
+    assert {"kernel_1_single_pass", "kernel_1_columns", "kernel_1_dual"} <= residual, residual
+    int64 = {r["kernel"] for r in kernels if r["pick"] == "int64" and r["int64"]}
+    assert {"kernel_1_single_pass", "kernel_1_two_pass"} <= int64, int64
     failed = [r for r in kernels if r["error"]]
     assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
     for r in kernels:
