@@ -106,6 +106,23 @@ def full_store(tmp_path_factory):
     store.close()
 
 
+@pytest.fixture(scope="module")
+def full_report(full_store, tmp_path_factory):
+    """The full store's report, written once: (its paths, the figures saved as (name, figure), the figures drawn)."""
+    from matplotlib.figure import Figure
+
+    from normtune.tuner.report import plots
+
+    draws, figures = [], []
+    draw, save = Figure.draw, plots.Pictures.save
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "draw", lambda self, renderer: draws.append(self) or draw(self, renderer))
+        patch.setattr(plots.Pictures, "save", lambda self, fig, name: figures.append((name, fig)) or
+                      save(self, fig, name))
+        paths = write_report(full_store, "testgpu", tmp_path_factory.mktemp("report"))
+    return paths, figures, draws
+
+
 def assert_valid_pngs(paths: list[Path]) -> None:
     for path in paths:
         if path.suffix == ".png":
@@ -114,8 +131,9 @@ def assert_valid_pngs(paths: list[Path]) -> None:
             assert len(data) > 1024, f"{path.name} is only {len(data)} bytes"
 
 
-def test_report_writes_every_section_and_plot(full_store, tmp_path):
-    paths = write_report(full_store, "testgpu", tmp_path)
+def test_report_writes_every_section_and_plot(full_report):
+    paths = full_report[0]
+    tmp_path = paths[0].parent
     names = [p.name for p in paths]
     assert names[0] == "report.md"
     assert set(names) == {"report.md", "runs.csv", "kernels_layer_norm_bf16.png", "kernels_rms_norm_bf16.png",
@@ -175,6 +193,23 @@ def test_report_writes_every_section_and_plot(full_store, tmp_path):
     assert "bench run 3" in text and "(2900 GB/s)" in text
 
 
+def test_each_plot_is_drawn_once_and_holds_everything_it_draws(full_report):
+    """Saving draws a figure once (its constrained layout places everything inside it, so no second, measuring
+    draw is needed), and every artist it drew lies within the saved image: nothing is clipped at its edges."""
+    _, figures, draws = full_report
+    assert len(figures) == 10 and len(draws) == len(figures), [name for name, _ in figures]
+    assert_drawn_inside(figures)
+
+
+def assert_drawn_inside(figures) -> None:
+    """Every artist of each saved figure lies within the figure (the PNG is the figure at its own size)."""
+    for name, fig in figures:
+        extent = fig.get_tightbbox(fig.canvas.get_renderer())  # inches, as fig.bbox_inches
+        inside = fig.bbox_inches
+        assert (extent.x0 >= inside.x0 - 0.01 and extent.y0 >= inside.y0 - 0.01 and extent.x1 <= inside.x1 + 0.01
+                and extent.y1 <= inside.y1 + 0.01), (name, extent.bounds, inside.bounds)
+
+
 def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
     data = load_report_data(full_store, "testgpu")
     ln = [m for m in data.measurements if m.problem == LN]
@@ -184,10 +219,9 @@ def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
     assert heatmap_cells(ln, "k2_block_m", "k2_block_n") == {(64, 64): 9.37, (128, 16): 15.0}
 
 
-def test_report_is_deterministic(full_store, tmp_path):
-    write_report(full_store, "testgpu", tmp_path / "a")
-    write_report(full_store, "testgpu", tmp_path / "b")
-    assert (tmp_path / "a" / "report.md").read_text() == (tmp_path / "b" / "report.md").read_text()
+def test_report_is_deterministic(full_store, full_report, tmp_path):
+    write_report(full_store, "testgpu", tmp_path)
+    assert (tmp_path / "report.md").read_text() == full_report[0][0].read_text()
 
 
 def test_report_uses_the_given_table_and_heatmap_problem(full_store, tmp_path):
@@ -259,6 +293,7 @@ def test_report_from_the_committed_results_db(tmp_path, monkeypatch):
         for ax in fig.axes:
             if ax.get_label() != "<colorbar>":
                 assert len(ax.get_xticklabels()) <= plots.MAX_PER_AXIS, name
+    assert_drawn_inside(figures)
 
 
 def test_stacked_kernel_bars_never_exceed_the_total():

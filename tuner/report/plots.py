@@ -25,17 +25,21 @@ class Pictures:
 
     def save(self, fig, name: str) -> str:
         """Save `fig` as a PNG of at most 256 colours (a quarter of the bytes of full colour, alike to the eye:
-        the plots use a few flat colours), and return its Markdown line."""
-        import io
+        the plots use a few flat colours), and return its Markdown line.
 
+        The figure is drawn once, on an Agg canvas, and its pixels go to Pillow as they are. Every figure here has
+        a constrained layout, which keeps titles, tick labels and the legend inside the figure, so the image is the
+        figure at its own size. (`savefig` would draw it twice, once to lay it out and once to render it, and
+        encode a full-colour PNG only to decode it again.)"""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from PIL import Image  # matplotlib's own dependency
 
         path = self.out_dir / name
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-        buffer.seek(0)
-        with Image.open(buffer) as image:
-            image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+        fig.set_dpi(100)
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+        image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
         self.paths.append(path)
         return f"![{name.removesuffix('.png')}]({name})"
 
@@ -60,13 +64,22 @@ def _finite(v) -> bool:
     return v is not None and math.isfinite(v)
 
 
+def wrapped(text: str, inches: float, fontsize: float) -> str:
+    """`text` broken into lines that fit `inches` at `fontsize` points (a character taken as 0.62 em, wider than
+    the font's average), so that a title longer than its figure is not cut at the figure's edges."""
+    import textwrap
+
+    return textwrap.fill(text, max(20, int(inches * 72 / (0.62 * fontsize))), break_on_hyphens=False)
+
+
 def panels(count: int, widest: int, *, title: str):
     """A figure with `count` panels stacked vertically, wide enough for `widest` labels."""
     from matplotlib.figure import Figure  # lazy: only writing a report needs matplotlib
 
-    fig = Figure(figsize=(max(7.0, 0.5 * widest + 2.5), 3.6 * count + 0.6), layout="constrained")
+    width = max(7.0, 0.5 * widest + 2.5)
+    fig = Figure(figsize=(width, 3.6 * count + 0.6), layout="constrained")
     axes = fig.subplots(count, 1, squeeze=False)[:, 0]
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(wrapped(title, width, 11), fontsize=11)
     return fig, list(axes)
 
 
@@ -151,8 +164,8 @@ def faceted(groups: list[tuple[str, list]], draw: Callable, *, title: str):
     """One panel per (subtitle, items) group; `draw(ax, subtitle, items)` fills each. The panels share one
     legend, below them, so that none covers a bar."""
     fig, axes = panels(len(groups), max(len(items) for _, items in groups), title=title)
-    for ax, (subtitle, items) in zip(axes, groups):
-        draw(ax, subtitle, items)
+    for ax, (subtitle, items) in zip(axes, groups):  # a panel's title spans its axes, about 1 inch short of the figure
+        draw(ax, wrapped(subtitle, fig.get_figwidth() - 1.0, 9), items)
     handles: dict = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -170,7 +183,8 @@ def heatmap(cells: dict[tuple, float], x_param: str, y_param: str, *, title: str
 
     xs, ys = sorted({x for x, _ in cells}), sorted({y for _, y in cells})
     grid = numpy.ma.masked_invalid([[cells.get((x, y), math.nan) for x in xs] for y in ys])
-    fig = Figure(figsize=(max(5.0, 0.8 * len(xs) + 2.5), max(3.5, 0.5 * len(ys) + 2)), layout="constrained")
+    width = max(5.0, 0.8 * len(xs) + 2.5)
+    fig = Figure(figsize=(width, max(3.5, 0.5 * len(ys) + 2)), layout="constrained")
     ax = fig.subplots()
     from matplotlib.colors import LogNorm
 
@@ -186,7 +200,7 @@ def heatmap(cells: dict[tuple, float], x_param: str, y_param: str, *, title: str
     ax.set_yticks(range(len(ys)), [str(y) for y in ys])
     ax.set_xlabel(x_param.replace("_", ".", 1))
     ax.set_ylabel(y_param.replace("_", ".", 1))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(wrapped(title, width - 1.0, 10), fontsize=10)
     from matplotlib.ticker import FormatStrFormatter
 
     bar = fig.colorbar(image, ax=ax, label=f"best {unit}")
