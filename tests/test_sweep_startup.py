@@ -105,3 +105,17 @@ def test_the_first_trial_is_measured_before_the_trials_after_it_are_proposed(tmp
         sweeps = [driver.Sweep(opts, store, INFO)]
         sweeps[0].run()
     assert held_at_submit[0] == 1 and len(held_at_submit) == 4, held_at_submit
+
+
+def test_a_sweep_ends_its_measuring_process_without_waiting_for_its_teardown():
+    import signal
+
+    from normtune.kernels.config import Problem, default_config
+
+    problem = Problem("rms_norm", 8, 64, "fp32")
+    measurer = MeasuringProcess(0, True)
+    measurer.start()
+    proc = measurer._proc
+    assert measurer.measure(problem, default_config(problem), 120).status == "ok"
+    measurer.close()
+    assert proc.exitcode == -signal.SIGKILL and measurer._proc is None

@@ -38,6 +38,7 @@ from normtune.kernels.config import Problem
 
 from ..device import DeviceInfo, command_line
 from . import timeline
+from .compiling import stop_pool
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
@@ -148,8 +149,7 @@ class Sweep:
         finally:
             stop_hb.set()
             self._measurer.close()
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+            stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
             summary.remaining = self._remaining()
             summary.costs = self.costs.to_dict()

@@ -186,11 +186,13 @@ class MeasuringProcess:
         self._proc = self._conn = None
         self._ready = False
 
-    def close(self) -> None:
-        if self._proc is not None and self._proc.is_alive() and self._ready:  # one still starting is just killed
+    def close(self, wait_s: float = 0.0) -> None:
+        """End the process: asked to stop and given `wait_s` to exit, then killed. It holds nothing to save (the
+        driver releases a killed process's CUDA context), so a sweep does not wait for its teardown."""
+        if wait_s > 0 and self._proc is not None and self._proc.is_alive() and self._ready:
             try:
                 self._conn.send(("stop",))
-                self._proc.join(10)
+                self._proc.join(wait_s)
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
