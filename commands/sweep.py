@@ -69,7 +69,7 @@ def sweep(
     run_checked(use_interpreter, interpret)
     from normtune.tuner.sweep import timeline
 
-    timeline.origin()  # the processes started below count from this command's start
+    timeline.start_command()  # the processes started below count from this command's start
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")

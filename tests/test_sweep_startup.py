@@ -64,6 +64,7 @@ def test_marks_count_from_the_command_start_recorded_for_spawned_processes(monke
     timeline.mark("a", at=1001.0)
     timeline.mark("a", at=1003.0)  # only the first time counts
     assert timeline.marks() == {"a": 1.0, "b": 2.5}
+    assert timeline.start_command() != 1000.0  # a command counts from its own start, not an inherited one
 
 
 def test_the_first_trial_is_measured_before_the_trials_after_it_are_proposed(tmp_path, monkeypatch):
@@ -119,3 +120,66 @@ def test_a_sweep_ends_its_measuring_process_without_waiting_for_its_teardown():
     assert measurer.measure(problem, default_config(problem), 120).status == "ok"
     measurer.close()
     assert proc.exitcode == -signal.SIGKILL and measurer._proc is None
+
+
+def test_a_slow_compile_does_not_hold_up_the_compiled_trials_behind_it(tmp_path, monkeypatch):
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from normtune.kernels.config import BackwardConfig, Problem
+    from normtune.tuner.measure.harness import MeasureResult
+    from normtune.tuner.store.database import Store
+    from normtune.tuner.sweep import SweepOptions, driver
+
+    from test_sweep_costs import INFO
+
+    created: list[str] = []
+    measured: list[str] = []
+
+    class Pool:
+        """The first config's compile takes a while; the others are compiled at once."""
+
+        def submit(self, fn, problem, config_json, sms):
+            future = Future()
+            created.append(config_json)
+            if len(created) == 1:
+                threading.Timer(3.0, future.set_result, (("ok", 3.0, None),)).start()
+            else:
+                future.set_result(("ok", 0.1, None))
+            return future
+
+        def shutdown(self, wait=False, cancel_futures=True):
+            pass
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            self.phases = {}
+
+        def start(self):
+            pass
+
+        def submit(self, problem, config):
+            measured.append(config.to_json())
+            self.due = time.perf_counter() + 0.3  # busy a while, as a GPU measuring
+
+        def ready(self):
+            return time.perf_counter() >= self.due
+
+        def collect(self, timeout_s):
+            time.sleep(max(0.0, self.due - time.perf_counter()))
+            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=4,
+                        sampler="random", interpret=True, compile_workers=0)
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        driver.Sweep(opts, store, INFO, helpers=(Recorder(), Pool())).run()
+    assert sorted(measured) == sorted(created) and len(measured) == 4
+    assert measured[0] != created[0] and measured[-1] == created[0], (created, measured)
+    assert all(BackwardConfig.from_json(c) for c in measured)

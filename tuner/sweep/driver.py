@@ -31,6 +31,8 @@ import threading
 import time
 import warnings
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -276,7 +278,7 @@ class Sweep:
                 if inflight is not None:
                     collected, inflight = (inflight, self.pending.collect(inflight, summary)), None
                     stopping = self._stopping(t0)
-                nxt = None if stopping else next((x for x in queue if isinstance(x, Pending)), None)
+                nxt = None if stopping else self._next_to_send(queue, summary)
                 if nxt is not None:
                     queue.remove(nxt)
                     at_once = self.pending.send(nxt, summary)
@@ -313,10 +315,26 @@ class Sweep:
             feed.close()
 
     @staticmethod
-    def _sendable(queue: deque) -> bool:
-        """True when the first trial of `queue` is ready to measure (compiled, or nothing to compile ahead)."""
-        first = next((x for x in queue if isinstance(x, Pending)), None)
-        return first is not None and (first.compiled is None or first.compiled.done())
+    def _compiled(item) -> bool:
+        return isinstance(item, Pending) and (item.compiled is None or item.compiled.done())
+
+    def _sendable(self, queue: deque) -> bool:
+        """True when a trial of `queue` is ready to measure (compiled, or nothing to compile ahead)."""
+        return any(self._compiled(x) for x in queue)
+
+    def _next_to_send(self, queue: deque, summary: SweepSummary) -> Pending | None:
+        """The first trial of `queue` whose compile is done, so that a slow compile does not hold up the trials
+        behind it; where none is done yet, the first one done within a short wait (else the first in line, which
+        `PendingTrials.send` waits for)."""
+        pending = [x for x in queue if isinstance(x, Pending)]
+        ready = next((x for x in pending if self._compiled(x)), None)
+        if ready is not None or not pending:
+            return ready
+        t = time.perf_counter()
+        wait_futures([x.compiled for x in pending], timeout=1.0, return_when=FIRST_COMPLETED)
+        summary.compile_wait_s += time.perf_counter() - t
+        self.costs.add("compile_wait", time.perf_counter() - t)
+        return next((x for x in pending if self._compiled(x)), pending[0])
 
     def _summarize_ready(self, queue: deque, inflight, collected) -> None:
         """Summarize the problems whose round ended (a marker in `queue`) once the trials before it are stored."""

@@ -45,6 +45,13 @@ def origin() -> float:
     return start
 
 
+def start_command() -> float:
+    """Record this process's start as the command's (whatever an earlier process recorded): the `normtune sweep`
+    command calls it first, so that the processes it spawns count from it."""
+    os.environ.pop(ENV, None)
+    return origin()
+
+
 def mark(name: str, at: float | None = None) -> None:
     """Record that step `name` happened now (or at the Unix time `at`); only its first time counts."""
     with _lock:
