@@ -7,6 +7,7 @@ Expected figures are worked out by hand in the comments beside the values that p
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -293,7 +294,26 @@ def test_report_from_the_committed_results_db(tmp_path, monkeypatch):
         for ax in fig.axes:
             if ax.get_label() != "<colorbar>":
                 assert len(ax.get_xticklabels()) <= plots.MAX_PER_AXIS, name
+            low, high = sorted(ax.get_ylim())
+            assert len([t for t in ax.get_yticks() if low <= t <= high]) <= 25, name
     assert_drawn_inside(figures)
+    assert_tables_labelled(text, "NVIDIA H100 80GB HBM3")
+    # The summary's best-vs-default figures name each family apart (the plain and the fused residual form).
+    gains = next(line for line in head.splitlines() if line.startswith("- **Best measured config vs the analytic"))
+    names = [part.rsplit(" ", 2)[0] for part in gains.split("geometric mean (problems): ")[1].rstrip(".").split("; ")]
+    assert "layer_norm bf16 + residual add" in names and len(set(names)) == len(names), gains
+
+
+def assert_tables_labelled(text: str, gpu: str) -> None:
+    """Each Markdown table has, in the heading or paragraph above it, the GPU's name and a dtype."""
+    lines, context = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith("|") and not lines[i - 1].startswith("|"):
+            above = [x for x in lines[:i] if x.strip()][-2:]  # the heading and the sentence below it, or one
+            label = " ".join(above)
+            assert gpu in label and re.search(r"\b(bf16|fp16|fp32)\b|each row names its dtype", label), (i, above)
+            context.append(i)
+    assert context, "no table in the report"
 
 
 def test_stacked_kernel_bars_never_exceed_the_total():

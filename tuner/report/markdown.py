@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.problem import ProblemFamily
 from normtune.kernels.tables import TableError, parse_table
 
 from ..measure.bench import OURS, summary
@@ -78,11 +79,14 @@ def summary_section(data: ReportData, summaries: list[ProblemSummary], bench: Be
     else:
         lines.append("- normtune vs the peers: no bench run with peers for this GPU.")
     gains = []
-    for family in dict.fromkeys(s.problem.family for s in summaries):
+    families = list(dict.fromkeys(s.problem.family for s in summaries))
+    short = {f: f"{f.norm} {f.dtype}" + (" + residual add" if getattr(f, "residual", False) else "") for f in families}
+    for family in families:
         mine = [s.default_us / s.best.median_us for s in summaries
                 if s.problem.family == family and s.default_us and s.best]
-        if mine:
-            gains.append(f"{family.norm} {family.dtype} {geomean(mine):.3f}× ({len(mine)})")
+        if mine:  # the short name where it tells the family apart from the others, else the full title
+            name = short[family] if list(short.values()).count(short[family]) == 1 else family_title(family)
+            gains.append(f"{name} {geomean(mine):.3f}× ({len(mine)})")
     if gains:
         lines.append(f"- **Best measured config vs the analytic default** (what runs without a table), {gpu}, "
                      f"geometric mean (problems): {'; '.join(gains)}.")
@@ -263,7 +267,8 @@ def rules_section(store, data: ReportData, table_path: str | None) -> list[str]:
         lines += [f"Note: this table was tuned for `{table['gpu']['key']}`, not `{data.gpu_key}`.", ""]
     for family, fam in sorted(table["families"].items()):
         threshold = fam.get("single_pass_max_n", single_pass_threshold(fam["rules"]))
-        lines += [f"### {family}", "", "Learned single-pass threshold: "
+        lines += [f"### {family_title(ProblemFamily.from_key(family))} — {table['gpu']['name']}", "",
+                  f"`{family}`. Learned single-pass threshold: "
                   + (f"single pass up to N = {threshold}." if threshold else "no rule runs single pass."), ""]
         lines += markdown_table(["N ≤", "M ≤", "config", "fitted on"],
                                 [[str(r["n_max"] or "∞"), str(r["m_max"] or "∞"),
