@@ -67,7 +67,8 @@ def _form(knob: str, value, features_only: bool):
 
 
 def _pairs(config: BackwardConfig, knobs, features_only: bool = False) -> set:
-    return {(k, _form(k, getattr(getattr(config, FIELDS[k][0]), FIELDS[k][1]), features_only)) for k in knobs}
+    knob = config.to_dict()
+    return {(k, _form(k, knob[FIELDS[k][0]][FIELDS[k][1]], features_only)) for k in knobs}
 
 
 def applicable(space: Space, strategy: str, base: dict) -> set[str]:
