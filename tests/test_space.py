@@ -179,7 +179,7 @@ def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
 
 
 def test_size_and_raw_size():
-    s = space("layer_norm", 3, 1, 4)
+    s = space("rms_norm", 1, 1, 2)  # the smallest of SMALL: size() walks it once more
     d = s.domains()
     assert s.raw_size() == math.prod(len(v) for v in d.values())
     assert 0 < s.size() < s.raw_size()
