@@ -308,18 +308,33 @@ def _compile(target: str) -> tuple[str, str]:
     return result.stdout, result.stderr
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, list[dict]]:
-    """Each available target's JSON lines, from one subprocess per target, two at a time (sm_90, the largest,
-    first)."""
+def _compile_all() -> dict[str, tuple[str, str]]:
+    """Each available target's (stdout, stderr), from one subprocess per target, two at a time (sm_90, the
+    largest, first)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    targets = [t for t in TARGETS if _missing(t) is None]
-    if not targets:
-        pytest.skip("this Triton can compile for none of the targets")
-    targets.sort(key=lambda t: t != "sm_90")
+    targets = sorted((t for t in TARGETS if _missing(t) is None), key=lambda t: t != "sm_90")
     with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        outputs = dict(zip(targets, pool.map(_compile, targets)))
+        return dict(zip(targets, pool.map(_compile, targets)))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, list[dict]]:
+    """Each available target's JSON lines. Under pytest-xdist the first worker to get here compiles and the others
+    read its outputs (a lock and a file in the session's shared temporary folder), so that a module split
+    between workers still compiles once."""
+    if not any(_missing(t) is None for t in TARGETS):
+        pytest.skip("this Triton can compile for none of the targets")
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        outputs = _compile_all()
+    else:
+        from filelock import FileLock  # a dependency of torch
+
+        shared = tmp_path_factory.getbasetemp().parent / "compiled-targets.json"
+        with FileLock(f"{shared}.lock"):
+            if not shared.exists():
+                shared.write_text(json.dumps(_compile_all()))
+            outputs = {t: tuple(v) for t, v in json.loads(shared.read_text()).items()}
     # The AMD backend's LLVM reports some errors (an inline-asm constraint it does not know, as PTX's) on stderr
     # and still returns a binary: none may appear.
     reported = [f"{t}: {line}" for t, (_, err) in outputs.items() for line in err.splitlines()
