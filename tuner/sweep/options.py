@@ -60,7 +60,7 @@ class SweepOptions:
     workers: int = 1
     interpret: bool = False
     compile_workers: int = 8
-    lookahead: int = 10  # trials proposed (and compiling) ahead of the one measuring
+    lookahead: int = 6  # trials proposed (and compiling) ahead of the one measuring
     trial_timeout_s: float = 180.0
     seed: int = 0
     timing: Timing = TIMING["sweep"]  # repetitions per trial on a GPU (the interpreter uses TIMING["interpret"])
