@@ -183,3 +183,46 @@ def test_a_slow_compile_does_not_hold_up_the_compiled_trials_behind_it(tmp_path,
     assert sorted(measured) == sorted(created) and len(measured) == 4
     assert measured[0] != created[0] and measured[-1] == created[0], (created, measured)
     assert all(BackwardConfig.from_json(c) for c in measured)
+
+
+def test_a_second_sweep_in_one_process_records_its_own_steps(tmp_path, monkeypatch):
+    import time
+
+    from normtune.kernels.config import Problem
+    from normtune.tuner.measure.harness import MeasureResult
+    from normtune.tuner.store.database import Store
+    from normtune.tuner.sweep import SweepOptions, driver
+
+    from test_sweep_costs import INFO
+
+    class Instant:
+        def __init__(self, *args, **kwargs):
+            self.phases = {}
+
+        def start(self):
+            pass
+
+        def submit(self, problem, config):
+            pass
+
+        def ready(self):
+            return True
+
+        def collect(self, timeout_s):
+            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(driver, "MeasuringProcess", Instant)
+    steps = []
+    for name in ("a", "b"):
+        opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=2,
+                            sampler="random", interpret=True, compile_workers=0)
+        with Store(f"sqlite:///{tmp_path / name}.db") as store:
+            steps.append(driver.Sweep(opts, store, INFO).run().costs["timeline"])
+        time.sleep(0.2)
+    assert steps[1]["first_sent"] > steps[0]["first_stored"], steps

@@ -81,6 +81,13 @@ class Costs:
                     "timeline": timeline.marks()}
 
 
+def _step_order(item: tuple[str, float]) -> tuple:
+    """Steps by when they happened; steps at the same moment in their usual order."""
+    name, at = item
+    order = list(STEPS)
+    return at, order.index(name) if name in order else len(order), name
+
+
 def line(costs: dict) -> str:
     """One line: the wall, the start-up, the measuring (and its share of the wall after start-up), what the worker
     did meanwhile, and the time the measuring process sat idle after start-up."""
@@ -98,5 +105,5 @@ def line(costs: dict) -> str:
     steps = costs.get("timeline") or {}
     if steps:
         parts.append("since the command started: " + ", ".join(
-            f"{STEPS.get(k, k)} {v:.1f}" for k, v in sorted(steps.items(), key=lambda kv: kv[1])))
+            f"{STEPS.get(k, k)} {v:.1f}" for k, v in sorted(steps.items(), key=_step_order)))
     return "; ".join(parts)

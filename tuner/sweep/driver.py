@@ -57,6 +57,9 @@ class _ProblemEnd:
     ps: ProblemSummary
 
 
+RUN_STEPS = ("first_study", "first_sent", "first_result", "first_stored")
+HELPER_STEPS = ("measurer_spawned", "measurer_ready")
+
 _IDLE = object()  # in the feed: only slots held by other workers are left for now
 
 
@@ -131,6 +134,8 @@ class Sweep:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
+        # Steps of this run (and of its helpers, unless started ahead of it) are recorded afresh.
+        timeline.forget(RUN_STEPS + (() if self._helpers else HELPER_STEPS))
         measurer, pool = self._helpers or start_helpers(opts.device, opts.interpret, opts.compile_workers,
                                                         timing=opts.timing, l2_bytes=self.info.l2_bytes,
                                                         measurer_class=MeasuringProcess)

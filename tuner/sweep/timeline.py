@@ -59,6 +59,13 @@ def mark(name: str, at: float | None = None) -> None:
             _marks[name] = time.time() if at is None else at
 
 
+def forget(names) -> None:
+    """Drop the marks `names`: a sweep run in a process that ran one before records its own steps again."""
+    with _lock:
+        for name in names:
+            _marks.pop(name, None)
+
+
 def marks() -> dict[str, float]:
     """The steps reached so far, in seconds since the command started, in the order they happened."""
     start = origin()
