@@ -77,7 +77,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     never imported cannot have been raised, and importing the store (and with it torch) just to name its error
     would cost a command that failed on its options seconds."""
     errors: list[type[BaseException]] = [CLIError, ValueError, OSError]
-    for module, name in (("normtune.tuner.store.models", "StoreError"), ("normtune.tuner.device", "NoGPUError")):
+    for module, name in (("normtune.tuner.store.models", "StoreError"), ("normtune.tuner.gpu_info", "NoGPUError")):
         found = getattr(sys.modules.get(module), name, None)
         if found is not None:
             errors.append(found)
@@ -161,7 +161,7 @@ def parse_list(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
 
 
 def device_info(gpu: str, interpret: bool, device: int = 0):
-    from normtune.tuner.device import check_gpu_key, detect
+    from normtune.tuner.gpu_info import check_gpu_key, detect
 
     info = detect(device, interpret=interpret)
     check_gpu_key(gpu, info)

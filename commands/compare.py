@@ -54,7 +54,7 @@ def compare(
     problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
     problems = run_checked(with_residual, problems, residual, residual_dtype)
     if dry_run:  # no GPU needed: the configs as they run on the GPU NEW was tuned on
-        from normtune.tuner.device import stored_limits
+        from normtune.tuner.gpu_info import stored_limits
 
         t = tables[1]
         limits = stored_limits(t.gpu_key, t.gpu_name, t.compute_capability, t.sm_count, t.interpret or interpret)

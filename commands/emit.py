@@ -112,7 +112,7 @@ def emit(
     from rich.console import Console
 
     from normtune.tuner.tables import emit as E
-    from normtune.tuner.device import command_line
+    from normtune.tuner.gpu_info import command_line
     from normtune.tuner.tables.emit_notes import dropped_summary, kept_summary
     from normtune.tuner.tables.remeasure import remeasure_neighbours
     from normtune.tuner.store.database import Store

@@ -88,7 +88,7 @@ def validate(
     from rich.console import Console
 
     from normtune.tuner.tables import validate as V
-    from normtune.tuner.device import command_line
+    from normtune.tuner.gpu_info import command_line
     from normtune.tuner.render import validation_summary, validation_table
     from normtune.tuner.store.database import Store
 

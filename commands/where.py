@@ -47,7 +47,7 @@ def _device(gpu: str, device: int):
 
     name = gpu.strip()
     if name.lower() == "auto":
-        from normtune.tuner.device import NoGPUError
+        from normtune.tuner.gpu_info import NoGPUError
 
         try:
             info = device_info("auto", False, device)

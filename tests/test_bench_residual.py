@@ -15,7 +15,7 @@ from normtune.cli import app
 from normtune.kernels.device import interpret_mode
 from normtune.tuner.measure import bench_residual as R
 from normtune.tuner.measure import peers_residual as P
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession
 from normtune.tuner.measure.peers import PEERS, LigerCuteDSL, PeerUnavailable, liger_backend_call, parse_peers
 

@@ -502,7 +502,7 @@ def test_shape_errors(spec, match):
 def test_command_line_has_no_machine_paths(tmp_path, monkeypatch):
     import os
 
-    from normtune.tuner.device import command_line
+    from normtune.tuner.gpu_info import command_line
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", "/home/someone")

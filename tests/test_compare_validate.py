@@ -240,7 +240,7 @@ def test_an_interrupted_reference_sweep_stops_validate_without_a_report(tmp_path
 def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
     from normtune.kernels.config import Problem
     from normtune.tuner.tables import validate as V
-    from normtune.tuner.device import detect
+    from normtune.tuner.gpu_info import detect
 
     def row(M, measured):
         return V.ValidationRow(Problem("rms_norm", M, 96, "bf16"), {"table": GOOD, "reference": GOOD, "default": GOOD},

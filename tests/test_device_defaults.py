@@ -17,7 +17,7 @@ from normtune.kernels import device as kernel_device
 from normtune.kernels import limits as L
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.kernels.tables import parse_table
-from normtune.tuner import device as D
+from normtune.tuner import gpu_info as D
 from normtune.tuner.measure import bench as B
 from normtune.tuner.measure import harness as measure
 from normtune.tuner.measure.harness import MeasureResult

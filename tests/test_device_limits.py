@@ -206,7 +206,7 @@ def test_explain_says_which_features_fall_back(monkeypatch, tmp_path):
 
 
 def test_gpu_keys_name_the_gpu_found():
-    from normtune.tuner.device import gpu_key
+    from normtune.tuner.gpu_info import gpu_key
 
     names = {"NVIDIA A100-SXM4-80GB": "a100", "NVIDIA B200": "b200", "AMD Instinct MI300X": "mi300x",
              "AMD Instinct MI355X": "mi355x", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200",

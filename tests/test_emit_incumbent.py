@@ -13,7 +13,7 @@ from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
 from normtune.kernels.tables import parse_table
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.tables.remeasure import neighbour_plan
 from normtune.tuner.measure.spread import Timing

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.measure.spread import Timing
 from normtune.tuner.store.database import Store

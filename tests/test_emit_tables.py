@@ -30,7 +30,7 @@ from normtune.kernels.select import clear_caches, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
 from normtune.kernels.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
 from normtune.tuner.tables import emit, fit
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.measure.spread import Timing
 from normtune.tuner.store.database import Store

@@ -15,7 +15,7 @@ from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
 from normtune.kernels.table_chain import HOME_VAR
 from normtune.kernels.tables import read_table
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
 

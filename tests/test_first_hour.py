@@ -74,7 +74,7 @@ def test_compare_help_shows_one_default_per_option():
 
 def _interpreter_bench_report():
     from normtune.tuner.measure.bench import OURS, BenchReport
-    from normtune.tuner.device import detect
+    from normtune.tuner.gpu_info import detect
 
     provenance = {"device": detect(interpret=True).to_dict(), "peers": {"liger_kernel": None, "quack": None},
                   "tools": {"optuna": "4.1", "sqlalchemy": "2.0"}, "copy_bandwidth_gbps": None, "cold_l2": False,
@@ -97,7 +97,7 @@ def test_interpreter_bench_output_never_says_gpu_time_and_lists_no_tools_as_peer
     assert "GPU time" not in body and "interpreter wall-clock" in body
     peers_line = next(line for line in markdown.splitlines() if "peers:" in line)
     assert "optuna" not in peers_line.split("; tuner:")[0] and "peers: none installed" in peers_line
-    from normtune.tuner.device import peer_versions
+    from normtune.tuner.gpu_info import peer_versions
 
     assert set(peer_versions()) == {"liger_kernel", "quack"}
 
@@ -138,7 +138,7 @@ def test_the_pandas_snippet_keeps_one_best_row_per_problem_and_dtype(tmp_path):
     pd = pytest.importorskip("pandas")
     from test_report import config, ok
 
-    from normtune.tuner.device import DeviceInfo
+    from normtune.tuner.gpu_info import DeviceInfo
 
     gpu = dataclasses.replace(INTERPRETER, key="h100", name="NVIDIA H100", interpret=False)
     assert isinstance(gpu, DeviceInfo)

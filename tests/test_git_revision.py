@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from normtune.tuner import device
+from normtune.tuner import gpu_info
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -38,22 +38,22 @@ def test_the_revision_is_read_while_another_git_command_holds_the_index_lock(rep
         return real_run(args, *more, **kwargs)
 
     head = _git(repo, "rev-parse", "HEAD").strip()
-    monkeypatch.setattr(device.subprocess, "run", recording_run)
+    monkeypatch.setattr(gpu_info.subprocess, "run", recording_run)
     monkeypatch.delenv("NORMTUNE_GIT_REVISION", raising=False)
-    device.git_revision.__wrapped__()  # this checkout's, as a sweep or bench records it
+    gpu_info.git_revision.__wrapped__()  # this checkout's, as a sweep or bench records it
     assert calls and all(args[1] != "status" for args, _ in calls), calls
     lock = repo / ".git" / "index.lock"
     lock.write_text("held by the user's git commit")
     (repo / "a.py").write_text("x = 2\n")  # a change whose stat info differs from the index's
-    assert device.read_revision(str(repo)) == f"{head}-dirty"
+    assert gpu_info.read_revision(str(repo)) == f"{head}-dirty"
     assert lock.read_text() == "held by the user's git commit"  # not taken over, not removed
     lock.unlink()
     (repo / "a.py").write_text("x = 1\n")
-    assert device.read_revision(str(repo)) == head
+    assert gpu_info.read_revision(str(repo)) == head
     assert not lock.exists()
     assert calls and all(args[0] == "git" and args[1] != "status" for args, _ in calls), calls
     assert all(optional_locks == "0" for _, optional_locks in calls), calls
 
 
 def test_outside_git_there_is_no_revision(tmp_path):
-    assert device.read_revision(str(tmp_path)) is None
+    assert gpu_info.read_revision(str(tmp_path)) is None

@@ -65,7 +65,7 @@ def test_a_note_already_on_the_row_is_kept():
 @pytest.mark.skipif(not interpret_mode(), reason="runs the kernels in the interpreter: set TRITON_INTERPRET=1")
 def test_the_bench_host_times_every_implementation_of_a_case_together(monkeypatch):
     from normtune.tuner.measure import bench as B
-    from normtune.tuner.device import detect
+    from normtune.tuner.gpu_info import detect
 
     batches = []
     real = B.measure_rounds

@@ -26,7 +26,7 @@ from normtune.kernels.device import sm_count
 from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.tuner.measure import bench_output
 from normtune.tuner.measure.bench import OURS, BenchReport, summary
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
                                     floor_bytes, floor_us, flush_size, gate, make_case, measure_config, percentile)
 

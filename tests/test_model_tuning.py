@@ -21,7 +21,7 @@ from normtune.kernels.device import interpret_mode
 from normtune.kernels.select import clear_caches, explain, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, choose_table, user_dir
 from normtune.kernels.tables import TableError, load_table, parse_table
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.model_shapes import model_shapes, parse_tokens
 from normtune.tuner.store.database import Store

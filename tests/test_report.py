@@ -14,7 +14,7 @@ import pytest
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
 from normtune.tuner.tables import emit
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.report import heatmap_cells, load_report_data, write_report
 from normtune.tuner.store.database import Store

@@ -15,7 +15,7 @@ from normtune.tuner.measure.cases import gate, make_case
 from normtune.tuner.measure.harness import MeasureResult, measure_config
 from normtune.tuner.measure.results import floor_bytes, forward_floor_bytes
 from normtune.tuner.store.database import Store
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 
 RES = Problem("rms_norm", 4096, 4096, "bf16", residual=True)
 RES32 = Problem("layer_norm", 4096, 4096, "bf16", residual=True, residual_dtype="fp32")

@@ -24,7 +24,7 @@ from pg_support import fresh_database
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
 from normtune.tuner.store import database as store_module
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import STATUSES, MeasureResult
 from normtune.tuner.store.database import (CONFIG_COLUMNS, SCHEMA_VERSION, MeasurementModel, MetaModel, SchemaVersionError,
                                   Store, StoreError, StoreIntegrityError)

@@ -17,7 +17,7 @@ from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, Problem
 from normtune.kernels.strategies import STRATEGIES, Knob
 from normtune.kernels.strategies.dual import Dual
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import MeasureResult
 from normtune.tuner.space import Space
 from normtune.tuner.store.database import Store

@@ -29,7 +29,7 @@ from sweep_support import check_studies
 
 from normtune.kernels.config import Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, study_name

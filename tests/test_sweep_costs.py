@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, costs_line, driver, study_name

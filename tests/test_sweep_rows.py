@@ -74,7 +74,7 @@ def test_a_trial_and_what_its_creation_writes_after_it_are_one_transaction(store
 
 
 def test_a_measurement_and_what_is_written_with_it_are_one_transaction(store):
-    from normtune.tuner.device import detect
+    from normtune.tuner.gpu_info import detect
 
     problem = Problem("rms_norm", 8, 64, "bf16")
     run_id = store.start_run(detect(interpret=True), kind="sweep", command_line="normtune sweep")

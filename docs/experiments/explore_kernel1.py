@@ -16,7 +16,7 @@ import time
 import torch
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.shapes import SEED, parse_shapes
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from normtune.kernels.heuristics import num_groups
 from normtune.kernels.select import select_config
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.measure.views import kernel_sum
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from normtune.kernels.config import Problem
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.shapes import SEED
 from normtune.tuner.store.database import Store

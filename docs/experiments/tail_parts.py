@@ -25,7 +25,7 @@ import triton.language as tl
 
 from normtune.kernels.backward.common import arrive_and_wait, arrive_and_wait_in_loop, leave_and_reset
 from normtune.kernels.backward.reduce import kernel_2, reduce_columns
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.measure.views import kernel_sum
 

@@ -16,7 +16,7 @@ import torch
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.select import select_config
-from normtune.tuner.device import detect
+from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import L2Flusher, MeasureSession, Timing, time_kernels
 
 Variants = Callable[[Problem, str], "dict[str, BackwardConfig]"]

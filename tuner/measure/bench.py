@@ -31,7 +31,7 @@ from normtune.kernels.limits import DeviceLimits
 from normtune.kernels.select import select_config
 
 from .cases import relative_error
-from ..device import DeviceInfo, measured_limits, peer_versions, tool_versions
+from ..gpu_info import DeviceInfo, measured_limits, peer_versions, tool_versions
 from .host_rounds import HostCall, measure_rounds
 from .harness import TIMING, MeasureSession, Timing
 from .peers import NormtuneAPI, PeerUnavailable, make_peer
@@ -316,7 +316,7 @@ def to_json(report: BenchReport) -> str:
 def store_report(store, report: BenchReport, info: DeviceInfo) -> int:
     """Record a bench run: normtune's rows as measurements (source "bench-<config source>"), peers as peer
     results. The run row spans the bench: it starts when the bench began and ends once its rows are stored."""
-    from ..device import command_line
+    from ..gpu_info import command_line
     from .results import MeasureResult
 
     run_id = store.start_run(info, kind="bench", command_line=command_line(),

@@ -24,7 +24,7 @@ import torch
 from normtune.kernels.config import BackwardConfig, Problem
 
 from .cases import GATE_TOLERANCE, relative_error
-from ..device import DeviceInfo, peer_versions
+from ..gpu_info import DeviceInfo, peer_versions
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_residual import RESIDUAL_PEERS, Normtune, make_inputs, reference

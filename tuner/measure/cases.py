@@ -20,7 +20,7 @@ from normtune.kernels import forward as kforward
 from normtune.kernels import reference
 from normtune.kernels.config import BackwardConfig, Problem
 
-from ..device import TORCH_DTYPES
+from ..gpu_info import TORCH_DTYPES
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed against the fp32 reference. Both sides round to the output dtype,
 # so a right kernel differs by about one rounding of that dtype (bf16: 2^-8), a wrong one by O(1).

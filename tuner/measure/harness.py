@@ -311,7 +311,7 @@ class MeasureSession:
 
     @classmethod
     def for_device(cls, info, device_index: int | None = None, **kwargs) -> "MeasureSession":
-        """The session for a `tuner.device.DeviceInfo` (its L2 size; the CPU for the interpreter)."""
+        """The session for a `tuner.gpu_info.DeviceInfo` (its L2 size; the CPU for the interpreter)."""
         if info.interpret:
             return cls("cpu", **kwargs)
         device = torch.device("cuda", device_index) if device_index is not None else torch.device("cuda")

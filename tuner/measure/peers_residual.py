@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from normtune.kernels.config import Problem
 
 from .cases import EPS
-from ..device import TORCH_DTYPES
+from ..gpu_info import TORCH_DTYPES
 from .peers import PeerUnavailable, liger_backend_call, liger_functional
 
 

@@ -20,7 +20,7 @@ from normtune.kernels.strategies import partial_rows
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
 
-from ..device import run_limits
+from ..gpu_info import run_limits
 from ..measure.bench import OURS
 from ..measure.harness import bytes_moved, floor_bytes
 from ..space import Space

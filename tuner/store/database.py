@@ -32,7 +32,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from normtune.kernels.config import BackwardConfig, Problem
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
 from . import schema, sqlite_files

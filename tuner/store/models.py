@@ -19,7 +19,7 @@ from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, 
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily
-from normtune.tuner.device import DeviceInfo
+from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
 # The layout of the tables. The kernels' knobs are not part of it: their columns are generated from the configs

@@ -56,7 +56,7 @@ def _worker_main(opts_dict: dict, url: str, parent_pid: int, compile_ends: tuple
 
         pool = RemoteCompilePool(compile_ends, opts_dict["device"])
     helpers = (measurer, pool)
-    from ..device import detect
+    from ..gpu_info import detect
     from ..store.database import Store
     from .driver import Sweep
 

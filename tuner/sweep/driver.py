@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 
 from normtune.kernels.config import Problem
 
-from ..device import DeviceInfo, command_line
+from ..gpu_info import DeviceInfo, command_line
 from . import timeline
 from .compiling import stop_pool
 from .costs import Costs

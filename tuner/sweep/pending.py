@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from ..device import DeviceInfo
+from ..gpu_info import DeviceInfo
 from ..measure.harness import MeasureResult
 from .compiling import compile_one, wait_compiled
 from . import timeline

@@ -72,7 +72,7 @@ def snapshot(store, prefix: str = "normtune:", targets: dict[str, int] | None = 
 
 
 def _default_us(store, study, runs) -> float | None:
-    from ..device import run_limits
+    from ..gpu_info import run_limits
     from ..space import Space
 
     run = runs.get(study.best_run_id)

@@ -85,7 +85,7 @@ def compare_tables(old, new, problems: list[Problem], session: MeasureSession, *
                    progress: Callable[[int, Comparison], None] | None = None) -> list[Comparison]:
     """One `Comparison` per problem, each table's config as the runtime would run it on the session's GPU; shapes
     where both tables pick the same config are not timed."""
-    from ..device import measured_limits
+    from ..gpu_info import measured_limits
 
     limits = measured_limits(session.device)
     out = []

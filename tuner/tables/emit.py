@@ -25,7 +25,7 @@ from pathlib import Path
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
 
-from ..device import run_limits
+from ..gpu_info import run_limits
 from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold
 from .heldout import HELDOUT_SHAPES
 from .incumbent import configs_for, record as record_incumbent

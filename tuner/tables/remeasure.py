@@ -65,7 +65,7 @@ def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Se
     """Measure each family's neighbour plan (see `neighbour_plan`; with the `incumbent` table's configs) in a new
     "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind its floors.
     Returns (run id, pairs measured)."""
-    from ..device import measured_limits
+    from ..gpu_info import measured_limits
     from ..measure.harness import TIMING, MeasureSession
 
     families = collect(select_inputs(store, gpu_key, interpret=info.interpret, selection=selection))

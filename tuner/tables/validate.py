@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from .compare import ROUNDS, config_for, head_to_head
-from ..device import DeviceInfo, measured_limits
-from ..device import command_line as device_command_line
+from ..gpu_info import DeviceInfo, measured_limits
+from ..gpu_info import command_line as device_command_line
 from ..render import geomean
 from ..measure.spread import Ratio, Timing, slower_beyond_spread
 

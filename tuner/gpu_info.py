@@ -1,4 +1,5 @@
-"""The device being measured: its name, key (h100, h200, …), properties and software versions (provenance)."""
+"""The GPU being measured and the machine around it: its name, key (h100, h200, …), properties, limits and the
+software versions and command line a run records (provenance)."""
 
 from __future__ import annotations
 
