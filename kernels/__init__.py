@@ -29,6 +29,7 @@ if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
         Kernel2Config,
         Problem,
         ProblemFamily,
+        kernel_1_config,
     )
     from .strategies import default_config
     from .functional import layer_norm, rms_norm
@@ -41,5 +42,5 @@ __all__ = [
     "BackwardConfig", "ConfigError", "FusedAddLayerNorm", "FusedAddRMSNorm", "Kernel1Config", "Kernel2Config",
     "LayerNorm", "PatchReport", "Problem",
     "ProblemFamily", "RMSNorm", "default_config", "layer_norm", "layer_norm_backward", "layer_norm_forward", "patch",
-    "rms_norm", "rms_norm_backward", "rms_norm_forward", "select_config",
+    "kernel_1_config", "rms_norm", "rms_norm_backward", "rms_norm_forward", "select_config",
 ]

@@ -5,9 +5,7 @@ the problem, or say why none carries over; `tables.Table.match` applies them.
 
 from __future__ import annotations
 
-import dataclasses
-
-from .config import ITEMSIZE, ROW_SPLITS, BackwardConfig, Problem
+from .config import ITEMSIZE, BackwardConfig, Problem
 from .heuristics import wide_fp32_rows
 from .strategies import default_config
 
@@ -44,25 +42,13 @@ def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tup
       carried in 8 slices of 4 x 2048 on every shape timed (H200, 512-16384 rows of 9216-16384 columns: 1.01-1.24x,
       within the spread at 512 and 1024 x 16384; docs/experiments/fp32_wide_rows.py).
     """
-    k1 = config.kernel_1
     dtype = problem.dtype
     factor = ITEMSIZE[dtype] // ITEMSIZE[stand_in]
     if factor == 1:
         return config, ""
     if wide_fp32_rows(problem):
         return None, f"{dtype} rows of 8193-16384 columns from 512 rows split in the analytic default's slices"
-    split = k1.row_split * factor
-    if k1.row_split == 1:
-        return None, f"its config holds whole {stand_in} rows in registers"
-    block_row, block_col = k1.block_row, max(1, k1.block_col // factor)
-    if split > ROW_SPLITS[-1]:
-        rest = -(-split // ROW_SPLITS[-1])  # the factor the slices cannot take: fewer rows per tile instead
-        if k1.block_row < rest:
-            return None, (f"its config holds {stand_in} rows in registers in {k1.row_split} slices of one row, and "
-                          f"{dtype} would need more than {ROW_SPLITS[-1]}")
-        split, block_row, block_col = ROW_SPLITS[-1], k1.block_row // rest, k1.block_col
-    return BackwardConfig(dataclasses.replace(k1, row_split=split, block_row=block_row, block_col=block_col,
-                                              recompute=False), config.kernel_2), ""
+    return config.strategy.carry_over(config, problem, stand_in, factor)
 
 
 def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None) -> BackwardConfig:

@@ -6,8 +6,9 @@ the device lacks (`limits.DeviceLimits` says which it has):
 - kernel_2.pdl: programmatic dependent launch (NVIDIA, compute capability 9.0 on) → an ordinary second launch;
 - kernel_1.eviction_policy: PTX eviction priorities (NVIDIA) → plain loads, which is what Triton's AMD backend
   compiles them to anyway;
-- kernel_1.pipelined_split: the split row's exchange waits through inline PTX (NVIDIA) → the exchange through
-  Triton's own barrier and atomics (the same sums in the same order; the loop is not software-pipelined).
+- a strategy's own knobs (`Strategy.fallbacks`, `Strategy.portable`): the rows strategy's pipelined_split waits
+  through inline PTX (NVIDIA) → the exchange through Triton's own barrier and atomics (the same sums in the same
+  order; the loop is not software-pipelined).
 
 `portable` drops what the device lacks (the results are the same: each of these changes only when or how loads
 are issued); `fallbacks` says what it dropped, for `normtune where`. The search space offers none of these on
@@ -32,19 +33,16 @@ def fallbacks(config: BackwardConfig, limits: DeviceLimits) -> list[str]:
                    "9.0 on): kernel_2 is an ordinary second launch")
     if k1.eviction_policy and not limits.eviction_hints:
         out.append(f"kernel_1.eviction_policy={k1.eviction_policy}: {limits.name} has no eviction hints: plain loads")
-    if k1.pipelined_split and not limits.inline_ptx:
-        out.append(f"kernel_1.pipelined_split: its waits are inline PTX, which {limits.name} does not run: the "
-                   "split row's exchange waits through Triton's barrier (not software-pipelined)")
-    return out
+    return out + config.strategy.fallbacks(k1, limits)
 
 
 def portable(config: BackwardConfig, limits: DeviceLimits) -> BackwardConfig:
     """`config` without the features the device lacks (itself when it lacks none)."""
     k1, k2 = config.kernel_1, config.kernel_2
-    new_k1 = dataclasses.replace(
-        k1, eviction_policy=k1.eviction_policy if limits.eviction_hints else "",
-        pipelined_split=k1.pipelined_split and limits.inline_ptx)
-    new_k2 = dataclasses.replace(k2, pdl=k2.pdl and limits.pdl)
+    new_k1 = config.strategy.portable(
+        k1 if limits.eviction_hints or not k1.eviction_policy else dataclasses.replace(k1, eviction_policy=""),
+        limits)
+    new_k2 = k2 if limits.pdl or not k2.pdl else dataclasses.replace(k2, pdl=False)
     if new_k1 == k1 and new_k2 == k2:
         return config
     return BackwardConfig(new_k1, new_k2)

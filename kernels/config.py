@@ -1,5 +1,6 @@
-"""Launch configuration values, in one import: `BackwardConfig` (a `Kernel1Config` and a `Kernel2Config`,
-`knobs.py`), the `Problem` it runs (`problem.py`), the strategy registry (`strategies/`) and the analytic default.
+"""Launch configuration values, in one import: `BackwardConfig` (a strategy's kernel_1 config, built with
+`kernel_1_config` or the strategy's `make`, and a `Kernel2Config`: `knobs.py`), the `Problem` it runs
+(`problem.py`), the strategy registry (`strategies/`) and the analytic default.
 
 A config is hashable, printable, and round-trips through JSON: the single definition shared by the runtime
 (`kernels/`), the tuner (`tuner/`) and the emitted heuristic tables (`configs/*.json`). `validate(problem)`
@@ -21,6 +22,8 @@ from .knobs import (  # noqa: F401 - re-exported: `from .config import BackwardC
     BackwardConfig,
     Kernel1Config,
     Kernel2Config,
+    kernel_1_config,
+    kernel_1_layout,
     mapping_to_json,
 )
 from .problem import (  # noqa: F401 - the problem's names are re-exported: `from .config import Problem` works

@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 from .limits import REFERENCE, DeviceLimits
 from .problem import ITEMSIZE
 
-if TYPE_CHECKING:  # the value types import this module for their limits
-    from .knobs import BackwardConfig
+if TYPE_CHECKING:
     from .problem import Problem
 
 # An H100/H200 SM has 64K 32-bit registers and at most 255 per thread, so a program of W warps gets at most
@@ -180,12 +179,11 @@ def row_tiles(M: int, block_row: int) -> int:
     return cdiv(M, block_row)
 
 
-def num_groups(M: int, config: "BackwardConfig", sms: int) -> int:
-    """Persistent row groups of kernel_1's row strategy: round(programs_per_sm x SMs / row_split), never more
+def num_groups(M: int, block_row: int, programs_per_sm: float, sms: int, row_split: int = 1) -> int:
+    """Persistent row groups of a grid of row programs: round(programs_per_sm x SMs / row_split), never more
     than the row tiles, at least 1. Each group is `row_split` programs sharing its rows (one column slice each);
     a fraction of programs_per_sm (e.g. 0.5) leaves SMs idle but halves the partials kernel_2 must read."""
-    k1 = config.kernel_1
-    return max(1, min(round(k1.programs_per_sm * sms / k1.row_split), row_tiles(M, k1.block_row)))
+    return max(1, min(round(programs_per_sm * sms / row_split), row_tiles(M, block_row)))
 
 
 def wide_fp32_rows(problem: "Problem") -> bool:

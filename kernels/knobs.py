@@ -1,12 +1,13 @@
-"""The knob values of the two kernels: `Kernel1Config` (kernel_1's launch knobs, in the layout the tables and the
-store write) and `Kernel2Config` (kernel_2, shared by every strategy), their allowed values and per-field checks.
+"""The knob values of the two kernels: `Kernel1Config` (the kernel_1 launch knobs every strategy shares; each
+strategy's config type adds its own, `strategies/`) and `Kernel2Config` (kernel_2, shared by every strategy),
+their allowed values and per-field checks; `BackwardConfig` pairs them.
 
-Which kernel_1 knobs apply, and how they combine, is the strategy's business (`strategies/`): a strategy reads
-the fields it uses, leaves the others at their defaults, and validates the combination. A strategy that needs a
-knob of its own declares it in its module (`Strategy.extra`) on a subclass of `Kernel1Config`.
-
-`BackwardConfig` pairs them. Its strategy is looked up by name in `STRATEGIES`, the registry that
-`strategies/__init__.py` fills as it is imported (`normtune.kernels.config` imports it: use that module).
+A config's canonical JSON (what the tables, the store and the `torch.library` boundary hold) is one flat layout
+for every strategy: every knob of the registered strategies' config types (`kernel_1_layout`), those that do not
+apply to the config's strategy at their default. Parsing dispatches on `strategy` to that strategy's type and
+refuses a non-default value for a knob it does not have. The strategies are looked up by name in `STRATEGIES`,
+the registry that `strategies/__init__.py` fills as it is imported (`normtune.kernels.config` imports it: use
+that module).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from .heuristics import register_budget
 from .limits import REFERENCE, DeviceLimits
@@ -30,18 +31,20 @@ MAX_BLOCK_COL = 65536
 MAX_TILE = 65536  # elements per register tile (block_row x block_col)
 MAX_NUM_STAGES = 6
 MAX_PROGRAMS_PER_SM = 32
-BOOLEAN_KNOBS = ("two_pass", "prefetch", "recompute", "column_accumulators", "pipelined_split")
+# The strategy of a kernel_1 mapping that names none.
+DEFAULT_STRATEGY = "rows"
 
 
 @dataclass(frozen=True)
 class Kernel1Config:
-    """Launch knobs of kernel_1 (grad_input, and dw/db or per-program partials of them).
+    """The launch knobs of kernel_1 (grad_input, and dw/db or per-program partials of them) that every strategy
+    has; a strategy's config type (a frozen subclass in its module) adds the knobs of its own.
 
     block_row x block_col is the register tile; num_warps its warps; num_stages > 1 software-pipelines the tile
     loop through shared memory; prefetch loads the next tile into registers before computing the current one;
     eviction_policy is the cache hint of the streaming loads ("" = none); programs_per_sm sizes a persistent grid
-    (round(programs_per_sm x SMs) programs). `strategy` names the kernel_1 strategy (`strategies/`), whose module
-    documents what the other knobs (two_pass, recompute, row_split, column_accumulators, pipelined_split) mean.
+    (round(programs_per_sm x SMs) programs) where the strategy has one. `strategy` (a class attribute of each
+    type) names the strategy (`strategies/`).
     """
 
     block_row: int = 1
@@ -49,16 +52,15 @@ class Kernel1Config:
     num_warps: int = 4
     num_stages: int = 1
     programs_per_sm: float = 2
-    two_pass: bool = False
     eviction_policy: str = ""
     prefetch: bool = False
-    recompute: bool = False
-    row_split: int = 1
-    strategy: str = "rows"
-    column_accumulators: bool = False
-    pipelined_split: bool = False
+
+    strategy: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
+        if not self.strategy:
+            raise ConfigError("Kernel1Config holds the knobs every strategy shares: build a strategy's config with "
+                              "kernel_1_config(strategy=..., ...) or the strategy's make()")
         # 2 and 2.0 are the same grid: keep one spelling so configs hash and serialize identically.
         pps = self.programs_per_sm
         if isinstance(pps, float) and pps.is_integer():
@@ -67,9 +69,13 @@ class Kernel1Config:
     def tile(self) -> int:
         return self.block_row * self.block_col
 
+    def shared_fields(self) -> dict[str, Any]:
+        """The knobs every strategy has, by name (to build another strategy's config from this one's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Kernel1Config)}
+
     def check_fields(self, limits: DeviceLimits | None = None) -> None:
-        """Each field's type and range, whatever the strategy (`Strategy.validate` checks how they combine);
-        `limits`: the device's (the reference device's without)."""
+        """Each field's type and range (`limits`: the device's, the reference device's without); a strategy's
+        type extends it with its own fields, and `Strategy.validate` checks how they combine."""
         check_int("kernel_1.block_row", self.block_row, 1, MAX_BLOCK_ROW, power_of_two=True)
         check_int("kernel_1.block_col", self.block_col, 1, MAX_BLOCK_COL, power_of_two=True)
         check_choice("kernel_1.num_warps", self.num_warps, NUM_WARPS)
@@ -80,10 +86,13 @@ class Kernel1Config:
             raise ConfigError(f"kernel_1.programs_per_sm={pps!r} is out of range: use a number from 0.125 to "
                               f"{MAX_PROGRAMS_PER_SM} (e.g. 0.5, 1, 2)")
         check_choice("kernel_1.eviction_policy", self.eviction_policy, EVICTION_POLICIES)
-        for name in BOOLEAN_KNOBS:
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"kernel_1.{name}={getattr(self, name)!r} must be true or false")
-        check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
+        check_booleans(self, ("prefetch",))
+
+
+def check_booleans(k1: Kernel1Config, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(k1, name), bool):
+            raise ConfigError(f"kernel_1.{name}={getattr(k1, name)!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -149,12 +158,16 @@ class Kernel2Config:
 STRATEGIES: dict[str, Any] = {}
 
 
+def _default_kernel_1() -> Kernel1Config:
+    return STRATEGIES[DEFAULT_STRATEGY].make()
+
+
 @dataclass(frozen=True)
 class BackwardConfig:
     """Both kernels' knobs, tuned jointly. Hashable, printable, and round-trips through canonical JSON (the
-    form the tables and the store hold: kernel_1's fields flat, the strategy one of them)."""
+    form the tables and the store hold: kernel_1's knobs in the flat layout of `kernel_1_layout`)."""
 
-    kernel_1: Kernel1Config = field(default_factory=Kernel1Config)
+    kernel_1: Kernel1Config = field(default_factory=_default_kernel_1)
     kernel_2: Kernel2Config = field(default_factory=Kernel2Config)
 
     @property
@@ -167,7 +180,7 @@ class BackwardConfig:
         without, the reference device); return self otherwise."""
         k1 = self.kernel_1
         if not isinstance(k1, Kernel1Config) or not isinstance(self.kernel_2, Kernel2Config):
-            raise ConfigError("BackwardConfig needs a Kernel1Config and a Kernel2Config")
+            raise ConfigError("BackwardConfig needs a strategy's kernel_1 config and a Kernel2Config")
         k1.check_fields(limits)
         check_choice("kernel_1.strategy", k1.strategy, tuple(STRATEGIES))
         strategy = STRATEGIES[k1.strategy]
@@ -186,26 +199,27 @@ class BackwardConfig:
         return True
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kernel_1": dataclasses.asdict(self.kernel_1), "kernel_2": dataclasses.asdict(self.kernel_2)}
+        """The canonical layout as a mapping: kernel_1's every knob of `kernel_1_layout` (and its strategy's own
+        `extra` knobs), those its strategy lacks at their default."""
+        k1 = self.kernel_1
+        return {"kernel_1": {name: getattr(k1, name) if own else default for name, own, default, _ in _wire(type(k1))},
+                "kernel_2": dataclasses.asdict(self.kernel_2)}
 
     def to_json(self) -> str:
         """Canonical compact JSON (sorted keys), the same bytes as json.dumps(sort_keys=True, separators=(",",
-        ":")). Written out by hand because torch.compile traces this (explicit `config=` in a compiled model)
-        and cannot trace the json module."""
-        def obj(value, names) -> str:
-            return "{" + ",".join(f'"{n}":{_json_scalar(getattr(value, n))}' for n in names) + "}"
-
-        names = _K1_NAMES if type(self.kernel_1) is Kernel1Config else json_names(type(self.kernel_1))
-        return f'{{"kernel_1":{obj(self.kernel_1, names)},"kernel_2":{obj(self.kernel_2, _K2_NAMES)}}}'
+        ":")) of `to_dict`. Written out by hand because torch.compile traces this (explicit `config=` in a
+        compiled model) and cannot trace the json module."""
+        k1, k2 = self.kernel_1, self.kernel_2
+        one = ",".join(f'"{name}":{_json_scalar(getattr(k1, name)) if own else text}'
+                       for name, own, _, text in _wire(type(k1)))
+        two = ",".join(f'"{name}":{_json_scalar(getattr(k2, name))}' for name in _K2_NAMES)
+        return f'{{"kernel_1":{{{one}}},"kernel_2":{{{two}}}}}'
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BackwardConfig":
         if not isinstance(data, Mapping) or set(data) - {"kernel_1", "kernel_2"}:
             raise ConfigError(f"a backward config is an object with keys kernel_1 and kernel_2, got {data!r}")
-        k1 = data.get("kernel_1", {})
-        strategy = STRATEGIES.get(k1.get("strategy", "rows")) if isinstance(k1, Mapping) else None
-        k1_type = strategy.config_type if strategy is not None else Kernel1Config  # validate names a bad one
-        return cls(from_mapping(k1_type, k1), from_mapping(Kernel2Config, data.get("kernel_2", {})))
+        return cls(kernel_1_config(data.get("kernel_1", {})), from_mapping(Kernel2Config, data.get("kernel_2", {})))
 
     @classmethod
     def from_json(cls, text: str) -> "BackwardConfig":
@@ -218,6 +232,62 @@ class BackwardConfig:
     def __str__(self) -> str:
         strategy = STRATEGIES.get(self.kernel_1.strategy)
         return strategy.describe(self) if strategy is not None else repr(self)
+
+
+def kernel_1_config(fields: Mapping[str, Any] | None = None, /, **kwargs) -> Kernel1Config:
+    """A kernel_1 config from knobs in the canonical layout (a mapping, or keywords): the type of the strategy
+    they name (`strategy`, default rows), every knob it lacks at its layout default. A non-default value for a
+    knob the strategy lacks, or a name no strategy has, raises `ConfigError` naming it."""
+    if fields is not None and not isinstance(fields, Mapping):
+        raise ConfigError(f"Kernel1Config expects a JSON object, got {type(fields).__name__}")
+    data = {**(fields or {}), **kwargs}
+    name = data.get("strategy", DEFAULT_STRATEGY)
+    check_choice("kernel_1.strategy", name, tuple(STRATEGIES))
+    strategy = STRATEGIES[name]
+    layout = kernel_1_layout()
+    own = {f.name for f in dataclasses.fields(strategy.config_type)}
+    unknown = sorted(set(data) - own - set(layout))
+    if unknown:
+        allowed = sorted(set(layout) | own)
+        raise ConfigError(f"unknown Kernel1Config field(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})")
+    for key, value in data.items():
+        if key != "strategy" and key not in own and not _same(value, layout[key]):
+            raise ConfigError(strategy.inapplicable(key, value))
+    return strategy.make(**{k: v for k, v in data.items() if k in own})
+
+
+def kernel_1_layout() -> dict[str, Any]:
+    """The kernel_1 knobs of the canonical layout and their defaults, in declaration order: the shared fields,
+    each registered strategy's own (its `extra` knobs aside: those appear in its own configs' JSON only), and
+    the strategy. The store's knob columns are generated from it."""
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES.values():
+        extra = {knob.name for knob in strategy.extra}
+        for f in dataclasses.fields(strategy.config_type):
+            if f.name not in extra:
+                if out.setdefault(f.name, f.default) != f.default:
+                    raise AssertionError(f"kernel_1.{f.name} has two defaults: {out[f.name]!r} and {f.default!r}")
+    out["strategy"] = DEFAULT_STRATEGY
+    return out
+
+
+# Config type -> ((name, held by the type, default, default as JSON), ...) in canonical (sorted) order.
+_WIRE: dict[type, tuple] = {}
+
+
+def _wire(cls: type) -> tuple:
+    hit = _WIRE.get(cls)
+    if hit is None:
+        own = {f.name: f.default for f in dataclasses.fields(cls)}
+        names = {**kernel_1_layout(), **own}
+        hit = tuple((name, name in own or name == "strategy", names[name], _json_scalar(names[name]))
+                    for name in sorted(names))
+        _WIRE[cls] = hit
+    return hit
+
+
+def _same(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default
 
 
 def check_warps(name: str, num_warps: int, limits: DeviceLimits) -> None:
@@ -245,10 +315,4 @@ def mapping_to_json(data: Mapping[str, Any]) -> str:
     return obj(data)
 
 
-def json_names(cls: type) -> tuple[str, ...]:
-    """A config dataclass's field names in canonical JSON order (sorted)."""
-    return tuple(sorted(f.name for f in dataclasses.fields(cls)))
-
-
-_K1_NAMES = json_names(Kernel1Config)
-_K2_NAMES = json_names(Kernel2Config)
+_K2_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel2Config)))

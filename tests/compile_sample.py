@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_layout
 from normtune.kernels.config import default_config
 from normtune.kernels.limits import DeviceLimits
 from normtune.tuner.space import Space
@@ -56,7 +56,7 @@ FEATURES = {"k1.two_pass": None, "k1.num_stages": None, "k1.eviction_policy": No
 # Valid draws compared before the one covering most missing values joins the sample.
 DRAWS = 12
 
-FIELDS = {**{f"k1.{f.name}": ("kernel_1", f.name) for f in dataclasses.fields(Kernel1Config)},
+FIELDS = {**{f"k1.{name}": ("kernel_1", name) for name in kernel_1_layout()},
           **{f"k2.{f.name}": ("kernel_2", f.name) for f in dataclasses.fields(Kernel2Config)}}
 
 
@@ -149,10 +149,10 @@ def default_forms(limits: DeviceLimits) -> list[tuple[Problem, BackwardConfig]]:
                     for N in (1000, 4096, 12288, 16384, 32768, 65536):
                         p = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", save=save)
                         cfg = default_config(p, limits)
-                        k1, k2 = cfg.kernel_1, cfg.kernel_2
-                        form = (k1.strategy, k1.two_pass, k1.row_split > 1, k1.num_stages, k1.prefetch,
-                                k1.recompute, k1.column_accumulators, k1.pipelined_split, k1.eviction_policy, k2.pdl,
-                                k2.fused)
+                        k1, k2 = cfg.to_dict()["kernel_1"], cfg.kernel_2
+                        form = (k1["strategy"], k1["two_pass"], k1["row_split"] > 1, k1["num_stages"],
+                                k1["prefetch"], k1["recompute"], k1["column_accumulators"], k1["pipelined_split"],
+                                k1["eviction_policy"], k2.pdl, k2.fused)
                         forms.setdefault(form, (p, cfg))
     return list(forms.values())
 

@@ -16,15 +16,15 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, kernel_1_config
 from normtune.kernels.device import interpret_mode
 from normtune.tuner.measure.spread import Ratio, Timing, slower_beyond_spread
 from normtune.tuner.store.database import Store
 
 runner = CliRunner()
-GOOD = BackwardConfig(Kernel1Config(block_row=16, block_col=256, num_warps=4, prefetch=True,
+GOOD = BackwardConfig(kernel_1_config(block_row=16, block_col=256, num_warps=4, prefetch=True,
                                     eviction_policy="evict_first"), Kernel2Config(128, 16, 4))
-BAD = BackwardConfig(Kernel1Config(block_row=1, block_col=256, num_warps=4, programs_per_sm=4),
+BAD = BackwardConfig(kernel_1_config(block_row=1, block_col=256, num_warps=4, programs_per_sm=4),
                      Kernel2Config(block_m=32, block_n=8, num_warps=1))
 FAMILIES = ("rms_norm/bf16/wbf16/nobias/save-input", "layer_norm/bf16/wbf16/bias/save-input")
 

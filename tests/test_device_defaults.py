@@ -15,7 +15,7 @@ import torch
 
 from normtune.kernels import device as kernel_device
 from normtune.kernels import limits as L
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.tables import parse_table
 from normtune.tuner import gpu_info as D
 from normtune.tuner.measure import bench as B
@@ -186,9 +186,9 @@ def test_bench_runs_the_default_sized_for_the_gpu(on_mi300x, monkeypatch, spec):
 def test_compare_resolves_each_table_as_the_runtime_does_on_the_gpu(on_mi300x):
     """No rule: the MI300X's default. A rule whose config asks for 32 warps (an H100 may, an MI300X may not): the
     MI300X's default too; one with eviction hints: its portable form."""
-    h100_only = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=32),
+    h100_only = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=32),
                                Kernel2Config(block_m=128, block_n=16, num_warps=4))
-    hinted = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8, eviction_policy="evict_first"),
+    hinted = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=8, eviction_policy="evict_first"),
                             Kernel2Config(block_m=128, block_n=16, num_warps=4))
     h100_only.validate(RMS)
 

@@ -16,7 +16,7 @@ from normtune.kernels import device as device_mod
 from normtune.kernels import limits as L
 from normtune.kernels.backward import launch
 from normtune.kernels.capabilities import fallbacks, portable
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, hardware_registers, staged_shared_bytes
 from normtune.kernels.select import clear_caches, explain
 from normtune.kernels.table_chain import choose_table, table_for
@@ -109,10 +109,11 @@ def test_defaults_fit_each_device_and_ask_for_nothing_it_lacks(key):
         assert fallbacks(cfg, lim) == [], (key, p.key, cfg)
         assert k1.num_warps * lim.warp_size <= lim.max_threads_per_block, (key, p.key, cfg)
         assert cfg.kernel_2.num_warps <= lim.max_warps
-        assert staged_shared_bytes(p, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
+        knob = cfg.to_dict()["kernel_1"]  # the rows strategy's knobs at their defaults where it lacks them
+        assert staged_shared_bytes(p, k1.block_row, k1.block_col, k1.num_stages, knob["two_pass"], k1.prefetch,
                                    k1.num_warps) <= lim.shared_per_block, (key, p.key, cfg)
-        regs = estimate_registers(p, k1.block_row, k1.block_col, k1.num_warps, k1.two_pass, k1.prefetch,
-                                  k1.recompute, k1.column_accumulators, lim.warp_size)
+        regs = estimate_registers(p, k1.block_row, k1.block_col, k1.num_warps, knob["two_pass"], k1.prefetch,
+                                  knob["recompute"], knob["column_accumulators"], lim.warp_size)
         assert regs <= 1.3 * hardware_registers(k1.num_warps, lim), (key, p.key, cfg)
     assert default_config(PROBLEMS[0], L.H100) == default_config(PROBLEMS[0])  # the reference is the H100
 
@@ -130,13 +131,13 @@ def test_the_h100_only_forms_are_replaced_where_they_do_not_fit():
     assert a100 == BackwardConfig(h100.kernel_1, dataclasses.replace(h100.kernel_2, pdl=False))
     # 32 warps of 64 threads exceed a program on AMD
     with pytest.raises(ValueError, match="num_warps=32 is more than the 16 warps of 64 threads"):
-        BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=32, programs_per_sm=1),
+        BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=32, programs_per_sm=1),
                        Kernel2Config()).validate(Problem("rms_norm", 64, 16384, "bf16"), L.MI300X)
 
 
 def test_launch_runs_the_portable_form_of_a_config(stand_in):
     p = Problem("layer_norm", 2048, 16384, "bf16", has_bias=True)
-    cfg = BackwardConfig(Kernel1Config(block_row=4, block_col=4096, num_warps=8, num_stages=2, programs_per_sm=1,
+    cfg = BackwardConfig(kernel_1_config(block_row=4, block_col=4096, num_warps=8, num_stages=2, programs_per_sm=1,
                                        eviction_policy="evict_first", row_split=4, column_accumulators=True,
                                        pipelined_split=True),
                          Kernel2Config(block_m=64, block_n=16, num_warps=1, pdl=True))
@@ -150,7 +151,7 @@ def test_launch_runs_the_portable_form_of_a_config(stand_in):
 def test_pdl_only_where_the_device_has_it(stand_in, monkeypatch):
     monkeypatch.setattr(launch, "interpret_mode", lambda: False)
     monkeypatch.setattr(launch, "PDL_SUPPORTED", True)
-    cfg = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8, programs_per_sm=1),
+    cfg = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=8, programs_per_sm=1),
                          Kernel2Config(block_m=64, block_n=16, pdl=True))
     found = {key: launch.pdl_enabled(cfg, stand_in(key)) for key in ("h100", "b200", "a100", "mi300x", "mi250x")}
     # ROCm reports the MI300X as 9.4 and the MI250X as 9.0: neither has programmatic dependent launch

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, ProblemFamily, default_config, kernel_1_config
 from normtune.kernels.tables import parse_table
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.gpu_info import DeviceInfo
@@ -28,7 +28,7 @@ runner = CliRunner()
 
 
 def cfg(warps: int, block_m: int = 64) -> BackwardConfig:
-    return BackwardConfig(Kernel1Config(block_row=1, block_col=1024, num_warps=warps),
+    return BackwardConfig(kernel_1_config(block_row=1, block_col=1024, num_warps=warps),
                           Kernel2Config(block_m=block_m, block_n=16))
 
 
@@ -69,11 +69,11 @@ def test_the_new_winner_takes_only_the_rows_where_it_pays():
     split cost and X takes 512 rows and more (from 469: where A's and X's measured times cross between 256 and
     512 rows)."""
     rows = [RMS.problem(M, 65536) for M in (256, 512, 1024)]
-    a = BackwardConfig(Kernel1Config(block_row=4, block_col=8192, num_warps=16, row_split=8),
+    a = BackwardConfig(kernel_1_config(block_row=4, block_col=8192, num_warps=16, row_split=8),
                        Kernel2Config(block_m=128, block_n=32, pdl=True))
-    x = BackwardConfig(Kernel1Config(block_row=4, block_col=8192, num_warps=16, row_split=8),
+    x = BackwardConfig(kernel_1_config(block_row=4, block_col=8192, num_warps=16, row_split=8),
                        Kernel2Config(block_m=128, block_n=16))
-    best = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, row_split=8),
+    best = BackwardConfig(kernel_1_config(block_row=2, block_col=8192, num_warps=16, row_split=8),
                           Kernel2Config(block_m=128, block_n=16))
     data = {rows[0]: {a: Timing(64.9, 63.6, 65.7), x: Timing(66.5, 65.5, 67.2)},
             rows[1]: {a: Timing(111.7, 109.5, 113.9), x: Timing(111.3, 109.4, 113.3),
@@ -92,10 +92,10 @@ def test_no_rule_is_slower_than_the_incumbent_beyond_the_spread_on_a_problem_it_
     rows, giving 2048 rows back to the incumbent lowers the mean regret by less than SPLIT_GAIN, so the split is
     chosen only because no rule may lose to the incumbent on a problem it was fitted on."""
     rows = [RMS.problem(M, 14336) for M in (128, 512, 1024, 2048)]
-    inc = BackwardConfig(Kernel1Config(block_row=2, block_col=8192, num_warps=16, row_split=2),
+    inc = BackwardConfig(kernel_1_config(block_row=2, block_col=8192, num_warps=16, row_split=2),
                          Kernel2Config(block_m=128, block_n=32, pdl=True))
-    cols = BackwardConfig(Kernel1Config(block_row=64, block_col=64, strategy="columns"), Kernel2Config(fused=False))
-    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy="dual"),
+    cols = BackwardConfig(kernel_1_config(block_row=64, block_col=64, strategy="columns"), Kernel2Config(fused=False))
+    dual = BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=8, strategy="dual"),
                           Kernel2Config(block_m=32, block_n=128))
     data = {rows[0]: {inc: Timing(17.7, 16.3, 18.3), cols: Timing(19.0, 18.5, 19.5), dual: Timing(12.0, 11.5, 12.5)},
             rows[1]: {inc: Timing(32.1, 31.6, 32.9), cols: Timing(30.2, 29.9, 30.5)},
@@ -111,10 +111,10 @@ def test_a_bucket_no_single_config_fits_is_still_split_into_m_ranges():
     whole bucket; the fit still splits it into M ranges (each keeping its incumbent where nothing beats it)
     rather than one rule per problem."""
     few, more = [RMS.problem(M, 8192) for M in (100, 128, 256)], [RMS.problem(M, 8192) for M in (2048, 4096)]
-    dual = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16, strategy="dual"),
+    dual = BackwardConfig(kernel_1_config(block_row=1, block_col=8192, num_warps=16, strategy="dual"),
                           Kernel2Config(block_m=64, block_n=64))
-    rows1 = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=32))
-    noise = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=64))
+    rows1 = BackwardConfig(kernel_1_config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=32))
+    noise = BackwardConfig(kernel_1_config(block_row=1, block_col=8192, num_warps=16), Kernel2Config(block_m=64))
     data = {**{p: {dual: T(p.M / 10), rows1: T(p.M / 8), noise: T(p.M / 8 * 0.995)} for p in few},
             **{p: {dual: T(p.M / 5), rows1: T(p.M / 40), noise: T(p.M / 40 * 0.995)} for p in more}}
     fitted = fit.fit_family(RMS, data, incumbents={**{p: dual for p in few}, **{p: rows1 for p in more}})

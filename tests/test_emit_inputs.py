@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, ProblemFamily, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, ProblemFamily, default_config, kernel_1_config
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
@@ -33,7 +33,7 @@ runner = CliRunner()
 
 
 def cfg(N: int, warps: int = 4, block_m: int = 64) -> BackwardConfig:
-    return BackwardConfig(Kernel1Config(block_row=1, block_col=N, num_warps=warps),
+    return BackwardConfig(kernel_1_config(block_row=1, block_col=N, num_warps=warps),
                           Kernel2Config(block_m=block_m, block_n=16))
 
 

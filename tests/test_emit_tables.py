@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels import table_chain, tables
 from normtune.kernels.config import (MAX_N, BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily,
-                                     default_config)
+                                     default_config, kernel_1_config)
 from normtune.kernels.device import gpu_key, interpret_mode
 from normtune.kernels.select import clear_caches, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
@@ -54,7 +54,7 @@ MS = (64, 512, 4096)
 
 
 def k1(N: int, **knobs) -> Kernel1Config:
-    return Kernel1Config(**({"block_row": 1, "block_col": N, "num_warps": 4, "programs_per_sm": 1,
+    return kernel_1_config(**({"block_row": 1, "block_col": N, "num_warps": 4, "programs_per_sm": 1,
                              "eviction_policy": "evict_first"} | knobs))
 
 
@@ -234,7 +234,7 @@ def test_two_rules_where_m_splits_clearly(table, family):
 def test_a_split_rule_keeps_its_tile_on_other_widths():
     """A split rule on another width keeps its split while the slices fit the rule's tile, else takes the next
     split that does (3 slices of 4096 at 12288 columns → 4 at 12800), rather than doubling the tile."""
-    rule = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, recompute=True, row_split=3,
+    rule = BackwardConfig(kernel_1_config(block_row=2, block_col=4096, num_warps=16, recompute=True, row_split=3,
                                         column_accumulators=True), Kernel2Config(block_m=128, block_n=32, pdl=True))
     same = adapt(rule, Problem("layer_norm", 4096, 10240, "bf16", has_bias=True))
     assert same.kernel_1 == rule.kernel_1 and same.kernel_2 == rule.kernel_2
@@ -246,7 +246,7 @@ def test_a_pipelined_split_rule_on_rows_too_narrow_to_split_runs_them_whole():
     """A rule whose split row's exchange is pipelined keeps it wherever the row still splits; on a row whose
     slices would be under 256 columns it runs the whole row in one program, unpipelined (nothing to exchange),
     rather than the analytic default."""
-    rule = BackwardConfig(Kernel1Config(block_row=1, block_col=8192, num_warps=16, num_stages=3, row_split=2,
+    rule = BackwardConfig(kernel_1_config(block_row=1, block_col=8192, num_warps=16, num_stages=3, row_split=2,
                                         eviction_policy="evict_first", pipelined_split=True),
                           Kernel2Config(block_m=128, block_n=16))
     wide = Problem("layer_norm", 2048, 12288, "bf16", has_bias=True)
@@ -263,7 +263,7 @@ def test_a_split_rule_is_checked_on_its_fitted_shapes_not_its_bounds():
     it runs the shapes it was fitted on, and a lookup at 14080 adapts it (4 slices of 4096). A config that cannot
     run its own fitted shape is refused."""
     data = _valid()
-    rule = BackwardConfig(Kernel1Config(block_row=4, block_col=4096, num_warps=16, recompute=True, row_split=3,
+    rule = BackwardConfig(kernel_1_config(block_row=4, block_col=4096, num_warps=16, recompute=True, row_split=3,
                                         column_accumulators=True), Kernel2Config(block_m=128, block_n=32, pdl=True))
     family = data["families"]["layer_norm/bf16/wbf16/bias/save-input"]
     family["rules"].insert(0, {"n_max": 14188, "m_max": None, "config": rule.to_dict(), "fitted_on": ["4096x12288"]})
@@ -279,7 +279,7 @@ def test_a_split_rule_is_checked_on_its_fitted_shapes_not_its_bounds():
 def test_a_dual_rule_adapts_like_single_pass_and_stops_where_dual_does():
     """A dual rule (row programs hold whole rows) re-tiles its rows to the width and keeps its column tile; past
     one pass or past MAX_COLUMNS_ROWS rows (the column programs sweep every row) it gives way to the default."""
-    dual = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, prefetch=True, strategy="dual"),
+    dual = BackwardConfig(kernel_1_config(block_row=2, block_col=4096, num_warps=16, prefetch=True, strategy="dual"),
                           Kernel2Config(block_m=32, block_n=64, num_warps=1))
     got = adapt(dual, Problem("rms_norm", 100, 3000, "bf16"))
     assert got.kernel_1 == dataclasses.replace(dual.kernel_1, block_col=4096) and got.kernel_2 == dual.kernel_2
@@ -745,9 +745,9 @@ def test_an_m_range_ends_halfway_between_fitted_rows_on_a_log_scale():
     def probs(*ms):
         return [Problem("rms_norm", m, 32768, "bf16") for m in ms]
 
-    rows = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8, two_pass=True),
+    rows = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=8, two_pass=True),
                           Kernel2Config(128, 16))
-    columns = BackwardConfig(Kernel1Config(block_row=32, block_col=64, num_warps=4, strategy="columns"),
+    columns = BackwardConfig(kernel_1_config(block_row=32, block_col=64, num_warps=4, strategy="columns"),
                              Kernel2Config(32, 8))
     assert m_boundary(probs(256, 1024), probs(4096), rows) == 2048
     assert m_boundary(probs(64), probs(256, 512), rows) == 128
@@ -760,8 +760,8 @@ def test_a_width_fitted_on_few_rows_leaves_taller_rows_to_the_next_wider_width()
     """A bucket fitted on few rows only (at most MAX_COLUMNS_ROWS) ends its top rule halfway (log scale) to the
     next wider bucket's taller rows, so 2048 rows of 14336 columns take the 16384-column rule fitted there; a
     bucket fitted on many rows, and the widest bucket, serve every M."""
-    a = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
-    b = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(64, 32))
+    a = BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
+    b = BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(64, 32))
     few = {RMS.problem(M, 14336): {a: T(10.0), b: T(12.0)} for M in (128, 512)}
     wide = {RMS.problem(M, 16384): {a: T(30.0), b: T(20.0)} for M in (512, 4096, 16384)}
     rules = fit.fit_family(RMS, {**few, **wide}).rules
@@ -784,10 +784,10 @@ def test_an_m_range_ends_where_the_two_rules_measured_times_cross():
     from normtune.tuner.measure.spread import Timing
 
     lo, hi = Problem("layer_norm", 512, 3584, "bf16"), Problem("layer_norm", 4096, 3584, "bf16")
-    rows = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16), Kernel2Config(128, 16))
-    dual = BackwardConfig(Kernel1Config(block_row=2, block_col=4096, num_warps=16, strategy="dual"),
+    rows = BackwardConfig(kernel_1_config(block_row=2, block_col=4096, num_warps=16), Kernel2Config(128, 16))
+    dual = BackwardConfig(kernel_1_config(block_row=2, block_col=4096, num_warps=16, strategy="dual"),
                           Kernel2Config(64, 64))
-    other = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=8), Kernel2Config(64, 16))
+    other = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=8), Kernel2Config(64, 16))
 
     # both timed at both ends: time ratio 0.5 at 512 rows and 2.0 at 4096 -> equal halfway in log M (1448)
     data = {lo: {other: Timing(5.0, 4.9, 5.1), rows: Timing(10.0, 9.9, 10.1)},
@@ -821,9 +821,9 @@ def test_a_row_sweeping_rule_never_reaches_past_the_log_midpoint():
     from normtune.tuner.measure.spread import Timing
 
     lo, hi = Problem("rms_norm", 128, 14336, "bf16"), Problem("rms_norm", 512, 14336, "bf16")
-    upper = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
+    upper = BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=16), Kernel2Config(128, 16))
     for strategy, boundary in (("dual", 256), ("rows", 288)):
-        lower = BackwardConfig(Kernel1Config(block_row=1, block_col=16384, num_warps=8, strategy=strategy),
+        lower = BackwardConfig(kernel_1_config(block_row=1, block_col=16384, num_warps=8, strategy=strategy),
                                Kernel2Config(32, 128))
         data = {lo: {lower: Timing(10.7, 10.2, 11.4), upper: Timing(15.4, 14.5, 15.9)},
                 hi: {lower: Timing(32.1, 31.5, 33.2), upper: Timing(24.8, 24.0, 25.5)}}

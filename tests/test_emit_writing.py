@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_config
 from normtune.kernels.table_chain import HOME_VAR
 from normtune.kernels.tables import read_table
 from normtune.tuner.gpu_info import DeviceInfo
@@ -23,8 +23,8 @@ GPU = DeviceInfo(name="NVIDIA Test GPU X1", key="test-gpu-x1", compute_capabilit
                  l2_bytes=50 * 2**20, memory_bytes=80 * 2**30, driver="560.35.03", cuda="12.6", torch="2.6.0",
                  triton="3.2.0", normtune="0.1.0", git_revision="0123abcd", host="gpu-7", python="3.11.9",
                  interpret=False)
-FAST = BackwardConfig(Kernel1Config(block_row=1, block_col=256, num_warps=4), Kernel2Config(128, 16, 4))
-SLOW = BackwardConfig(Kernel1Config(block_row=2, block_col=256, num_warps=8), Kernel2Config(64, 32, 4))
+FAST = BackwardConfig(kernel_1_config(block_row=1, block_col=256, num_warps=4), Kernel2Config(128, 16, 4))
+SLOW = BackwardConfig(kernel_1_config(block_row=2, block_col=256, num_warps=8), Kernel2Config(64, 32, 4))
 
 
 def _db(tmp_path, fast_us: float = 5.0) -> str:

@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -77,6 +78,12 @@ CASES = [  # (norm, M, N, dtype, save, which seed); a residual case's dtype is "
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
              "staged-split2": False}
+}
+def knobs(config):
+    """Every kernel_1 knob of the layout (those the config's strategy lacks at their default), by attribute."""
+    return SimpleNamespace(**config.to_dict()["kernel_1"])
+
+
 PICK = {
     "default": lambda c, d: c == d,
     "split3": lambda c, d: c.kernel_1.row_split == 3,
@@ -207,7 +214,7 @@ def main(targets: list[str]) -> None:
                        "int64": constants.get("INT64"), "residual": constants.get("HAS_DRES"),
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
-                                                              k1.two_pass, k1.prefetch, k1.num_warps)}
+                                                              knobs(config).two_pass, k1.prefetch, k1.num_warps)}
                 try:
                     out = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                          target=GPUTarget(backend, arch, warp), options=options)

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from normtune.kernels import (
     BackwardConfig,
-    Kernel1Config,
     Kernel2Config,
     LayerNorm,
     Problem,
     RMSNorm,
+    kernel_1_config,
     layer_norm,
     rms_norm,
     select_config,
@@ -25,7 +25,7 @@ from normtune.kernels.config import MAX_N
 from normtune.kernels.device import device_name, use_triton
 
 N = 200
-SMALL = BackwardConfig(Kernel1Config(block_row=2, block_col=256, num_warps=2),
+SMALL = BackwardConfig(kernel_1_config(block_row=2, block_col=256, num_warps=2),
                        Kernel2Config(block_m=4, block_n=64, num_warps=2))
 
 
@@ -109,13 +109,13 @@ BAD_CALLS = [
      ["zero_centered=True needs a weight", "pass weight or zero_centered=False"]),
     ("zero-centered-no-weight-rms", lambda x, w, b, o: rms_norm(x, None, zero_centered=True), ValueError,
      ["zero_centered=True needs a weight"]),
-    ("config-not-power-of-two", lambda x, w, b, o: layer_norm(x, w, b, config=BackwardConfig(Kernel1Config(
+    ("config-not-power-of-two", lambda x, w, b, o: layer_norm(x, w, b, config=BackwardConfig(kernel_1_config(
         block_col=100))), ValueError, ["kernel_1.block_col=100", "power of two"]),
     ("config-bad-warps-dict", lambda x, w, b, o: rms_norm(x, w, config={"kernel_2": {"num_warps": 3}}), ValueError,
      ["kernel_2.num_warps=3", "1, 2, 4, 8, 16, 32"]),
     ("config-unknown-key", lambda x, w, b, o: layer_norm(x, w, b, config='{"kernel_1": {"block_rows": 2}}'),
      ValueError, ["unknown Kernel1Config field(s) block_rows", "allowed"]),
-    ("config-single-pass-too-narrow", lambda x, w, b, o: layer_norm(x, w, b, config=BackwardConfig(Kernel1Config(
+    ("config-single-pass-too-narrow", lambda x, w, b, o: layer_norm(x, w, b, config=BackwardConfig(kernel_1_config(
         block_col=128))), ValueError, ["config does not fit this input (6x200)", "kernel_1.block_col=128 < N=200",
                                        "two_pass"]),
     ("config-type", lambda x, w, b, o: layer_norm(x, w, b, config=42), TypeError,

@@ -19,16 +19,16 @@ from hypothesis import strategies as st
 from normtune.kernels import (
     BackwardConfig,
     ConfigError,
-    Kernel1Config,
     Kernel2Config,
     Problem,
     default_config,
+    kernel_1_config,
     select_config,
 )
 from normtune.kernels.backward import BackwardLaunch
 from normtune.kernels.heuristics import WIDE_DEFAULT_MIN_ROWS, alignment_hint, row_block_col, slice_width
 from normtune.kernels.strategies import num_programs, partial_rows
-from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES
+from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES, kernel_1_layout
 from normtune.kernels.device import sm_count
 from normtune.tuner.space import Space
 
@@ -36,7 +36,7 @@ from normtune.tuner.space import Space
 # Config values.
 # ---------------------------------------------------------------------------------------------------------------
 SAMPLE = BackwardConfig(
-    Kernel1Config(block_row=4, block_col=512, num_warps=8, num_stages=3, programs_per_sm=3, two_pass=True,
+    kernel_1_config(block_row=4, block_col=512, num_warps=8, num_stages=3, programs_per_sm=3, two_pass=True,
                   eviction_policy="evict_first", prefetch=True),
     Kernel2Config(block_m=32, block_n=128, num_warps=2, num_stages=2, pdl=True),
 )
@@ -53,7 +53,7 @@ def test_config_json_round_trip():
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
     # Missing fields take their defaults.
     partial = BackwardConfig.from_json('{"kernel_1": {"block_row": 8}}')
-    assert partial == BackwardConfig(Kernel1Config(block_row=8), Kernel2Config())
+    assert partial == BackwardConfig(kernel_1_config(block_row=8), Kernel2Config())
 
 
 def test_config_is_hashable_and_frozen():
@@ -63,7 +63,7 @@ def test_config_is_hashable_and_frozen():
     other = dataclasses.replace(SAMPLE, kernel_2=dataclasses.replace(SAMPLE.kernel_2, pdl=False))
     assert other != SAMPLE and len({SAMPLE, other}) == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
-        SAMPLE.kernel_1 = Kernel1Config()  # type: ignore[misc]
+        SAMPLE.kernel_1 = kernel_1_config()  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         SAMPLE.kernel_1.block_row = 2  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -72,10 +72,10 @@ def test_config_is_hashable_and_frozen():
 
 def test_programs_per_sm_has_one_spelling():
     """2 and 2.0 are the same grid: equal, same hash, same JSON; fractions are kept."""
-    a, b = Kernel1Config(programs_per_sm=2), Kernel1Config(programs_per_sm=2.0)
+    a, b = kernel_1_config(programs_per_sm=2), kernel_1_config(programs_per_sm=2.0)
     assert a == b and hash(a) == hash(b)
     assert BackwardConfig(b).to_json() == BackwardConfig(a).to_json()
-    half = BackwardConfig(Kernel1Config(programs_per_sm=0.5))
+    half = BackwardConfig(kernel_1_config(programs_per_sm=0.5))
     assert BackwardConfig.from_json(half.to_json()) == half and half.kernel_1.programs_per_sm == 0.5
 
 
@@ -83,12 +83,12 @@ def test_config_str_names_the_knobs():
     text = str(SAMPLE)
     for part in ("2pass", "4x512", "w8", "s3", "pps3", "prefetch", "evict_first", "32x128", "pdl"):
         assert part in text, f"{part!r} missing from {text!r}"
-    assert "recompute" in str(BackwardConfig(Kernel1Config(recompute=True))) and "recompute" not in text
+    assert "recompute" in str(BackwardConfig(kernel_1_config(recompute=True))) and "recompute" not in text
 
 
 PROBLEM = Problem("layer_norm", 64, 200, "bf16")
 WIDE = Problem("layer_norm", 64, 16384, "bf16")
-K1, K2 = Kernel1Config, Kernel2Config
+K1, K2 = kernel_1_config, Kernel2Config
 BAD_CONFIGS = [
     # (config, problem, exception, substrings of the message)
     (BackwardConfig(K1(block_col=200)), PROBLEM, ["kernel_1.block_col=200", "power of two", "128 or 256"]),
@@ -115,8 +115,6 @@ BAD_CONFIGS = [
     (BackwardConfig(K1(block_col=256, pipelined_split=1)), PROBLEM, ["kernel_1.pipelined_split=1", "true or false"]),
     (BackwardConfig(K1(block_col=256, pipelined_split=True)), PROBLEM,
      ["kernel_1.pipelined_split=true", "row_split > 1", "pipelined_split=false"]),
-    (BackwardConfig(K1(block_col=256, strategy="dual", pipelined_split=True)), PROBLEM,
-     ["kernel_1.pipelined_split=true", "strategy='rows'"]),
     (BackwardConfig(K1(block_col=64, two_pass=True, recompute=True)), PROBLEM,
      ["kernel_1.recompute=true", "single pass", "recompute=false"]),
     (BackwardConfig(K1(block_row=True, block_col=256)), PROBLEM, ["kernel_1.block_row=True", "integer"]),
@@ -158,6 +156,11 @@ def test_validate_returns_the_config():
     ('{"kernel_1": {}, "kernel_3": {}}', ["keys kernel_1 and kernel_2", "kernel_3"]),
     ('[1, 2]', ["keys kernel_1 and kernel_2"]),
     ('{"kernel_1": [4]}', ["Kernel1Config expects a JSON object", "list"]),
+    # a knob the strategy's config type lacks, at a non-default value
+    ('{"kernel_1": {"strategy": "dual", "pipelined_split": true}}', ["kernel_1.pipelined_split=true", "strategy='rows'"]),
+    ('{"kernel_1": {"strategy": "columns", "row_split": 2}}', ["kernel_1.row_split=2", "strategy='columns'"]),
+    ('{"kernel_1": {"strategy": "dual", "recompute": true}}', ["kernel_1.recompute=True", "strategy='dual'"]),
+    ('{"kernel_1": {"strategy": "columns", "two_pass": 1}}', ["kernel_1.two_pass=1", "strategy='columns'"]),
     ('{"kernel_1": {"block_row": 2,}', ["not valid JSON", "expected e.g.", '"kernel_1"']),
 ])
 def test_from_json_rejects_unknown_keys_and_bad_text(text, needles):
@@ -222,6 +225,9 @@ K2_VARIATIONS = {
 
 
 def _k1(**fields) -> BackwardConfig:
+    """BASE with kernel_1's knobs changed (`strategy`: another strategy's config, the shared knobs kept)."""
+    if "strategy" in fields:
+        return dataclasses.replace(BASE, kernel_1=kernel_1_config(BASE.kernel_1.shared_fields(), **fields))
     return dataclasses.replace(BASE, kernel_1=dataclasses.replace(BASE.kernel_1, **fields))
 
 
@@ -327,15 +333,16 @@ TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 
 
 def test_every_field_is_varied():
-    """Guard: each Kernel1Config/Kernel2Config field appears in the variations at >= 2 values (with the base)."""
-    for cls, table in ((Kernel1Config, K1_VARIATIONS), (Kernel2Config, K2_VARIATIONS)):
-        assert set(table) == {f.name for f in dataclasses.fields(cls)}
+    """Guard: each knob of the layout (every strategy's config type, `kernel_1_layout`) and of Kernel2Config appears
+    in the variations at >= 2 values (with the base)."""
+    assert set(K1_VARIATIONS) == set(kernel_1_layout())
+    assert set(K2_VARIATIONS) == {f.name for f in dataclasses.fields(Kernel2Config)}
     for name, cfg in VARIATIONS:
         cfg.validate(VARIATION_PROBLEMS[0])  # the variations must be valid configs to test anything
     for name, cfg in SPLIT_VARIATIONS:
         cfg.validate(WIDE_PROBLEMS[0])
     varied = {n.split("=")[0].split("+")[0] for n, _ in VARIATIONS + SPLIT_VARIATIONS}
-    expected = {f"k1.{f.name}" for f in dataclasses.fields(Kernel1Config)} | {
+    expected = {f"k1.{name}" for name in kernel_1_layout()} | {
         f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
     assert expected <= varied | {"k2.fused"}, expected - varied
     assert any(c.kernel_2.fused for _, c in VARIATIONS) and any(c.kernel_2.fused for _, c in SPLIT_VARIATIONS)
@@ -424,23 +431,29 @@ def test_wide_fp32_default_is_correct(norm, N, save, device, tolerance, assert_c
     check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
 
 
+def knob(config, name: str):
+    """A kernel_1 knob of the canonical layout (the default where the config's strategy lacks it)."""
+    return config.to_dict()["kernel_1"][name]
+
+
 def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs):
     """Poisoned outputs against the float64 reference, the grid the heuristics promise, each row group's
     partial rows, and a bitwise-identical rerun."""
     inputs, ref, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
     launch = poisoned_run(problem, config, args)
     k1 = config.kernel_1
+    split = knob(config, "row_split")
     sms = sm_count(torch.device(device))
-    waits = k1.row_split > 1 or config.kernel_2.fused  # such grids are capped at what the GPU holds at once
+    waits = split > 1 or config.kernel_2.fused  # such grids are capped at what the GPU holds at once
     promised = num_programs(problem.M, problem.N, config, sms)
-    assert launch.programs == promised or (waits and k1.row_split <= launch.programs < promised)
+    assert launch.programs == promised or (waits and split <= launch.programs < promised)
     if k1.strategy == "columns":
         assert launch.programs == -(-problem.N // k1.block_col) and launch.partial_rows == 0
     elif k1.strategy == "dual":  # the row programs, then one per kernel_2.block_n columns; no partials
         column_programs = -(-problem.N // config.kernel_2.block_n)
         assert launch.plan.row_programs == launch.programs - column_programs >= 1 and launch.partial_rows == 0
     else:
-        assert launch.partial_rows == launch.programs // k1.row_split
+        assert launch.partial_rows == launch.programs // split
         # One partial row per row group: exactly the heuristics' count unless the waiting grid was capped.
         expected_rows = partial_rows(problem.M, config, sms)
         assert launch.partial_rows == expected_rows or (waits and launch.partial_rows < expected_rows)
@@ -490,19 +503,19 @@ def check_default_for(problem: Problem) -> None:
     assert isinstance(cfg, BackwardConfig)
     cfg.validate(problem)
     assert BackwardConfig.from_json(cfg.to_json()) == cfg and hash(cfg) == hash(BackwardConfig.from_json(cfg.to_json()))
-    if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
+    if cfg.kernel_1.strategy == "rows" and not cfg.kernel_1.two_pass:
         assert cfg.kernel_1.block_col >= slice_width(problem.N, cfg.kernel_1.row_split)
     if cfg.kernel_1.strategy == "columns":  # only where rows are too wide for one pass and few enough to sweep
         assert problem.N > 16384 and problem.M <= 2048
     wide = 8192 < problem.N <= 16384 and problem.M >= WIDE_DEFAULT_MIN_ROWS
     wide_16_bit = wide and problem.itemsize == 2
     if problem.norm == "layer_norm" and wide_16_bit:  # LayerNorm's wide rows: split in 4, pipelined exchange
-        assert cfg.kernel_1.row_split == 4 and cfg.kernel_1.pipelined_split and cfg.kernel_1.column_accumulators
+        assert knob(cfg, "row_split") == 4 and cfg.kernel_1.pipelined_split and cfg.kernel_1.column_accumulators
     elif wide and problem.itemsize == 4:  # fp32's wide rows: 3-4 slices of at most 4096 columns, 2-row tiles
         k1 = cfg.kernel_1
-        assert k1.row_split == (3 if problem.N <= 12288 else 4) and (k1.block_row, k1.block_col) == (2, 4096)
+        assert knob(cfg, "row_split") == (3 if problem.N <= 12288 else 4) and (k1.block_row, k1.block_col) == (2, 4096)
         assert k1.prefetch and k1.column_accumulators and not k1.pipelined_split
-    elif cfg.kernel_1.row_split > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
+    elif knob(cfg, "row_split") > 1:  # only many 16-bit rows too wide for one pass, in slices of at most 8192
         assert problem.N > 16384 and problem.M > 2048 and problem.itemsize == 2
         assert cfg.kernel_1.column_accumulators and slice_width(problem.N, cfg.kernel_1.row_split) <= 8192
     elif problem.norm == "rms_norm" and wide_16_bit:
@@ -513,7 +526,7 @@ def check_default_for(problem: Problem) -> None:
     elif cfg.kernel_1.strategy == "columns":
         assert programs == -(-problem.N // cfg.kernel_1.block_col)
     else:
-        assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row)) * cfg.kernel_1.row_split
+        assert 0 < programs <= max(1, -(-problem.M // cfg.kernel_1.block_row)) * knob(cfg, "row_split")
     for name in DEVICE_NAMES:
         selected = select_config(problem, name)
         assert selected.is_valid(problem), f"select_config({problem.key}, {name!r}) gave an invalid {selected}"
@@ -626,7 +639,7 @@ def test_gpu_pipelined_split_is_correct_and_bitwise_at_scale(norm, M, N, dtype, 
     space's pipelined seeds of that split: float64 reference on poisoned outputs, and three runs bitwise equal."""
     problem = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm")
     seeds = [c for c in Space(problem, torch.cuda.get_device_properties(0).multi_processor_count).seeds()
-             if c.kernel_1.pipelined_split and c.kernel_1.row_split == split]
+             if knob(c, "pipelined_split") and knob(c, "row_split") == split]
     assert seeds, "the space seeds this split pipelined"
     inputs, ref, args = saved_inputs(problem, "cuda", reference_norm, make_norm_inputs)
     tol, scale = tolerance(TORCH_DTYPE[dtype], "input"), ref["scale"]

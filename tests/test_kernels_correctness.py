@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, Problem, layer_norm, rms_norm
+from normtune.kernels import BackwardConfig, Kernel2Config, Problem, kernel_1_config, layer_norm, rms_norm
 from normtune.kernels import backward as backward_module
 from normtune.kernels import forward as forward_module
 from normtune.kernels.backward import TORCH_DTYPES, BackwardLaunch
@@ -73,7 +73,7 @@ def small_config(N: int, dtype: torch.dtype, *, two_pass: bool, block_row: int =
     problem = problem or Problem(norm, 1, N, dtype)
     for rows in (block_row, 1):  # whole wide rows fit the register budget only one at a time
         for warps in NUM_WARPS:
-            k1 = Kernel1Config(block_row=rows, block_col=block_col, num_warps=warps, programs_per_sm=programs_per_sm,
+            k1 = kernel_1_config(block_row=rows, block_col=block_col, num_warps=warps, programs_per_sm=programs_per_sm,
                                two_pass=two_pass, recompute=recompute)
             cfg = BackwardConfig(k1, k2)
             if cfg.is_valid(problem):
@@ -175,7 +175,7 @@ def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtyp
     config = small_config(N, dtype, two_pass=mode == "2pass", recompute=mode == "1pass-recompute", norm=norm,
                           problem=problem)
     if mode == "dual":  # no weight and no bias: no column programs at all
-        config = BackwardConfig(dataclasses.replace(config.kernel_1, strategy="dual"), Kernel2Config(block_m=4))
+        config = BackwardConfig(kernel_1_config(config.kernel_1.shared_fields(), strategy="dual"), Kernel2Config(block_m=4))
     run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm)
 
 
@@ -279,7 +279,7 @@ def test_dual_strategy_shapes(M, N, norm, save, device, tolerance, assert_close,
     inputs = make_norm_inputs((M, N), dtype, device, has_bias=has_bias)
     problem = make_problem(norm, M, N, dtype, dtype, True, has_bias, False, save)
     rows = small_config(N, dtype, two_pass=False, norm=norm, problem=problem)
-    config = BackwardConfig(dataclasses.replace(rows.kernel_1, strategy="dual"), Kernel2Config(block_m=4, block_n=64))
+    config = BackwardConfig(kernel_1_config(rows.kernel_1.shared_fields(), strategy="dual"), Kernel2Config(block_m=4, block_n=64))
     config.validate(problem)
     launch = run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm,
                                     eps=1.0 if N == 1 else None)
@@ -311,7 +311,7 @@ def test_backward_launcher_strided_rows_and_output_view(norm, extra, dx_extra, h
     saved, rstd, mean = saved_for_backward(inputs, ref, norm=norm, save="input")
     assert saved.stride(0) == N + extra and inputs["grad"].stride(0) == N + extra
     single = small_config(N, torch.float32, two_pass=False)
-    dual = BackwardConfig(dataclasses.replace(single.kernel_1, strategy="dual"), Kernel2Config(block_m=4))
+    dual = BackwardConfig(kernel_1_config(single.kernel_1.shared_fields(), strategy="dual"), Kernel2Config(block_m=4))
     for config in (single, small_config(N, torch.float32, two_pass=True), dual):
         dx_buffer = torch.full((M, N + dx_extra), float("nan"), dtype=torch.float32, device=device)
         launch = poisoned_launch(problem, config, inputs["grad"], saved,
@@ -330,7 +330,7 @@ def test_wide_row_65536_two_pass(norm, dtype, device, tolerance, assert_close, r
     inputs = make_norm_inputs((M, N), dtype, device, has_bias=has_bias)
     check_forward(inputs, norm=norm, zero_centered=False, eps=1e-5, tolerance=tolerance, assert_close=assert_close,
                   reference_norm=reference_norm)
-    config = BackwardConfig(Kernel1Config(block_row=1, block_col=4096, num_warps=4, two_pass=True),
+    config = BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=4, two_pass=True),
                             Kernel2Config(block_m=4, block_n=1024, num_warps=4))
     for save in SAVES:
         problem = make_problem(norm, M, N, dtype, dtype, True, has_bias, False, save)

@@ -8,7 +8,7 @@ import torch
 
 from normtune.kernels import (
     BackwardConfig,
-    Kernel1Config,
+    kernel_1_config,
     layer_norm,
     layer_norm_backward,
     layer_norm_forward,
@@ -110,7 +110,7 @@ BAD = [
      ["rstd has shape (6,) and dtype torch.bfloat16", "fp32 rstd"]),
     ("rstd-shape", lambda a: a.update(rstd=a["rstd"][:5]), ValueError, ["rstd has shape (5,)", "of shape (6,)"]),
     ("mean-missing", lambda a: a.update(mean=None), TypeError, ["mean must be a torch.Tensor", "NoneType"]),
-    ("config-fit", lambda a: a.update(config=BackwardConfig(Kernel1Config(block_col=128))), ValueError,
+    ("config-fit", lambda a: a.update(config=BackwardConfig(kernel_1_config(block_col=128))), ValueError,
      ["config does not fit this input (6x200)", "kernel_1.block_col=128 < N=200"]),
     ("x-dtype", lambda a: a.update(x=a["x"].int()), TypeError, ["x has dtype torch.int32"]),
     ("y-dtype", lambda a: a.update(x=a["x"].int(), from_output=True), TypeError, ["y has dtype torch.int32"]),

@@ -17,7 +17,7 @@ STRATEGIES = {
     "rows": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1 and not c.kernel_2.fused,
     "columns": lambda c: c.kernel_1.strategy == "columns",
     "dual": lambda c: c.kernel_1.strategy == "dual",
-    "row_split": lambda c: c.kernel_1.row_split > 1,
+    "row_split": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split > 1,
     "fused": lambda c: c.kernel_2.fused,
 }
 # (norm, M, N): a few-row shape (columns, dual, fused) and a wide one (row_split).

@@ -21,7 +21,7 @@ from triton.runtime.errors import OutOfResources
 
 from normtune.kernels import backward as kbackward
 from normtune.kernels.backward import BackwardLaunch
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.device import sm_count
 from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.tuner.measure import bench_output
@@ -328,8 +328,8 @@ def test_measure_config(problem, device):
 
 
 @pytest.mark.parametrize("kernel_1, kernel_2", [
-    (Kernel1Config(block_row=2, block_col=256, num_warps=4, strategy="dual"), Kernel2Config(block_m=8, block_n=64)),
-    (Kernel1Config(block_row=8, block_col=64, num_warps=4, strategy="columns"), Kernel2Config()),
+    (kernel_1_config(block_row=2, block_col=256, num_warps=4, strategy="dual"), Kernel2Config(block_m=8, block_n=64)),
+    (kernel_1_config(block_row=8, block_col=64, num_warps=4, strategy="columns"), Kernel2Config()),
 ], ids=["dual", "columns"])
 def test_no_kernel_2_reports_no_kernel_2_time(kernel_1, kernel_2, device):
     """Without a second kernel the split's kernel_2 step is empty: its time is 0, not the events' own cost."""
@@ -350,10 +350,10 @@ def test_measure_config_without_bandwidth_has_no_floor(device):
 
 
 @pytest.mark.parametrize("config, needle", [
-    (BackwardConfig(Kernel1Config(block_col=64)), "block_col"),  # single pass narrower than N=200
-    (BackwardConfig(Kernel1Config(block_col=256, num_warps=3)), "num_warps"),
-    (BackwardConfig(Kernel1Config(block_col=256), Kernel2Config(block_n=24)), "block_n"),
-    (BackwardConfig(Kernel1Config(block_col=128, two_pass=True, recompute=True)), "recompute"),
+    (BackwardConfig(kernel_1_config(block_col=64)), "block_col"),  # single pass narrower than N=200
+    (BackwardConfig(kernel_1_config(block_col=256, num_warps=3)), "num_warps"),
+    (BackwardConfig(kernel_1_config(block_col=256), Kernel2Config(block_n=24)), "block_n"),
+    (BackwardConfig(kernel_1_config(block_col=128, two_pass=True, recompute=True)), "recompute"),
 ])
 def test_invalid_config_is_a_status_not_a_crash(config, needle, device):
     problem = Problem("layer_norm", 10, 200, "bf16")
@@ -422,7 +422,7 @@ def test_gate_catches_a_kernel_2_that_drops_a_program(monkeypatch, device):
 
     _patch(monkeypatch, "kernel_2", dropping)
     problem = Problem("layer_norm", 40, 72, "bf16")
-    config = BackwardConfig(Kernel1Config(block_row=2, block_col=128, num_warps=1, programs_per_sm=1))
+    config = BackwardConfig(kernel_1_config(block_row=2, block_col=128, num_warps=1, programs_per_sm=1))
     r = _measure(device, problem, config)
     assert r.status == "incorrect"
     assert "db relative error" in r.error

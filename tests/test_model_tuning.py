@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.device import interpret_mode
 from normtune.kernels.select import clear_caches, explain, select_config
 from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, choose_table, user_dir
@@ -320,8 +320,8 @@ GPU = DeviceInfo(name="NVIDIA Test GPU X1", key="test-gpu-x1", compute_capabilit
 
 def test_emit_user_writes_the_table_the_runtime_then_uses(tmp_path):
     url = f"sqlite:///{tmp_path / 'results.db'}"
-    fast = BackwardConfig(Kernel1Config(block_row=1, block_col=256, num_warps=4), Kernel2Config(128, 16, 4))
-    slow = BackwardConfig(Kernel1Config(block_row=2, block_col=256, num_warps=8), Kernel2Config(64, 32, 4))
+    fast = BackwardConfig(kernel_1_config(block_row=1, block_col=256, num_warps=4), Kernel2Config(128, 16, 4))
+    slow = BackwardConfig(kernel_1_config(block_row=2, block_col=256, num_warps=8), Kernel2Config(64, 32, 4))
     with Store(url) as store:
         run = store.start_run(GPU, kind="sweep", command_line="normtune sweep --gpu test-gpu-x1")
         for M in (64, 512):

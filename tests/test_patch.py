@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import normtune
-from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, LayerNorm, PatchReport, RMSNorm, patch
+from normtune.kernels import BackwardConfig, Kernel2Config, LayerNorm, PatchReport, RMSNorm, kernel_1_config, patch
 
 N = 32
-SMALL = BackwardConfig(Kernel1Config(block_row=2, block_col=64, num_warps=2), Kernel2Config(block_m=4, block_n=32))
+SMALL = BackwardConfig(kernel_1_config(block_row=2, block_col=64, num_warps=2), Kernel2Config(block_m=4, block_n=32))
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, Problem, forward_calls, layer_norm, rms_norm
+from normtune.kernels import (BackwardConfig, Kernel2Config, Problem, forward_calls, kernel_1_config, layer_norm,
+                              rms_norm)
 from normtune.kernels import saving
 from normtune.kernels.backward import workspace
 from normtune.kernels.config import NUM_WARPS
@@ -37,7 +38,7 @@ def _config(strategy: str, problem: Problem, block_row: int) -> BackwardConfig |
     k2 = Kernel2Config(block_m=4, block_n=16, num_warps=1, fused=strategy == "fused")
     for rows in (block_row, 1):
         for warps in NUM_WARPS:
-            cfg = BackwardConfig(Kernel1Config(block_row=rows, num_warps=warps, programs_per_sm=1, **k1), k2)
+            cfg = BackwardConfig(kernel_1_config(block_row=rows, num_warps=warps, programs_per_sm=1, **k1), k2)
             if cfg.is_valid(problem):
                 return cfg
     return None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.tuner.tables import emit
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
@@ -37,7 +37,7 @@ RMS_HELDOUT = Problem("rms_norm", 700, 3000, "bf16")
 def config(problem: Problem, block_row: int = 1, num_warps: int = 4, block_m: int = 64,
            block_n: int = 64) -> BackwardConfig:
     n_pow2 = 1 << (problem.N - 1).bit_length()
-    return BackwardConfig(Kernel1Config(block_row=block_row, block_col=n_pow2, num_warps=num_warps),
+    return BackwardConfig(kernel_1_config(block_row=block_row, block_col=n_pow2, num_warps=num_warps),
                           Kernel2Config(block_m=block_m, block_n=block_n)).validate(problem)
 
 

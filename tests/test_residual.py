@@ -20,6 +20,7 @@ from normtune.kernels import (
     Kernel2Config,
     Problem,
     ProblemFamily,
+    kernel_1_config,
     layer_norm,
     layer_norm_backward,
     layer_norm_forward,
@@ -38,7 +39,7 @@ K2 = Kernel2Config(block_m=4, block_n=64, num_warps=2)
 
 
 def _k1(**kw) -> Kernel1Config:
-    return Kernel1Config(**{"block_row": 2, "num_warps": 2, "programs_per_sm": 0.125, **kw})
+    return kernel_1_config(**{"block_row": 2, "num_warps": 2, "programs_per_sm": 0.125, **kw})
 
 
 # (strategy label, N, config): every kernel_1 strategy and the knobs that change where grad_input is written.
@@ -458,7 +459,7 @@ GRAPH_STRATEGIES = {
     "rows": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split == 1 and not c.kernel_2.fused,
     "columns": lambda c: c.kernel_1.strategy == "columns",
     "dual": lambda c: c.kernel_1.strategy == "dual",
-    "row_split": lambda c: c.kernel_1.row_split > 1,
+    "row_split": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split > 1,
     "fused": lambda c: c.kernel_2.fused,
 }
 

@@ -15,7 +15,8 @@ import random
 import pytest
 import torch
 
-from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import (STRATEGIES, BackwardConfig, ConfigError, Kernel2Config, Problem, default_config,
+                                     kernel_1_config)
 from normtune.kernels.heuristics import next_power_of_two, row_block_col, slice_width
 from normtune.kernels.strategies import num_programs
 from normtune.kernels.device import sm_count
@@ -43,16 +44,22 @@ def prefix(space: Space, n: int = 3000) -> list[BackwardConfig]:
     return list(itertools.islice(space, n))
 
 
+def knob(config, name: str):
+    """A kernel_1 knob of the canonical layout (the default where the config's strategy lacks it)."""
+    return config.to_dict()["kernel_1"][name]
+
+
 # ------------------------------------------------------------------------------------------------- domains
 
 
 def test_domains_cover_every_config_field():
     for s in (space("layer_norm", 64, 200, 4), space("rms_norm", 1, 1, 1), space("layer_norm", 8, 40000, 132)):
         d = s.domains()
-        k1 = {f"k1.{f.name}" for f in dataclasses.fields(Kernel1Config)}
+        own = {f.name for s in STRATEGIES.values() for f in dataclasses.fields(s.config_type)} | {"strategy"}
+        k1 = {f"k1.{name}" for name in own}
         k2 = {f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
         assert k1 | k2 == set(d), f"missing {sorted((k1 | k2) - set(d))}, extra {sorted(set(d) - (k1 | k2))}"
-        assert set(K1_DOMAINS) == {f.name for f in dataclasses.fields(Kernel1Config)}
+        assert set(K1_DOMAINS) == own
         assert set(K2_DOMAINS) == {f.name for f in dataclasses.fields(Kernel2Config)}
         assert all(len(v) >= 1 for v in d.values())
 
@@ -81,9 +88,10 @@ def test_splits_of_3_to_7_are_offered_where_they_fit_the_row(N, splits):
     assert sp.domains()["k1.row_split"] == splits
     odd = {s for s in splits if s & (s - 1)}
     assert all(fitting_split(N, s) and row_block_col(N, s) * s == N for s in odd)
-    seeded = {c.kernel_1.row_split for c in sp.seeds()}
+    split = [c.kernel_1 for c in sp.seeds() if c.kernel_1.strategy == "rows"]
+    seeded = {k1.row_split for k1 in split}
     assert seeded & odd == {s for s in odd if row_block_col(N, s) >= 4096}
-    assert all(c.tile() >= 8192 for c in (s.kernel_1 for s in sp.seeds()) if c.row_split in odd)
+    assert all(k1.tile() >= 8192 for k1 in split if k1.row_split in odd)
     for cfg in sp.seeds():
         cfg.validate(sp.problem)
 
@@ -127,9 +135,9 @@ def test_larger_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
     for cfg in configs:
         assert s.why_not(cfg) is None, cfg
         cfg.validate(s.problem)
-        assert cfg.kernel_1.tile() <= (MAX_COLUMN_ACC_TILE if cfg.kernel_1.column_accumulators else MAX_SPACE_TILE)
+        assert cfg.kernel_1.tile() <= (MAX_COLUMN_ACC_TILE if knob(cfg, "column_accumulators") else MAX_SPACE_TILE)
         assert not (cfg.kernel_1.prefetch and cfg.kernel_1.num_stages > 1)
-        if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
+        if cfg.kernel_1.strategy == "rows" and not cfg.kernel_1.two_pass:
             assert cfg.kernel_1.block_col == row_block_col(N, cfg.kernel_1.row_split)
 
 
@@ -162,7 +170,7 @@ def test_random_points_of_the_space_are_valid_or_explained(norm, M, N, sms):
 def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
     # M=3 rows in tiles of 1 row on 4 SMs: 2, 3 and 4 programs per SM all give 3 programs.
     s = space("rms_norm", 3, 64, 4)
-    base = BackwardConfig(Kernel1Config(block_row=1, block_col=64, num_warps=1), Kernel2Config(32, 8, 1))
+    base = BackwardConfig(kernel_1_config(block_row=1, block_col=64, num_warps=1), Kernel2Config(32, 8, 1))
     grids = {}
     for pps in K1_DOMAINS["programs_per_sm"]:
         cfg = dataclasses.replace(base, kernel_1=dataclasses.replace(base.kernel_1, programs_per_sm=pps))
@@ -197,7 +205,7 @@ def test_params_config_round_trip(norm, M, N, sms):
         params = s.params(cfg)
         assert set(params) == set(d)
         assert s.config(params) == cfg
-        if not cfg.kernel_1.two_pass and cfg.kernel_1.strategy == "rows":
+        if cfg.kernel_1.strategy == "rows" and not cfg.kernel_1.two_pass:
             assert params["k1.block_col"] == d["k1.block_col"][0]
 
 
@@ -250,7 +258,7 @@ def test_seeds_include_two_pass_strategies_for_wide_rows():
     for norm, M, N in (("layer_norm", 512, 16384), ("rms_norm", 1024, 8192), ("layer_norm", 3000, 5000)):
         s = space(norm, M, N, 132)
         seeds = s.seeds()
-        two_pass = [c for c in seeds if c.kernel_1.two_pass]
+        two_pass = [c for c in seeds if knob(c, "two_pass")]
         assert two_pass, f"no two-pass seed for {norm} {M}x{N}"
         assert {c.kernel_1.block_row for c in two_pass} >= {1, 2}
         assert all(c.kernel_1.block_col < next_power_of_two(N) for c in two_pass)
@@ -263,7 +271,7 @@ def test_seeds_include_two_pass_strategies_for_wide_rows():
 
 def test_seeds_include_the_v2_strategies():
     wide = space("layer_norm", 2048, 16384, 132).seeds()
-    assert {c.kernel_1.row_split for c in wide} >= {1, 2, 4}
+    assert {knob(c, "row_split") for c in wide} >= {1, 2, 4}
     assert any(c.kernel_2.fused for c in wide)
     few = space("rms_norm", 100, 8192, 132).seeds()
     assert any(c.kernel_1.strategy == "columns" for c in few)
@@ -400,7 +408,7 @@ def test_two_pass_shared_memory_estimate_matches_the_compiler(norm, dtype, block
 
     problem = Problem(norm, 2048, 32768, dtype, has_bias=norm == "layer_norm")
     assert staged_shared_bytes(problem, block_row, block_col, num_stages, True, prefetch, num_warps) == shared
-    k1 = Kernel1Config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
+    k1 = kernel_1_config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
                        two_pass=True, prefetch=prefetch)
     config = BackwardConfig(k1, default_config(problem).kernel_2)
     try:

@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 
 from pg_support import fresh_database
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import STRATEGIES, BackwardConfig, Kernel2Config, Problem, kernel_1_config
 from normtune.tuner.store import database as store_module
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import STATUSES, MeasureResult
@@ -41,7 +41,7 @@ INTERP = dataclasses.replace(H100, name="cpu (triton interpreter)", key="interpr
 
 RMS = Problem("rms_norm", 4096, 8192, "bf16", weight_dtype="fp32")
 LN = Problem("layer_norm", 2**33, 1024, "fp16", zero_centered=True, save="output")
-_K1 = Kernel1Config(block_row=2, block_col=8192, num_warps=16, num_stages=2, programs_per_sm=3,
+_K1 = kernel_1_config(block_row=2, block_col=8192, num_warps=16, num_stages=2, programs_per_sm=3,
                     eviction_policy="evict_first")
 # Every on/off knob switched on, whichever kernel_1 has today, so that a new knob is round-tripped too.
 CONFIG = BackwardConfig(dataclasses.replace(_K1, **{f.name: True for f in dataclasses.fields(_K1)
@@ -170,7 +170,8 @@ def test_config_columns_cover_config_fields():
     columns = {c.name for c in MeasurementModel.__table__.columns}
     k1 = {c[3:] for c in columns if c.startswith("k1_")}
     k2 = {c[3:] for c in columns if c.startswith("k2_")}
-    assert k1 == {f.name for f in dataclasses.fields(Kernel1Config)}, "a Kernel1Config field has no k1_ column"
+    own = {f.name for s in STRATEGIES.values() for f in dataclasses.fields(s.config_type)} | {"strategy"}
+    assert k1 == own, "a knob of a strategy's config type has no k1_ column"
     assert k2 == {f.name for f in dataclasses.fields(Kernel2Config)}, "a Kernel2Config field has no k2_ column"
     assert set(CONFIG_COLUMNS.values()) == {f"k1_{n}" for n in k1} | {f"k2_{n}" for n in k2}
     assert all(MeasurementModel.__table__.c[c].index for c in CONFIG_COLUMNS.values())
@@ -182,7 +183,7 @@ def test_config_columns_hold_the_config(store):
     with store.session_scope() as session:
         row = session.get(MeasurementModel, mid)
         for (kernel, name), column in CONFIG_COLUMNS.items():
-            assert getattr(row, column) == getattr(getattr(CONFIG, kernel), name), column
+            assert getattr(row, column) == CONFIG.to_dict()[kernel][name], column
         assert row.config_json == CONFIG.to_json() and len(row.config_hash) == 40
         # Queries by knob work on the columns.
         assert session.scalars(select(MeasurementModel.id).where(MeasurementModel.k2_pdl.is_(True),

@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.config import BackwardConfig, ConfigError, Kernel1Config, Problem
+from normtune.kernels.config import BackwardConfig, ConfigError, Problem
 from normtune.kernels.strategies import STRATEGIES, Knob
-from normtune.kernels.strategies.dual import Dual
+from normtune.kernels.strategies.dual import Dual, DualConfig
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import MeasureResult
 from normtune.tuner.space import Space
@@ -28,7 +28,7 @@ FEW = Problem("rms_norm", 64, 1024, "bf16")
 
 
 @dataclass(frozen=True)
-class SpinConfig(Kernel1Config):
+class SpinConfig(DualConfig):
     spin: int = 0
 
 

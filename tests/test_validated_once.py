@@ -12,13 +12,13 @@ import collections
 import pytest
 import torch
 
-from normtune.kernels import BackwardConfig, Kernel1Config, Kernel2Config, direct, layer_norm, rms_norm
+from normtune.kernels import BackwardConfig, Kernel2Config, direct, kernel_1_config, layer_norm, rms_norm
 from normtune.kernels import forward_calls
 from normtune.kernels.select import clear_caches
 from normtune.kernels.strategies import STRATEGIES
 
 N = 200
-SMALL = BackwardConfig(Kernel1Config(block_row=2, block_col=256, num_warps=2),
+SMALL = BackwardConfig(kernel_1_config(block_row=2, block_col=256, num_warps=2),
                        Kernel2Config(block_m=4, block_n=64, num_warps=2))
 FORMS = {"value": lambda c: c, "dict": lambda c: c.to_dict(), "json": lambda c: c.to_json()}
 
@@ -151,7 +151,7 @@ def test_reference_path(validations, monkeypatch, make_norm_inputs):
 def test_a_config_that_does_not_fit_is_refused_on_every_call(validations, device, make_norm_inputs):
     """Only configs that passed are remembered: one that fails raises each time it is passed."""
     inputs = make_norm_inputs((4, N), torch.float32, device)
-    wide = BackwardConfig(Kernel1Config(block_row=1, block_col=128, num_warps=2), Kernel2Config())
+    wide = BackwardConfig(kernel_1_config(block_row=1, block_col=128, num_warps=2), Kernel2Config())
     for _ in range(2):
         with pytest.raises(ValueError, match="config does not fit this input"):
             rms_norm(inputs["x"], inputs["weight"], config=wide)

@@ -16,7 +16,6 @@ from normtune.kernels.config import BackwardConfig, Kernel2Config, default_confi
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
 from normtune.kernels.strategies import SEED_ORDER, in_order
 from normtune.kernels.strategies.columns import FEW_ROWS  # noqa: F401 - where the light few-row seeds stop
-from normtune.kernels.strategies.rows import narrow_odd_split
 
 if TYPE_CHECKING:  # the space calls this module with itself
     from .space import Space
@@ -38,22 +37,18 @@ def strategies(space: "Space") -> list[BackwardConfig]:
 
 def seeds(space: "Space") -> list[BackwardConfig]:
     """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
-    (each knob moved to the adjacent domain value)."""
+    (each knob moved to the adjacent domain value, where the default's strategy takes it: `Strategy.neighbour`)."""
     base = space.canonical(default_config(space.problem, space.limits))
     few = space.problem.M <= MAX_COLUMNS_ROWS  # few rows: the row-sweeping strategies first (a budgeted sweep
     out = [base] + sorted(space.strategies(), key=lambda c: few and not c.strategy.sweeps_rows)  # reaches them)
     d = space.domains()
     params = space.params(base)
     for key, dom in d.items():
-        if key == "k1.block_col" and not base.kernel_1.two_pass:
-            continue
         cur = params.get(key)
         if cur not in dom:
             continue
         i = dom.index(cur)
         for j in (i - 1, i + 1):
-            if 0 <= j < len(dom):
-                if key == "k1.row_split" and narrow_odd_split(space.problem.N, dom[j]):
-                    continue  # as in the seeds: odd splits only where each slice is 4096 columns or wider
+            if 0 <= j < len(dom) and base.strategy.neighbour(key, dom[j], base.kernel_1, space.problem):
                 out += space.worth_measuring([space.config({**params, key: dom[j]})])
     return list(dict.fromkeys(out))

@@ -1,8 +1,8 @@
 """The search space: declared domains for every launch knob of both kernels, and declared constraints that prune
 configs before anything is compiled.
 
-The knobs are the fields of `Kernel1Config` / `Kernel2Config` (the single definition): a test checks that every
-field has a domain here. Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning
+The knobs are the fields of the strategies' config types and `Kernel2Config` (the single definition): a test
+checks that every field has a domain here; each strategy narrows its own knobs' domains to the problem. Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning
 (what would time the same kernels as another config: e.g. grids that collapse to the same program count), so
 that enumeration yields each distinct launch once. Where a sweep starts (the seeds) is `seeds.py`.
 """
@@ -17,17 +17,11 @@ from typing import Any, Iterator, Mapping
 from normtune.kernels.capabilities import fallbacks, portable
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem
 from normtune.kernels.limits import REFERENCE, DeviceLimits
-from normtune.kernels.heuristics import (
-    MAX_COLUMNS_ROWS,
-    MAX_SINGLE_PASS,
-    MIN_ELEMENTS_PER_THREAD,
-    max_warps,
-    next_power_of_two,
-    slice_width,
-)
-from normtune.kernels.problem import is_power_of_two
+from normtune.kernels.heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, MIN_ELEMENTS_PER_THREAD, max_warps,
+                                        next_power_of_two)
 from normtune.kernels.strategies import KERNEL_1_DOMAINS, KERNEL_2_DOMAINS, STRATEGIES, num_programs
-from normtune.kernels.strategies.rows import MAX_COLUMN_ACC_TILE, fitting_split
+from normtune.kernels.strategies.base import MAX_SPACE_TILE
+from normtune.kernels.strategies.rows import MAX_COLUMN_ACC_TILE, MIN_TWO_PASS_CHUNK, fitting_split
 
 from . import seeds as seeding
 
@@ -35,11 +29,6 @@ from . import seeds as seeding
 # knob layout (`strategies/base.py`), the strategy domain being the registry's names.
 K1_DOMAINS: dict[str, tuple] = {**KERNEL_1_DOMAINS, "strategy": tuple(STRATEGIES)}
 K2_DOMAINS: dict[str, tuple] = dict(KERNEL_2_DOMAINS)
-# Largest tile (elements) the space offers: past it registers spill (except with dw/db per column, which hold
-# block_row times fewer registers: MAX_COLUMN_ACC_TILE).
-MAX_SPACE_TILE = 16384
-# Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
-MIN_TWO_PASS_CHUNK = 512
 
 __all__ = ["K1_DOMAINS", "K2_DOMAINS", "MAX_COLUMN_ACC_TILE", "MAX_SINGLE_PASS", "MAX_SPACE_TILE",
            "MIN_TWO_PASS_CHUNK", "Space", "fitting_split"]
@@ -66,13 +55,6 @@ class Space:
         n_pow2 = next_power_of_two(p.N)
         d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
         d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s in STRATEGIES and STRATEGIES[s].offered(p))
-        splits = tuple(s for s in K1_DOMAINS["row_split"]
-                       if slice_width(p.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(p.N, s) >= 256)
-                       and (is_power_of_two(s) or fitting_split(p.N, s)))
-        d["k1.row_split"] = splits or (1,)
-        if len(d["k1.row_split"]) == 1:
-            d["k1.pipelined_split"] = (False,)
-        d["k1.two_pass"] = tuple(m for m in K1_DOMAINS["two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
         d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
         rows_needed = next_power_of_two(max(1, p.M))
         d["k1.block_row"] = tuple(r for r in K1_DOMAINS["block_row"] if r <= rows_needed) or (1,)
@@ -87,8 +69,8 @@ class Space:
             d["k1.eviction_policy"] = ("",)
         if not lim.pdl:
             d["k2.pdl"] = (False,)
-        if not lim.inline_ptx:
-            d["k1.pipelined_split"] = (False,)
+        for strategy in STRATEGIES.values():  # their own knobs (`Strategy.narrow_domains`)
+            strategy.narrow_domains(d, p, lim)
         return d
 
     def kernel_2_domains(self) -> Mapping[str, tuple]:
@@ -108,6 +90,7 @@ class Space:
         ignores take the first value of their domains."""
         k1 = config.kernel_1
         out = {f"k1.{f.name}": getattr(k1, f.name) for f in dataclasses.fields(k1)}
+        out["k1.strategy"] = k1.strategy
         d = self.domains()
         out.update({k: v[0] for k, v in d.items() if k.startswith("k1.") and k not in out})
         out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
@@ -133,7 +116,7 @@ class Space:
         if lacking:
             return lacking[0]
         k1 = config.kernel_1
-        largest = MAX_COLUMN_ACC_TILE if k1.column_accumulators else MAX_SPACE_TILE
+        largest = config.strategy.largest_tile(k1)
         if k1.tile() > largest:
             return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {largest} elements"
         if k1.num_warps > max_warps(k1.tile(), self.limits):
@@ -141,11 +124,9 @@ class Space:
                     f"{k1.tile()}-element tile")
         if k1.prefetch and k1.num_stages > 1:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
-        if k1.pipelined_split and k1.num_stages == 1:
-            return ("pipelined_split with num_stages = 1 issues the same loads as the plain exchange: use "
-                    "num_stages > 1")
-        if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
-            return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
+        own = config.strategy.why_not(config, self)
+        if own is not None:
+            return own
         if config.strategy.sweeps_rows and self.problem.M > MAX_COLUMNS_ROWS:
             return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
         return None

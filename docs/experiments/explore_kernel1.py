@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config
 from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.shapes import SEED, parse_shapes
@@ -27,7 +27,7 @@ def variants(p: Problem):
     out = {"default": base}
 
     def add(name, **kw):
-        k1kw = {k: v for k, v in kw.items() if k in Kernel1Config.__dataclass_fields__}
+        k1kw = {k: v for k, v in kw.items() if k in type(k1).__dataclass_fields__}
         k2kw = {k[3:]: v for k, v in kw.items() if k.startswith("k2_")}
         cfg = BackwardConfig(dataclasses.replace(k1, **k1kw), dataclasses.replace(k2, **k2kw))
         if cfg.is_valid(p):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import row_block_col
 from normtune.kernels.select import select_config
 from normtune.tuner.space import fitting_split
@@ -36,7 +36,7 @@ def variants(p: Problem, device_name: str) -> dict[str, BackwardConfig]:
         width = row_block_col(p.N, split)
         for elements, warps, per_sm in TILES:
             block_row = max(1, elements // width)
-            k1 = Kernel1Config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=per_sm,
+            k1 = kernel_1_config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=per_sm,
                                eviction_policy="evict_first", recompute=True, row_split=split,
                                column_accumulators=True)
             name = f"split{split} {block_row}x{width} w{warps}{f' {per_sm}/SM' if per_sm > 1 else ''}"

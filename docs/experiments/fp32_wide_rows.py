@@ -24,7 +24,7 @@ import dataclasses
 import os
 import sys
 
-from normtune.kernels.config import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
+from normtune.kernels.config import ROW_SPLITS, BackwardConfig, Kernel2Config, kernel_1_config
 from normtune.kernels.heuristics import WIDE_FP32_SLICE, row_block_col
 from normtune.kernels.select import select_config
 
@@ -41,7 +41,7 @@ def split_two_row(N: int, fitted: bool = False) -> BackwardConfig:
     fits = [s for s in ROW_SPLITS[1:] if row_block_col(N, s) <= WIDE_FP32_SLICE]
     split = min(fits, key=lambda s: (s * row_block_col(N, s), s)) if fitted else fits[0]
     return BackwardConfig(
-        Kernel1Config(block_row=2, block_col=row_block_col(N, split), num_warps=16, num_stages=1, programs_per_sm=1,
+        kernel_1_config(block_row=2, block_col=row_block_col(N, split), num_warps=16, num_stages=1, programs_per_sm=1,
                       eviction_policy="", prefetch=True, row_split=split, column_accumulators=True),
         Kernel2Config(block_m=64, block_n=16, num_warps=4, pdl=True))
 

@@ -17,7 +17,7 @@ import sys
 
 import normtune.kernels.config as config_module
 from normtune.kernels.backward import launch
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, register_budget, row_block_col, slice_width
 
 CASES = "layer_norm:2048x16384,rms_norm:2048x16384,layer_norm:4096x32768,rms_norm:4096x32768,layer_norm:2048x8192"
@@ -30,7 +30,7 @@ def tiles(p: Problem):
         if width > 16384 or (split > 1 and slice_width(p.N, split) < 256):
             continue
         for warps, prefetch, recompute in itertools.product((8, 16, 32), (False, True), (False, True)):
-            yield Kernel1Config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
+            yield kernel_1_config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
                                 eviction_policy="evict_first", prefetch=prefetch, recompute=recompute,
                                 row_split=split, column_accumulators=colacc)
 

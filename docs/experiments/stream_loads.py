@@ -113,8 +113,7 @@ def main() -> None:
             for ppsm in grids:
                 # whole rows per program: the table's row programs (a dual table's column programs, a split
                 # table's slices are not streams of whole rows)
-                whole = dataclasses.replace(k1, programs_per_sm=ppsm, row_split=1)
-                grid = (num_groups(p.M, dataclasses.replace(config, kernel_1=whole), info.sm_count),)
+                grid = (num_groups(p.M, k1.block_row, ppsm, info.sm_count),)
                 for s in stages:
                     for kind, kernel in (("ptr", stream_pointers), ("tma", stream_descriptors)):
                         for rows in (False, True):

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sys
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, default_config
+from normtune.kernels.config import BackwardConfig, Kernel2Config, default_config, kernel_1_config
 from normtune.kernels.heuristics import row_block_col
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +32,7 @@ CASES = ("layer_norm:512x12296,layer_norm:1024x12296,layer_norm:2048x12296,layer
 
 def variants(p, gpu_name: str) -> dict:
     out = {"default": default_config(p)}
-    k1 = Kernel1Config(block_row=4, block_col=row_block_col(p.N, 4), num_warps=8, num_stages=3, programs_per_sm=4,
+    k1 = kernel_1_config(block_row=4, block_col=row_block_col(p.N, 4), num_warps=8, num_stages=3, programs_per_sm=4,
                        eviction_policy="evict_first", recompute=True, row_split=4, column_accumulators=True,
                        pipelined_split=True)
     forms = {

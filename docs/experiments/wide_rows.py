@@ -12,7 +12,7 @@ import itertools
 import os
 import sys
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Problem, default_config
+from normtune.kernels.config import BackwardConfig, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import MAX_SINGLE_PASS, max_warps, row_block_col, slice_width
 from normtune.kernels.select import select_config
 
@@ -33,7 +33,7 @@ def variants(p: Problem, device_name: str) -> dict[str, BackwardConfig]:
             continue
         tile = block_row * width
         for warps in sorted({min(16, max_warps(tile)), min(32, max_warps(tile))}):
-            k1 = Kernel1Config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
+            k1 = kernel_1_config(block_row=block_row, block_col=width, num_warps=warps, programs_per_sm=1,
                                eviction_policy="evict_first", prefetch=True, row_split=split,
                                column_accumulators=colacc)
             for cand in (k1, dataclasses.replace(k1, prefetch=False, recompute=True)):

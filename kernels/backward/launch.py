@@ -31,7 +31,6 @@ from ..heuristics import (
     max_warps,
     needs_int64,
     next_power_of_two,
-    num_groups,
     occupancy,
     slice_width,
 )
@@ -161,11 +160,11 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
                     scratch=((M,), (M,)))
     if k1.strategy == "dual":
         k1_kwargs = _dual_kwargs(p, config, int64, hint)
-        rows = num_groups(M, config, sm_count(device))
+        rows = config.strategy.row_programs(M, config, sm_count(device))
         programs = rows + (cdiv(N, k2.block_n) if reduce else 0)
         return Plan(p, config, 0, programs, phased, 1, k1_kwargs, None, 0, None, 0,
                     Launcher(kernel_1_dual, k1_kwargs), row_programs=rows)
-    groups = num_groups(M, config, sm_count(device))
+    groups = config.strategy.partial_rows(M, config, sm_count(device))
     fused = k2.fused and reduce
     pdl = pdl_enabled(config, device)
     slots = cdiv(cdiv(M, k1.block_row), groups) if phased else 2

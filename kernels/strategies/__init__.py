@@ -9,9 +9,9 @@ from ..knobs import STRATEGIES, BackwardConfig
 from ..limits import REFERENCE, DeviceLimits
 from ..problem import Problem
 from .base import KERNEL_1_DOMAINS, KERNEL_2_DOMAINS, Knob, Strategy
-from .columns import COLUMNS
-from .dual import DUAL
-from .rows import ROWS
+from .columns import COLUMNS, ColumnsConfig
+from .dual import DUAL, DualConfig
+from .rows import ROWS, RowsConfig
 
 STRATEGIES.update({s.name: s for s in (ROWS, COLUMNS, DUAL)})
 # Which strategy's analytic default runs a problem: the first that gives one (rows always does).
@@ -19,8 +19,8 @@ DEFAULT_ORDER = ("columns", "rows")
 # The order in which the strategies' seeds are timed (strategies not listed follow, in registry order).
 SEED_ORDER = ("rows", "dual", "columns")
 
-__all__ = ["DEFAULT_ORDER", "KERNEL_1_DOMAINS", "KERNEL_2_DOMAINS", "SEED_ORDER", "STRATEGIES", "Knob", "Strategy",
-           "default_config", "num_programs", "partial_rows", "in_order"]
+__all__ = ["DEFAULT_ORDER", "KERNEL_1_DOMAINS", "KERNEL_2_DOMAINS", "SEED_ORDER", "STRATEGIES", "ColumnsConfig",
+           "DualConfig", "Knob", "RowsConfig", "Strategy", "default_config", "num_programs", "partial_rows", "in_order"]
 
 
 def in_order(names: tuple[str, ...]) -> list[Strategy]:

@@ -4,8 +4,10 @@ the checks every strategy's tile passes (register and shared-memory model).
 A strategy is one object (an instance of a `Strategy` subclass, one module each) that the registry
 (`strategies/__init__.py`) lists by name. Everything that depends on which strategy a config uses goes through
 it: validation, the analytic default, the search space's domains and conditional knobs, seeds, the grid and the
-launch plan. A knob of the strategy's own is declared in `extra` (a `Knob`) and held by its `config_type`, a
-subclass of `Kernel1Config`: the space, the seeds, the store and the tables then carry it with no other change.
+launch plan. Its config type (`config_type`, a frozen subclass of `Kernel1Config` in its module) holds the
+shared knobs and only the knobs that apply to it; code outside this package asks the strategy instead of reading
+them. A knob added later is declared in `extra` (a `Knob`) and held by the config type: the space, the seeds, the
+store and the tables then carry it with no other change.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..problem import ConfigError, Problem
 
 @dataclass(frozen=True)
 class Knob:
-    """A knob of one strategy's own: its `Kernel1Config` field name, the search domain (ordered: neighbours are
+    """A knob of one strategy's own: its config type's field name, the search domain (ordered: neighbours are
     one step apart when seeding), and the value configs without it hold (and measurements older than it ran)."""
 
     name: str
@@ -59,6 +61,9 @@ KERNEL_2_DOMAINS: dict[str, tuple] = {
 }
 
 
+# Largest tile (elements) the search space offers: past it registers spill (`Strategy.largest_tile`).
+MAX_SPACE_TILE = 16384
+
 # The rows strategy's own knobs, refused elsewhere (and in the rows strategy's forms they do not apply to).
 COLUMN_ACCUMULATORS_ROWS_ONLY = ("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
                                  "two_pass=false and strategy='rows', or column_accumulators=false")
@@ -66,17 +71,10 @@ PIPELINED_SPLIT_ROWS_ONLY = ("kernel_1.pipelined_split=true pipelines the exchan
                              "with strategy='rows', or pipelined_split=false")
 
 
-def refuse_rows_only_knobs(k1: Kernel1Config) -> None:
-    """A strategy other than rows refuses the rows strategy's column accumulators and pipelined split."""
-    if k1.column_accumulators:
-        raise ConfigError(COLUMN_ACCUMULATORS_ROWS_ONLY)
-    if k1.pipelined_split:
-        raise ConfigError(PIPELINED_SPLIT_ROWS_ONLY)
-
-
-def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False) -> None:
+def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False,
+               recompute: bool = False, column_accumulators: bool = False) -> None:
     """The register tile on the device of `lim`: size, idle threads, the register estimate and the staged shared
-    memory."""
+    memory (the strategy passes the knobs of its own that change them)."""
     if k1.tile() > MAX_TILE:
         raise ConfigError(f"kernel_1 tile block_row x block_col = {k1.tile()} exceeds {MAX_TILE} elements: shrink "
                           "block_row or block_col")
@@ -84,14 +82,14 @@ def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pa
         raise ConfigError(f"kernel_1.num_warps={k1.num_warps} leaves threads idle on a {k1.block_row}x{k1.block_col} "
                           f"tile: use num_warps <= {max(1, k1.tile() // lim.warp_size)}")
     regs = estimate_registers(problem, k1.block_row, k1.block_col, k1.num_warps, two_pass, k1.prefetch,
-                              k1.recompute, k1.column_accumulators, lim.warp_size)
+                              recompute, column_accumulators, lim.warp_size)
     budget = register_budget(k1.num_warps, lim)
     if regs > budget:
         raise ConfigError(
             f"kernel_1 register budget: a {k1.block_row}x{k1.block_col} tile on {k1.num_warps} warps keeps ~{regs} "
             f"fp32 values per thread (budget {budget} at {k1.num_warps} warps): use more warps, a smaller "
             "block_row, prefetch=false, or two_pass with a narrower block_col")
-    staged = staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages, k1.two_pass, k1.prefetch,
+    staged = staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages, two_pass, k1.prefetch,
                                  k1.num_warps)
     if staged > lim.shared_per_block:
         raise ConfigError(f"kernel_1.num_stages={k1.num_stages} stages {staged // 1024} KB in shared memory (budget "
@@ -107,29 +105,35 @@ def fit(config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> Backward
         return None
 
 
-def describe_flags(k1: Kernel1Config) -> str:
-    """The boolean knobs that are on, and the cache hint, as `BackwardConfig.__str__` shows them."""
-    return ((" prefetch" if k1.prefetch else "") + (" recompute" if k1.recompute else "")
-            + (" colacc" if k1.column_accumulators else "") + (" pipelined" if k1.pipelined_split else "")
-            + (f" {k1.eviction_policy}" if k1.eviction_policy else ""))
+def describe_flags(k1: Kernel1Config, own: str = "") -> str:
+    """prefetch when on, the strategy's own flags (`own`), and the cache hint, as `BackwardConfig.__str__` shows
+    them."""
+    return (" prefetch" if k1.prefetch else "") + own + (f" {k1.eviction_policy}" if k1.eviction_policy else "")
 
 
 class Strategy:
     """One kernel_1 strategy. Subclasses set the class attributes and override the methods marked so."""
 
     name: str = ""
-    config_type: type = Kernel1Config  # a subclass of Kernel1Config when the strategy has knobs of its own
-    extra: tuple[Knob, ...] = ()  # the knobs of its own (fields of config_type beyond Kernel1Config's)
+    config_type: type = Kernel1Config  # its own frozen subclass of Kernel1Config, whose `strategy` is `name`
+    extra: tuple[Knob, ...] = ()  # knobs added to config_type later (in its own configs' JSON only)
     sweeps_rows = False  # its column programs sweep every row: offered only for few rows, time grows with M
     # The fields of BackwardConfig.kernel_2 it launches with ("all", or the names of the ones it reads).
     kernel_2_knobs: tuple[str, ...] = tuple(KERNEL_2_DOMAINS)
+    # Knobs ('k1.…') the sampler draws right after the strategy: whether its other knobs apply depends on them.
+    decided_first: tuple[str, ...] = ()
 
     # ---- the config
     def make(self, **fields) -> Kernel1Config:
         """A kernel_1 config of this strategy (extra knobs at their defaults unless given)."""
         for knob in self.extra:
             fields.setdefault(knob.name, knob.default)
-        return self.config_type(**fields, strategy=self.name)
+        return self.config_type(**fields)
+
+    def inapplicable(self, name: str, value: Any) -> str:
+        """The error for a non-default value of knob `name` of the layout, which this strategy's type lacks."""
+        return (f"kernel_1.{name}={value!r} does not apply to strategy={self.name!r}: leave it out (or at its "
+                "default)")
 
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:  # override
         """Raise `ConfigError` naming the field if the combination cannot run `problem` on the device of `lim`."""
@@ -158,6 +162,15 @@ class Strategy:
         """Rows of the fp32 partial dw/db buffers kernel_1 writes (none unless overridden)."""
         return 0
 
+    # ---- the device's features (`capabilities`)
+    def fallbacks(self, k1: Kernel1Config, limits: DeviceLimits) -> list[str]:
+        """One line per knob of its own that asks for a feature the device of `limits` lacks (none by default)."""
+        return []
+
+    def portable(self, k1: Kernel1Config, limits: DeviceLimits) -> Kernel1Config:
+        """`k1` without the features of its own knobs that the device lacks (`k1` itself by default)."""
+        return k1
+
     # ---- what a table's config does on other problems
     def holds_rows(self, k1: Kernel1Config) -> bool:
         """Whether the config sizes its register tile for the element size it was fitted on (`adapt`)."""
@@ -167,9 +180,26 @@ class Strategy:
         """Whether one program holds whole rows in a single pass (what the dual strategy can take over)."""
         return False
 
+    def carry_over(self, config: BackwardConfig, problem: Problem, stand_in: str,
+                   factor: int) -> tuple[BackwardConfig | None, str]:
+        """A `holds_rows` config fitted on dtype `stand_in` for `problem`'s rows, of `factor` times its element
+        size (`adapt.carried_over`), or None and why it does not carry over."""
+        return None, f"its config holds whole {stand_in} rows in registers"
+
     # ---- the search space (`tuner/space.py`)
     def offered(self, problem: Problem) -> bool:  # override
         raise NotImplementedError
+
+    def narrow_domains(self, domains: dict[str, tuple], problem: Problem, lim: DeviceLimits) -> None:
+        """Narrow the domains of its own knobs to `problem` on the device of `lim`, in place (`Space.domains`)."""
+
+    def largest_tile(self, k1: Kernel1Config) -> int:
+        """The largest register tile (elements) the space offers for `k1`."""
+        return MAX_SPACE_TILE
+
+    def why_not(self, config: BackwardConfig, space) -> str | None:
+        """A constraint of its own knobs that `config` breaks in the space (`Space.why_not`), else None."""
+        return None
 
     def variants(self, domains: Mapping[str, tuple]) -> tuple[dict, ...]:
         """The values of the knobs decided first (`sampled_first`) the space enumerates for this strategy."""
@@ -221,6 +251,11 @@ class Strategy:
     def seeds(self, space, default: BackwardConfig) -> list[BackwardConfig]:
         """Configs of this strategy a local search around the default would not reach (`tuner/seeds.py`)."""
         return []
+
+    def neighbour(self, key: str, value: Any, k1: Kernel1Config, problem: Problem) -> bool:
+        """Whether the seeds take the one-step neighbour of `k1` (a default of this strategy) that moves knob `key`
+        to `value`. A column tile derived from N is not moved."""
+        return key != "k1.block_col"
 
     def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Further seeds derived from the others (after every strategy's `seeds`)."""

@@ -1,19 +1,20 @@
 """The columns strategy (few rows): one program per block_col-wide column slice sweeps all M rows, block_row at a
 time, and writes the final dw/db itself; the rows' two sums come from a small kernel run first. No partial buffer
-and no kernel_2 (its config is carried, each knob at its domain's first value). programs_per_sm, two_pass,
-row_split, recompute, column_accumulators and pipelined_split do not apply.
+and no kernel_2 (its config is carried, each knob at its domain's first value). Its config type holds the shared
+knobs only; programs_per_sm does not apply (held at 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two
-from ..knobs import BackwardConfig, Kernel2Config
+from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
-from .base import Strategy, check_tile, describe_flags, fit, refuse_rows_only_knobs
+from .base import COLUMN_ACCUMULATORS_ROWS_ONLY, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile, describe_flags, fit
 
 # Widest column slice of one program (its rows' dw/db accumulate in registers while it sweeps every row).
 MAX_SLICE = 1024
@@ -21,17 +22,24 @@ MAX_SLICE = 1024
 FEW_ROWS = 512
 
 
+@dataclass(frozen=True)
+class ColumnsConfig(Kernel1Config):
+    """kernel_1 of the columns strategy: the shared knobs only."""
+
+    strategy: ClassVar[str] = "columns"
+
+
 class Columns(Strategy):
     name = "columns"
+    config_type = ColumnsConfig
     sweeps_rows = True
     kernel_2_knobs = ()
 
+    def inapplicable(self, name: str, value: Any) -> str:
+        return refused_rows_knob(self.name, "sweeps rows of a column slice", name, value)
+
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1 = config.kernel_1
-        refuse_rows_only_knobs(k1)
-        if k1.two_pass or k1.row_split != 1 or k1.recompute:
-            raise ConfigError("kernel_1.strategy='columns' sweeps rows of a column slice: use two_pass=false, "
-                              "row_split=1, recompute=false")
         if k1.block_col > MAX_SLICE:
             raise ConfigError(f"kernel_1.block_col={k1.block_col} is the column slice of strategy='columns': "
                               f"use block_col <= {MAX_SLICE}")
@@ -90,7 +98,7 @@ class Columns(Strategy):
         many = problem.M >= 256
         config = BackwardConfig(
             self.make(block_row=16 if many else 32, block_col=128 if many else 32, num_warps=16 if many else 1,
-                      num_stages=1, programs_per_sm=1, two_pass=False, eviction_policy="", prefetch=True),
+                      num_stages=1, programs_per_sm=1, eviction_policy="", prefetch=True),
             Kernel2Config(block_m=128, block_n=16, num_warps=4))
         return fit(config, problem, lim)
 
@@ -116,6 +124,16 @@ class Columns(Strategy):
         cand = BackwardConfig(dataclasses.replace(k1, block_col=min(k1.block_col, next_power_of_two(problem.N))),
                               config.kernel_2)
         return cand if problem.M <= MAX_COLUMNS_ROWS and cand.is_valid(problem) else None
+
+
+def refused_rows_knob(strategy: str, what: str, name: str, value: Any) -> str:
+    """The error for a rows-strategy knob set on a strategy that lacks it (`what`: how that strategy works)."""
+    if name == "column_accumulators":
+        return COLUMN_ACCUMULATORS_ROWS_ONLY
+    if name == "pipelined_split":
+        return PIPELINED_SPLIT_ROWS_ONLY
+    return (f"kernel_1.{name}={value!r} does not apply to strategy={strategy!r}, which {what}: use "
+            "two_pass=false, row_split=1, recompute=false")
 
 
 COLUMNS = Columns()

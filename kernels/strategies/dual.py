@@ -2,35 +2,43 @@
 strategy's single pass does (block_row x block_col, block_col covering N; num_stages, prefetch, eviction_policy
 as there) and write grad_input; beside them, one program per kernel_2.block_n columns sweeps every row,
 kernel_2.block_m at a time, and writes the final dw/db. No partial buffer, no kernel_2 launch, no wait between
-programs. two_pass, row_split, recompute, column_accumulators and pipelined_split do not apply, nor kernel_2's
-num_warps, num_stages, pdl and fused.
+programs. Its config type holds the shared knobs only; kernel_2's num_warps, num_stages, pdl and fused do not
+apply.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two, num_groups, row_block_col
 from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
-from .base import Strategy, check_tile, describe_flags, refuse_rows_only_knobs
-from .columns import FEW_ROWS
-from .rows import fit_rows
+from .base import Strategy, check_tile, describe_flags
+from .columns import FEW_ROWS, refused_rows_knob
+from .rows import fit_row_tile
+
+
+@dataclass(frozen=True)
+class DualConfig(Kernel1Config):
+    """kernel_1 of the dual strategy: the shared knobs only."""
+
+    strategy: ClassVar[str] = "dual"
 
 
 class Dual(Strategy):
     name = "dual"
+    config_type = DualConfig
     sweeps_rows = True
     kernel_2_knobs = ("block_m", "block_n")  # the column programs' tile, on kernel_1's warps
 
+    def inapplicable(self, name: str, value: Any) -> str:
+        return refused_rows_knob(self.name, "holds whole rows in one pass", name, value)
+
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1, k2 = config.kernel_1, config.kernel_2
-        refuse_rows_only_knobs(k1)
-        if k1.two_pass or k1.row_split != 1 or k1.recompute:
-            raise ConfigError("kernel_1.strategy='dual' holds whole rows in one pass: use two_pass=false, "
-                              "row_split=1, recompute=false")
         if k1.block_col < problem.N:
             raise ConfigError(f"kernel_1.block_col={k1.block_col} < N={problem.N} in single pass: use block_col >= "
                               f"{next_power_of_two(problem.N)} or two_pass=true")
@@ -46,7 +54,12 @@ class Dual(Strategy):
                 f"{describe_flags(k1)}{self.describe_extra(k1)}] k2[columns {k2.block_m}x{k2.block_n}]")
 
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
-        return num_groups(M, config, sms) + cdiv(N, config.kernel_2.block_n)
+        return self.row_programs(M, config, sms) + cdiv(N, config.kernel_2.block_n)
+
+    def row_programs(self, M: int, config: BackwardConfig, sms: int) -> int:
+        """The programs that write grad_input (the column programs follow them)."""
+        k1 = config.kernel_1
+        return num_groups(M, k1.block_row, k1.programs_per_sm, sms)
 
     def whole_rows(self, k1) -> bool:
         return True
@@ -87,7 +100,7 @@ class Dual(Strategy):
         p, k1 = space.problem, default.kernel_1
         if p.M > MAX_COLUMNS_ROWS or not default.strategy.whole_rows(k1) or default.strategy is self:
             return []
-        rows = self.make(**{**_shared_fields(k1), "recompute": False, "column_accumulators": False, "prefetch": False})
+        rows = self.make(**{**k1.shared_fields(), "prefetch": False})
         widths = space.domains()["k2.block_n"]
         out = []
         for block_m, block_n in ((64, 64), (32, 64), (32, 128)):
@@ -109,12 +122,7 @@ class Dual(Strategy):
         strategy's whole rows are."""
         if problem.M > MAX_COLUMNS_ROWS:
             return None
-        return fit_rows(config.kernel_1, config.kernel_2, problem, sm_count)
-
-
-def _shared_fields(k1) -> dict:
-    """The fields of another strategy's kernel_1 config that the shared layout holds (not its own knobs)."""
-    return {f.name: getattr(k1, f.name) for f in dataclasses.fields(Kernel1Config) if f.name != "strategy"}
+        return fit_row_tile(config.kernel_1, config.kernel_2, problem, sm_count)
 
 
 DUAL = Dual()

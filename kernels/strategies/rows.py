@@ -21,20 +21,23 @@ Its forms, chosen by knobs:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
 
 from ..capabilities import checked
 from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_TILE_ELEMENTS, SPLIT_SLICE, WIDE_DEFAULT_MIN_ROWS,
                           WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps, next_power_of_two,
                           num_groups, row_block_col, slice_width, wide_fp32_rows)
-from ..knobs import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config
+from ..knobs import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config, check_booleans
 from ..limits import DeviceLimits
-from ..problem import ConfigError, Problem, is_power_of_two
-from .base import (COLUMN_ACCUMULATORS_ROWS_ONLY, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile, describe_flags,
-                   fit)
+from ..problem import ConfigError, Problem, check_choice, is_power_of_two
+from .base import (COLUMN_ACCUMULATORS_ROWS_ONLY, MAX_SPACE_TILE, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile,
+                   describe_flags, fit)
 
-# Largest split-row tile the seeds offer with dw/db per column (`MAX_COLUMN_ACC_TILE` in the space).
+# Largest tile the space and the seeds offer with dw/db per column (block_row times fewer accumulator registers).
 MAX_COLUMN_ACC_TILE = 32768
+# Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
+MIN_TWO_PASS_CHUNK = 512
 # Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds.
 MANY_NARROW_ROWS = 16384
 
@@ -50,8 +53,28 @@ def narrow_odd_split(N: int, split: int) -> bool:
     return not is_power_of_two(split) and row_block_col(N, split) < 4096
 
 
+@dataclass(frozen=True)
+class RowsConfig(Kernel1Config):
+    """kernel_1 of the rows strategy: the shared knobs and its forms' (the module says what each does)."""
+
+    two_pass: bool = False
+    recompute: bool = False
+    row_split: int = 1
+    column_accumulators: bool = False
+    pipelined_split: bool = False
+
+    strategy: ClassVar[str] = "rows"
+
+    def check_fields(self, limits: DeviceLimits | None = None) -> None:
+        super().check_fields(limits)
+        check_booleans(self, ("two_pass", "recompute", "column_accumulators", "pipelined_split"))
+        check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
+
+
 class Rows(Strategy):
     name = "rows"
+    config_type = RowsConfig
+    decided_first = ("k1.two_pass",)
 
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1, k2 = config.kernel_1, config.kernel_2
@@ -76,7 +99,8 @@ class Rows(Strategy):
         elif not k1.two_pass and k1.block_col < problem.N:
             raise ConfigError(f"kernel_1.block_col={k1.block_col} < N={problem.N} in single pass: use block_col >= "
                               f"{next_power_of_two(problem.N)} or two_pass=true")
-        check_tile(k1, problem, lim, two_pass=k1.two_pass)
+        check_tile(k1, problem, lim, two_pass=k1.two_pass, recompute=k1.recompute,
+                   column_accumulators=k1.column_accumulators)
         k2.validate(lim)
         if k2.fused:
             k2.check_tile(k1.num_warps, "kernel_1.num_warps (fused reduction)", lim)
@@ -86,14 +110,25 @@ class Rows(Strategy):
         mode = "2pass" if k1.two_pass else "1pass"
         split = f" split{k1.row_split}" if k1.row_split > 1 else ""
         return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
-                f"pps{k1.programs_per_sm}{describe_flags(k1)}{self.describe_extra(k1)}] k2[{k2.block_m}x{k2.block_n} "
+                f"pps{k1.programs_per_sm}{describe_flags(k1, own_flags(k1))}{self.describe_extra(k1)}] k2[{k2.block_m}x{k2.block_n} "
                 f"w{k2.num_warps} s{k2.num_stages}{' pdl' if k2.pdl else ''}{' fused' if k2.fused else ''}]")
 
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
-        return num_groups(M, config, sms) * config.kernel_1.row_split
+        return self.partial_rows(M, config, sms) * config.kernel_1.row_split
 
     def partial_rows(self, M: int, config: BackwardConfig, sms: int) -> int:
-        return num_groups(M, config, sms)
+        k1 = config.kernel_1
+        return num_groups(M, k1.block_row, k1.programs_per_sm, sms, k1.row_split)
+
+    # ---- the device's features
+    def fallbacks(self, k1: RowsConfig, limits: DeviceLimits) -> list[str]:
+        if k1.pipelined_split and not limits.inline_ptx:
+            return [f"kernel_1.pipelined_split: its waits are inline PTX, which {limits.name} does not run: the "
+                    "split row's exchange waits through Triton's barrier (not software-pipelined)"]
+        return []
+
+    def portable(self, k1: RowsConfig, limits: DeviceLimits) -> RowsConfig:
+        return k1 if limits.inline_ptx or not k1.pipelined_split else dataclasses.replace(k1, pipelined_split=False)
 
     def holds_rows(self, k1: Kernel1Config) -> bool:
         """Split rows (each slice fills the registers) or recompute (the packed 16-bit tile kept live)."""
@@ -102,9 +137,53 @@ class Rows(Strategy):
     def whole_rows(self, k1: Kernel1Config) -> bool:
         return not k1.two_pass and k1.row_split == 1
 
+    def carry_over(self, config: BackwardConfig, problem: Problem, stand_in: str,
+                   factor: int) -> tuple[BackwardConfig | None, str]:
+        """A split row in `factor` times the slices, each of the same bytes, without recompute (`adapt` then fits
+        it to the row); where that would pass ROW_SPLITS' largest, the largest split takes what it can and the
+        tile holds fewer rows for the rest. A whole row held in registers does not carry over."""
+        k1 = config.kernel_1
+        split = k1.row_split * factor
+        if k1.row_split == 1:
+            return None, f"its config holds whole {stand_in} rows in registers"
+        block_row, block_col = k1.block_row, max(1, k1.block_col // factor)
+        if split > ROW_SPLITS[-1]:
+            rest = -(-split // ROW_SPLITS[-1])  # the factor the slices cannot take: fewer rows per tile instead
+            if k1.block_row < rest:
+                return None, (f"its config holds {stand_in} rows in registers in {k1.row_split} slices of one row, "
+                              f"and {problem.dtype} would need more than {ROW_SPLITS[-1]}")
+            split, block_row, block_col = ROW_SPLITS[-1], k1.block_row // rest, k1.block_col
+        return BackwardConfig(dataclasses.replace(k1, row_split=split, block_row=block_row, block_col=block_col,
+                                                  recompute=False), config.kernel_2), ""
+
     # ---- the search space
     def offered(self, problem: Problem) -> bool:
         return True
+
+    def narrow_domains(self, domains: dict[str, tuple], problem: Problem, lim: DeviceLimits) -> None:
+        """Splits whose slices fit one pass (>= 256 columns; 3, 5, 6, 7 only where they fit the row exactly), the
+        pipelined exchange only where rows split and the device runs its inline PTX, two-pass only for rows
+        wider than 1024 columns (and the only form where no split fits)."""
+        splits = tuple(s for s in domains["k1.row_split"]
+                       if slice_width(problem.N, s) <= MAX_SINGLE_PASS and (s == 1 or slice_width(problem.N, s) >= 256)
+                       and (is_power_of_two(s) or fitting_split(problem.N, s)))
+        domains["k1.row_split"] = splits or (1,)
+        if len(domains["k1.row_split"]) == 1 or not lim.inline_ptx:
+            domains["k1.pipelined_split"] = (False,)
+        n_pow2 = next_power_of_two(problem.N)
+        domains["k1.two_pass"] = tuple(m for m in domains["k1.two_pass"] if (m or splits) and (not m or n_pow2 > 1024))
+
+    def largest_tile(self, k1: RowsConfig) -> int:
+        return MAX_COLUMN_ACC_TILE if k1.column_accumulators else MAX_SPACE_TILE
+
+    def why_not(self, config: BackwardConfig, space) -> str | None:
+        k1 = config.kernel_1
+        if k1.pipelined_split and k1.num_stages == 1:
+            return ("pipelined_split with num_stages = 1 issues the same loads as the plain exchange: use "
+                    "num_stages > 1")
+        if k1.two_pass and k1.block_col < MIN_TWO_PASS_CHUNK:
+            return f"two-pass chunks narrower than {MIN_TWO_PASS_CHUNK} columns are the columns strategy's job"
+        return None
 
     def variants(self, domains: Mapping[str, tuple]) -> tuple[dict, ...]:
         return tuple({"k1.two_pass": v} for v in domains["k1.two_pass"])
@@ -249,9 +328,11 @@ class Rows(Strategy):
         n_pow2 = next_power_of_two(p.N)
         alts: list[BackwardConfig] = []
         if n_pow2 >= 4096:
-            if not k1.two_pass:
-                alts += [BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2),
-                         BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2)]
+            own = default.strategy is self  # the default may be another strategy's (few rows too wide for one pass)
+            if own and not k1.two_pass:
+                alts.append(BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2))
+            if not (own and k1.two_pass):
+                alts.append(BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2))
             for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
                 if block_col < n_pow2:
                     alts.append(BackwardConfig(self.make(
@@ -294,6 +375,13 @@ class Rows(Strategy):
                     block_row=tall, block_col=n_pow2, num_warps=warps, num_stages=stages, programs_per_sm=3,
                     eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
         return alts
+
+    def neighbour(self, key: str, value: Any, k1: RowsConfig, problem: Problem) -> bool:
+        """Single pass derives its column tile from N; odd splits only where each slice is 4096 columns or wider
+        (as in `seeds`)."""
+        if key == "k1.block_col":
+            return k1.two_pass
+        return not (key == "k1.row_split" and narrow_odd_split(problem.N, value))
 
     def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Each split-row config again with its exchange pipelined (`pipelined_split`), three stages deep where the
@@ -341,27 +429,36 @@ class Rows(Strategy):
         return fit_rows(k1, config.kernel_2, problem, sm_count)
 
 
-def fit_rows(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+def fit_rows(k1: RowsConfig, k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
     """A whole-row (or two-pass) kernel_1 fitted to `problem`: single pass takes block_col = next_pow2(N) (two-pass
-    past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), a tile no larger than the rule's,
-    and with `sm_count`, smaller row tiles for a problem too short to fill a quarter of the rule's grid; then the
-    rule's warps, or the fewest that validate. None: nothing validates."""
+    past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), then `fit_row_tile`."""
+    n_pow2 = next_power_of_two(problem.N)
+    if not k1.two_pass and n_pow2 > MAX_SINGLE_PASS:
+        k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
+                                 recompute=False, column_accumulators=False)
+    elif k1.two_pass and k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
+        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
+    return fit_row_tile(k1, k2, problem, sm_count, whole_rows=not k1.two_pass)
+
+
+def fit_row_tile(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: int | None, *,
+                 whole_rows: bool = True) -> BackwardConfig | None:
+    """A row tile fitted to `problem`: with `sm_count`, smaller row tiles for a problem too short to fill a quarter
+    of the rule's grid; whole rows (single pass) take block_col = next_pow2(N) on a tile no larger than the
+    rule's (None past MAX_SINGLE_PASS); then the rule's warps, or the fewest that validate. None: nothing
+    validates."""
     n_pow2 = next_power_of_two(problem.N)
     if sm_count:
         want = max(1, round(k1.programs_per_sm * sm_count) // 4)
         while k1.block_row > 1 and -(-problem.M // k1.block_row) < want:
             k1 = dataclasses.replace(k1, block_row=k1.block_row // 2)
-    if not k1.two_pass:
-        if n_pow2 <= MAX_SINGLE_PASS:
-            block_row = k1.block_row
-            while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
-                block_row //= 2  # keep the tile no larger than the rule's
-            k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
-        else:
-            k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
-                                     recompute=False, column_accumulators=False)
-    elif k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
-        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
+    if whole_rows:
+        if n_pow2 > MAX_SINGLE_PASS:
+            return None
+        block_row = k1.block_row
+        while block_row > 1 and block_row * n_pow2 > k1.block_row * k1.block_col:
+            block_row //= 2  # keep the tile no larger than the rule's
+        k1 = dataclasses.replace(k1, block_col=n_pow2, block_row=block_row)
     if k2.block_n > n_pow2:
         k2 = dataclasses.replace(k2, block_n=n_pow2)
     for warps in (k1.num_warps, 16, 8, 4, 2, 1):
@@ -369,6 +466,12 @@ def fit_rows(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: i
         if cand.is_valid(problem):
             return cand
     return None
+
+
+def own_flags(k1: RowsConfig) -> str:
+    """The rows strategy's boolean knobs that are on, as `describe` shows them."""
+    return ((" recompute" if k1.recompute else "") + (" colacc" if k1.column_accumulators else "")
+            + (" pipelined" if k1.pipelined_split else ""))
 
 
 ROWS = Rows()

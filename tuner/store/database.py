@@ -216,11 +216,11 @@ class Store:
         if study_name is not None and trial_number is not None and slot is None:
             if (found := self._trial_measurement(study_name, trial_number)) is not None:
                 return found
-        config_json = config.to_json()
+        config_json, knobs = config.to_json(), config.to_dict()
         row = MeasurementModel(
             run_id=run_id, problem_id=self.problem_id(problem), config_json=config_json,
             config_hash=hash_config(config_json),
-            **{column: getattr(getattr(config, kernel), name) for (kernel, name), column in CONFIG_COLUMNS.items()},
+            **{column: knobs[kernel][name] for (kernel, name), column in CONFIG_COLUMNS.items()},
             status=result.status, error=result.error, reps=result.reps, bytes_moved=result.bytes_moved,
             programs=result.programs, errors_json=json.dumps(result.errors, sort_keys=True),
             interpret=result.interpret, source=source, study_name=study_name, trial_number=trial_number,

@@ -18,7 +18,7 @@ from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, 
                         Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from normtune.kernels.config import BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily
+from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, ProblemFamily, kernel_1_layout
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
@@ -33,13 +33,14 @@ _SQL_TYPES = {bool: Boolean(), int: Integer(), float: Float(), str: String(32)}
 
 
 def knob_columns() -> dict[tuple[str, str], tuple[str, Any, Any]]:
-    """(kernel, field) -> (column, SQL type, default) for every field of the shared config layout
-    (`Kernel1Config`, `Kernel2Config`): the measurements' indexed knob columns. A strategy's own knobs
-    (`Strategy.extra`) live in the stored config JSON only."""
+    """(kernel, field) -> (column, SQL type, default) for every knob of the canonical config layout (kernel_1's
+    `kernel_1_layout`: the registered strategies' knobs; `Kernel2Config`): the measurements' indexed knob columns.
+    Knobs a strategy declares later (`Strategy.extra`) live in the stored config JSON only."""
     out = {}
-    for kernel, prefix, cls in (("kernel_1", "k1", Kernel1Config), ("kernel_2", "k2", Kernel2Config)):
-        for f in dataclasses.fields(cls):
-            out[(kernel, f.name)] = (f"{prefix}_{f.name}", _SQL_TYPES[type(f.default)], f.default)
+    k2 = {f.name: f.default for f in dataclasses.fields(Kernel2Config)}
+    for kernel, prefix, layout in (("kernel_1", "k1", kernel_1_layout()), ("kernel_2", "k2", k2)):
+        for name, default in layout.items():
+            out[(kernel, name)] = (f"{prefix}_{name}", _SQL_TYPES[type(default)], default)
     return out
 
 

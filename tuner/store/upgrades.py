@@ -93,7 +93,8 @@ def canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> Non
             stored = config_from_columns(dict(row)).to_json()
         if stored not in canonical:
             config = BackwardConfig.from_json(stored)
-            canonical[stored] = (config.to_json(), {f"v_{column}": getattr(getattr(config, kernel), name)
+            knobs = config.to_dict()
+            canonical[stored] = (config.to_json(), {f"v_{column}": knobs[kernel][name]
                                                    for kernel, name, column in added})
         text_, values = canonical[stored]
         if text_ != stored or added:

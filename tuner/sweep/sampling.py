@@ -119,8 +119,9 @@ class Sampling:
             user_attrs={"source": "seed"})
 
 
-# The knobs sampled first: whether the others apply depends on them.
-DECIDED_FIRST = ("k1.strategy", "k1.two_pass")
+# The knobs sampled first: whether the others apply depends on them (the strategy, then those the strategies
+# decide first, `Strategy.decided_first`).
+DECIDED_FIRST = tuple(dict.fromkeys(("k1.strategy",) + tuple(k for s in STRATEGIES.values() for k in s.decided_first)))
 
 
 def inapplicable(key: str, params: dict[str, Any]):
