@@ -18,7 +18,7 @@ from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
 from .base import Strategy, check_tile, describe_flags
 from .columns import FEW_ROWS, refused_rows_knob
-from .rows import fit_row_tile
+from .fitting import fit_row_tile
 
 
 @dataclass(frozen=True)
