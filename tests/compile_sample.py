@@ -84,11 +84,11 @@ def applicable(space: Space, strategy: str, base: dict) -> set[str]:
     return out
 
 
-def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000,
-                    features_only: bool = False) -> tuple[list, dict[str, list[str]]]:
+def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000, features_only: bool = False,
+                    given: tuple[BackwardConfig, ...] = ()) -> tuple[list, dict[str, list[str]]]:
     """(strategy, problem, config) triples covering every knob value each strategy uses on the device, or with
-    `features_only` every form of the `FEATURES` knobs (module doc), and per strategy the (knob, value) pairs no
-    draw reached."""
+    `features_only` every form of the `FEATURES` knobs (module doc), besides the values the `given` configs
+    (compiled for the device anyway) already hold; and per strategy the (knob, value) pairs no draw reached."""
     rng = random.Random(seed)
     sample, unreached = [], {}
     for strategy, problems in STRATEGY_PROBLEMS.items():
@@ -102,7 +102,7 @@ def covering_sample(limits: DeviceLimits, seed: int = 0, tries: int = 20000,
             knobs &= set(FEATURES)
         wanted = {(k, v) for s in spaces for k in knobs for v in s.domains()[k]} - set(UNREACHABLE[strategy])
         wanted = {(k, _form(k, v, features_only)) for k, v in wanted}
-        covered: set = set()
+        covered = set().union(*(_pairs(c, knobs, features_only) for c in given if c.kernel_1.strategy == strategy))
         best, drawn = None, 0
         for _ in range(tries):
             missing = wanted - covered

@@ -11,7 +11,8 @@ per kernel; the tests run it in a subprocess without the interpreter. Per target
 
 - a covering sample of each strategy's search space (`compile_sample`): on sm_90 every knob value the strategy
   uses occurs, tile sizes included; on the other targets every value of the knobs that change the code's form
-  (pass mode, stages, eviction hint, prefetch, recompute, pipelined split, PDL, fused reduction, ...);
+  (pass mode, stages, eviction hint, prefetch, recompute, pipelined split, PDL, fused reduction, ...); values
+  that the other configs below already hold are not drawn again;
 - every form the analytic default takes on that device;
 - per strategy a residual stream, and the rows strategy at sizes whose offsets need 64 bits;
 - the forward kernel;
@@ -169,11 +170,11 @@ def _jobs(target: str, limits) -> list[tuple[str, object, object]]:
                     prefetch=False, column_accumulators=False, block_row=2, block_col=4096, num_warps=8,
                     num_stages=3), config.kernel_2)
             jobs.append((pick, problem, config))
-    sample, unreached = covering_sample(limits, features_only=target != "sm_90")
+    # The sample adds only the knob values that the cases, default forms and variants compiled here lack.
+    fixed = jobs + [("default-form", problem, config) for problem, config in default_forms(limits)] + variants(limits)
+    sample, unreached = covering_sample(limits, features_only=target != "sm_90", given=tuple(c for _, _, c in fixed))
     print(json.dumps({"target": target, "pick": "unreached", "unreached": unreached}), flush=True)
-    jobs += [(f"sample-{strategy}", problem, config) for strategy, problem, config in sample]
-    jobs += [("default-form", problem, config) for problem, config in default_forms(limits)]
-    return jobs + variants(limits)
+    return fixed + [(f"sample-{strategy}", problem, config) for strategy, problem, config in sample]
 
 
 def main(targets: list[str]) -> None:
@@ -363,7 +364,7 @@ def test_every_strategy_and_default_compiles_for(target, compiled):
     kernels = [r for r in lines if not r["pick"].startswith("forward") and r["pick"] != "unreached"]
     assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
             "kernel_2"} <= {r["kernel"] for r in kernels}
-    assert {r["pick"] for r in kernels} >= {"sample-rows", "sample-columns", "sample-dual", "default-form"}
+    assert "default-form" in {r["pick"] for r in kernels}
     # each strategy's kernel_1 with a residual stream, and the rows kernels (single and two-pass) on 64-bit offsets
     residual = {r["kernel"] for r in kernels if r["residual"]}
     assert {"kernel_1_single_pass", "kernel_1_columns", "kernel_1_dual"} <= residual, residual
