@@ -16,6 +16,10 @@
 # measuring process's idle time). Targets (issue 42): 1 GPU, 30 problems x 30 trials: wall <= 70 s, measuring
 # >= 80 % of the wall after the first measurement, first measurement <= 5 s; 2 GPUs >= 1.85x and 4 GPUs >= 3.4x
 # the trials/s of one (4 GPUs on 60 trials).
+#
+# FRESH_TRITON_CACHE=1 gives each run an empty Triton cache of its own (OUTDIR/triton-cache-Ngpu), so that every
+# GPU count compiles from scratch as the first run on a fresh host does; by default the runs share the user's
+# cache and only the first starts cold.
 set -euo pipefail
 OUTDIR=${1:?usage: bash docs/experiments/sweep_scaling.sh OUTDIR [SHAPES] [TRIALS] [GPU_KEY] [GPU_COUNTS]}
 SHAPES=${2:-seed}
@@ -36,6 +40,7 @@ TABLE="$OUTDIR/sweep_scaling.md"
     echo
     echo "\`$NT sweep --gpu $GPU --shapes $SHAPES --trials $TRIALS --devices …\`, a fresh SQLite database per row;"
     echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null || echo unknown) x $NGPU visible;"
+    echo "Triton cache: $([ "${FRESH_TRITON_CACHE:-0}" = 1 ] && echo "empty for every run" || echo "shared by the runs (only the first starts cold)");"
     echo "normtune $("$PY" -c 'import normtune; print(getattr(normtune, "__version__", "?"))'),  tree of ${NORMTUNE_GIT_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown')}."
     echo
     echo "| GPUs | trials | wall s | trials/s | vs 1 GPU | first measurement s | measuring share |"
@@ -49,6 +54,10 @@ for n in $COUNTS; do
     devices=$(seq -s, 0 $((n - 1)))
     db="$OUTDIR/scaling-${n}gpu.db"
     rm -f "$db" "$db-wal" "$db-shm"
+    if [ "${FRESH_TRITON_CACHE:-0}" = 1 ]; then
+        rm -rf "$OUTDIR/triton-cache-${n}gpu"
+        export TRITON_CACHE_DIR="$OUTDIR/triton-cache-${n}gpu"
+    fi
     start=$(date +%s.%N)
     if [ "$n" -eq 1 ]; then dev=(--device 0); else dev=(--devices "$devices"); fi
     COLUMNS=200 "$NT" sweep --gpu "$GPU" --shapes "$SHAPES" --trials "$TRIALS" "${dev[@]}" --db "$db" \
