@@ -79,31 +79,33 @@ CASES = [  # (norm, M, N, dtype, save, which seed); a residual case's dtype is "
 # Cases whose kernel_1 must (True) or must not (False) software-pipeline its tile loop (asynchronous copies).
 PIPELINED = {"pipelined2": True, "pipelined7": True, "pipelined8": True, "pipelined2-fused": True,
              "staged-split2": False}
-}
+
+
 def knobs(config):
-    """Every kernel_1 knob of the layout (those the config's strategy lacks at their default), by attribute."""
+    """Every kernel_1 knob of the layout (those the config's strategy lacks at their default), by attribute: a
+    rows knob read from a columns or dual config is its default, not an AttributeError."""
     return SimpleNamespace(**config.to_dict()["kernel_1"])
 
 
 PICK = {
     "default": lambda c, d: c == d,
-    "split3": lambda c, d: c.kernel_1.row_split == 3,
-    "split7": lambda c, d: c.kernel_1.row_split == 7,
-    "split2-fused": lambda c, d: c.kernel_1.row_split == 2,
-    "two_pass": lambda c, d: c.kernel_1.two_pass,
-    "columns": lambda c, d: c.kernel_1.strategy == "columns",
-    "dual": lambda c, d: c.kernel_1.strategy == "dual",
+    "split3": lambda c, d: knobs(c).row_split == 3,
+    "split7": lambda c, d: knobs(c).row_split == 7,
+    "split2-fused": lambda c, d: knobs(c).row_split == 2,
+    "two_pass": lambda c, d: knobs(c).two_pass,
+    "columns": lambda c, d: knobs(c).strategy == "columns",
+    "dual": lambda c, d: knobs(c).strategy == "dual",
     "pdl": lambda c, d: c.kernel_2.pdl,
-    "pipelined2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
-    "pipelined7": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 7,
-    "pipelined8": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 8,
-    "pipelined2-fused": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
+    "pipelined2": lambda c, d: knobs(c).pipelined_split and knobs(c).row_split == 2,
+    "pipelined7": lambda c, d: knobs(c).pipelined_split and knobs(c).row_split == 7,
+    "pipelined8": lambda c, d: knobs(c).pipelined_split and knobs(c).row_split == 8,
+    "pipelined2-fused": lambda c, d: knobs(c).pipelined_split and knobs(c).row_split == 2,
     # the same split seed with its exchange plain: Triton's pipeliner skips the loop (no async copy)
-    "staged-split2": lambda c, d: c.kernel_1.pipelined_split and c.kernel_1.row_split == 2,
-    "recompute": lambda c, d: c.kernel_1.recompute and c.kernel_1.row_split == 1 and c.kernel_1.block_row == 1,
+    "staged-split2": lambda c, d: knobs(c).pipelined_split and knobs(c).row_split == 2,
+    "recompute": lambda c, d: knobs(c).recompute and knobs(c).row_split == 1 and knobs(c).block_row == 1,
     "two_pass-staged": lambda c, d: c == d,  # made two-pass, 2x4096 tiles, 3 stages below
     "unaligned": lambda c, d: c == d,
-    "unaligned-dual": lambda c, d: c.kernel_1.strategy == "dual",
+    "unaligned-dual": lambda c, d: knobs(c).strategy == "dual",
 }
 # Cases whose kernels must move 16-bit rows in vectors only: widths that are multiples of 8 but not of 16, which
 # only the kernels' alignment hint tells the compiler. What may stay narrow is the final dw/db store (one column
