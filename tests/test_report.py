@@ -247,6 +247,28 @@ def test_missing_validation_and_bench_are_sentences(tmp_path):
     assert_valid_pngs(paths)
 
 
+def test_the_latest_validation_of_each_problem_form_is_shown(tmp_path):
+    """A residual-form validation after a plain one: the report shows both, each under its own heading."""
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        add_sweep(store)
+        add_validation(store)  # run 2: the plain norms
+        run = store.start_run(GPU, kind="validate", command_line="validate --residual")
+        residual = dataclasses.replace(RMS_HELDOUT, residual=True)
+        configs = {"table": config(residual, 1, 8), "best": config(residual, 1, 4),
+                   "default": default_config(residual)}
+        for name, us in (("table", 12.0), ("best", 10.0), ("default", 15.0)):
+            store.add_measurement(run, residual, configs[name], ok(us), source=f"validate-{name}")
+        store.end_run(run)  # run 3: regret 1.2
+        paths = write_report(store, "testgpu", tmp_path / "out")
+    text = paths[0].read_text()
+    assert "- **Held-out validation** (run 2," in text
+    assert "- **Held-out validation, fused residual add** (run 3, NVIDIA Test GPU, 1 shapes): the table's regret " \
+           "is 1.200" in text
+    assert text.index("### The plain norms") < text.index("validation run 2 (") < \
+        text.index("### The fused residual add") < text.index("validation run 3 (")
+    assert {"validation_rms_norm.png", "validation_rms_norm_residual.png"} <= {p.name for p in paths}
+
+
 def test_interpreter_only_database_is_labelled(tmp_path):
     with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
         add_sweep(store, INTERPRETER)

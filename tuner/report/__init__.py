@@ -36,7 +36,7 @@ def write_report(store, gpu_key: str, out_dir, *, heatmap_problem: str | None = 
     pictures = Pictures(out)
     shown, others = bench_runs(store, data)
     peer_rows = bench_rows(store, shown.run if shown else None)
-    validation = validation_rows(store, data.latest("validate"))
+    validation = [(form, run, validation_rows(store, run)) for form, run in data.latest_validations()]
     lines = (header_section(data) + summary_section(data, summaries, shown, peer_rows, validation)
              + peers_section(data, shown, peer_rows, [(o, bench_rows(store, o.run)) for o in others], pictures)
              + problems_section(summaries, data, pictures) + kernels_section(summaries, data, pictures)

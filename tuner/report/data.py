@@ -41,6 +41,17 @@ class ReportData:
     def latest(self, kind: str) -> RunRecord | None:
         return max((r for r in self.runs if r.kind == kind), key=lambda r: r.id, default=None)
 
+    def latest_validations(self) -> list[tuple[str, RunRecord]]:
+        """(form, run) of the latest validate run of each problem form: "" for the plain norms, "residual" for
+        the fused residual form (a run that validated both counts for both); the plain form first."""
+        residual = {m.run_id for m in self.measurements if m.problem.residual}
+        plain = {m.run_id for m in self.measurements if not m.problem.residual}
+        latest: dict[str, RunRecord] = {}
+        for run in sorted((r for r in self.runs if r.kind == "validate"), key=lambda r: r.id):
+            for form in [f for f, ids in (("", plain), ("residual", residual)) if run.id in ids] or [""]:
+                latest[form] = run
+        return sorted(latest.items())
+
 
 @dataclass(frozen=True)
 class ProblemSummary:

@@ -90,12 +90,14 @@ def summary_section(data: ReportData, summaries: list[ProblemSummary], bench: Be
     if gains:
         lines.append(f"- **Best measured config vs the analytic default** (what runs without a table), {gpu}, "
                      f"geometric mean (problems): {'; '.join(gains)}.")
-    rated = [r for r in validation if r.regret]
-    if rated:
-        s = summarize(rated)
-        lines.append(f"- **Held-out validation** (run {data.latest('validate').id}, {gpu}, {len(rated)} shapes): "
-                     f"the table's regret is {s['geomean_regret']:.3f} (geometric mean; worst "
-                     f"{s['worst_regret']:.3f}), where 1.000 means its config was the fastest of those timed.")
+    for form, run, rows in validation:
+        rated = [r for r in rows if r.regret]
+        if rated:
+            s = summarize(rated)
+            what = "Held-out validation" + (", fused residual add" if form else "")
+            lines.append(f"- **{what}** (run {run.id}, {gpu}, {len(rated)} shapes): the table's regret is "
+                         f"{s['geomean_regret']:.3f} (geometric mean; worst {s['worst_regret']:.3f}), where 1.000 "
+                         "means its config was the fastest of those timed.")
     return lines + [""]
 
 
@@ -312,27 +314,35 @@ def _table(store, data: ReportData, table_path: str | None) -> tuple[dict | None
         return None, f"No table file for `{data.gpu_key}`, and none can be fitted: {err}"
 
 
-def validation_section(data: ReportData, rows, pictures: plots.Pictures) -> list[str]:
-    run = data.latest("validate")
+def validation_section(data: ReportData, validation, pictures: plots.Pictures) -> list[str]:
+    """The latest validation of each problem form (`ReportData.latest_validations`), plain norms first."""
     lines = ["## Validation on held-out shapes", ""]
-    if run is None:
+    if not validation:
         return lines + ["No validation run for this GPU: run `normtune validate` to measure the table's regret on "
                         "shapes it was not fitted on.", ""]
+    for form, run, rows in validation:
+        if len(validation) > 1:
+            lines += [f"### {'The fused residual add' if form else 'The plain norms'}", ""]
+        lines += _validation_run(data, form, run, rows, pictures)
+    return lines
+
+
+def _validation_run(data: ReportData, form: str, run, rows, pictures: plots.Pictures) -> list[str]:
     rated = [r for r in rows if r.regret]
     if not rated:
-        return lines + [f"Validation run {run.id} ({run.started_at:%Y-%m-%d}) has no correct head-to-head times "
-                        "of the table's config.", ""]
+        return [f"Validation run {run.id} ({run.started_at:%Y-%m-%d}) has no correct head-to-head times "
+                "of the table's config.", ""]
     legacy = any(m.source == "validate-best" for m in data.measurements if m.run_id == run.id)
     reference = ("the best config of a short sweep seeded with the table's config and the default (an older "
                  "validate: not an independent reference)" if legacy else
                  "the best config of an unseeded sweep")
     over = sum(r.regret.value > REGRET_LIMIT for r in rated)
     gpu = run.gpu_name
-    lines += [f"{gpu}, validation run {run.id} ({run.started_at:%Y-%m-%d}, git "
-              f"{run.device.git_revision or 'unrecorded'}), on shapes the table was not fitted on (each row names "
-              f"its dtype): the table's config, the reference ({reference}) and the analytic default, timed head to "
-              "head in interleaved rounds (default: – where the run timed an older default than today's). "
-              "Regret = table ÷ the fastest of the three, bounds from the p10–p90 spreads.", ""]
+    lines = [f"{gpu}, validation run {run.id} ({run.started_at:%Y-%m-%d}, git "
+             f"{run.device.git_revision or 'unrecorded'}), on shapes the table was not fitted on (each row names "
+             f"its dtype): the table's config, the reference ({reference}) and the analytic default, timed head to "
+             "head in interleaved rounds (default: – where the run timed an older default than today's). "
+             "Regret = table ÷ the fastest of the three, bounds from the p10–p90 spreads.", ""]
     lines += validation_table(rows)
     lines += ["", f"**{validation_summary(summarize(rows))}** {over} of {len(rated)} shapes exceed a regret of "
                   f"{REGRET_LIMIT:.2f}.", ""]
@@ -343,9 +353,10 @@ def validation_section(data: ReportData, rows, pictures: plots.Pictures) -> list
                           lines={"1.0 = the table's config was the fastest": 1.0,
                                  f"{REGRET_LIMIT:.2f} = worth a second look": REGRET_LIMIT}, subtitle=subtitle)
 
+    suffix = f"_{form}" if form else ""
     for norm in dict.fromkeys(r.problem.norm for r in rated):
+        title = f"{norm}{' + residual add' if form else ''}: regret of the table on held-out shapes — {gpu}, run {run.id}"
         fig = plots.faceted(size_facets([r for r in rated if r.problem.norm == norm], lambda r: r.problem), draw,
-                            title=f"{norm}: regret of the table on held-out shapes — {gpu}, run {run.id}"
-                            + (", interpreter wall-clock" if data.interpret else ""))
-        lines.append(pictures.save(fig, f"validation_{norm}.png"))
+                            title=title + (", interpreter wall-clock" if data.interpret else ""))
+        lines.append(pictures.save(fig, f"validation_{norm}{suffix}.png"))
     return lines + [""]
