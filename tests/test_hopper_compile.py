@@ -120,7 +120,7 @@ POINTERS = {"torch.float32": "*fp32", "torch.bfloat16": "*bf16", "torch.float16"
 
 def _signature(kernel, args, kwargs):
     """Triton's signature, compile-time values and argument attributes for a `warmup(*args, **kwargs)` call,
-    specialized as a launch on the same values is: buffers start 16-byte aligned (`launch._placeholder_args`),
+    specialized as a launch on the same values is: buffers start 16-byte aligned (`plan.placeholders`),
     integers divisible by 16 are marked so, and an integer 1 becomes a compile-time constant."""
     values = iter(args)
     signature, constants, attrs = {}, {}, {}

@@ -232,7 +232,7 @@ STRATEGIES = {
     "pdl": lambda c: c.kernel_2.pdl and not c.kernel_2.fused,
     "columns": lambda c: c.kernel_1.strategy == "columns",
     "dual": lambda c: c.kernel_1.strategy == "dual",
-    "row_split": lambda c: c.kernel_1.row_split > 1,
+    "row_split": lambda c: c.kernel_1.strategy == "rows" and c.kernel_1.row_split > 1,
     "fused": lambda c: c.kernel_2.fused,
 }
 
@@ -290,7 +290,7 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
     """`precompile` (the sweep's compile-ahead workers) compiles with placeholders that Triton counts as 16-byte
     aligned and the integers of contiguous rows. A launch on aligned, contiguous inputs must pass exactly that,
     or the measuring process compiles every trial's kernel again (a sync-counter slice 8 bytes off did)."""
-    from normtune.kernels.backward.launch import _placeholder_args
+    from normtune.kernels.backward.launch import compile_ahead_args
     from normtune.tuner.measure.cases import make_case
 
     problem = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
@@ -298,15 +298,18 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
     if config is None:
         pytest.skip(f"the search space has no {strategy} seed for {problem.key}")
     launch = make_case(problem, device).launch(config)
-    for args in (launch._k1_args, launch._k2_args, launch._rs_args):
-        for t in _pointer_args(args or ()):
+    for args in launch.arguments:
+        for t in _pointer_args(args):
             assert t.data_ptr() % 16 == 0, f"a {strategy} launch passes a pointer off 16-byte alignment"
-    if config.kernel_1.strategy == "rows":
-        placeholders = _placeholder_args(problem, False, config.kernel_1.row_split)
-        launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
-        assert launch_ints == [a for a in placeholders if isinstance(a, int)]
-    if config.kernel_1.strategy == "dual":  # precompile: the rows' strides (dh's too), M, N and the row programs
-        launch_ints = [a for a in launch._k1_args if not isinstance(a, torch.Tensor)]
+    # precompile: the rows' strides (dh's place holds grad's), M, N and the strategy's integers, launch by launch
+    _, ahead = compile_ahead_args(problem, config, launch.dx.device)
+    assert len(ahead) == len(launch.arguments)
+    for launched, compiled in zip(launch.arguments, ahead):
+        assert [a for a in launched if not isinstance(a, torch.Tensor)] == [a for a in compiled if isinstance(a, int)]
+        assert [a.dtype for a in launched if isinstance(a, torch.Tensor)] == [
+            a for a in compiled if isinstance(a, torch.dtype)]
+    if config.kernel_1.strategy == "dual":
+        launch_ints = [a for a in launch.arguments[0] if not isinstance(a, torch.Tensor)]
         assert launch_ints == [N, N, N, N, M, N, launch.plan.row_programs]  # dh's place holds grad's stride
 
 

@@ -93,14 +93,15 @@ def launches() -> None:
     launch.run()
     torch.cuda.synchronize()
     pl = launch.plan
-    jit = pl.kernel_1
+    jit = pl.stage_1[0].kernel
+    k1_args = launch.arguments[0]
     say(f"kernel_1 through normtune's launcher: {per_call_us(launch.kernel_1):.1f} µs/launch")
     say(f"kernel_2 through normtune's launcher: {per_call_us(launch.kernel_2):.1f} µs/launch")
     say(f"kernel_1 through JITFunction: "
-        f"{per_call_us(lambda: jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)):.1f} µs/launch")
-    compiled = jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)
+        f"{per_call_us(lambda: jit[(pl.programs,)](*k1_args, **pl.k1_kwargs)):.1f} µs/launch")
+    compiled = jit[(pl.programs,)](*k1_args, **pl.k1_kwargs)
     compiled._init_handles()
-    runtime_args = list(launch._k1_args)
+    runtime_args = list(k1_args)
     full = []
     for p in jit.params:
         if p.is_constexpr:
@@ -133,7 +134,7 @@ def launches() -> None:
         return host_us_per_call(fn, device=dev, calls=20, reps=5)
 
     tensors_as_ints = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
-    say(f"GPU busy: kernel_1 JITFunction {busy(lambda: jit[(pl.programs,)](*launch._k1_args, **pl.k1_kwargs)):.1f}, "
+    say(f"GPU busy: kernel_1 JITFunction {busy(lambda: jit[(pl.programs,)](*k1_args, **pl.k1_kwargs)):.1f}, "
         f"normtune's launcher {busy(launch.kernel_1):.1f}, compiled launcher with tensors {busy(direct):.1f}, "
         f"with addresses {busy(lambda: run(pl.programs, 1, 1, stream_of(0), function, packed, None, None, None, *tensors_as_ints)):.1f}, "
         f"torch.empty {busy(lambda: torch.empty((4096, 4096), dtype=torch.bfloat16, device=dev)):.1f} µs/call")

@@ -54,9 +54,9 @@ def main() -> None:
                     cfg = BackwardConfig(k1, k2)
                     if not cfg.is_valid(p):
                         continue
-                    kwargs = launch._rows_kwargs(p, cfg, int64=False, pdl=k2.pdl, fused=fused, phase=0, slots=2)
-                    compiled = launch.kernel_1_single_pass.warmup(*launch._placeholder_args(p, False, k1.row_split),
-                                                                  grid=(1,), **kwargs)
+                    pl, (args, *_) = launch.compile_ahead_args(p, cfg, torch.device("cuda"))
+                    step = pl.stage_1[0]
+                    compiled = step.kernel.warmup(*args, grid=(1,), **step.kwargs)
                     compiled._init_handles()
                     est = estimate_registers(p, k1.block_row, k1.block_col, k1.num_warps, False, k1.prefetch,
                                              k1.recompute, k1.column_accumulators)

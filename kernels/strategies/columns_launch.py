@@ -1,0 +1,44 @@
+"""The columns strategy's launch plan: the row-sums kernel over every row, then one program per column slice
+(`backward/columns.py`); no partials, no kernel_2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..backward.columns import kernel_1_columns, row_sums
+from ..backward.plan import Plan, Step, Target, flags, k1_flags
+from ..config import BackwardConfig, Problem
+from ..heuristics import cdiv, max_warps, next_power_of_two
+
+NAME = "columns"
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnsPlan(Plan):
+    def bind(self, ops: tuple, dw, db, work: tuple, counters: tuple | None) -> tuple:
+        grad, g_stride, saved, s_stride, _dx, _dx_stride, _dh, _dh_stride, weight, bias, rstd, mean = ops
+        c0, c1 = work  # the per-row sums
+        M, N = self.problem.M, self.problem.N
+        sums = (grad, g_stride, saved, s_stride, weight, bias, rstd, mean, c0, c1, M, N)
+        return (sums, (*ops, c0, c1, dw, db, M, N)), (), (None, None)
+
+
+def row_sums_tile(N: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of the row-sums kernel: 4096-column chunks (a pure streaming reduction: nothing is
+    held across chunks), several rows per program for short rows."""
+    block_col = min(next_power_of_two(N), 4096)
+    block_row = max(1, min(16, 4096 // block_col))
+    return block_row, block_col, min(8, max_warps(block_row * block_col))
+
+
+def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int) -> ColumnsPlan:
+    k1 = config.kernel_1
+    rb, rc, rw = row_sums_tile(p.N)
+    k1_kwargs = dict(k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+                     PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
+    rs_kwargs = dict(flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
+    programs = cdiv(p.N, k1.block_col)
+    return ColumnsPlan(p, config, programs, target.phased, k1_kwargs,
+                       stage_1=(Step.of(row_sums, rs_kwargs, cdiv(p.M, rb)),
+                                Step.of(kernel_1_columns, k1_kwargs, programs)),
+                       scratch=((p.M,), (p.M,)))
