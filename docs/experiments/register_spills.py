@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+import torch
+
 import normtune.kernels.config as config_module
 from normtune.kernels.backward import launch
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_config
