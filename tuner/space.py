@@ -2,9 +2,10 @@
 configs before anything is compiled.
 
 The knobs are the fields of the strategies' config types and `Kernel2Config` (the single definition): a test
-checks that every field has a domain here; each strategy narrows its own knobs' domains to the problem. Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning
-(what would time the same kernels as another config: e.g. grids that collapse to the same program count), so
-that enumeration yields each distinct launch once. Where a sweep starts (the seeds) is `seeds.py`.
+checks that every field has a domain here; each strategy narrows its own knobs' domains to the problem.
+Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning (what would time the same
+kernels as another config: e.g. grids that collapse to the same program count), so that enumeration yields each
+distinct launch once. Where a sweep starts (the seeds) is `seeds.py`.
 """
 
 from __future__ import annotations

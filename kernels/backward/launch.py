@@ -17,7 +17,7 @@ from ..config import BackwardConfig, Problem
 from ..device import device_limits, interpret_mode, sm_count
 from ..heuristics import MAX_PROGRAMS_PER_SM_SYNC, alignment_hint, needs_int64, occupancy
 from ..strategies import columns_launch, dual_launch, rows_launch
-from .plan import TORCH_DTYPES, PLACEHOLDER_COUNTERS, Plan, Target, placeholder_work, placeholders
+from .plan import PLACEHOLDER_COUNTERS, TORCH_DTYPES, Plan, Target, placeholder_work, placeholders, reads_mean
 from .reduce import PDL_SUPPORTED
 from .workspace import scratch, sync_counters
 
@@ -69,7 +69,7 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
     this problem and device is not validated again)."""
     config = checked(problem, config, device_limits(device))
     if problem.M == 0:
-        return Plan(problem, config, 0, interpret_mode(), {})
+        return Plan(problem, config, 0, interpret_mode(), {}, reads_mean=reads_mean(problem))
     return PLANNERS[config.kernel_1.strategy](problem, config, target(device), int64, hint)
 
 
@@ -114,12 +114,12 @@ class BackwardLaunch:
         self.problem, self.config = problem, config
         has_w, has_b = problem.has_weight, bool(problem.has_bias)
         wdt = weight.dtype if weight is not None else grad.dtype
-        self.dw = torch.empty(N, dtype=wdt, device=device) if has_w else None
-        self.db = torch.empty(N, dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
+        self.dw = dw = torch.empty(N, dtype=wdt, device=device) if has_w else None
+        self.db = db = torch.empty(N, dtype=bias.dtype if bias is not None else wdt, device=device) if has_b else None
         # Absent tensors get a placeholder pointer (rstd) that the kernels never dereference.
         weight_arg = weight if weight is not None else rstd
         bias_arg = bias if bias is not None else rstd
-        mean_arg = mean if (problem.norm == "layer_norm" and problem.save == "input") else rstd
+        mean_arg = mean if pl.reads_mean else rstd
         # What Triton's specialization of these launches depends on beyond the plan: the row strides and the
         # alignment of the tensors this call did not allocate (see launcher.py).
         self._key = (g_stride, s_stride, dx_stride, grad.data_ptr() & 15, saved.data_ptr() & 15, dx_align,
@@ -127,17 +127,16 @@ class BackwardLaunch:
                      mean_arg.data_ptr() & 15)
         if dh is not None:
             self._key += (dh_stride, dh.data_ptr() & 15)
-        self.partial_dw = self.partial_db = None
-        self._args_1 = self._args_2 = ()
         if M == 0:
+            self._args_1 = self._args_2 = ()
+            self.partial_dw = self.partial_db = None
             return
         # The plan's fp32 scratch (partial rows, a split row's exchange, per-row sums): the stream's, not
         # allocated per call (`workspace.scratch`).
-        work = scratch(device, pl.scratch) if pl.scratch else ()
-        ops = (grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg, rstd, mean_arg)
-        self._args_1, self._args_2, (self.partial_dw, self.partial_db) = pl.bind(
-            ops, self.dw if has_w else rstd, self.db if has_b else rstd, work,
-            sync_counters(device) if pl.waits else None)
+        self._args_1, self._args_2, self.partial_dw, self.partial_db = pl.bind(
+            grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg, rstd, mean_arg,
+            rstd if dw is None else dw, rstd if db is None else db,
+            scratch(device, pl.scratch) if pl.scratch else (), sync_counters(device) if pl.waits else None)
 
     @property
     def programs(self) -> int:
@@ -193,8 +192,8 @@ def compile_ahead_args(problem: Problem, config: BackwardConfig, device: torch.d
     int64, hint = needs_int64(problem.M, problem.N), alignment_hint(problem.N)
     pl = plan(problem, config, device, int64, hint)
     ops, dw, db = placeholders(problem)
-    args_1, args_2, _ = pl.bind(ops, dw, db, placeholder_work(pl.scratch),
-                                PLACEHOLDER_COUNTERS if pl.waits else None)
+    args_1, args_2, _, _ = pl.bind(*ops, dw, db, placeholder_work(pl.scratch),
+                                   PLACEHOLDER_COUNTERS if pl.waits else None)
     return pl, args_1 + args_2
 
 

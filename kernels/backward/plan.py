@@ -32,7 +32,7 @@ class Target:
 
 
 class Operands(NamedTuple):
-    """The arguments every kernel_1 takes first, in this order (`Plan.bind` gets them as a plain tuple). Absent
+    """The arguments every kernel_1 takes first, in this order (`Plan.bind` takes them first). Absent
     tensors hold a placeholder pointer the kernels never dereference (rstd); without a residual, dh's place holds
     grad and its stride."""
 
@@ -64,9 +64,6 @@ class Step:
         return cls(kernel, kwargs, grid, Launcher(kernel, kwargs))
 
 
-NO_PARTIALS = (None, None)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Everything about one backward that does not depend on the tensors' addresses. A strategy's plan (a
@@ -83,13 +80,20 @@ class Plan:
     partial_rows: int = 0  # rows of the fp32 partial dw/db buffers kernel_1 writes and kernel_2 reads
     waits: bool = False  # kernel_1's programs wait for each other: it takes the stream's sync counters
     pdl: bool = False  # kernel_2 launches with programmatic dependent launch
+    reads_mean: bool = False  # the kernels read the saved mean (LayerNorm from its input); else rstd holds its place
 
-    def bind(self, ops: tuple, dw: Any, db: Any, work: tuple, counters: tuple | None) -> tuple:
-        """(stage_1's arguments, stage_2's arguments, (partial_dw, partial_db)) for one call: `ops` the
-        `Operands` (a plain tuple), dw/db the outputs (rstd where absent), `work` the scratch tensors of
-        `scratch`, `counters` the sync counters where `waits`. Placeholder dtypes in place of the tensors give
-        the arguments a compile ahead specializes on (`launch.precompile`)."""
-        return (), (), NO_PARTIALS
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
+             work: tuple, counters: tuple | None) -> tuple:
+        """(stage_1's arguments, stage_2's arguments, partial_dw, partial_db) for one call: the `Operands`, then
+        dw/db (rstd where absent), `work` the scratch tensors of `scratch`, `counters` the sync counters where
+        `waits`. Placeholder dtypes in place of the tensors give the arguments a compile ahead specializes on
+        (`launch.precompile`)."""
+        return (), (), None, None
+
+
+def reads_mean(p: Problem) -> bool:
+    """The backward reads the saved row means (LayerNorm recomputing x̂ from its input)."""
+    return p.norm == "layer_norm" and p.save == "input"
 
 
 def flags(p: Problem, hint: int) -> dict:

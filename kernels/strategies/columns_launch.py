@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..backward.columns import kernel_1_columns, row_sums
-from ..backward.plan import Plan, Step, Target, flags, k1_flags
+from ..backward.plan import Plan, Step, Target, flags, k1_flags, reads_mean
 from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv, max_warps, next_power_of_two
 
@@ -15,12 +15,14 @@ NAME = "columns"
 
 @dataclasses.dataclass(frozen=True)
 class ColumnsPlan(Plan):
-    def bind(self, ops: tuple, dw, db, work: tuple, counters: tuple | None) -> tuple:
-        grad, g_stride, saved, s_stride, _dx, _dx_stride, _dh, _dh_stride, weight, bias, rstd, mean = ops
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
+             work: tuple, counters: tuple | None) -> tuple:
         c0, c1 = work  # the per-row sums
         M, N = self.problem.M, self.problem.N
         sums = (grad, g_stride, saved, s_stride, weight, bias, rstd, mean, c0, c1, M, N)
-        return (sums, (*ops, c0, c1, dw, db, M, N)), (), (None, None)
+        k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, c0, c1, dw, db,
+              M, N)
+        return (sums, k1), (), None, None
 
 
 def row_sums_tile(N: int) -> tuple[int, int, int]:
@@ -41,4 +43,4 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
     return ColumnsPlan(p, config, programs, target.phased, k1_kwargs,
                        stage_1=(Step.of(row_sums, rs_kwargs, cdiv(p.M, rb)),
                                 Step.of(kernel_1_columns, k1_kwargs, programs)),
-                       scratch=((p.M,), (p.M,)))
+                       scratch=((p.M,), (p.M,)), reads_mean=reads_mean(p))

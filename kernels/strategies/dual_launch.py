@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..backward.dual import kernel_1_dual
-from ..backward.plan import Plan, Step, Target, k1_flags
+from ..backward.plan import Plan, Step, Target, k1_flags, reads_mean
 from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv
 
@@ -17,8 +17,10 @@ NAME = "dual"
 class DualPlan(Plan):
     row_programs: int = 0  # the programs that write grad_input; the column programs follow them
 
-    def bind(self, ops: tuple, dw, db, work: tuple, counters: tuple | None) -> tuple:
-        return ((*ops, dw, db, self.problem.M, self.problem.N, self.row_programs),), (), (None, None)
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
+             work: tuple, counters: tuple | None) -> tuple:
+        return ((grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
+                 self.problem.M, self.problem.N, self.row_programs),), (), None, None
 
 
 def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int) -> DualPlan:
@@ -29,4 +31,5 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
     rows = config.strategy.row_programs(p.M, config, target.sms)
     programs = rows + (cdiv(p.N, k2.block_n) if p.has_weight or p.has_bias else 0)
     return DualPlan(p, config, programs, target.phased, k1_kwargs,
-                    stage_1=(Step.of(kernel_1_dual, k1_kwargs, programs),), row_programs=rows)
+                    stage_1=(Step.of(kernel_1_dual, k1_kwargs, programs),), reads_mean=reads_mean(p),
+                    row_programs=rows)

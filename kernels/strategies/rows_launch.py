@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..backward.plan import PLACEHOLDER_COUNTERS, Plan, Step, Target, k1_flags, placeholder_work, placeholders
+from ..backward.plan import (PLACEHOLDER_COUNTERS, Plan, Step, Target, k1_flags, placeholder_work, placeholders,
+                             reads_mean)
 from ..backward.reduce import kernel_2
 from ..backward.rows import kernel_1_single_pass, kernel_1_two_pass
 from ..config import BackwardConfig, Problem
@@ -19,19 +20,24 @@ NAME = "rows"
 @dataclasses.dataclass(frozen=True)
 class RowsPlan(Plan):
     slice: int = 0  # columns of a row_split slice (kernel_1's last argument)
+    phases: int = 1  # kernel_1's launches (the interpreter runs a split row's exchange as two)
 
-    def bind(self, ops: tuple, dw, db, work: tuple, counters: tuple | None) -> tuple:
-        grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean = ops
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
+             work: tuple, counters: tuple | None) -> tuple:
         partial_dw, partial_db, exchange = work
-        group_a, group_b, global_counters = counters if counters is not None else (rstd, rstd, rstd)
+        if counters is None:  # nothing waits: placeholders the kernel never dereferences
+            group_a = group_b = global_counters = rstd
+        else:
+            group_a, group_b, global_counters = counters
         pdw = rstd if partial_dw is None else partial_dw
         pdb = rstd if partial_db is None else partial_db
-        sums = rstd if exchange is None else exchange
-        M, N = self.problem.M, self.problem.N
+        p = self.problem
         k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, pdw, pdb, dw, db,
-              sums, group_a, group_b, global_counters, M, N, self.slice)
-        return (k1,) * len(self.stage_1), ((pdw, pdb, dw, db, self.partial_rows, N),) * len(self.stage_2), \
-            (partial_dw, partial_db)
+              rstd if exchange is None else exchange, group_a, group_b, global_counters, p.M, p.N, self.slice)
+        args_1 = (k1, k1) if self.phases == 2 else (k1,)
+        if self.stage_2:
+            return args_1, ((pdw, pdb, dw, db, self.partial_rows, p.N),), partial_dw, partial_db
+        return args_1, (), partial_dw, partial_db
 
 
 def kernel_1_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, fused: bool, phase: int,
@@ -69,7 +75,7 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
         draft = RowsPlan(p, config, groups * k1.row_split, phased, kwargs, scratch=shapes, waits=True,
                          slice=slice_width(N, k1.row_split))
         ops, dw, db = placeholders(p)
-        (args,), _, _ = draft.bind(ops, dw, db, placeholder_work(shapes), PLACEHOLDER_COUNTERS)
+        (args,), _, _, _ = draft.bind(*ops, dw, db, placeholder_work(shapes), PLACEHOLDER_COUNTERS)
         resident = target.resident(kernel, args, kwargs, groups * k1.row_split)
         groups = min(groups, max(k1.row_split, resident) // k1.row_split)
     programs = groups * k1.row_split
@@ -89,7 +95,8 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
         stage_2 = (Step.of(kernel_2, k2_kwargs, programs if fused else cdiv(N, k2.block_n)),)
     return RowsPlan(p, config, programs, phased, k1_kwargs, stage_1, stage_2,
                     scratch=_scratch(p, groups, slots, k1.row_split, k1.block_row), partial_rows=groups,
-                    waits=waits, pdl=pdl and bool(stage_2), slice=slice_width(N, k1.row_split))
+                    waits=waits, pdl=pdl and bool(stage_2), reads_mean=reads_mean(p),
+                    slice=slice_width(N, k1.row_split), phases=len(stage_1))
 
 
 def _scratch(p: Problem, groups: int, slots: int, row_split: int, block_row: int) -> tuple:
