@@ -112,7 +112,8 @@ class Rows(Strategy):
         split = f" split{k1.row_split}" if k1.row_split > 1 else ""
         return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
                 f"pps{k1.programs_per_sm}{describe_flags(k1, own_flags(k1))}{self.describe_extra(k1)}] "
-                f"k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}{' pdl' if k2.pdl else ''}{' fused' if k2.fused else ''}]")
+                f"k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}{' pdl' if k2.pdl else ''}"
+                f"{' fused' if k2.fused else ''}]")
 
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
         return self.partial_rows(M, config, sms) * config.kernel_1.row_split
