@@ -134,3 +134,26 @@ def test_where_shows_the_knob(spin, tmp_path):
                                       "--config-file", str(path), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["config"]["kernel_1"]["spin"] == 1
+
+
+ROWS_OWN = ("two_pass", "recompute", "row_split", "column_accumulators", "pipelined_split")
+
+
+def test_no_module_outside_the_strategies_reads_a_strategys_own_knob():
+    """A config's strategy-specific knobs are read by its strategy's modules only (kernels/strategies/): every
+    other module asks the strategy. The Triton kernels (kernels/backward/, but for the host side) take them as
+    compile-time arguments."""
+    import ast
+
+    kernels = {"rows.py", "columns.py", "dual.py", "common.py", "reduce.py"}
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "docs", "build") or rel.parts[:2] == ("kernels", "strategies"):
+            continue
+        if rel.parts[:2] == ("kernels", "backward") and rel.name in kernels:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ROWS_OWN and isinstance(node.ctx, ast.Load):
+                found.append(f"{rel}:{node.lineno} .{node.attr}")
+    assert not found, "strategy-specific knobs read outside kernels/strategies/: " + ", ".join(found)
