@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                 f"p90 {1e3 * xs[(9 * len(xs)) // 10]:.1f}, max {1e3 * xs[-1]:.1f}, total {sum(xs):.2f} s")
 
     text = io.StringIO()
-    profile = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    profile = pstats.Stats(profiler, stream=text).strip_dirs().sort_stats("cumulative")
     profile.print_stats(35)
     lines = [f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}; {problem.key}",
              f"{len(configs)} configs, {len(ok)} compiled ahead in {ahead_s:.1f} s (one process)",
