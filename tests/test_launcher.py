@@ -294,23 +294,30 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
     from normtune.tuner.measure.cases import make_case
 
     problem = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")
-    config = next((c for c in Space(problem, 4).seeds() if STRATEGIES[strategy](c)), None)
-    if config is None:
+    configs = [c for c in Space(problem, 4).seeds() if STRATEGIES[strategy](c)]
+    if not configs:
         pytest.skip(f"the search space has no {strategy} seed for {problem.key}")
-    launch = make_case(problem, device).launch(config)
-    for args in launch.arguments:
-        for t in _pointer_args(args):
-            assert t.data_ptr() % 16 == 0, f"a {strategy} launch passes a pointer off 16-byte alignment"
-    # precompile: the rows' strides (dh's place holds grad's), M, N and the strategy's integers, launch by launch
-    _, ahead = compile_ahead_args(problem, config, launch.dx.device)
-    assert len(ahead) == len(launch.arguments)
-    for launched, compiled in zip(launch.arguments, ahead):
-        assert [a for a in launched if not isinstance(a, torch.Tensor)] == [a for a in compiled if isinstance(a, int)]
-        assert [a.dtype for a in launched if isinstance(a, torch.Tensor)] == [
-            a for a in compiled if isinstance(a, torch.dtype)]
-    if config.kernel_1.strategy == "dual":
-        launch_ints = [a for a in launch.arguments[0] if not isinstance(a, torch.Tensor)]
-        assert launch_ints == [N, N, N, N, M, N, launch.plan.row_programs]  # dh's place holds grad's stride
+    case = make_case(problem, device)
+    waits = set()
+    for config in configs:  # every seed of the strategy
+        launch = case.launch(config)
+        waits.add(launch.plan.waits)
+        for args in launch.arguments:
+            for t in _pointer_args(args):
+                assert t.data_ptr() % 16 == 0, f"a {strategy} launch passes a pointer off 16-byte alignment"
+        # precompile: the rows' strides (dh's place holds grad's), M, N and the strategy's integers, launch by launch
+        _, ahead = compile_ahead_args(problem, config, launch.dx.device)
+        assert len(ahead) == len(launch.arguments)
+        for launched, compiled in zip(launch.arguments, ahead):
+            assert [a for a in launched if not isinstance(a, torch.Tensor)] == [
+                a for a in compiled if isinstance(a, int)]
+            assert [a.dtype for a in launched if isinstance(a, torch.Tensor)] == [
+                a for a in compiled if isinstance(a, torch.dtype)], f"{config.to_json()}"
+        if config.kernel_1.strategy == "dual":
+            launch_ints = [a for a in launch.arguments[0] if not isinstance(a, torch.Tensor)]
+            assert launch_ints == [N, N, N, N, M, N, launch.plan.row_programs]  # dh's place holds grad's stride
+    if strategy == "rows":  # a launch whose programs do not wait passes placeholder counters (int32 ahead was wrong)
+        assert False in waits
 
 
 def test_polled_counters_each_have_a_cache_line():
