@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_sweep.py and tests/test_sweep_postgres.py (not a test module itself).
+"""Helpers shared by the sweep tests (not a test module itself).
 
 They run `normtune sweep` as a real process (a fresh interpreter, as a user would), inject faults into that
 process without any hook in normtune (a `sitecustomize.py` on PYTHONPATH patches `BackwardLaunch` in every
@@ -296,3 +296,37 @@ def interpreter_cli_refusal() -> str | None:
 
 INTERPRETER_ONLY = pytest.mark.skipif(interpreter_cli_refusal() is not None,
                                       reason=interpreter_cli_refusal() or "the interpreter CLI is accepted")
+
+
+def instant_measuring_process(on_submit: Callable | None = None, busy_s: float = 0.0):
+    """A stand-in for the sweep's `MeasuringProcess` (monkeypatch it onto `sweep.driver`): every trial measures
+    10 µs, `busy_s` after it was submitted; `on_submit(problem, config)` sees each submission."""
+    from normtune.tuner.measure.harness import MeasureResult
+
+    class InstantMeasuringProcess:
+        def __init__(self, *args, **kwargs):
+            self.phases = {}
+            self.due = 0.0
+
+        def start(self):
+            pass
+
+        def submit(self, problem, config):
+            if on_submit is not None:
+                on_submit(problem, config)
+            self.due = time.perf_counter() + busy_s
+
+        def ready(self):
+            return time.perf_counter() >= self.due
+
+        def collect(self, timeout_s):
+            time.sleep(max(0.0, self.due - time.perf_counter()))
+            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
+
+        def interrupt(self):
+            pass
+
+        def close(self):
+            pass
+
+    return InstantMeasuringProcess

@@ -9,6 +9,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.trial import TrialState as TS
 from sqlalchemy import event, text
+from sweep_support import instant_measuring_process
 
 from normtune.kernels.config import Problem, default_config
 from normtune.tuner.measure.harness import MeasureResult
@@ -98,29 +99,8 @@ def test_a_sweep_trial_takes_fewer_transactions(tmp_path, monkeypatch):
 
     from normtune.tuner.sweep import SweepOptions, driver
 
-    class Instant:
-        def __init__(self, *args, **kwargs):
-            self.phases = {}
 
-        def start(self):
-            pass
-
-        def submit(self, problem, config):
-            pass
-
-        def ready(self):
-            return True
-
-        def collect(self, timeout_s):
-            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
-
-        def interrupt(self):
-            pass
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(driver, "MeasuringProcess", Instant)
+    monkeypatch.setattr(driver, "MeasuringProcess", instant_measuring_process())
     opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=30,
                         sampler="random", interpret=True, compile_workers=0)
     with Store(f"sqlite:///{tmp_path / 'results.db'}") as s:

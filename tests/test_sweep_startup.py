@@ -9,7 +9,7 @@ import sqlite3
 import subprocess
 import sys
 
-from sweep_support import INTERPRETER_ONLY, run_sweep, sweep_args, sweep_env
+from sweep_support import INTERPRETER_ONLY, instant_measuring_process, run_sweep, sweep_args, sweep_env
 
 from normtune.tuner.sweep import timeline
 from normtune.tuner.sweep.costs import line
@@ -77,29 +77,9 @@ def test_the_first_trial_is_measured_before_the_trials_after_it_are_proposed(tmp
 
     held_at_submit: list[int] = []
 
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            self.phases = {}
 
-        def start(self):
-            pass
-
-        def submit(self, problem, config):
-            held_at_submit.append(len(sweeps[0].pending.running))
-
-        def ready(self):
-            return True
-
-        def collect(self, timeout_s):
-            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
-
-        def interrupt(self):
-            pass
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(driver, "MeasuringProcess", Recorder)
+    monkeypatch.setattr(driver, "MeasuringProcess", instant_measuring_process(
+        lambda problem, config: held_at_submit.append(len(sweeps[0].pending.running))))
     opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=4,
                         sampler="random", interpret=True, compile_workers=0, lookahead=6)
     with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
@@ -124,11 +104,9 @@ def test_a_sweep_ends_its_measuring_process_without_waiting_for_its_teardown():
 
 def test_a_slow_compile_does_not_hold_up_the_compiled_trials_behind_it(tmp_path, monkeypatch):
     import threading
-    import time
     from concurrent.futures import Future
 
     from normtune.kernels.config import BackwardConfig, Problem
-    from normtune.tuner.measure.harness import MeasureResult
     from normtune.tuner.store.database import Store
     from normtune.tuner.sweep import SweepOptions, driver
 
@@ -152,34 +130,11 @@ def test_a_slow_compile_does_not_hold_up_the_compiled_trials_behind_it(tmp_path,
         def shutdown(self, wait=False, cancel_futures=True):
             pass
 
-    class Recorder:
-        def __init__(self, *args, **kwargs):
-            self.phases = {}
-
-        def start(self):
-            pass
-
-        def submit(self, problem, config):
-            measured.append(config.to_json())
-            self.due = time.perf_counter() + 0.3  # busy a while, as a GPU measuring
-
-        def ready(self):
-            return time.perf_counter() >= self.due
-
-        def collect(self, timeout_s):
-            time.sleep(max(0.0, self.due - time.perf_counter()))
-            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
-
-        def interrupt(self):
-            pass
-
-        def close(self):
-            pass
-
     opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=4,
                         sampler="random", interpret=True, compile_workers=0)
     with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
-        driver.Sweep(opts, store, INFO, helpers=(Recorder(), Pool())).run()
+        measurer = instant_measuring_process(lambda problem, config: measured.append(config.to_json()), busy_s=0.3)
+        driver.Sweep(opts, store, INFO, helpers=(measurer(), Pool())).run()
     assert sorted(measured) == sorted(created) and len(measured) == 4
     assert measured[0] != created[0] and measured[-1] == created[0], (created, measured)
     assert all(BackwardConfig.from_json(c) for c in measured)
@@ -189,35 +144,13 @@ def test_a_second_sweep_in_one_process_records_its_own_steps(tmp_path, monkeypat
     import time
 
     from normtune.kernels.config import Problem
-    from normtune.tuner.measure.harness import MeasureResult
     from normtune.tuner.store.database import Store
     from normtune.tuner.sweep import SweepOptions, driver
 
     from test_sweep_costs import INFO
 
-    class Instant:
-        def __init__(self, *args, **kwargs):
-            self.phases = {}
 
-        def start(self):
-            pass
-
-        def submit(self, problem, config):
-            pass
-
-        def ready(self):
-            return True
-
-        def collect(self, timeout_s):
-            return MeasureResult(status="ok", median_us=10.0, reps=2, interpret=True)
-
-        def interrupt(self):
-            pass
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(driver, "MeasuringProcess", Instant)
+    monkeypatch.setattr(driver, "MeasuringProcess", instant_measuring_process())
     steps = []
     for name in ("a", "b"):
         opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=2,
