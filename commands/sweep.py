@@ -79,30 +79,38 @@ def sweep(
     if summary is not None:
         run_checked(check_writable_file, summary, "--summary")
     timeline.mark("options")
-    helpers = None
-    if not (device_list and len(device_list) > 1):
-        # One worker here: its measuring and compiling processes start first, before this process imports torch
-        # and opens the database, so that their start-up (torch, the CUDA context) overlaps all of that.
+    # The processes that measure and compile start first, before this process imports torch, detects the GPU
+    # and opens the database, so that their start-up (torch, the CUDA contexts) overlaps all of that: with
+    # --devices, one worker per device (each starting its own measuring process) and the host's compile pool;
+    # else this worker's measuring and compiling processes.
+    helpers = workers = None
+    if device_list and len(device_list) > 1:
+        from normtune.tuner.sweep.device_workers import DeviceWorkers
+
+        workers = DeviceWorkers(device_list, compile_workers, interpret)
+    else:
         from normtune.tuner.sweep.measuring import start_helpers
 
         helpers = start_helpers(device_list[0] if device_list else device, interpret, compile_workers)
     try:
-        _sweep(gpu, device_list, device, interpret, compile_workers, helpers, save=save, norm=norm, dtype=dtype,
-               shapes=shapes, shapes_from=shapes_from, tokens=tokens, weight_dtype=weight_dtype, bias=bias,
+        _sweep(gpu, device_list, device, interpret, compile_workers, helpers, workers, save=save, norm=norm,
+               dtype=dtype, shapes=shapes, shapes_from=shapes_from, tokens=tokens, weight_dtype=weight_dtype, bias=bias,
                zero_centered=zero_centered, residual=residual, residual_dtype=residual_dtype, trials=trials,
                time_budget=time_budget, sampler=sampler, storage=storage, trial_timeout=trial_timeout, seed=seed,
                heartbeat_interval=heartbeat_interval, grace_period=grace_period, summary=summary)
-    finally:
-        if helpers is not None:  # a refusal before the sweep took them over: nothing is left running
+    finally:  # a refusal before the sweep took them over: nothing is left running
+        if helpers is not None:
             from normtune.tuner.sweep.compiling import stop_pool
 
             helpers[0].close()
             stop_pool(helpers[1])
+        if workers is not None:
+            workers.abandon()
 
 
-def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, *, save, norm, dtype, shapes, shapes_from,
-           tokens, weight_dtype, bias, zero_centered, residual, residual_dtype, trials, time_budget, sampler, storage,
-           trial_timeout, seed, heartbeat_interval, grace_period, summary):
+def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, workers, *, save, norm, dtype, shapes,
+           shapes_from, tokens, weight_dtype, bias, zero_centered, residual, residual_dtype, trials, time_budget,
+           sampler, storage, trial_timeout, seed, heartbeat_interval, grace_period, summary):
     from rich.console import Console
 
     from normtune.kernels.config import SAVE_MODES
@@ -135,7 +143,7 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, *, sav
         store.close()
         console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
         with S.LiveView(console, store.url, targets):
-            code = S.run_on_devices(opts, device_list, store.url)
+            code = S.run_on_devices(opts, device_list, store.url, workers=workers)
         with run_checked(read_only_store, store.url) as done:
             since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=time.monotonic() - started)
             for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):

@@ -25,7 +25,10 @@ from . import timeline
 MEASURING = ("inputs", "load", "gate", "timing")
 WORKER = ("sampler", "database", "compile_wait", "heartbeat")
 # The start-up steps of `timeline`, as the closing line names them.
-STEPS = {"options": "options", "measurer_spawned": "measuring process spawned",
+# A `--devices` worker's timeline also holds its own spawn and start, and its launcher's steps (launcher_…).
+STEPS = {"options": "options", "launcher_options": "options", "worker_spawned": "worker spawned",
+         "launcher_workers_spawned": "workers spawned", "worker_started": "worker started",
+         "measurer_spawned": "measuring process spawned", "launcher_store_open": "launcher's database open",
          "measurer_ready": "measuring process ready", "store_open": "database open", "first_study": "first study",
          "first_sent": "first trial sent", "first_result": "first result", "first_stored": "first stored"}
 LABELS = {"inputs": "inputs", "load": "load", "gate": "gate", "timing": "timing", "sampler": "sampler",

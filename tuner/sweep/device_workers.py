@@ -41,29 +41,46 @@ def options_from_dict(data: dict) -> SweepOptions:
                            "timing": Timing(**data["timing"])})
 
 
-def _worker_main(opts_dict: dict, url: str, parent_pid: int, compile_ends: tuple | None = None) -> None:
+def _worker_main(device: int, interpret: bool, compile_workers: int, parent_pid: int, spawned_at: float,
+                 handoff, compile_ends: tuple | None = None) -> None:
+    """One device's worker: its helpers start and the heavy imports happen while the launcher sets up; then it
+    waits for the sweep (`DeviceWorkers.hand_over`), or stops if the launcher closes `handoff` instead."""
     os.setpgid(0, 0)
+    from . import timeline
+
+    timeline.mark("worker_spawned", at=spawned_at)
+    timeline.mark("worker_started")
     from .lifeline import die_with_parent
 
     die_with_parent(parent_pid, signal.SIGTERM)  # a killed launcher: each worker finishes its trial and stops
     from .measuring import start_helpers
 
-    # Started before this process imports torch and opens the database: their start-up overlaps all of it.
-    measurer, pool = start_helpers(opts_dict["device"], opts_dict["interpret"], opts_dict["compile_workers"],
-                                   timing=opts_dict["timing"])
+    # Started before this process imports torch and opens the database: their start-up overlaps all of it. The
+    # measuring process uses the sweep's timing preset, the one the command's options carry.
+    measurer, pool = start_helpers(device, interpret, compile_workers)
     if compile_ends is not None:
         from .host_pool import RemoteCompilePool
 
-        pool = RemoteCompilePool(compile_ends, opts_dict["device"])
-    helpers = (measurer, pool)
+        pool = RemoteCompilePool(compile_ends, device)
     from ..gpu_info import detect
     from ..store.database import Store
     from .driver import Sweep
 
+    try:
+        opts_dict, url, launcher_steps = handoff.recv()
+    except (EOFError, OSError):  # the launcher refused the sweep (it said why) or is gone: nothing to do
+        from .compiling import stop_pool
+
+        measurer.close()
+        stop_pool(pool)
+        raise SystemExit(0) from None
+    handoff.close()
+    timeline.adopt(launcher_steps, prefix="launcher_")
     opts = options_from_dict(opts_dict)
     info = detect(opts.device, interpret=opts.interpret)
     with Store(url) as store:
-        summary = Sweep(opts, store, info, helpers=helpers).run()
+        timeline.mark("store_open")
+        summary = Sweep(opts, store, info, helpers=(measurer, pool)).run()
     raise SystemExit(summary.exit_code)
 
 
@@ -83,37 +100,98 @@ def device_kinds(devices: list[int]) -> list[str]:
             for d in devices]
 
 
-def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
-                   on_tick: Callable[[], None] | None = None) -> int:
-    """Run one sweep worker per device on the database `url` and wait; returns the exit code the command should
-    end with: 130/143 when a signal stopped it, 1 when a worker failed, else 0."""
-    ctx = mp.get_context("spawn")
-    host = None
-    if opts.compile_workers > 0 and not opts.interpret:
-        from .host_pool import HostCompiler
+class DeviceWorkers:
+    """One sweep worker process per device, and the host's compile pool, spawned as soon as the command's options
+    are read: their start-up (torch, the measuring process, the CUDA contexts) overlaps the launcher's own set-up
+    (torch, device detection, the database). `hand_over(opts, url)` gives them the sweep; `abandon()` stops the
+    workers that never got it (the launcher refused the sweep), leaving no process behind."""
 
-        host = HostCompiler.for_devices(devices, opts.compile_workers, device_kinds(devices), ctx)
-    procs, passed = [], []
-    for worker in worker_options(opts, devices, shared_pool=host is not None):
-        ends = host.connect() if host is not None else None
-        passed.append(ends or ())
-        procs.append(ctx.Process(target=_worker_main, args=(options_to_dict(worker), url, os.getpid(), ends)))
+    def __init__(self, devices: list[int], compile_workers: int, interpret: bool):
+        from . import timeline
+
+        ctx = mp.get_context("spawn")
+        self.devices, self.handed_over, self._abandoned = list(devices), False, False
+        self.host = None
+        if compile_workers > 0 and not interpret:
+            from .host_pool import HostCompiler
+
+            # One pool for the host until the launcher knows the devices' kinds (`hand_over` regroups it).
+            self.host = HostCompiler.for_devices(self.devices, compile_workers, None, ctx)
+        self.procs, self._handoffs = [], []
+        for i, device in enumerate(self.devices):
+            ends = self.host.connect() if self.host is not None else None
+            own = 0 if self.host is not None else share_of(compile_workers, len(self.devices), i)
+            receive, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main,
+                               args=(device, interpret, own, os.getpid(), time.time(), receive, ends))
+            proc.start()
+            for end in (receive, *(ends or ())):  # the worker's ends are its own now: its exit closes them
+                end.close()
+            self.procs.append(proc)
+            self._handoffs.append(send)
+        timeline.mark("workers_spawned")
+
+    def hand_over(self, opts: SweepOptions, url: str) -> None:
+        """Give each worker its options and the database `url`; the host's pool starts serving them."""
+        from . import timeline
+
+        if self.host is not None:
+            self.host.regroup(self.devices, opts.compile_workers, device_kinds(self.devices))
+            self.host.start()
+        steps = timeline.marks()
+        for worker, send in zip(worker_options(opts, self.devices, shared_pool=self.host is not None),
+                                self._handoffs):
+            send.send((options_to_dict(worker), url, steps))
+            send.close()
+        self.handed_over = True
+
+    def abandon(self, wait_s: float = 30.0) -> None:
+        """Stop workers that were not handed the sweep, and the host's pool; returns once they have exited. A
+        worker not yet handed the sweep has no trial to finish: SIGTERM ends it (and its helpers with it)."""
+        if self._abandoned:
+            return
+        self._abandoned = True
+        for send in self._handoffs:
+            send.close()
+        if not self.handed_over:
+            for proc in self.procs:
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + wait_s
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        if self.host is not None:
+            self.host.stop()
+
+
+def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
+                   on_tick: Callable[[], None] | None = None, workers: DeviceWorkers | None = None) -> int:
+    """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones) and
+    wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
+    failed, else 0."""
+    workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret)
+    procs = workers.procs
     received: list[int] = []
 
-    def forward(signum, frame):
-        received.append(signum)
+    def pass_on(signum):
         for p in procs:
             if p.pid is not None and p.is_alive():
                 os.kill(p.pid, signum)
 
+    def forward(signum, frame):
+        received.append(signum)
+        if workers.handed_over:  # before that, `abandon` stops the workers
+            pass_on(signum)
+
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if host is not None:
-            host.start()
-        for p, ends in zip(procs, passed):
-            p.start()
-            for end in ends:  # the worker's ends are its own now: its exit closes them (the host sees it)
-                end.close()
+        if not received:
+            workers.hand_over(opts, url)
+            if received:  # a signal came while they were handed the sweep
+                pass_on(received[0])
         while any(p.is_alive() for p in procs):
             if on_tick is not None:
                 on_tick()
@@ -123,8 +201,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        if host is not None:
-            host.stop()
+        workers.abandon()
     codes = [p.exitcode for p in procs]
     if received:
         return 128 + received[0]

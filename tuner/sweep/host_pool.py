@@ -42,15 +42,18 @@ class HostCompiler:
         self.compiles = 0  # jobs handed to a pool (the others shared one)
 
     @classmethod
-    def for_devices(cls, devices: list[int], processes: int, kinds: list[str], ctx) -> "HostCompiler":
+    def for_devices(cls, devices: list[int], processes: int, kinds: list[str] | None, ctx) -> "HostCompiler":
         """`processes` compile processes for the host, shared out among the kinds of GPU in `devices`
-        (`kinds[i]` names device i's kind): one pool per kind, spread over its devices."""
-        of_kind: dict[str, list[int]] = {}
-        for device, kind in zip(devices, kinds):
-            of_kind.setdefault(kind, []).append(device)
-        executors = {kind: compile_pool(share_of(processes, len(of_kind), i), group)
-                     for i, (kind, group) in enumerate(of_kind.items())}
-        return cls({device: executors[kind] for device, kind in zip(devices, kinds)}, ctx)
+        (`kinds[i]` names device i's kind; None: all of one kind): one pool per kind, spread over its devices."""
+        return cls(_pools_by_kind(devices, processes, kinds), ctx)
+
+    def regroup(self, devices: list[int], processes: int, kinds: list[str]) -> None:
+        """Before `start`: a pool made for devices of one kind is replaced by one pool per kind when `kinds` are
+        not all the same (a binary compiled for one kind of GPU does not run on another)."""
+        if len(set(kinds)) <= 1:
+            return
+        old, self._pools = self._pools, _pools_by_kind(devices, processes, kinds)
+        _stop_pools(old)
 
     def connect(self) -> tuple:
         """(request end, reply end) for one worker, to pass to its process; this side keeps the other ends."""
@@ -66,16 +69,10 @@ class HostCompiler:
 
     def stop(self) -> None:
         """Stop serving and stop the pools (their processes killed, queued jobs dropped)."""
-        from .compiling import stop_pool
-
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
-        for pool in {id(p): p for p in self._pools.values()}.values():
-            if hasattr(pool, "_processes"):
-                stop_pool(pool)
-            else:
-                pool.shutdown(wait=False, cancel_futures=True)
+        _stop_pools(self._pools)
 
     def _serve(self) -> None:
         open_ends = list(self._requests)
@@ -109,6 +106,27 @@ class HostCompiler:
                 reply.send((job_id, *outcome))
         except (OSError, ValueError):  # that worker is gone
             pass
+
+
+def _pools_by_kind(devices: list[int], processes: int, kinds: list[str] | None) -> dict[int, object]:
+    """Device index -> the executor compiling its jobs: `processes` shared out among the kinds of `devices`."""
+    kinds = kinds or [""] * len(devices)
+    of_kind: dict[str, list[int]] = {}
+    for device, kind in zip(devices, kinds):
+        of_kind.setdefault(kind, []).append(device)
+    executors = {kind: compile_pool(share_of(processes, len(of_kind), i), group)
+                 for i, (kind, group) in enumerate(of_kind.items())}
+    return {device: executors[kind] for device, kind in zip(devices, kinds)}
+
+
+def _stop_pools(pools: dict[int, object]) -> None:
+    from .compiling import stop_pool
+
+    for pool in {id(p): p for p in pools.values()}.values():
+        if hasattr(pool, "_processes"):
+            stop_pool(pool)
+        else:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class RemoteCompilePool:

@@ -59,6 +59,14 @@ def mark(name: str, at: float | None = None) -> None:
             _marks[name] = time.time() if at is None else at
 
 
+def adopt(steps: dict[str, float], prefix: str) -> None:
+    """Record another process's steps of this command (`marks()` there), named with `prefix`: a `--devices`
+    worker keeps its launcher's, so that its stored timeline shows what it started before the launcher was done."""
+    start = origin()
+    for name, at in steps.items():
+        mark(prefix + name, at=start + at)
+
+
 def forget(names) -> None:
     """Drop the marks `names`: a sweep run in a process that ran one before records its own steps again."""
     with _lock:

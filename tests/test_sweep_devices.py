@@ -1,0 +1,97 @@
+"""The `--devices` launcher spawns its device workers (and the host's compile pool) before it imports torch,
+detects the GPU and opens the database: a sweep it then refuses leaves no process behind, and each worker's
+stored timeline says when it was spawned (no timings asserted: only what comes before what)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from sweep_support import CLI, INTERPRETER_ONLY, run_sweep, sweep_env
+
+from normtune.tuner.sweep import timeline
+
+pytestmark = INTERPRETER_ONLY
+
+# The launcher, with device detection standing in for a host with GPUs (the interpreter's description of the
+# device): the database check comes after it.
+LAUNCHER_WITH_GPUS = [
+    CLI[0], "-c",
+    "import normtune.commands.sweep as command; from normtune.tuner.gpu_info import detect; "
+    "command.device_info = lambda gpu, interpret, device=0: detect(device, interpret=True); "
+    "from normtune.cli import app; app()"]
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """Processes (other than this one) whose environment holds NORMTUNE_TEST_TAG=`tag`, with their command."""
+    found = {}
+    needle = f"NORMTUNE_TEST_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                stat = (entry / "stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("case", ["bad value", "no such device", "database cannot be opened"])
+def test_a_refused_devices_sweep_is_one_error_line_and_leaves_no_process_behind(tmp_path, case):
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    devices, program, named = "0,1", None, "--devices"
+    if case == "bad value":
+        devices = "0,zero"
+    elif case == "database cannot be opened":
+        url, program, named = f"sqlite:///{tmp_path / 'missing' / 'results.db'}", LAUNCHER_WITH_GPUS, "results.db"
+    else:  # this host has no CUDA device at all
+        named = "GPU"
+    tag = f"{os.getpid()}-{tmp_path.name}"
+    args = ["sweep", "--norm", "rms_norm", "--shapes", "40x96", "--trials", "1", "--db", url, "--devices", devices]
+    done = run_sweep(args, sweep_env(tmp_path, NORMTUNE_TEST_TAG=tag), tmp_path, program=program)
+    left = _tagged(tag)
+    deadline = time.monotonic() + 5
+    while left and time.monotonic() < deadline:  # what the launcher killed may take a moment to be reaped
+        time.sleep(0.1)
+        left = _tagged(tag)
+    assert not left, f"{case}: processes of the refused sweep still running: {left}"
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and named in lines[0], lines
+
+
+def test_each_devices_worker_stores_when_it_was_spawned_before_the_launcher_opened_the_database(tmp_path,
+                                                                                                 monkeypatch):
+    from normtune.kernels.config import Problem
+    from normtune.tuner.store.database import Store
+    from normtune.tuner.sweep import SweepOptions
+    from normtune.tuner.sweep.device_workers import DeviceWorkers, run_on_devices
+
+    monkeypatch.setattr(timeline, "_marks", {})
+    monkeypatch.setenv(timeline.ENV, "0")  # restored afterwards; the command below records its own start
+    timeline.start_command()
+    timeline.mark("options")
+    workers = DeviceWorkers([0, 1], 0, interpret=True)  # interpreted workers stand in for two GPUs
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    opts = SweepOptions(gpu_key="interpret", problems=[Problem("rms_norm", 40, 96, "bf16"),
+                                                       Problem("rms_norm", 24, 64, "fp32")],
+                        trials=2, sampler="random", interpret=True, compile_workers=0)
+    with Store(url):
+        timeline.mark("store_open")  # the launcher's set-up, done while the workers start
+    assert run_on_devices(opts, [0, 1], url, workers=workers) == 0
+    rows = [json.loads(c) for (c,) in sqlite3.connect(tmp_path / "results.db").execute(
+        "SELECT costs_json FROM normtune_run_costs")]
+    assert len(rows) == 2
+    for costs in rows:
+        steps = costs["timeline"]
+        assert 0 <= steps["launcher_options"] <= steps["worker_spawned"] <= steps["launcher_workers_spawned"] \
+            <= steps["launcher_store_open"], steps
+        assert steps["worker_spawned"] <= steps["worker_started"] <= steps["measurer_spawned"] \
+            <= steps["store_open"] <= steps["first_study"], steps
