@@ -43,6 +43,16 @@ def _tagged(tag: str) -> dict[int, str]:
     return found
 
 
+def _left(tag: str, wait_s: float = 5.0) -> dict[int, str]:
+    """The tagged processes still running `wait_s` later (what was killed may take a moment to be reaped)."""
+    deadline = time.monotonic() + wait_s
+    left = _tagged(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _tagged(tag)
+    return left
+
+
 @pytest.mark.parametrize("case", ["bad value", "no such device", "database cannot be opened"])
 def test_a_refused_devices_sweep_is_one_error_line_and_leaves_no_process_behind(tmp_path, case):
     url = f"sqlite:///{tmp_path / 'results.db'}"
@@ -56,11 +66,7 @@ def test_a_refused_devices_sweep_is_one_error_line_and_leaves_no_process_behind(
     tag = f"{os.getpid()}-{tmp_path.name}"
     args = ["sweep", "--norm", "rms_norm", "--shapes", "40x96", "--trials", "1", "--db", url, "--devices", devices]
     done = run_sweep(args, sweep_env(tmp_path, NORMTUNE_TEST_TAG=tag), tmp_path, program=program)
-    left = _tagged(tag)
-    deadline = time.monotonic() + 5
-    while left and time.monotonic() < deadline:  # what the launcher killed may take a moment to be reaped
-        time.sleep(0.1)
-        left = _tagged(tag)
+    left = _left(tag)
     assert not left, f"{case}: processes of the refused sweep still running: {left}"
     assert done.returncode == 1, done.stderr
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
@@ -95,3 +101,23 @@ def test_each_devices_worker_stores_when_it_was_spawned_before_the_launcher_open
             <= steps["launcher_store_open"], steps
         assert steps["worker_spawned"] <= steps["worker_started"] <= steps["measurer_spawned"] \
             <= steps["store_open"] <= steps["first_study"], steps
+
+
+def test_workers_are_not_handed_a_sweep_timed_unlike_their_measuring_processes(tmp_path, monkeypatch):
+    from normtune.kernels.config import Problem
+    from normtune.tuner.measure.harness import Timing
+    from normtune.tuner.sweep import SweepOptions
+    from normtune.tuner.sweep.device_workers import DeviceWorkers
+
+    tag = f"{os.getpid()}-{tmp_path.name}"
+    monkeypatch.setenv("NORMTUNE_TEST_TAG", tag)
+    workers = DeviceWorkers([0, 1], 0, interpret=False)  # started with the sweep's timing preset
+    opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=2,
+                        timing=Timing(min_reps=3, max_reps=5, budget_s=0.1))
+    try:
+        with pytest.raises(ValueError, match="timing"):
+            workers.hand_over(opts, f"sqlite:///{tmp_path / 'results.db'}")
+    finally:
+        workers.abandon()
+    assert not workers.handed_over and all(not p.is_alive() for p in workers.procs)
+    assert not _left(tag)

@@ -41,8 +41,8 @@ def options_from_dict(data: dict) -> SweepOptions:
                            "timing": Timing(**data["timing"])})
 
 
-def _worker_main(device: int, interpret: bool, compile_workers: int, parent_pid: int, spawned_at: float,
-                 handoff, compile_ends: tuple | None = None) -> None:
+def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dict | None, parent_pid: int,
+                 spawned_at: float, handoff, compile_ends: tuple | None = None) -> None:
     """One device's worker: its helpers start and the heavy imports happen while the launcher sets up; then it
     waits for the sweep (`DeviceWorkers.hand_over`), or stops if the launcher closes `handoff` instead."""
     os.setpgid(0, 0)
@@ -55,9 +55,8 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, parent_pid:
     die_with_parent(parent_pid, signal.SIGTERM)  # a killed launcher: each worker finishes its trial and stops
     from .measuring import start_helpers
 
-    # Started before this process imports torch and opens the database: their start-up overlaps all of it. The
-    # measuring process uses the sweep's timing preset, the one the command's options carry.
-    measurer, pool = start_helpers(device, interpret, compile_workers)
+    # Started before this process imports torch and opens the database: their start-up overlaps all of it.
+    measurer, pool = start_helpers(device, interpret, compile_workers, timing=timing)
     if compile_ends is not None:
         from .host_pool import RemoteCompilePool
 
@@ -104,13 +103,16 @@ class DeviceWorkers:
     """One sweep worker process per device, and the host's compile pool, spawned as soon as the command's options
     are read: their start-up (torch, the measuring process, the CUDA contexts) overlaps the launcher's own set-up
     (torch, device detection, the database). `hand_over(opts, url)` gives them the sweep; `abandon()` stops the
-    workers that never got it (the launcher refused the sweep), leaving no process behind."""
+    workers that never got it (the launcher refused the sweep), leaving no process behind. The measuring
+    processes use `timing` (a `Timing` as a dict; None: the sweep's preset), which the options handed over must
+    carry."""
 
-    def __init__(self, devices: list[int], compile_workers: int, interpret: bool):
+    def __init__(self, devices: list[int], compile_workers: int, interpret: bool, timing: dict | None = None):
         from . import timeline
 
         ctx = mp.get_context("spawn")
         self.devices, self.handed_over, self._abandoned = list(devices), False, False
+        self.interpret, self.timing = interpret, timing
         self.host = None
         if compile_workers > 0 and not interpret:
             from .host_pool import HostCompiler
@@ -123,7 +125,7 @@ class DeviceWorkers:
             own = 0 if self.host is not None else share_of(compile_workers, len(self.devices), i)
             receive, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main,
-                               args=(device, interpret, own, os.getpid(), time.time(), receive, ends))
+                               args=(device, interpret, own, timing, os.getpid(), time.time(), receive, ends))
             proc.start()
             for end in (receive, *(ends or ())):  # the worker's ends are its own now: its exit closes them
                 end.close()
@@ -133,8 +135,13 @@ class DeviceWorkers:
 
     def hand_over(self, opts: SweepOptions, url: str) -> None:
         """Give each worker its options and the database `url`; the host's pool starts serving them."""
+        from ..measure.harness import TIMING, Timing
         from . import timeline
 
+        started = Timing(**self.timing) if self.timing else TIMING["sweep"]
+        if not self.interpret and opts.timing != started:
+            raise ValueError(f"the sweep's timing {opts.timing} is not the one its workers' measuring processes "
+                             f"were started with ({started})")
         if self.host is not None:
             self.host.regroup(self.devices, opts.compile_workers, device_kinds(self.devices))
             self.host.start()
@@ -172,7 +179,8 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones) and
     wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
     failed, else 0."""
-    workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret)
+    workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret,
+                                       dataclasses.asdict(opts.timing))
     procs = workers.procs
     received: list[int] = []
 
