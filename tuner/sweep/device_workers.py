@@ -148,7 +148,10 @@ class DeviceWorkers:
         steps = timeline.marks()
         for worker, send in zip(worker_options(opts, self.devices, shared_pool=self.host is not None),
                                 self._handoffs):
-            send.send((options_to_dict(worker), url, steps))
+            try:
+                send.send((options_to_dict(worker), url, steps))
+            except OSError:  # that worker is gone already: its exit code says so
+                pass
             send.close()
         self.handed_over = True
 
