@@ -140,8 +140,8 @@ ROWS_OWN = ("two_pass", "recompute", "row_split", "column_accumulators", "pipeli
 
 
 def test_no_module_outside_the_strategies_reads_a_strategys_own_knob():
-    """A config's strategy-specific knobs are read by its strategy's modules only (kernels/strategies/): every
-    other module asks the strategy. The Triton kernels (kernels/backward/, but for the host side) take them as
+    """A config's strategy-specific knobs are read by its strategy's modules only (kernels/strategies/), as
+    attributes or as keys of a config's mapping: every other module asks the strategy. The Triton kernels (kernels/backward/, but for the host side) take them as
     compile-time arguments."""
     import ast
 
@@ -156,4 +156,7 @@ def test_no_module_outside_the_strategies_reads_a_strategys_own_knob():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Attribute) and node.attr in ROWS_OWN and isinstance(node.ctx, ast.Load):
                 found.append(f"{rel}:{node.lineno} .{node.attr}")
+            if (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                    and node.slice.value in ROWS_OWN and isinstance(node.ctx, ast.Load)):
+                found.append(f"{rel}:{node.lineno} [{node.slice.value!r}]")
     assert not found, "strategy-specific knobs read outside kernels/strategies/: " + ", ".join(found)

@@ -20,15 +20,16 @@ from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem
 from normtune.kernels.limits import REFERENCE, DeviceLimits
 from normtune.kernels.heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, MIN_ELEMENTS_PER_THREAD, max_warps,
                                         next_power_of_two)
-from normtune.kernels.strategies import KERNEL_1_DOMAINS, KERNEL_2_DOMAINS, STRATEGIES, num_programs
-from normtune.kernels.strategies.base import MAX_SPACE_TILE
+from normtune.kernels.strategies import KERNEL_2_DOMAINS, STRATEGIES, num_programs
+from normtune.kernels.strategies.base import MAX_SPACE_TILE, kernel_1_domains
 from normtune.kernels.strategies.rows import MAX_COLUMN_ACC_TILE, MIN_TWO_PASS_CHUNK, fitting_split
 
 from . import seeds as seeding
 
-# Domains (ordered: neighbours in a domain are "one step" apart when seeding the search): the strategies' shared
-# knob layout (`strategies/base.py`), the strategy domain being the registry's names.
-K1_DOMAINS: dict[str, tuple] = {**KERNEL_1_DOMAINS, "strategy": tuple(STRATEGIES)}
+# Domains (ordered: neighbours in a domain are "one step" apart when seeding the search): the strategies' knob
+# layout (`strategies/base.py`'s `kernel_1_domains`: the shared knobs and each strategy's own), the strategy domain
+# being the registry's names.
+K1_DOMAINS: dict[str, tuple] = {**kernel_1_domains(), "strategy": tuple(STRATEGIES)}
 K2_DOMAINS: dict[str, tuple] = dict(KERNEL_2_DOMAINS)
 
 __all__ = ["K1_DOMAINS", "K2_DOMAINS", "MAX_COLUMN_ACC_TILE", "MAX_SINGLE_PASS", "MAX_SPACE_TILE",

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ..capabilities import checked
 from ..heuristics import estimate_registers, register_budget, staged_shared_bytes
-from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, ROW_SPLITS, BackwardConfig, Kernel1Config
+from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, STRATEGIES, BackwardConfig, Kernel1Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
 
@@ -32,13 +32,11 @@ class Knob:
     default: Any
 
 
-# Search domains of the shared knob layout, in the order the sampler draws them (neighbours in a domain are one
-# step apart when seeding). Knobs a strategy does not use are fixed to their domain's first value.
+# Search domains of the kernel_1 knobs every strategy shares, in the order the sampler draws them (neighbours in a
+# domain are one step apart when seeding). A strategy's own knobs have their domains in its module
+# (`Strategy.leading_domains`, `Strategy.own_domains`); `kernel_1_domains` puts them all in order.
 KERNEL_1_DOMAINS: dict[str, tuple] = {
     "strategy": (),  # the registry's names, filled by the space (`Space.domains`)
-    "two_pass": (False, True),
-    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`rows.fitting_split`)
-    "row_split": ROW_SPLITS,
     "block_row": (1, 2, 4, 8, 16, 32, 64),
     # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
     "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
@@ -47,9 +45,6 @@ KERNEL_1_DOMAINS: dict[str, tuple] = {
     "programs_per_sm": (0.5, 1, 2, 3, 4),
     "eviction_policy": EVICTION_POLICIES[:2],
     "prefetch": (False, True),
-    "recompute": (False, True),
-    "column_accumulators": (False, True),
-    "pipelined_split": (False, True),  # offered where rows split (decided after row_split and num_stages)
 }
 KERNEL_2_DOMAINS: dict[str, tuple] = {
     "block_m": (32, 64, 128, 256),
@@ -69,6 +64,19 @@ COLUMN_ACCUMULATORS_ROWS_ONLY = ("kernel_1.column_accumulators=true applies to t
                                  "two_pass=false and strategy='rows', or column_accumulators=false")
 PIPELINED_SPLIT_ROWS_ONLY = ("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split > 1 "
                              "with strategy='rows', or pipelined_split=false")
+
+
+def kernel_1_domains() -> dict[str, tuple]:
+    """The search domains of the kernel_1 knob layout, in the order the sampler draws them: the strategy, the
+    registered strategies' `leading_domains`, the shared knobs, then the strategies' `own_domains`."""
+    strategies = list(STRATEGIES.values())
+    out: dict[str, tuple] = {"strategy": KERNEL_1_DOMAINS["strategy"]}
+    for strategy in strategies:
+        out.update(strategy.leading_domains)
+    out.update(KERNEL_1_DOMAINS)
+    for strategy in strategies:
+        out.update(strategy.own_domains)
+    return out
 
 
 def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False,
@@ -116,6 +124,11 @@ class Strategy:
 
     name: str = ""
     config_type: type = Kernel1Config  # its own frozen subclass of Kernel1Config, whose `strategy` is `name`
+    # Search domains of the knobs its config type adds to the layout (ordered: neighbours are one step apart when
+    # seeding): `leading_domains` are drawn right after the strategy, before the shared knobs (they decide the form
+    # of the tile those size), `own_domains` after the shared knobs.
+    leading_domains: Mapping[str, tuple] = {}
+    own_domains: Mapping[str, tuple] = {}
     extra: tuple[Knob, ...] = ()  # knobs added to config_type later (in its own configs' JSON only)
     sweeps_rows = False  # its column programs sweep every row: offered only for few rows, time grows with M
     # The fields of BackwardConfig.kernel_2 it launches with ("all", or the names of the ones it reads).
@@ -180,6 +193,11 @@ class Strategy:
         """Whether one program holds whole rows in a single pass (what the dual strategy can take over)."""
         return False
 
+    def walks_twice(self, k1: Kernel1Config) -> bool:
+        """Whether the config walks each row twice, in column chunks (a table's learned single-pass threshold
+        stops at the first rule that does)."""
+        return False
+
     def carry_over(self, config: BackwardConfig, problem: Problem, stand_in: str,
                    factor: int) -> tuple[BackwardConfig | None, str]:
         """A `holds_rows` config fitted on dtype `stand_in` for `problem`'s rows, of `factor` times its element
@@ -214,10 +232,13 @@ class Strategy:
         return self.knows(key)
 
     def knows(self, key: str) -> bool:
-        """Whether knob `key` ('k1.…', 'k2.…') exists for this strategy: the shared layout, or its own knobs."""
+        """Whether knob `key` ('k1.…', 'k2.…') exists for this strategy: the knob layout (the shared knobs and
+        every registered strategy's own, which `sampled` fixes where they do not apply), or its `extra` knobs."""
         if key.startswith("k2."):
             return True
-        return key[3:] in KERNEL_1_DOMAINS or any(k.name == key[3:] for k in self.extra)
+        name = key[3:]
+        return (name in KERNEL_1_DOMAINS or any(k.name == name for k in self.extra)
+                or any(name in s.leading_domains or name in s.own_domains for s in STRATEGIES.values()))
 
     def enumerated(self, key: str, variant: Mapping[str, Any]) -> bool:
         """Whether the space's enumeration walks knob `key`'s domain for this variant (else its first value)."""

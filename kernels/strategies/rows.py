@@ -74,6 +74,10 @@ class Rows(Strategy):
     name = "rows"
     config_type = RowsConfig
     decided_first = ("k1.two_pass",)
+    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`fitting_split`)
+    leading_domains = {"two_pass": (False, True), "row_split": ROW_SPLITS}
+    # pipelined_split: offered where rows split (drawn after row_split and num_stages)
+    own_domains = {"recompute": (False, True), "column_accumulators": (False, True), "pipelined_split": (False, True)}
 
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1, k2 = config.kernel_1, config.kernel_2
@@ -136,6 +140,9 @@ class Rows(Strategy):
 
     def whole_rows(self, k1: Kernel1Config) -> bool:
         return not k1.two_pass and k1.row_split == 1
+
+    def walks_twice(self, k1: RowsConfig) -> bool:
+        return k1.two_pass
 
     def carry_over(self, config: BackwardConfig, problem: Problem, stand_in: str,
                    factor: int) -> tuple[BackwardConfig | None, str]:

@@ -317,7 +317,8 @@ def single_pass_threshold(rules: list[dict]) -> int | None:
     """The learned single-pass threshold: the widest measured N up to which every rule runs single pass."""
     out = None
     for r in rules:
-        if r["config"]["kernel_1"]["two_pass"]:
+        config = BackwardConfig.from_dict(r["config"])
+        if config.strategy.walks_twice(config.kernel_1):
             break
         out = max([out or 0] + [int(s.split("x")[1]) for s in r["fitted_on"]])
     return out
