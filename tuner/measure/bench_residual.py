@@ -12,6 +12,7 @@ problem: 4 passes each way (`floor_bytes` for the backward, plus `forward_floor_
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -23,6 +24,7 @@ import torch
 
 from normtune.kernels.config import BackwardConfig, Problem
 
+from .bench import problem_for
 from .cases import GATE_TOLERANCE, relative_error
 from ..gpu_info import DeviceInfo, peer_versions
 from .harness import TIMING, MeasureSession, Timing
@@ -56,9 +58,9 @@ class ResidualReport:
 
 def residual_problem(norm: str, M: int, N: int, dtype: str, weight_dtype: str | None,
                      residual_dtype: str | None) -> Problem:
-    """The benchmarked block: LayerNorm with weight and bias, RMSNorm with weight, saving its input."""
-    return Problem(norm, M, N, dtype, weight_dtype, has_weight=True, has_bias=norm == "layer_norm", residual=True,
-                   residual_dtype=residual_dtype)
+    """The benchmarked block: the plain bench's problem (`bench.problem_for`) with the residual add."""
+    return dataclasses.replace(problem_for(norm, M, N, dtype, weight_dtype), residual=True,
+                               residual_dtype=residual_dtype)
 
 
 def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
