@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import queue as queue_module
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -335,6 +336,31 @@ def test_concurrent_writers(url):
         assert s.count_measurements(source="seed") == 60
         assert len(s.problems()) == 4
         assert [r.status for r in s.runs()] == ["finished", "finished"]
+
+
+def test_a_runs_costs_written_at_once_from_two_threads_keep_one_row(store):
+    """The heartbeat thread and the run's end may both write a run's first costs row at the same moment."""
+    for attempt in range(20):  # a fresh run each time: the race is on the row's first write
+        run_id = store.start_run(H100, kind="sweep", command_line=f"race {attempt}")
+        barrier, errors = threading.Barrier(2), []
+
+        def write(phase: str) -> None:
+            barrier.wait()
+            try:
+                store.workers.save_costs(run_id, {"phase": phase, "wall_s": 1.0})
+            except Exception as err:  # noqa: BLE001 - the assertion below names it
+                errors.append(err)
+
+        threads = [threading.Thread(target=write, args=(phase,)) for phase in ("heartbeat", "end")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        store.workers.save_costs(run_id, {"phase": "last", "wall_s": 2.0})  # a later write replaces the row
+        store.workers.beat(run_id, grace_s=60.0)
+        (state,) = [w for w in store.workers.states() if w.run_id == run_id]
+        assert state.costs == {"phase": "last", "wall_s": 2.0}
 
 
 def _fork_child(s: Store, queue) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from multiprocessing import resource_tracker
 import sqlite3
 import time
 from pathlib import Path
@@ -110,6 +111,7 @@ def test_workers_are_not_handed_a_sweep_timed_unlike_their_measuring_processes(t
     from normtune.tuner.sweep.device_workers import DeviceWorkers
 
     tag = f"{os.getpid()}-{tmp_path.name}"
+    resource_tracker.ensure_running()  # this test process's own tracker, started before the tag: not left behind
     monkeypatch.setenv("NORMTUNE_TEST_TAG", tag)
     workers = DeviceWorkers([0, 1], 0, interpret=False)  # started with the sweep's timing preset
     opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=2,

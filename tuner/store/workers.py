@@ -23,6 +23,8 @@ import socket
 from dataclasses import dataclass
 
 from sqlalchemy import DateTime, ForeignKey, Text, bindparam, case, delete, func, select, text, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, mapped_column
 
 from normtune.kernels.config import Problem
@@ -142,12 +144,16 @@ class Workers:
 
     @staticmethod
     def _put_costs(session, run_id: int, costs: dict) -> None:
-        row = session.get(RunCostsModel, run_id)
-        data = json.dumps(costs, sort_keys=True)
-        if row is None:
-            session.add(RunCostsModel(run_id=run_id, costs_json=data, updated_at=utc_now()))
-        else:
-            row.costs_json, row.updated_at = data, utc_now()
+        """One upsert, so that the heartbeat thread and the run's end may both write a run's first row."""
+        values = {"run_id": run_id, "costs_json": json.dumps(costs, sort_keys=True), "updated_at": utc_now()}
+        dialect = session.get_bind().dialect.name
+        insert = {"postgresql": postgresql_insert, "sqlite": sqlite_insert}.get(dialect)
+        if insert is None:
+            raise StoreIntegrityError(f"run costs: no upsert for the {dialect!r} backend; use sqlite or postgresql")
+        statement = insert(RunCostsModel).values(**values)
+        session.execute(statement.on_conflict_do_update(
+            index_elements=[RunCostsModel.run_id],
+            set_={"costs_json": statement.excluded.costs_json, "updated_at": statement.excluded.updated_at}))
 
     def mark_dead_runs(self) -> list[int]:
         """Record as `dead` every running run whose heartbeat is older than its grace period; their ids."""

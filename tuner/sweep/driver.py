@@ -147,7 +147,8 @@ class Sweep:
         self.store.workers.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.workers.mark_dead_runs()
         stop_hb = threading.Event()
-        threading.Thread(target=self._heartbeat_loop, args=(run_id, stop_hb), daemon=True).start()
+        heartbeats = threading.Thread(target=self._heartbeat_loop, args=(run_id, stop_hb), daemon=True)
+        heartbeats.start()
         status = "failed"
         self.emit("start", {"problems": len(opts.problems), "trials": opts.trials, "run_id": run_id})
         try:
@@ -155,6 +156,7 @@ class Sweep:
             status = "interrupted" if summary.stopped == "interrupted" else "finished"
         finally:
             stop_hb.set()
+            heartbeats.join(timeout=60)  # its last beat is written before the final costs, never beside them
             self._measurer.close()
             stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
