@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from typer.testing import CliRunner
@@ -160,3 +162,50 @@ def test_no_module_outside_the_strategies_reads_a_strategys_own_knob():
                     and node.slice.value in ROWS_OWN and isinstance(node.ctx, ast.Load)):
                 found.append(f"{rel}:{node.lineno} [{node.slice.value!r}]")
     assert not found, "strategy-specific knobs read outside kernels/strategies/: " + ", ".join(found)
+
+
+@dataclass(frozen=True)
+class MirrorConfig(DualConfig):
+    strategy: ClassVar[str] = "mirror"
+
+
+class Mirror(Dual):
+    """A strategy registered under a new name, launching the dual strategy's kernel through a launch module of
+    its own name (`mirror_launch`)."""
+    name = "mirror"
+    config_type = MirrorConfig
+
+
+def test_a_new_strategy_launches_through_its_own_launch_module_with_no_change_elsewhere(monkeypatch, device):
+    """`backward/launch.py` lists no strategy: a strategy registered under a new name is planned by the module
+    `strategies/<name>_launch.py`, imported by that name on its first launch."""
+    import types
+
+    import torch
+
+    from normtune.kernels.backward.launch import BackwardLaunch
+    from normtune.kernels.strategies import dual_launch
+
+    planned = []
+
+    def mirror_plan(problem, config, target, int64, hint):
+        planned.append(config.kernel_1.strategy)
+        return dual_launch.plan(problem, config, target, int64, hint)
+
+    monkeypatch.setitem(STRATEGIES, "mirror", Mirror())
+    monkeypatch.setitem(sys.modules, "normtune.kernels.strategies.mirror_launch",
+                        types.SimpleNamespace(plan=mirror_plan))
+    problem = Problem("rms_norm", 8, 96, "fp32")
+    dual = next(c for c in Space(problem, 4).seeds() if c.kernel_1.strategy == "dual")
+    mirror = BackwardConfig(MirrorConfig(**dual.kernel_1.__dict__), dual.kernel_2)
+    torch.manual_seed(0)
+    grad, saved = torch.randn(8, 96, device=device), torch.randn(8, 96, device=device)
+    weight, rstd = 1 + 0.1 * torch.randn(96, device=device), torch.rand(8, device=device) + 0.5
+    empty = torch.empty((0,), device=device)
+    launches = [BackwardLaunch(problem, c, grad, saved, weight, None, rstd, empty) for c in (dual, mirror)]
+    for launch in launches:
+        launch.dx.fill_(float("nan"))
+        launch.run()
+    assert planned == ["mirror"]
+    assert torch.equal(launches[0].dx, launches[1].dx) and torch.equal(launches[0].dw, launches[1].dw)
+    assert not torch.isnan(launches[1].dx).any()

@@ -1,5 +1,5 @@
 """Host side of the backward: `plan` per (problem, config, device) — kernels, compile-time arguments, grids,
-scratch shapes — built once by the config's strategy (`strategies/<name>_launch.py`) and cached, and
+scratch shapes — built once by the config's strategy (`Strategy.plan`: `strategies/<name>_launch.py`) and cached, and
 `BackwardLaunch`, which allocates one call's outputs, binds its tensors to the plan's launches and launches.
 
 Residual problems (`Problem.residual`) pass the residual stream's gradient dh to kernel_1 (HAS_DRES), which adds
@@ -16,15 +16,12 @@ from ..capabilities import checked
 from ..config import BackwardConfig, Problem
 from ..device import device_limits, interpret_mode, sm_count
 from ..heuristics import MAX_PROGRAMS_PER_SM_SYNC, alignment_hint, needs_int64, occupancy
-from ..strategies import columns_launch, dual_launch, rows_launch
 from .plan import PLACEHOLDER_COUNTERS, TORCH_DTYPES, Plan, Target, placeholder_work, placeholders, reads_mean
 from .reduce import PDL_SUPPORTED
 from .workspace import scratch, sync_counters
 
 __all__ = ["TORCH_DTYPES", "BackwardLaunch", "Plan", "compile_ahead_args", "pdl_enabled", "plan", "precompile"]
 
-# Each strategy's plan builder, by strategy name.
-PLANNERS = {module.NAME: module.plan for module in (rows_launch, columns_launch, dual_launch)}
 # Row-stride triples remembered per resolved call (`BackwardLaunch`'s `plans`) before the memo starts over.
 MAX_PLANS_PER_CALL = 64
 
@@ -70,7 +67,7 @@ def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: 
     config = checked(problem, config, device_limits(device))
     if problem.M == 0:
         return Plan(problem, config, 0, interpret_mode(), {}, reads_mean=reads_mean(problem))
-    return PLANNERS[config.kernel_1.strategy](problem, config, target(device), int64, hint)
+    return config.strategy.plan(problem, config, target(device), int64, hint)
 
 
 class BackwardLaunch:

@@ -12,6 +12,7 @@ store and the tables then carry it with no other change.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -165,6 +166,13 @@ class Strategy:
 
     def describe_extra(self, k1: Kernel1Config) -> str:
         return "".join(f" {k.name}={getattr(k1, k.name)}" for k in self.extra if getattr(k1, k.name) != k.default)
+
+    # ---- the launch plan
+    def plan(self, problem: Problem, config: BackwardConfig, target, int64: bool, hint: int):
+        """Its launch plan (`backward/launch.py`'s `plan`): the `plan` of its module `<name>_launch` in this
+        package, imported on the first plan (it imports Triton and the kernels; the strategy modules do not)."""
+        return importlib.import_module(f"{__package__}.{self.name}_launch").plan(problem, config, target, int64,
+                                                                                  hint)
 
     # ---- the grid
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:  # override

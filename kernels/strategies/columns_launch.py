@@ -10,8 +10,6 @@ from ..backward.plan import Plan, Step, Target, flags, k1_flags, reads_mean
 from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv, max_warps, next_power_of_two
 
-NAME = "columns"
-
 
 @dataclasses.dataclass(frozen=True)
 class ColumnsPlan(Plan):

@@ -10,8 +10,6 @@ from ..backward.plan import Plan, Step, Target, k1_flags, reads_mean
 from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv
 
-NAME = "dual"
-
 
 @dataclasses.dataclass(frozen=True)
 class DualPlan(Plan):

@@ -14,8 +14,6 @@ from ..backward.rows import kernel_1_single_pass, kernel_1_two_pass
 from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv, slice_width
 
-NAME = "rows"
-
 
 @dataclasses.dataclass(frozen=True)
 class RowsPlan(Plan):
