@@ -40,6 +40,7 @@ from normtune.kernels.config import Problem
 
 from ..gpu_info import DeviceInfo, command_line
 from . import timeline
+from .compile_ahead import CompileAhead, seeds_ahead
 from .compiling import stop_pool
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
@@ -141,7 +142,8 @@ class Sweep:
                                                         measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
-        self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.costs, self.emit,
+        self.ahead = CompileAhead(pool, self.info.sm_count)
+        self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.workers.beat(run_id, grace_s=opts.grace_period, device=self._device())
@@ -152,12 +154,13 @@ class Sweep:
         status = "failed"
         self.emit("start", {"problems": len(opts.problems), "trials": opts.trials, "run_id": run_id})
         try:
-            self._rounds(run_id, pool, t0, summary)
+            self._rounds(run_id, t0, summary)
             status = "interrupted" if summary.stopped == "interrupted" else "finished"
         finally:
             stop_hb.set()
             heartbeats.join(timeout=60)  # its last beat is written before the final costs, never beside them
             self._measurer.close()
+            self.ahead.stop()
             stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
             summary.remaining = self._remaining()
@@ -172,27 +175,28 @@ class Sweep:
             self.emit("finish", {"summary": summary})
         return summary
 
-    def _rounds(self, run_id: int, pool, t0: float, summary: SweepSummary) -> None:
+    def _rounds(self, run_id: int, t0: float, summary: SweepSummary) -> None:
         """Every problem first gets a few trials (the default and its neighbours), then all are deepened to
         `trials`, so that a time-budgeted sweep covers every problem before it refines any. Each worker starts
         at its own place in the problem list, so that workers spread over problems instead of sharing one.
 
         The trials come from `_feed` (claims, proposals, compile-ahead) and are measured by `_pipeline`, which
         keeps the measuring process busy: while one trial measures, the previous one is stored and the next
-        ones are proposed."""
+        ones are proposed. The seeds those claims will get are compiled ahead of them (`CompileAhead.warm`)."""
         problems = self.opts.problems
         start = self.opts.worker_index * len(problems) // max(1, self.opts.workers)
         order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
-        self._pipeline(self._feed(order, targets, run_id, pool, t0, by_key), run_id, t0, summary)
+        self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books))
+        self._pipeline(self._feed(order, targets, run_id, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
         short = [] if summary.stopped else [
             p for p in order if p.key in self._books and not self._exhausted.get(p.key) and sum(
                 s.measured for s in self.store.workers.slots(self._books[p.key].name).values())
             < self._books[p.key].target(self.opts.trials)]
         if short:
-            self._pipeline(self._feed(short, [self.opts.trials], run_id, pool, t0, by_key), run_id, t0, summary)
+            self._pipeline(self._feed(short, [self.opts.trials], run_id, t0, by_key), run_id, t0, summary)
         summary.problems = [by_key[p.key] for p in problems if p.key in by_key]
         # Leave the studies clean for whoever looks next: trials of workers that died after storing their
         # measurement are told, and dead runs recorded.
@@ -201,7 +205,7 @@ class Sweep:
             for book in self._books.values():
                 book.repair(self.store)
 
-    def _feed(self, order: list[Problem], targets: list[int], run_id: int, pool, t0: float,
+    def _feed(self, order: list[Problem], targets: list[int], run_id: int, t0: float,
               by_key: dict[str, ProblemSummary]) -> Iterator:
         """The trials to measure, in order: a `Pending` per claimed slot (created, its compile submitted), a
         `_ProblemEnd` after each problem's trials of a round, and `_IDLE` when only slots that other workers
@@ -227,7 +231,7 @@ class Sweep:
                         if dead_trial is not None:
                             with self.costs.timed("database"):
                                 book.fail_orphan(dead_trial)
-                        item = self.pending.start(book, ps, slot, run_id, pool)
+                        item = self.pending.start(book, ps, slot, run_id)
                         if item is None:
                             self._exhausted[problem.key] = True
                             break
@@ -269,6 +273,7 @@ class Sweep:
         try:
             while True:
                 stopping = self._stopping(t0)
+                self.ahead.refill()
                 while not (stopping or ended or idle) and sum(isinstance(x, Pending) for x in queue) < lookahead:
                     if inflight is not None and self._measurer.ready():
                         break

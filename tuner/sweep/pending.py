@@ -15,7 +15,8 @@ from typing import Callable
 
 from ..gpu_info import DeviceInfo
 from ..measure.harness import MeasureResult
-from .compiling import compile_one, wait_compiled
+from .compile_ahead import CompileAhead
+from .compiling import wait_compiled
 from . import timeline
 from .costs import Costs
 from .options import ProblemSummary, SweepOptions, SweepSummary
@@ -42,9 +43,10 @@ class PendingTrials:
     """The worker's trials from creation to storage. `abandoning()` is true once a second signal asked to abandon
     the trial being measured."""
 
-    def __init__(self, opts: SweepOptions, store, info: DeviceInfo, measurer, costs: Costs,
+    def __init__(self, opts: SweepOptions, store, info: DeviceInfo, measurer, ahead: CompileAhead, costs: Costs,
                  emit: Callable[[str, dict], None], abandoning: Callable[[], bool]):
         self.opts, self.store, self.info, self.measurer, self.costs = opts, store, info, measurer, costs
+        self.ahead = ahead
         self.emit, self.abandoning = emit, abandoning
         self.running: dict[int, int] = {}  # trial_id -> number of the trials held, for heartbeats
         self._lock = threading.Lock()
@@ -54,7 +56,7 @@ class PendingTrials:
         with self._lock:
             return list(self.running)
 
-    def start(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int, pool) -> Pending | None:
+    def start(self, book: StudyBook, ps: ProblemSummary, slot: int, run_id: int) -> Pending | None:
         """The claimed slot's trial, created and its compile submitted; None (the slot given back) where the
         problem's space has nothing left to propose."""
         workers = self.store.workers
@@ -68,9 +70,7 @@ class PendingTrials:
         if not trial.bound:
             with self.costs.timed("database"):
                 workers.bind_slot(book.name, slot, run_id, trial.number)
-        future = (pool.submit(compile_one, book.problem.to_dict(), trial.config.to_json(), self.info.sm_count)
-                  if pool is not None else None)
-        return Pending(slot, trial, future, book, ps)
+        return Pending(slot, trial, self.ahead.job(book.problem, trial.config), book, ps)
 
     def abandon(self, item: Pending, run_id: int) -> None:
         """The trial told abandoned and its slot given back."""

@@ -50,6 +50,20 @@ class NewTrial:
     bound: bool = False  # its slot was bound to it in the transaction that created it
 
 
+def seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> list[BackwardConfig]:
+    """The configs a fresh study of `problem` gives its first slots, in slot order: the sweep's extra seeds, then
+    the space's (none for the grid sampler or an unseeded sweep)."""
+    if opts.sampler == "grid" or not opts.seeded:
+        return []
+    extra = [space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
+    return list(dict.fromkeys(extra + space.seeds()))
+
+
+def problem_space(problem: Problem, sm_count: int, interpret: bool) -> Space:
+    """The search space a study of `problem` samples (the installed GPU's limits, or the interpreter's)."""
+    return Space(problem, sm_count, None if interpret else _gpu_limits())
+
+
 class StudyBook:
     """The study of one problem, and the seeds its first slots get."""
 
@@ -58,14 +72,12 @@ class StudyBook:
         import optuna
 
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
-        self.space = Space(problem, sm_count, None if interpret else _gpu_limits())
+        self.space = problem_space(problem, sm_count, interpret)
         self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
         self.sampling = Sampling(opts.sampler, self.space, opts.seed)
         self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=self.sampling.sampler,
                                          direction="minimize", load_if_exists=True)
-        extra = [self.space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
-        self.seeds = (list(dict.fromkeys(extra + self.space.seeds())) if opts.sampler != "grid" and opts.seeded
-                      else [])
+        self.seeds = seed_configs(opts, problem, self.space)
         self.default = self.space.canonical(default_config(problem, self.space.limits))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
         self.seed_base = 0  # slot of the first seed

@@ -1,0 +1,156 @@
+"""The seeds a sweep worker will claim are compiled ahead of their claims (`tuner/sweep/compile_ahead.py`).
+
+In-process sweeps with stand-ins for the GPU side: a measuring process that answers after a fixed time and a
+compile pool of threads that take a fixed time per job and record what they were given. No timing is asserted:
+only which jobs were submitted, in which order, how many ran at once, and that the trials took them over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from sweep_support import check_studies
+
+from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.device import INTERPRET_SM_COUNT
+from normtune.tuner.gpu_info import DeviceInfo
+from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.store.database import Store
+from normtune.tuner.sweep import SweepOptions, driver, study_name
+from normtune.tuner.sweep.compile_ahead import WARM_JOBS, CompileAhead, seeds_in_claim_order
+from normtune.tuner.sweep.options import FIRST_ROUND
+from normtune.tuner.sweep.trials import problem_space, seed_configs
+
+PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, "bf16"),
+            Problem("rms_norm", 64, 512, "fp32")]
+INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
+                  sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
+                  triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
+COMPILE_S, MEASURE_S = 0.02, 0.005
+
+
+class RecordingPool:
+    """A compile pool of `workers` threads: each job sleeps COMPILE_S; it records every job's (problem key,
+    config JSON) in submission order and the most jobs that ran at once."""
+
+    def __init__(self, workers: int = 12):
+        self._threads = ThreadPoolExecutor(workers)
+        self.jobs: list[tuple[str, str]] = []
+        self.running = self.peak = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn, problem: dict, config_json: str, sms: int):
+        self.jobs.append((Problem.from_dict(problem).key, config_json))
+        return self._threads.submit(self._compile)
+
+    def _compile(self):
+        with self._lock:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        time.sleep(COMPILE_S)
+        with self._lock:
+            self.running -= 1
+        return "ok", COMPILE_S, None
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=cancel_futures)
+
+
+class QuickMeasurer:
+    """A measuring process that answers MEASURE_S after each submit, recording what it measured."""
+
+    measured: list[tuple[str, str]] = []
+
+    def __init__(self, *args, **kwargs):
+        self.phases = {"inputs": 0.0, "gate": 0.0, "timing": MEASURE_S}
+
+    def start(self):
+        pass
+
+    def submit(self, problem, config):
+        QuickMeasurer.measured.append((problem.key, config.to_json()))
+        self._due = time.perf_counter() + MEASURE_S
+
+    def ready(self):
+        return time.perf_counter() >= self._due
+
+    def collect(self, timeout_s):
+        time.sleep(max(0.0, self._due - time.perf_counter()))
+        return MeasureResult(status="ok", median_us=10.0 + len(QuickMeasurer.measured) % 5, reps=2, interpret=True)
+
+    def interrupt(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _sweep(url: str, trials: int, pool: RecordingPool) -> driver.Sweep:
+    QuickMeasurer.measured = []
+    opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS, trials=trials, sampler="tpe", interpret=True,
+                        compile_workers=0, heartbeat_interval=1, grace_period=5)
+    with Store(url) as store:
+        sweep = driver.Sweep(opts, store, INFO, helpers=(QuickMeasurer(), pool))
+        sweep.run()
+    return sweep
+
+
+def _seeds(problem: Problem) -> list[BackwardConfig]:
+    opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS)
+    return seed_configs(opts, problem, problem_space(problem, INFO.sm_count, interpret=True))
+
+
+def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_job_over(tmp_path):
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    trials = FIRST_ROUND + 4  # two rounds: the first FIRST_ROUND slots of every problem, then the rest
+    assert all(len(_seeds(p)) >= trials for p in PROBLEMS)  # every slot of these problems gets a seed
+    pool = RecordingPool()
+    sweep = _sweep(url, trials, pool)
+    check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], trials)
+    # Each trial's config was compiled exactly once, and every trial took a job compiled ahead over.
+    assert len(pool.jobs) == len(set(pool.jobs)) == trials * len(PROBLEMS)
+    assert sweep.ahead.taken_over == trials * len(PROBLEMS)
+    assert sorted(pool.jobs) == sorted(QuickMeasurer.measured)
+    # Submitted in the order the worker claims its slots: round one over every problem, then round two.
+    expected = [(p.key, s.to_json()) for low, high in ((0, FIRST_ROUND), (FIRST_ROUND, trials))
+                for p in PROBLEMS for s in _seeds(p)[low:high]]
+    assert pool.jobs == expected
+    # The pool ran more compiles at once than the trials held ahead of the measurement (the lookahead).
+    assert pool.peak > sweep.opts.lookahead and pool.peak <= WARM_JOBS + sweep.opts.lookahead
+
+
+def test_a_resumed_sweep_compiles_only_the_seeds_of_slots_not_claimed_yet(tmp_path):
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    _sweep(url, 5, RecordingPool())
+    pool = RecordingPool()
+    sweep = _sweep(url, 8, pool)
+    check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], 8)
+    assert pool.jobs == [(p.key, s.to_json()) for p in PROBLEMS for s in _seeds(p)[5:8]]
+    assert sweep.ahead.taken_over == 3 * len(PROBLEMS)
+
+
+def test_without_a_pool_nothing_is_compiled_ahead_and_seeds_are_not_computed():
+    ahead = CompileAhead(None, 132)
+    computed = []
+    ahead.warm(seeds_in_claim_order(PROBLEMS, [4], lambda p: computed.append(p) or [], lambda p: set()))
+    ahead.refill()
+    assert ahead.job(PROBLEMS[0], _seeds(PROBLEMS[0])[0]) is None and computed == []
+
+
+def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are_skipped():
+    pool = RecordingPool(workers=2)
+    ahead = CompileAhead(pool, 132, warm_jobs=2)
+    problem = PROBLEMS[0]
+    seeds = _seeds(problem)[:4]
+    ahead.warm(seeds_in_claim_order([problem], [4], lambda p: seeds, lambda p: {1}))  # slot 1 is claimed
+    assert [config for _, config in pool.jobs] == [seeds[0].to_json(), seeds[2].to_json()]  # two at a time
+    assert ahead.job(problem, seeds[0]) is not None and len(pool.jobs) == 2  # taken over, not submitted
+    time.sleep(3 * COMPILE_S)
+    ahead.refill()
+    assert [config for _, config in pool.jobs][2:] == [seeds[3].to_json()]
+    ahead.job(problem, seeds[1])  # a slot another worker gave back: compiled now
+    assert pool.jobs[-1] == (problem.key, seeds[1].to_json()) and ahead.taken_over == 1
+    ahead.stop()
+    pool.shutdown()

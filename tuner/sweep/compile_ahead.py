@@ -1,0 +1,114 @@
+"""A sweep worker's compile-ahead jobs, by problem and config (`CompileAhead`).
+
+A trial's config is compiled in the compile pool between its creation and its measurement (`PendingTrials`). The
+seeds of a problem (its analytic default and that default's neighbours, `StudyBook.seeds`) are known before any
+slot is claimed, so they are compiled further ahead: from the worker's start, `warm` keeps up to `WARM_JOBS`
+seed compiles in the pool, in the order the worker will claim them, and a trial created for one of them takes
+its job over instead of submitting another. This uses the pool's processes that the trials in flight (at most
+`lookahead`) leave idle, and it claims nothing: the studies, their slots and their trials are untouched, so a
+seed compiled ahead but never claimed (another worker measured it, the time budget ran out) costs only the
+compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import Future
+from typing import Callable, Iterable, Iterator
+
+from normtune.kernels.config import BackwardConfig, Problem
+
+from ..gpu_info import DeviceInfo
+from .compiling import compile_one
+from .options import SweepOptions, study_name
+from .trials import StudyBook, problem_space, seed_configs
+
+# Seed compiles a worker keeps in the pool ahead of its claims (each compile process busy with one).
+WARM_JOBS = 8
+
+
+class CompileAhead:
+    """The compile-ahead jobs of one worker on `pool` (a `ProcessPoolExecutor` or the host's shared pool; None:
+    nothing is compiled ahead) for a device of `sms` SMs."""
+
+    def __init__(self, pool, sms: int, warm_jobs: int = WARM_JOBS):
+        self._pool, self._sms, self._warm_jobs = pool, sms, warm_jobs
+        self._warmed: dict[tuple[str, str], Future] = {}  # seed compiles not yet taken over by a trial
+        self._unfinished: list[Future] = []  # seed compiles submitted and not done yet
+        self._upcoming: Iterator[tuple[Problem, BackwardConfig]] = iter(())
+        self.taken_over = 0  # trials whose compile was a seed's job submitted before their slot was claimed
+
+    def job(self, problem: Problem, config: BackwardConfig) -> Future | None:
+        """The compile job of a trial of `problem` with `config`: the seed's job compiled ahead if there is one,
+        else a new one."""
+        if self._pool is None:
+            return None
+        future = self._warmed.pop((problem.key, config.to_json()), None)
+        if future is not None and not future.cancelled():
+            self.taken_over += 1
+            return future
+        return self._pool.submit(compile_one, problem.to_dict(), config.to_json(), self._sms)
+
+    def warm(self, seeds: Iterable[tuple[Problem, BackwardConfig]]) -> None:
+        """Compile `seeds` ((problem, config), in the order their slots will be claimed) ahead, `WARM_JOBS` at a
+        time as `refill` is called; the seeds given before and not submitted yet come first."""
+        if self._pool is not None:
+            self._upcoming = itertools.chain(self._upcoming, seeds)
+            self.refill()
+
+    def refill(self) -> None:
+        """Submit upcoming seeds until `WARM_JOBS` of the seed jobs not taken over are unfinished (called from
+        the worker's loop: submitting never happens on the pool's own threads)."""
+        if self._pool is None:
+            return
+        self._unfinished = [f for f in self._unfinished if not f.done()]
+        while len(self._unfinished) < self._warm_jobs:
+            problem, config = next(self._upcoming, (None, None))
+            if problem is None:
+                return
+            key = (problem.key, config.to_json())
+            if key in self._warmed:
+                continue
+            self._warmed[key] = self._pool.submit(compile_one, problem.to_dict(), key[1], self._sms)
+            self._unfinished.append(self._warmed[key])
+
+    def stop(self) -> None:
+        """Cancel the seed compiles that have not started (the pool is stopped separately)."""
+        self._upcoming = iter(())
+        for future in self._warmed.values():
+            future.cancel()
+        self._warmed.clear()
+        self._unfinished.clear()
+
+
+def seeds_in_claim_order(order: list[Problem], targets: list[int], seeds_of: Callable[[Problem], list],
+                         claimed_of: Callable[[Problem], set[int]]) -> Iterator[tuple[Problem, BackwardConfig]]:
+    """The seeds the worker's feed will claim, in its order: each round (up to each of `targets`) walks the
+    problems of `order`, and slot i of a problem gets its seed i (`seeds_of`, computed when its turn comes);
+    slots already claimed (`claimed_of`: measured, or held by a worker) are skipped."""
+    low = 0
+    for high in targets:
+        for problem in order:
+            seeds = seeds_of(problem)[low:high]
+            if not seeds:
+                continue
+            claimed = claimed_of(problem)
+            yield from ((problem, seed) for slot, seed in enumerate(seeds, low) if slot not in claimed)
+        low = high
+
+
+def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, info: DeviceInfo, store,
+                books: dict[str, StudyBook]) -> Iterator[tuple[Problem, BackwardConfig]]:
+    """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`), else those a
+    fresh study gets; its claimed slots are read from the store when its turn comes."""
+
+    def seeds_of(problem: Problem) -> list[BackwardConfig]:
+        book = books.get(problem.key)
+        if book is not None:
+            return book.seeds
+        return seed_configs(opts, problem, problem_space(problem, info.sm_count, info.interpret))
+
+    def claimed_of(problem: Problem) -> set[int]:
+        return set(store.workers.slots(study_name(opts.gpu_key, problem, info.interpret, opts.study_prefix)))
+
+    return seeds_in_claim_order(order, targets, seeds_of, claimed_of)
