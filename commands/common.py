@@ -103,7 +103,7 @@ def refuse(message: str):
 
 
 def compile_processes(value: int | None, gpus: int) -> int:
-    """--compile-workers as given, or the default for `gpus` GPUs (8 each, within the host's cores)."""
+    """--compile-workers as given, or the default for `gpus` GPUs (16 each, within the host's cores)."""
     if value is None:
         from normtune.tuner.sweep.compiling import default_compile_workers
 

@@ -54,7 +54,7 @@ def sweep(
                                                         "sharing only the database")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
         help="CPU processes compiling upcoming configs: one pool for the host, shared by the --devices workers "
-             "[default: 8 per GPU, within the host's cores]")] = None,
+             "[default: 16 per GPU, within the host's cores]")] = None,
     trial_timeout: Annotated[float, typer.Option(help="Seconds before a trial is killed as hung")] = 180.0,
     seed: Annotated[int, typer.Option(help="Sampler seed")] = 0,
     heartbeat_interval: Annotated[int, typer.Option(help="Seconds between a worker's trial heartbeats")] = 20,

@@ -107,10 +107,11 @@ def test_compile_processes_grow_with_the_gpus_within_the_cores():
     than the host's cores leave after each GPU's sweep worker and measuring process."""
     from normtune.tuner.sweep.compiling import COMPILERS_PER_GPU, default_compile_workers, share_of
 
-    assert default_compile_workers(1, cpus=16) == COMPILERS_PER_GPU
-    assert default_compile_workers(2, cpus=32) == 2 * COMPILERS_PER_GPU
-    assert [share_of(default_compile_workers(2, cpus=32), 2, i) for i in (0, 1)] == [COMPILERS_PER_GPU] * 2
-    assert default_compile_workers(4, cpus=16) == 8  # 16 cores less 2 per GPU
+    assert default_compile_workers(1, cpus=64) == COMPILERS_PER_GPU
+    assert default_compile_workers(2, cpus=64) == 2 * COMPILERS_PER_GPU
+    assert [share_of(default_compile_workers(2, cpus=64), 2, i) for i in (0, 1)] == [COMPILERS_PER_GPU] * 2
+    assert default_compile_workers(1, cpus=16) == 14  # 16 cores less 2 per GPU
+    assert default_compile_workers(4, cpus=16) == 8
     assert default_compile_workers(8, cpus=8) == 1 and default_compile_workers(1, cpus=1) == 1
 
 

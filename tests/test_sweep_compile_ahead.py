@@ -19,7 +19,8 @@ from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, driver, study_name
-from normtune.tuner.sweep.compile_ahead import WARM_JOBS, CompileAhead, seeds_in_claim_order
+from normtune.tuner.sweep.compile_ahead import CompileAhead, seeds_in_claim_order
+from normtune.tuner.sweep.compiling import COMPILERS_PER_GPU
 from normtune.tuner.sweep.options import FIRST_ROUND
 from normtune.tuner.sweep.trials import problem_space, seed_configs
 
@@ -106,7 +107,7 @@ def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_
     url = f"sqlite:///{tmp_path / 'results.db'}"
     trials = FIRST_ROUND + 4  # two rounds: the first FIRST_ROUND slots of every problem, then the rest
     assert all(len(_seeds(p)) >= trials for p in PROBLEMS)  # every slot of these problems gets a seed
-    pool = RecordingPool()
+    pool = RecordingPool(workers=24)
     sweep = _sweep(url, trials, pool)
     check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], trials)
     # Each trial's config was compiled exactly once, and every trial took a job compiled ahead over.
@@ -118,7 +119,7 @@ def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_
                 for p in PROBLEMS for s in _seeds(p)[low:high]]
     assert pool.jobs == expected
     # The pool ran more compiles at once than the trials held ahead of the measurement (the lookahead).
-    assert pool.peak > sweep.opts.lookahead and pool.peak <= WARM_JOBS + sweep.opts.lookahead
+    assert pool.peak > sweep.opts.lookahead and pool.peak <= COMPILERS_PER_GPU + sweep.opts.lookahead
 
 
 def test_a_resumed_sweep_compiles_only_the_seeds_of_slots_not_claimed_yet(tmp_path):
@@ -132,7 +133,7 @@ def test_a_resumed_sweep_compiles_only_the_seeds_of_slots_not_claimed_yet(tmp_pa
 
 
 def test_without_a_pool_nothing_is_compiled_ahead_and_seeds_are_not_computed():
-    ahead = CompileAhead(None, 132)
+    ahead = CompileAhead(None, 132, 4)
     computed = []
     ahead.warm(seeds_in_claim_order(PROBLEMS, [4], lambda p: computed.append(p) or [], lambda p: set()))
     ahead.refill()

@@ -2,12 +2,12 @@
 
 A trial's config is compiled in the compile pool between its creation and its measurement (`PendingTrials`). The
 seeds of a problem (its analytic default and that default's neighbours, `StudyBook.seeds`) are known before any
-slot is claimed, so they are compiled further ahead: from the worker's start, `warm` keeps up to `WARM_JOBS`
-seed compiles in the pool, in the order the worker will claim them, and a trial created for one of them takes
-its job over instead of submitting another. This uses the pool's processes that the trials in flight (at most
-`lookahead`) leave idle, and it claims nothing: the studies, their slots and their trials are untouched, so a
-seed compiled ahead but never claimed (another worker measured it, the time budget ran out) costs only the
-compile.
+slot is claimed, so they are compiled further ahead: from the worker's start, `warm` keeps as many seed compiles
+in the pool as it has processes (`warm_jobs`), in the order the worker will claim them, and a trial created for
+one of them takes its job over instead of submitting another. This uses the pool's processes that the trials in
+flight (at most `lookahead`) leave idle, and it claims nothing: the studies, their slots and their trials are
+untouched, so a seed compiled ahead but never claimed (another worker measured it, the time budget ran out)
+costs only the compile.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ from .compiling import compile_one
 from .options import SweepOptions, study_name
 from .trials import StudyBook, problem_space, seed_configs
 
-# Seed compiles a worker keeps in the pool ahead of its claims (each compile process busy with one).
-WARM_JOBS = 8
 
 
 class CompileAhead:
     """The compile-ahead jobs of one worker on `pool` (a `ProcessPoolExecutor` or the host's shared pool; None:
-    nothing is compiled ahead) for a device of `sms` SMs."""
+    nothing is compiled ahead) for a device of `sms` SMs, with up to `warm_jobs` seed compiles unfinished."""
 
-    def __init__(self, pool, sms: int, warm_jobs: int = WARM_JOBS):
+    def __init__(self, pool, sms: int, warm_jobs: int):
         self._pool, self._sms, self._warm_jobs = pool, sms, warm_jobs
         self._warmed: dict[tuple[str, str], Future] = {}  # seed compiles not yet taken over by a trial
         self._unfinished: list[Future] = []  # seed compiles submitted and not done yet
@@ -50,14 +48,14 @@ class CompileAhead:
         return self._pool.submit(compile_one, problem.to_dict(), config.to_json(), self._sms)
 
     def warm(self, seeds: Iterable[tuple[Problem, BackwardConfig]]) -> None:
-        """Compile `seeds` ((problem, config), in the order their slots will be claimed) ahead, `WARM_JOBS` at a
-        time as `refill` is called; the seeds given before and not submitted yet come first."""
+        """Compile `seeds` ((problem, config), in the order their slots will be claimed) ahead, `warm_jobs` at
+        a time as `refill` is called; the seeds given before and not submitted yet come first."""
         if self._pool is not None:
             self._upcoming = itertools.chain(self._upcoming, seeds)
             self.refill()
 
     def refill(self) -> None:
-        """Submit upcoming seeds until `WARM_JOBS` of the seed jobs not taken over are unfinished (called from
+        """Submit upcoming seeds until `warm_jobs` of the seed jobs not taken over are unfinished (called from
         the worker's loop: submitting never happens on the pool's own threads)."""
         if self._pool is None:
             return

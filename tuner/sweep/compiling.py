@@ -29,9 +29,10 @@ def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor 
     return pool
 
 
-# Compile processes per GPU by default: enough to keep one GPU's measurements fed (a compile takes ~0.1-0.2 s of
-# CPU, a measurement ~0.03 s of the GPU, and the sweep looks a few trials ahead).
-COMPILERS_PER_GPU = 8
+# Compile processes per GPU by default, within the host's cores: from an empty Triton cache a config's compile
+# takes far longer than its measurement, so a GPU is fed only by many compiles at once (the seeds compiled ahead
+# of their claims, `compile_ahead.py`, keep that many busy).
+COMPILERS_PER_GPU = 16
 
 
 def default_compile_workers(gpus: int, cpus: int | None = None) -> int:

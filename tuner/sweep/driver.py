@@ -41,7 +41,7 @@ from normtune.kernels.config import Problem
 from ..gpu_info import DeviceInfo, command_line
 from . import timeline
 from .compile_ahead import CompileAhead, seeds_ahead
-from .compiling import stop_pool
+from .compiling import COMPILERS_PER_GPU, stop_pool
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
@@ -142,7 +142,7 @@ class Sweep:
                                                         measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
-        self.ahead = CompileAhead(pool, self.info.sm_count)
+        self.ahead = CompileAhead(pool, self.info.sm_count, opts.compile_workers or COMPILERS_PER_GPU)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
