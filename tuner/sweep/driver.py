@@ -44,9 +44,9 @@ from .compile_ahead import CompileAhead, seeds_ahead
 from .compiling import COMPILERS_PER_GPU, stop_pool
 from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
-from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary, study_name
+from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary
 from .pending import Pending, PendingTrials
-from .trials import StudyBook
+from .trials import StudyBook, remaining
 
 log = logging.getLogger("normtune.sweep")
 
@@ -163,7 +163,7 @@ class Sweep:
             self.ahead.stop()
             stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
-            summary.remaining = self._remaining()
+            summary.remaining = remaining(self.opts, self.info.interpret, self.store, self._books)
             summary.costs = self.costs.to_dict()
             try:
                 self.store.workers.save_costs(run_id, summary.costs)
@@ -373,27 +373,6 @@ class Sweep:
 
     def _summarize(self, end: "_ProblemEnd") -> None:
         """A problem's trials of this round are all stored: its summary from the database."""
-        book, ps = end.book, end.ps
         with self.costs.timed("database"):
-            ps.trials = sum(s.measured for s in self.store.workers.slots(book.name).values())
-            best = self.store.best(book.problem, gpu_key=self.opts.gpu_key, interpret=self.info.interpret)
-            if best is not None:
-                ps.best_us, ps.best_config = best.median_us, best.config
-            default = self.store.measurements(study_name=book.name, config=book.default, status="ok")
-            if default:
-                ps.default_us = default[0].median_us
-        self.emit("problem_done", {"summary": ps})
-
-    def _remaining(self) -> list[str]:
-        """'problem: N trials' for every problem with fewer measured trials than asked, from the database."""
-        out = []
-        for problem in self.opts.problems:
-            book = self._books.get(problem.key)
-            name = book.name if book else study_name(self.opts.gpu_key, problem, self.info.interpret,
-                                                      self.opts.study_prefix)
-            done = sum(s.measured for s in self.store.workers.slots(name).values())
-            left = (book.target(self.opts.trials) if book else self.opts.trials) - done
-            if left > 0:
-                out.append(f"{problem.key}: {left} trials")
-        return out
-
+            end.book.summarize(self.store, end.ps, self.info.interpret)
+        self.emit("problem_done", {"summary": end.ps})

@@ -24,7 +24,7 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 from ..space import Space
 from .costs import Costs
 from .rows import create_running_trial, finish_trial, finish_trial_in
-from .options import METRIC_NAME, SEED_VERSION, SweepOptions, study_name
+from .options import METRIC_NAME, SEED_VERSION, ProblemSummary, SweepOptions, study_name
 from .sampling import Sampling
 
 log = logging.getLogger("normtune.sweep")
@@ -87,6 +87,16 @@ class StudyBook:
 
     def target(self, trials: int) -> int:
         return trials if self.sampling.size is None else min(trials, self.sampling.size)
+
+    def summarize(self, store, ps: ProblemSummary, interpret: bool) -> None:
+        """Fill `ps` from the database: the study's measured trials, the problem's best and the default's time."""
+        ps.trials = sum(slot.measured for slot in store.workers.slots(self.name).values())
+        best = store.best(self.problem, gpu_key=self.opts.gpu_key, interpret=interpret)
+        if best is not None:
+            ps.best_us, ps.best_config = best.median_us, best.config
+        default = store.measurements(study_name=self.name, config=self.default, status="ok")
+        if default:
+            ps.default_us = default[0].median_us
 
     def _describe(self) -> None:
         """Attributes optuna-dashboard shows: the objective's name and what the study is (set once)."""
@@ -270,3 +280,17 @@ class StudyBook:
                 self.storage.set_trial_state_values(t._trial_id, state=TS.FAIL)
             except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError) as err:
                 log.debug("trial %s of %s already finished: %s", t.number, self.name, err)
+
+
+def remaining(opts: SweepOptions, interpret: bool, store, books: dict[str, StudyBook]) -> list[str]:
+    """'problem: N trials' for every problem of the sweep with fewer measured trials than asked, from the
+    database (`books`: the studies the worker opened)."""
+    out = []
+    for problem in opts.problems:
+        book = books.get(problem.key)
+        name = book.name if book else study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
+        done = sum(slot.measured for slot in store.workers.slots(name).values())
+        left = (book.target(opts.trials) if book else opts.trials) - done
+        if left > 0:
+            out.append(f"{problem.key}: {left} trials")
+    return out
