@@ -1,7 +1,9 @@
 """`normtune sweep`: an Optuna search over both kernels' launch knobs, per problem, measured cold-L2, stored.
 
 One job per module: `options` (what to do, names, summaries), `measuring` (the GPU process), `compiling` (the
-compile-ahead workers, and the host's pool the `--devices` workers share), `sampling` (sampler and seeds),
+compile-ahead workers, and the host's pool the `--devices` workers share), `compile_ahead` (a worker's compile
+jobs, its seeds' ahead of their claims), `pending` (a trial from its claim to its stored measurement), `sampling`
+(sampler and seeds),
 `trials` (one problem's study), `driver` (the ask/tell loop of one worker), `device_workers` (one worker process
 per GPU), `progress` (live view and status, from the database), `costs` and `timeline` (where the time went).
 
