@@ -155,3 +155,23 @@ def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are
     assert pool.jobs[-1] == (problem.key, seeds[1].to_json()) and ahead.taken_over == 1
     ahead.stop()
     pool.shutdown()
+
+
+def test_seed_compiles_that_finish_while_the_worker_waits_on_a_trials_compile_are_replaced():
+    """`wait_compiled` (a trial waiting for its own compile) refills the seed compiles every quarter second."""
+    from concurrent.futures import Future
+
+    from normtune.tuner.sweep.compiling import wait_compiled
+
+    pool = RecordingPool(workers=4)
+    ahead = CompileAhead(pool, 132, warm_jobs=2)
+    problem = PROBLEMS[0]
+    seeds = _seeds(problem)[:6]
+    ahead.warm(seeds_in_claim_order([problem], [6], lambda p: seeds, lambda p: set()))
+    assert len(pool.jobs) == 2
+    slow: Future = Future()
+    threading.Timer(1.0, slow.set_result, args=(("ok", 1.0, None),)).start()
+    assert wait_compiled(slow, timeout_s=30, abandoned=lambda: False, tick=ahead.refill) == ("ok", 1.0, None)
+    assert len(pool.jobs) == 6  # every seed was submitted during the wait, two at a time
+    ahead.stop()
+    pool.shutdown()

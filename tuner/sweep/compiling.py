@@ -52,14 +52,17 @@ def share_of(total: int, workers: int, index: int) -> int:
     return max(1, total // workers + (1 if index < total % workers else 0))
 
 
-def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool]):
+def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool],
+                  tick: Callable[[], None] = lambda: None):
     """(status, seconds, error) of a compile-ahead job; None when `abandoned()` turns true while waiting. A broken
-    pool or a compile past `timeout_s` yields ("ok", None, None): the measuring process compiles it itself."""
+    pool or a compile past `timeout_s` yields ("ok", None, None): the measuring process compiles it itself.
+    `tick` is called every quarter second of the wait."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return future.result(timeout=0.25)
         except FutureTimeout:
+            tick()
             if abandoned():
                 future.cancel()
                 return None

@@ -342,8 +342,9 @@ class Sweep:
         ready = next((x for x in pending if self._compiled(x)), None)
         if ready is not None or not pending:
             return ready
-        t = time.perf_counter()
-        wait_futures([x.compiled for x in pending], timeout=1.0, return_when=FIRST_COMPLETED)
+        t, futures = time.perf_counter(), [x.compiled for x in pending]
+        while time.perf_counter() - t < 1.0 and not wait_futures(futures, 0.1, return_when=FIRST_COMPLETED).done:
+            self.ahead.refill()  # the seed compiles that finished meanwhile are replaced at once
         summary.compile_wait_s += time.perf_counter() - t
         self.costs.add("compile_wait", time.perf_counter() - t)
         return next((x for x in pending if self._compiled(x)), pending[0])

@@ -87,7 +87,7 @@ class PendingTrials:
         there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
         if item.compiled is not None:
             t_wait = time.perf_counter()
-            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning)
+            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning, self.ahead.refill)
             summary.compile_wait_s += time.perf_counter() - t_wait
             self.costs.add("compile_wait", time.perf_counter() - t_wait)
             if compiled is None:
