@@ -409,7 +409,8 @@ def test_resume_after_sigkill_loses_nothing_and_ends_at_the_target(tmp_path, kil
     measured = {(r["study_name"], r["trial_number"]) for r in committed}
     # The others were proposed ahead while trial 2 measured: later slots, within the look-ahead, never measured.
     ahead = [t for t in running if t != (name_a, 2) and t not in measured]
-    assert len(ahead) <= SweepOptions.lookahead and all(number > 2 for n, number in ahead if n == name_a), running
+    held = SweepOptions(gpu_key="interpret", problems=[RMS_A, RMS_B], trials=target).held_ahead(0)  # no pool
+    assert len(ahead) <= held and all(number > 2 for n, number in ahead if n == name_a), running
     if kill_at == "after-heartbeats":
         time.sleep(grace + 1)  # its heartbeat is stale now: the re-run fails it and re-queues it
 
@@ -529,7 +530,8 @@ def test_double_interrupt_abandons_the_trial_exits_130_and_counts_what_remains(t
     # The slow trial (slot 1 of the first problem), and the trials proposed ahead while it measured: all pruned
     # as abandoned, none measured.
     assert {1} <= set(abandoned[names(RMS_A)[0]]), abandoned
-    assert sum(map(len, abandoned.values())) <= 1 + SweepOptions.lookahead, abandoned
+    held = SweepOptions(gpu_key="interpret", problems=[RMS_A, RMS_B], trials=trials).held_ahead(0)  # no pool
+    assert sum(map(len, abandoned.values())) <= 1 + held, abandoned
     measured = {(r["study_name"], r["trial_number"]) for r in rows}
     assert not measured & {(n, k) for n, numbers in abandoned.items() for k in numbers}
     with Store(url) as store:

@@ -119,7 +119,7 @@ def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_
                 for p in PROBLEMS for s in _seeds(p)[low:high]]
     assert pool.jobs == expected
     # The pool ran more compiles at once than the trials held ahead of the measurement (the lookahead).
-    assert pool.peak > sweep.opts.lookahead and pool.peak <= COMPILERS_PER_GPU + sweep.opts.lookahead
+    assert pool.peak > sweep.held_ahead and pool.peak <= COMPILERS_PER_GPU + sweep.held_ahead
 
 
 def test_a_resumed_sweep_compiles_only_the_seeds_of_slots_not_claimed_yet(tmp_path):
@@ -175,3 +175,12 @@ def test_seed_compiles_that_finish_while_the_worker_waits_on_a_trials_compile_ar
     assert len(pool.jobs) == 6  # every seed was submitted during the wait, two at a time
     ahead.stop()
     pool.shutdown()
+
+
+def test_a_worker_holds_one_trial_per_compile_process_ahead_within_an_eighth_of_its_share():
+    many = SweepOptions(gpu_key="h100", problems=PROBLEMS * 10, trials=60)  # 1800 slots
+    assert many.held_ahead(14) == 14 and many.held_ahead(0) == 2  # no pool: nothing compiles ahead
+    assert SweepOptions(gpu_key="h100", problems=PROBLEMS * 10, trials=60, workers=4).held_ahead(64) == 56
+    few = SweepOptions(gpu_key="h100", problems=PROBLEMS[:2], trials=5)  # 10 slots: another worker gets some
+    assert few.held_ahead(14) == 2
+    assert SweepOptions(gpu_key="h100", problems=PROBLEMS, trials=5, lookahead=9).held_ahead(0) == 9

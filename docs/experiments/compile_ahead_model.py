@@ -4,8 +4,9 @@ the store, the seeds compiled ahead) with a stand-in GPU and a stand-in compile 
     python docs/experiments/compile_ahead_model.py [TRIALS] [MEASURE_MS] [COMPILE_MS] [PROCESSES]
 
 Sweeps the 30 seed problems (both norms, bf16) for TRIALS trials each (default 30) on a fresh SQLite database,
-twice: with the seeds compiled ahead of their claims (`tuner/sweep/compile_ahead.py`) and without (only the
-trials held ahead of the measurement compile, as before it). The stand-in measuring process is busy MEASURE_MS
+three times: as before the compile-ahead changes (6 trials held ahead of the measurement, the only ones
+compiling), with the seeds also compiled ahead of their claims (`tuner/sweep/compile_ahead.py`), and with both
+that and the worker holding as many trials ahead as the pool has processes (`SweepOptions.held_ahead`). The stand-in measuring process is busy MEASURE_MS
 per trial (default 28); the stand-in pool has PROCESSES threads (default 14), each compile taking COMPILE_MS
 (default 600) for every trial. Every trial compiling from scratch is the worst case of an empty Triton cache: a
 real sweep's configs that share a binary find it in the cache. Prints, per variant, the wall, the stand-in GPU's
@@ -86,11 +87,16 @@ class StandInPool:
         self._threads.shutdown(wait=False, cancel_futures=cancel_futures)
 
 
-def run(ahead: bool, trials: int, processes: int, compile_s: float) -> str:
+VARIANTS = {"before (6 held, no seeds ahead)": (False, 6), "seeds ahead, 6 held": (True, 6),
+            "seeds ahead, one held per process": (True, None)}
+
+
+def run(name: str, trials: int, processes: int, compile_s: float) -> str:
+    ahead, held = VARIANTS[name]
     info = dataclasses.replace(detect(interpret=True), sm_count=132)  # an H100's grid sizes for the search space
     problems = [Problem(norm, M, N, "bf16") for norm in ("rms_norm", "layer_norm") for M, N in SEED]
     opts = SweepOptions(gpu_key="interpret", problems=problems, trials=trials, interpret=True,
-                        compile_workers=processes)
+                        compile_workers=processes, lookahead=held)
     pool = StandInPool(processes, compile_s)
     warm = compile_ahead.CompileAhead.warm
     if not ahead:
@@ -105,7 +111,7 @@ def run(ahead: bool, trials: int, processes: int, compile_s: float) -> str:
     costs = summary.costs
     after = wall - costs["first_result_s"]
     busy = costs["measuring_s"] / after if after > 0 else float("nan")
-    return (f"{'seeds ahead' if ahead else 'lookahead only'}: {costs['trials']} trials in {wall:.1f} s, GPU busy "
+    return (f"{name}: {costs['trials']} trials in {wall:.1f} s, GPU busy "
             f"{100 * busy:.0f} % after the first result (at {costs['first_result_s']:.1f} s), compile wait "
             f"{costs['compile_wait_s']:.1f} s, {pool.jobs} compiles, at most {pool.peak} at once")
 
@@ -118,8 +124,8 @@ def main() -> None:
     processes = int(args[3]) if len(args) > 3 else 14
     print(f"30 problems x {trials} trials; measurement {StandInGPU.seconds * 1000:.0f} ms, compile "
           f"{compile_s * 1000:.0f} ms, {processes} compile processes")
-    for ahead in (False, True):
-        print(run(ahead, trials, processes, compile_s))
+    for name in VARIANTS:
+        print(run(name, trials, processes, compile_s))
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ class Sweep:
                                                         measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
-        self.ahead = CompileAhead(pool, self.info.sm_count, opts.compile_workers or COMPILERS_PER_GPU)
+        processes = 0 if pool is None else opts.compile_workers or COMPILERS_PER_GPU
+        self.ahead, self.held_ahead = CompileAhead(pool, self.info.sm_count, processes), opts.held_ahead(processes)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
@@ -265,7 +266,7 @@ class Sweep:
         proposed (up to `lookahead` ahead) in the same wait. A measurement is committed to the store with (or before)
         its trial's tell, so a SIGKILL loses nothing stored; a result collected but not stored yet when the worker
         is killed was never committed: its slot is taken over and measured again."""
-        lookahead = max(2, self.opts.lookahead)
+        lookahead = self.held_ahead
         queue: deque = deque()
         inflight: Pending | None = None  # sent to the measuring process
         collected: tuple | None = None  # (item, result): measured, not stored yet

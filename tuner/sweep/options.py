@@ -60,7 +60,7 @@ class SweepOptions:
     workers: int = 1
     interpret: bool = False
     compile_workers: int = 8
-    lookahead: int = 6  # trials proposed (and compiling) ahead of the one measuring
+    lookahead: int | None = None  # trials proposed (and compiling) ahead of the one measuring; None: `held_ahead`
     trial_timeout_s: float = 180.0
     seed: int = 0
     timing: Timing = TIMING["sweep"]  # repetitions per trial on a GPU (the interpreter uses TIMING["interpret"])
@@ -70,6 +70,16 @@ class SweepOptions:
     source: str = "sweep"  # measurement source recorded in the store
     extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
+
+    def held_ahead(self, processes: int) -> int:
+        """Trials a worker holds ahead of the one measuring (claimed, created, compiling): `lookahead` when
+        given, else one per process of its compile pool (`processes`, 0 without one), within an eighth of the
+        worker's share of the sweep's slots, so that it never holds what the other workers would claim; at
+        least 2."""
+        if self.lookahead is not None:
+            return max(2, self.lookahead)
+        share = len(self.problems) * self.trials // max(1, self.workers)
+        return max(2, min(processes, share // 8))
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
