@@ -20,6 +20,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 
 from ..gpu_info import DeviceInfo
 from .compiling import compile_one
+from .costs import Costs
 from .options import SweepOptions, study_name
 from .trials import StudyBook, problem_space, seed_configs
 
@@ -96,9 +97,10 @@ def seeds_in_claim_order(order: list[Problem], targets: list[int], seeds_of: Cal
 
 
 def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, info: DeviceInfo, store,
-                books: dict[str, StudyBook]) -> Iterator[tuple[Problem, BackwardConfig]]:
+                books: dict[str, StudyBook], costs: Costs) -> Iterator[tuple[Problem, BackwardConfig]]:
     """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`), else those a
-    fresh study gets; its claimed slots are read from the store when its turn comes."""
+    fresh study gets; its claimed slots are read from the store when its turn comes (counted in `costs` as
+    database time)."""
 
     def seeds_of(problem: Problem) -> list[BackwardConfig]:
         book = books.get(problem.key)
@@ -107,6 +109,7 @@ def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, in
         return seed_configs(opts, problem, problem_space(problem, info.sm_count, info.interpret))
 
     def claimed_of(problem: Problem) -> set[int]:
-        return set(store.workers.slots(study_name(opts.gpu_key, problem, info.interpret, opts.study_prefix)))
+        with costs.timed("database"):
+            return set(store.workers.slots(study_name(opts.gpu_key, problem, info.interpret, opts.study_prefix)))
 
     return seeds_in_claim_order(order, targets, seeds_of, claimed_of)

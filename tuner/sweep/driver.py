@@ -189,7 +189,7 @@ class Sweep:
         order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
-        self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books))
+        self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books, self.costs))
         self._pipeline(self._feed(order, targets, run_id, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
         short = [] if summary.stopped else [
