@@ -184,3 +184,12 @@ def test_a_worker_holds_one_trial_per_compile_process_ahead_within_an_eighth_of_
     few = SweepOptions(gpu_key="h100", problems=PROBLEMS[:2], trials=5)  # 10 slots: another worker gets some
     assert few.held_ahead(14) == 2
     assert SweepOptions(gpu_key="h100", problems=PROBLEMS, trials=5, lookahead=9).held_ahead(0) == 9
+
+
+def test_a_study_whose_seeds_start_after_its_first_slots_gets_them_in_those_slots():
+    """A study seeded under an older seed version gives its missing seeds to the slots from `seed_base` on: the
+    slots before have no seed to compile ahead."""
+    problem = PROBLEMS[0]
+    seeds = _seeds(problem)[:3]
+    walked = list(seeds_in_claim_order([problem], [5], lambda p: [None, None] + seeds, lambda p: {3}))
+    assert walked == [(problem, seeds[0]), (problem, seeds[2])]  # slots 2 and 4 (slot 3 is claimed)

@@ -25,7 +25,6 @@ from .options import SweepOptions, study_name
 from .trials import StudyBook, problem_space, seed_configs
 
 
-
 class CompileAhead:
     """The compile-ahead jobs of one worker on `pool` (a `ProcessPoolExecutor` or the host's shared pool; None:
     nothing is compiled ahead) for a device of `sms` SMs, with up to `warm_jobs` seed compiles unfinished."""
@@ -83,8 +82,8 @@ class CompileAhead:
 def seeds_in_claim_order(order: list[Problem], targets: list[int], seeds_of: Callable[[Problem], list],
                          claimed_of: Callable[[Problem], set[int]]) -> Iterator[tuple[Problem, BackwardConfig]]:
     """The seeds the worker's feed will claim, in its order: each round (up to each of `targets`) walks the
-    problems of `order`, and slot i of a problem gets its seed i (`seeds_of`, computed when its turn comes);
-    slots already claimed (`claimed_of`: measured, or held by a worker) are skipped."""
+    problems of `order`, and slot i of a problem gets `seeds_of(problem)[i]` (computed when its turn comes; None:
+    no seed); slots already claimed (`claimed_of`: measured, or held by a worker) are skipped."""
     low = 0
     for high in targets:
         for problem in order:
@@ -92,20 +91,21 @@ def seeds_in_claim_order(order: list[Problem], targets: list[int], seeds_of: Cal
             if not seeds:
                 continue
             claimed = claimed_of(problem)
-            yield from ((problem, seed) for slot, seed in enumerate(seeds, low) if slot not in claimed)
+            yield from ((problem, seed) for slot, seed in enumerate(seeds, low)
+                        if seed is not None and slot not in claimed)
         low = high
 
 
 def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, info: DeviceInfo, store,
                 books: dict[str, StudyBook], costs: Costs) -> Iterator[tuple[Problem, BackwardConfig]]:
-    """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`), else those a
-    fresh study gets; its claimed slots are read from the store when its turn comes (counted in `costs` as
+    """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`: from its
+    `seed_base` slot on), else those a fresh study gets; its claimed slots are read from the store when its turn comes (counted in `costs` as
     database time)."""
 
-    def seeds_of(problem: Problem) -> list[BackwardConfig]:
+    def seeds_of(problem: Problem) -> list[BackwardConfig | None]:
         book = books.get(problem.key)
         if book is not None:
-            return book.seeds
+            return [None] * book.seed_base + book.seeds
         return seed_configs(opts, problem, problem_space(problem, info.sm_count, info.interpret))
 
     def claimed_of(problem: Problem) -> set[int]:
