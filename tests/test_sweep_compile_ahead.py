@@ -18,9 +18,10 @@ from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
-from normtune.tuner.sweep import SweepOptions, driver, study_name
+from normtune.tuner.sweep import SweepOptions, costs_line, driver, study_name
 from normtune.tuner.sweep.compile_ahead import CompileAhead, seeds_in_claim_order
 from normtune.tuner.sweep.compiling import COMPILERS_PER_GPU
+from normtune.tuner.sweep.costs import Costs
 from normtune.tuner.sweep.options import FIRST_ROUND
 from normtune.tuner.sweep.trials import problem_space, seed_configs
 
@@ -112,7 +113,9 @@ def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_
     check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], trials)
     # Each trial's config was compiled exactly once, and every trial took a job compiled ahead over.
     assert len(pool.jobs) == len(set(pool.jobs)) == trials * len(PROBLEMS)
-    assert sweep.ahead.taken_over == trials * len(PROBLEMS)
+    assert sweep.costs.compiles == {"ahead": trials * len(PROBLEMS), "at_claim": 0}
+    assert f"compiles: {trials * len(PROBLEMS)} ahead of their trial's claim, 0 at it" in costs_line(
+        sweep.costs.to_dict())
     assert sorted(pool.jobs) == sorted(QuickMeasurer.measured)
     # Submitted in the order the worker claims its slots: round one over every problem, then round two.
     expected = [(p.key, s.to_json()) for low, high in ((0, FIRST_ROUND), (FIRST_ROUND, trials))
@@ -129,7 +132,7 @@ def test_a_resumed_sweep_compiles_only_the_seeds_of_slots_not_claimed_yet(tmp_pa
     sweep = _sweep(url, 8, pool)
     check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], 8)
     assert pool.jobs == [(p.key, s.to_json()) for p in PROBLEMS for s in _seeds(p)[5:8]]
-    assert sweep.ahead.taken_over == 3 * len(PROBLEMS)
+    assert sweep.costs.compiles == {"ahead": 3 * len(PROBLEMS), "at_claim": 0}
 
 
 def test_without_a_pool_nothing_is_compiled_ahead_and_seeds_are_not_computed():
@@ -141,8 +144,8 @@ def test_without_a_pool_nothing_is_compiled_ahead_and_seeds_are_not_computed():
 
 
 def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are_skipped():
-    pool = RecordingPool(workers=2)
-    ahead = CompileAhead(pool, 132, warm_jobs=2)
+    pool, costs = RecordingPool(workers=2), Costs()
+    ahead = CompileAhead(pool, 132, warm_jobs=2, costs=costs)
     problem = PROBLEMS[0]
     seeds = _seeds(problem)[:4]
     ahead.warm(seeds_in_claim_order([problem], [4], lambda p: seeds, lambda p: {1}))  # slot 1 is claimed
@@ -152,7 +155,7 @@ def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are
     ahead.refill()
     assert [config for _, config in pool.jobs][2:] == [seeds[3].to_json()]
     ahead.job(problem, seeds[1])  # a slot another worker gave back: compiled now
-    assert pool.jobs[-1] == (problem.key, seeds[1].to_json()) and ahead.taken_over == 1
+    assert pool.jobs[-1] == (problem.key, seeds[1].to_json()) and costs.compiles == {"ahead": 1, "at_claim": 1}
     ahead.stop()
     pool.shutdown()
 

@@ -27,14 +27,15 @@ from .trials import StudyBook, problem_space, seed_configs
 
 class CompileAhead:
     """The compile-ahead jobs of one worker on `pool` (a `ProcessPoolExecutor` or the host's shared pool; None:
-    nothing is compiled ahead) for a device of `sms` SMs, with up to `warm_jobs` seed compiles unfinished."""
+    nothing is compiled ahead) for a device of `sms` SMs, with up to `warm_jobs` seed compiles unfinished; the
+    trials' jobs are counted in `costs.compiles`."""
 
-    def __init__(self, pool, sms: int, warm_jobs: int):
+    def __init__(self, pool, sms: int, warm_jobs: int, costs: Costs | None = None):
         self._pool, self._sms, self._warm_jobs = pool, sms, warm_jobs
+        self._costs = costs or Costs()
         self._warmed: dict[tuple[str, str], Future] = {}  # seed compiles not yet taken over by a trial
         self._unfinished: list[Future] = []  # seed compiles submitted and not done yet
         self._upcoming: Iterator[tuple[Problem, BackwardConfig]] = iter(())
-        self.taken_over = 0  # trials whose compile was a seed's job submitted before their slot was claimed
 
     def job(self, problem: Problem, config: BackwardConfig) -> Future | None:
         """The compile job of a trial of `problem` with `config`: the seed's job compiled ahead if there is one,
@@ -42,8 +43,9 @@ class CompileAhead:
         if self._pool is None:
             return None
         future = self._warmed.pop((problem.key, config.to_json()), None)
-        if future is not None and not future.cancelled():
-            self.taken_over += 1
+        taken = future is not None and not future.cancelled()
+        self._costs.compiles["ahead" if taken else "at_claim"] += 1
+        if taken:
             return future
         return self._pool.submit(compile_one, problem.to_dict(), config.to_json(), self._sms)
 

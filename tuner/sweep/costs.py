@@ -7,6 +7,8 @@ work: claiming slots and creating trials (database), the sampler's proposals, wa
 processes, storing measurements and telling trials (database), and the heartbeats (their own thread). The
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
+`compiles` counts the trials whose compile job was a seed's submitted before the trial's claim (`compile_ahead`)
+and those compiled only once claimed.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
 options parsed, measuring process spawned and ready, database open, first study open, first trial sent, its
@@ -44,6 +46,7 @@ class Costs:
         self.first_result_s: float | None = None  # until its result came back
         self.trials = 0
         self.phases: dict[str, float] = {name: 0.0 for name in MEASURING + WORKER}
+        self.compiles = {"ahead": 0, "at_claim": 0}  # trials' compile jobs: a seed's submitted before its claim, or not
         self._lock = threading.Lock()
 
     def add(self, phase: str, seconds: float) -> None:
@@ -81,7 +84,7 @@ class Costs:
             return {"wall_s": wall, "startup_s": startup, "first_result_s": self.first_result_s,
                     "trials": self.trials, "measuring_s": measuring,
                     "gpu_idle_s": max(0.0, wall - startup - measuring), **{f"{k}_s": v for k, v in self.phases.items()},
-                    "timeline": timeline.marks()}
+                    "compiles": dict(self.compiles), "timeline": timeline.marks()}
 
 
 def _step_order(item: tuple[str, float]) -> tuple:
@@ -105,6 +108,10 @@ def line(costs: dict) -> str:
              + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in MEASURING),
              "worker: " + ", ".join(f"{LABELS[k]} {costs.get(k + '_s', 0.0):.1f}" for k in WORKER),
              f"measuring process idle {costs.get('gpu_idle_s', 0.0):.1f} s after start-up"]
+    compiles = costs.get("compiles") or {}
+    if any(compiles.values()):
+        parts.append(f"compiles: {compiles.get('ahead', 0)} ahead of their trial's claim, "
+                     f"{compiles.get('at_claim', 0)} at it")
     steps = costs.get("timeline") or {}
     if steps:
         parts.append("since the command started: " + ", ".join(

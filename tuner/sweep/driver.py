@@ -143,7 +143,8 @@ class Sweep:
         self._helpers = None
         self._measurer = asynchronous(measurer)
         processes = 0 if pool is None else opts.compile_workers or COMPILERS_PER_GPU
-        self.ahead, self.held_ahead = CompileAhead(pool, self.info.sm_count, processes), opts.held_ahead(processes)
+        self.ahead = CompileAhead(pool, self.info.sm_count, processes, self.costs)
+        self.held_ahead = opts.held_ahead(processes)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
