@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 
 from sweep_support import check_studies
 
@@ -30,7 +31,7 @@ PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, 
 INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
                   sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
                   triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
-COMPILE_S, MEASURE_S = 0.02, 0.005
+COMPILE_S, MEASURE_S = 0.05, 0.005
 
 
 class RecordingPool:
@@ -40,12 +41,14 @@ class RecordingPool:
     def __init__(self, workers: int = 12):
         self._threads = ThreadPoolExecutor(workers)
         self.jobs: list[tuple[str, str]] = []
+        self.futures: list = []
         self.running = self.peak = 0
         self._lock = threading.Lock()
 
     def submit(self, fn, problem: dict, config_json: str, sms: int):
         self.jobs.append((Problem.from_dict(problem).key, config_json))
-        return self._threads.submit(self._compile)
+        self.futures.append(self._threads.submit(self._compile))
+        return self.futures[-1]
 
     def _compile(self):
         with self._lock:
@@ -151,7 +154,7 @@ def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are
     ahead.warm(seeds_in_claim_order([problem], [4], lambda p: seeds, lambda p: {1}))  # slot 1 is claimed
     assert [config for _, config in pool.jobs] == [seeds[0].to_json(), seeds[2].to_json()]  # two at a time
     assert ahead.job(problem, seeds[0]) is not None and len(pool.jobs) == 2  # taken over, not submitted
-    time.sleep(3 * COMPILE_S)
+    wait_futures(pool.futures)  # both seed compiles done: two more may start
     ahead.refill()
     assert [config for _, config in pool.jobs][2:] == [seeds[3].to_json()]
     ahead.job(problem, seeds[1])  # a slot another worker gave back: compiled now
@@ -173,7 +176,7 @@ def test_seed_compiles_that_finish_while_the_worker_waits_on_a_trials_compile_ar
     ahead.warm(seeds_in_claim_order([problem], [6], lambda p: seeds, lambda p: set()))
     assert len(pool.jobs) == 2
     slow: Future = Future()
-    threading.Timer(1.0, slow.set_result, args=(("ok", 1.0, None),)).start()
+    threading.Timer(1.5, slow.set_result, args=(("ok", 1.0, None),)).start()
     assert wait_compiled(slow, timeout_s=30, abandoned=lambda: False, tick=ahead.refill) == ("ok", 1.0, None)
     assert len(pool.jobs) == 6  # every seed was submitted during the wait, two at a time
     ahead.stop()
