@@ -72,10 +72,11 @@ def test_a_worker_whose_launcher_is_gone_compiles_in_its_measuring_process():
         host.stop()
 
 
-def test_workers_served_by_the_host_pool_start_no_compile_processes_of_their_own():
-    opts = SweepOptions(gpu_key="h100", problems=[], compile_workers=12)
-    assert [w.compile_workers for w in worker_options(opts, [0, 1, 2], shared_pool=True)] == [0, 0, 0]
-    assert [w.compile_workers for w in worker_options(opts, [0, 1, 2])] == [4, 4, 4]
+def test_each_worker_is_handed_its_share_of_the_hosts_compile_processes():
+    """A worker keeps its share of the host's compile processes busy ahead (`CompileAhead`) and holds that many
+    trials ahead, whether its own pool or the host's shared one serves it."""
+    opts = SweepOptions(gpu_key="h100", problems=[], compile_workers=14)
+    assert [w.compile_workers for w in worker_options(opts, [0, 1, 2])] == [5, 5, 4]
 
 
 def test_one_pool_per_kind_of_gpu_spread_over_its_devices(monkeypatch):

@@ -83,11 +83,12 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
     raise SystemExit(summary.exit_code)
 
 
-def worker_options(opts: SweepOptions, devices: list[int], shared_pool: bool = False) -> list[SweepOptions]:
-    """The options of each device's worker: its device, its place, and its share of the compile processes (none
-    of its own when the host's pool serves it)."""
+def worker_options(opts: SweepOptions, devices: list[int]) -> list[SweepOptions]:
+    """The options of each device's worker: its device, its place, and its share of the host's compile processes
+    (the size of its own pool, or its share of the host's pool that serves it: the compiles it keeps running
+    ahead). Whether it has a pool of its own was decided when it was spawned (`DeviceWorkers`)."""
     return [dataclasses.replace(opts, device=device, worker_index=i, workers=len(devices),
-                                compile_workers=0 if shared_pool else share_of(opts.compile_workers, len(devices), i))
+                                compile_workers=share_of(opts.compile_workers, len(devices), i))
             for i, device in enumerate(devices)]
 
 
@@ -146,8 +147,7 @@ class DeviceWorkers:
             self.host.regroup(self.devices, opts.compile_workers, device_kinds(self.devices))
             self.host.start()
         steps = timeline.marks()
-        for worker, send in zip(worker_options(opts, self.devices, shared_pool=self.host is not None),
-                                self._handoffs):
+        for worker, send in zip(worker_options(opts, self.devices), self._handoffs):
             try:
                 send.send((options_to_dict(worker), url, steps))
             except OSError:  # that worker is gone already: its exit code says so
