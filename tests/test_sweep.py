@@ -202,9 +202,12 @@ def test_time_budget_stops_early_and_reports_what_remains(tmp_path):
     url = sqlite_url(tmp_path)
     env = sweep_env(tmp_path)
     summary_path = tmp_path / "summary.json"
-    # The measuring process alone takes seconds to start: a 1 s budget runs out during the first trial.
+    # The first problem's second seed takes 3 s: a 1 s budget runs out while it measures, whatever the machine's
+    # speed, and the second problem is never reached.
+    slow = sweep_env(tmp_path, [{"match": knobs(Space(RMS_A, INTERPRET_SM_COUNT).seeds()[1]), "fault": "slow"}],
+                     NORMTUNE_TEST_SLOW_S="3")
     result = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=4,
-                                  extra=["--time-budget", "1", "--summary", str(summary_path)]), env, tmp_path)
+                                  extra=["--time-budget", "1", "--summary", str(summary_path)]), slow, tmp_path)
     assert result.returncode == 0, result.stderr
     summary = json.loads(summary_path.read_text())
     assert summary["stopped"] == "time budget"
