@@ -16,7 +16,6 @@ busy share after the first result, the worker's compile wait and the most compil
 from __future__ import annotations
 
 import dataclasses
-import random
 import sys
 import tempfile
 import threading
@@ -26,41 +25,11 @@ from pathlib import Path
 
 from normtune.kernels.config import Problem
 from normtune.tuner.gpu_info import detect
-from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.shapes import SEED
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import compile_ahead, driver
 from normtune.tuner.sweep.options import SweepOptions
-
-
-class StandInGPU:
-    """Busy `seconds` after each `submit`, while the sweep goes on."""
-
-    seconds = 0.028
-
-    def __init__(self, *args, **kwargs):
-        self.phases, self._due = {}, 0.0
-
-    def start(self):
-        pass
-
-    def submit(self, problem, config):
-        self._due = time.perf_counter() + self.seconds
-
-    def ready(self):
-        return time.perf_counter() >= self._due
-
-    def collect(self, timeout_s):
-        time.sleep(max(0.0, self._due - time.perf_counter()))
-        self.phases = {"timing": self.seconds}
-        us = random.uniform(10.0, 20.0)
-        return MeasureResult(status="ok", median_us=us, p10_us=us * 0.99, p90_us=us * 1.01, reps=20)
-
-    def interrupt(self):
-        pass
-
-    def close(self):
-        pass
+from sweep_overhead import BusyMeasurer as StandInGPU  # busy `seconds` after each submit, beside this script
 
 
 class StandInPool:
