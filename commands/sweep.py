@@ -126,6 +126,7 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, worker
                                   interpret=interpret, bias=bias, zero_centered=zero_centered, save=save,
                                   residual=residual, residual_dtype=residual_dtype)
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
+    timeline.mark("device_detected")
     key = info.key if interpret else gpu if gpu != "auto" else info.key
     opts = run_checked(S.SweepOptions, gpu_key=key, problems=problems, trials=trials, time_budget_s=time_budget,
                        sampler=sampler, device=device_list[0] if device_list else device, interpret=interpret,

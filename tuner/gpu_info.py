@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -91,6 +92,15 @@ def read_revision(root: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _driver_version() -> str | None:
+    """The NVIDIA driver's version: from the kernel module's /proc entry where Linux has it (instant), else
+    nvidia-smi (which takes seconds on a host whose GPUs are not held initialized)."""
+    try:
+        with open("/proc/driver/nvidia/version") as fh:
+            found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)+)", fh.read())
+        if found:
+            return found.group(1)
+    except OSError:
+        pass
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)

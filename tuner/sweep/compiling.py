@@ -7,10 +7,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable
+
+from .timeline import mark
 
 log = logging.getLogger("normtune.sweep")
 
@@ -24,8 +27,16 @@ def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor 
     devices = [devices] if isinstance(devices, int) else list(devices)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_compile_init,
                                initargs=(devices, ctx.Value("i", 0), os.getpid()))
+    left, lock = [workers], threading.Lock()
+
+    def warmed(_future) -> None:  # the last warm-up done: the pool's start-up is over ("compilers_ready")
+        with lock:
+            left[0] -= 1
+            if left[0] == 0:
+                mark("compilers_ready")
+
     for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
-        pool.submit(_warm_up)
+        pool.submit(_warm_up).add_done_callback(warmed)
     return pool
 
 

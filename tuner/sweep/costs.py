@@ -11,7 +11,8 @@ start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up 
 and those compiled only once claimed.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
-options parsed, measuring process spawned and ready, database open, first study open, first trial sent, its
+options parsed, measuring process spawned, its torch imported, its CUDA context made, ready (copy bandwidth
+measured), the device detected, the compile processes ready, database open, first study open, first trial sent, its
 result back, stored.
 """
 
@@ -31,7 +32,10 @@ WORKER = ("sampler", "database", "compile_wait", "heartbeat")
 STEPS = {"options": "options", "launcher_options": "options", "worker_spawned": "worker spawned",
          "launcher_workers_spawned": "workers spawned", "worker_started": "worker started",
          "measurer_spawned": "measuring process spawned", "launcher_store_open": "launcher's database open",
-         "measurer_ready": "measuring process ready", "store_open": "database open", "first_study": "first study",
+         "measurer_torch": "measuring process imported torch", "measurer_cuda": "its CUDA context",
+         "measurer_ready": "measuring process ready", "device_detected": "device detected",
+         "launcher_device_detected": "launcher's device detected", "compilers_ready": "compile processes ready",
+         "launcher_compilers_ready": "compile processes ready", "store_open": "database open", "first_study": "first study",
          "first_sent": "first trial sent", "first_result": "first result", "first_stored": "first stored"}
 LABELS = {"inputs": "inputs", "load": "load", "gate": "gate", "timing": "timing", "sampler": "sampler",
           "database": "database", "compile_wait": "compile wait", "heartbeat": "heartbeat"}

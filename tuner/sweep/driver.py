@@ -59,7 +59,7 @@ class _ProblemEnd:
 
 
 RUN_STEPS = ("first_study", "first_sent", "first_result", "first_stored")
-HELPER_STEPS = ("measurer_spawned", "measurer_ready")
+HELPER_STEPS = ("measurer_spawned", "measurer_torch", "measurer_cuda", "measurer_ready", "compilers_ready")
 
 _IDLE = object()  # in the feed: only slots held by other workers are left for now
 

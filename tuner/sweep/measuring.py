@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .lifeline import die_with_parent, ignore_stop_signals
-from .timeline import mark
+from .timeline import mark, own_marks
 
 if TYPE_CHECKING:
     from normtune.kernels.config import BackwardConfig, Problem
@@ -48,10 +48,13 @@ def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "
 
     from ..measure.harness import TIMING, MeasureSession, Timing
 
+    mark("measurer_torch")
     if interpret:
         return MeasureSession("cpu")
     timing = Timing(**timing) if isinstance(timing, dict) else timing or TIMING["sweep"]
     torch.cuda.set_device(device_index)
+    torch.empty(1, device=f"cuda:{device_index}")  # the CUDA context, made here so that its cost shows apart
+    mark("measurer_cuda")
     if l2_bytes is None:
         l2_bytes = int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 0) or 50 * 2**20)
     return MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
@@ -70,7 +73,7 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
 
     from ..measure.harness import MeasureResult, classify_exception
 
-    conn.send(("ready", session.bandwidth_gbps, time.time()))
+    conn.send(("ready", session.bandwidth_gbps, time.time(), own_marks()))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -121,7 +124,9 @@ class MeasuringProcess:
         message = self._conn.recv()
         if message[0] == "failed":
             raise EOFError(message[1])
-        _, self.bandwidth_gbps, ready_at = message
+        _, self.bandwidth_gbps, ready_at, steps = message
+        for name, at in steps.items():  # torch imported, CUDA context made (absolute times)
+            mark(name, at=at)
         mark("measurer_ready", at=ready_at)
         self._ready = True
 

@@ -74,6 +74,12 @@ def forget(names) -> None:
             _marks.pop(name, None)
 
 
+def own_marks() -> dict[str, float]:
+    """The steps reached so far as Unix times, for the process that started this one to `mark` as they are."""
+    with _lock:
+        return dict(_marks)
+
+
 def marks() -> dict[str, float]:
     """The steps reached so far, in seconds since the command started, in the order they happened."""
     start = origin()
