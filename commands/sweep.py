@@ -142,9 +142,10 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, worker
     targets = {S.study_name(key, p, interpret): trials for p in problems}
     if device_list and len(device_list) > 1:
         store.close()
+        infos = [info] + [run_checked(device_info, gpu, interpret, d) for d in device_list[1:]]
         console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
         with S.LiveView(console, store.url, targets):
-            code = S.run_on_devices(opts, device_list, store.url, workers=workers)
+            code = S.run_on_devices(opts, device_list, store.url, workers=workers, infos=infos)
         with run_checked(read_only_store, store.url) as done:
             since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=time.monotonic() - started)
             for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):

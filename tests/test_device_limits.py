@@ -237,3 +237,13 @@ def test_where_prints_the_devices_limits_and_each_fallback(monkeypatch, tmp_path
     on_h100 = CliRunner().invoke(app, [*args, "--gpu", "h100"]).output
     assert "fallback" not in on_h100 and "pdl yes" in on_h100, on_h100
     clear_caches()
+
+
+def test_the_driver_version_is_read_from_either_kernel_modules_proc_text():
+    from normtune.tuner.gpu_info import module_driver_version
+
+    assert module_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 "
+                                 "22:23:56 UTC 2024\nGCC version:") == "550.54.15"
+    assert module_driver_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release "
+                                 "Build  (builder@)") == "580.159.04"
+    assert module_driver_version("no driver here") is None

@@ -4,6 +4,7 @@ stored timeline says when it was spawned (no timings asserted: only what comes b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from multiprocessing import resource_tracker
@@ -79,6 +80,7 @@ def test_each_devices_worker_stores_when_it_was_spawned_before_the_launcher_open
     from normtune.kernels.config import Problem
     from normtune.tuner.store.database import Store
     from normtune.tuner.sweep import SweepOptions
+    from normtune.tuner.gpu_info import detect
     from normtune.tuner.sweep.device_workers import DeviceWorkers, run_on_devices
 
     monkeypatch.setattr(timeline, "_marks", {})
@@ -92,9 +94,12 @@ def test_each_devices_worker_stores_when_it_was_spawned_before_the_launcher_open
                         trials=2, sampler="random", interpret=True, compile_workers=0)
     with Store(url):
         timeline.mark("store_open")  # the launcher's set-up, done while the workers start
-    assert run_on_devices(opts, [0, 1], url, workers=workers) == 0
-    rows = [json.loads(c) for (c,) in sqlite3.connect(tmp_path / "results.db").execute(
-        "SELECT costs_json FROM normtune_run_costs")]
+    # Each worker records the device its launcher described (it detects nothing itself).
+    infos = [dataclasses.replace(detect(interpret=True), host=f"described-{i}") for i in range(2)]
+    assert run_on_devices(opts, [0, 1], url, workers=workers, infos=infos) == 0
+    db = sqlite3.connect(tmp_path / "results.db")
+    rows = [json.loads(c) for (c,) in db.execute("SELECT costs_json FROM normtune_run_costs")]
+    assert sorted(h for (h,) in db.execute("SELECT host FROM normtune_runs")) == ["described-0", "described-1"]
     assert len(rows) == 2
     for costs in rows:
         steps = costs["timeline"]

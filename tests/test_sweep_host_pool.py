@@ -7,6 +7,8 @@ import multiprocessing as mp
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from normtune.tuner.sweep.compiling import wait_compiled
 from normtune.tuner.sweep.device_workers import worker_options
 from normtune.tuner.sweep.host_pool import HostCompiler, RemoteCompilePool
@@ -89,17 +91,34 @@ def test_one_pool_per_kind_of_gpu_spread_over_its_devices(monkeypatch):
     assert [host._pools[d] for d in range(4)] == [(8, 0)] * 3 + [(8, 3)]
 
 
-def test_a_pools_processes_take_its_devices_in_turn(monkeypatch):
+def test_a_pools_processes_take_its_devices_in_turn_each_seeing_its_own_alone(monkeypatch):
+    """Each compile process sees only its device (as its device 0), and makes no CUDA context at start: one per
+    process at once serialized every process's driver start-up, the measuring processes' included."""
     from normtune.tuner.sweep import compiling
 
-    picked = []
-    monkeypatch.setattr("torch.cuda.set_device", picked.append)
+    seen, niced = [], []
+    monkeypatch.setattr("torch.cuda.set_device", lambda d: pytest.fail("a compile process made a context at start"))
     monkeypatch.setattr("normtune.tuner.sweep.lifeline.die_with_parent", lambda *a: None)
     monkeypatch.setattr("normtune.tuner.sweep.lifeline.ignore_stop_signals", lambda: None)
+    monkeypatch.setattr(compiling.os, "nice", niced.append)
     started = mp.get_context("spawn").Value("i", 0)
-    for _ in range(5):
-        compiling._compile_init([2, 3], started, 0)
-    assert picked == [2, 3, 2, 3, 2] and not compiling._UNUSABLE
+    for parent_view in (None, "4,5,6,7"):
+        if parent_view is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        for _ in range(5):
+            if parent_view is not None:
+                monkeypatch.setenv("CUDA_VISIBLE_DEVICES", parent_view)
+            compiling._compile_init([2, 3], started, 0)
+            seen.append(compiling.os.environ["CUDA_VISIBLE_DEVICES"])
+    assert seen == ["2", "3", "2", "3", "2", "7", "6", "7", "6", "7"]
+    assert niced == [5] * 10 and not compiling._UNUSABLE
+
+
+def test_visible_device_names_the_parents_own_device():
+    from normtune.tuner.sweep.compiling import visible_device
+
+    assert visible_device(1, "") == "1" and visible_device(0, "GPU-a,GPU-b") == "GPU-a"
+    assert visible_device(1, " 3 , 1 ") == "1" and visible_device(2, "5,6,7") == "7"
 
 
 def _spawned_worker(ends, results):

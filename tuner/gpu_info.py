@@ -91,14 +91,20 @@ def read_revision(root: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def module_driver_version(text: str) -> str | None:
+    """The driver version in the text of /proc/driver/nvidia/version (proprietary or open kernel module)."""
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)+)", text)
+    return found.group(1) if found else None
+
+
 def _driver_version() -> str | None:
     """The NVIDIA driver's version: from the kernel module's /proc entry where Linux has it (instant), else
     nvidia-smi (which takes seconds on a host whose GPUs are not held initialized)."""
     try:
         with open("/proc/driver/nvidia/version") as fh:
-            found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+(?:\.\d+)+)", fh.read())
+            found = module_driver_version(fh.read())
         if found:
-            return found.group(1)
+            return found
     except OSError:
         pass
     try:

@@ -96,37 +96,63 @@ def stop_pool(pool) -> None:
             pass
 
 
-# Why this compile process cannot compile (its device could not be selected), else None: its jobs then answer
-# "not compiled ahead" and the measuring process compiles (or reports the device's failure) itself.
+# Why this compile process cannot compile (its device is unusable), else None: its jobs then answer "not compiled
+# ahead" and the measuring process compiles (or reports the device's failure) itself.
 _UNUSABLE: list[str] = []
+_CHECKED: list[bool] = []
 
 
 def _compile_init(devices: list[int], started, parent_pid: int) -> None:
-    """Set up a compile process: the next of `devices` (`started` counts the pool's processes so far)."""
+    """Set up a compile process for the next of `devices` (`started` counts the pool's processes so far): that
+    device is the only one it sees, and it touches the driver only when its first job needs the device's facts.
+    A CUDA context per process made at once (hundreds of MiB each) serialized every process's driver start-up,
+    the measuring processes' included; and the pool runs below the measuring and sweep processes' priority, so
+    that compiling never delays the path to the GPU."""
     from .lifeline import die_with_parent, ignore_stop_signals
 
     die_with_parent(parent_pid)
     ignore_stop_signals()
     with started.get_lock():
         index, started.value = started.value, started.value + 1
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(devices[index % len(devices)])
     try:
-        import torch
+        os.nice(5)
+    except OSError:
+        pass
 
-        torch.cuda.set_device(devices[index % len(devices)])
-    except Exception as err:  # noqa: BLE001 - started before the sweep checked its device: no traceback here
-        _UNUSABLE.append(f"{type(err).__name__}: {err}")
+
+def visible_device(index: int, visible: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES naming device `index` of this process's own view (`visible`: that variable here,
+    read from the environment when None), so that a child process sees that device alone, as its device 0."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None or not visible.strip():
+        return str(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    return entries[index] if 0 <= index < len(entries) else str(index)
+
+
+def _usable() -> bool:
+    """Whether this process's device answers (checked on the first job; a failure is kept in _UNUSABLE)."""
+    if not _CHECKED:
+        _CHECKED.append(True)
+        try:
+            import torch
+
+            torch.cuda.get_device_properties(0)
+        except Exception as err:  # noqa: BLE001 - started before the sweep checked its device: no traceback here
+            _UNUSABLE.append(f"{type(err).__name__}: {err}")
+    return not _UNUSABLE
 
 
 def _warm_up() -> None:
     """Import what compiling needs, so that the first config's compile does not pay for it."""
-    if not _UNUSABLE:
-        import normtune.kernels.backward  # noqa: F401
+    import normtune.kernels.backward  # noqa: F401
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
     """(status, seconds, error) of compiling a config ahead of its measurement; ("ok", None, None) where this
     process cannot compile (the measuring process then compiles it)."""
-    if _UNUSABLE:
+    if not _usable():
         return "ok", None, None
     from normtune.kernels.backward import precompile
     from normtune.kernels.config import BackwardConfig as BC

@@ -61,12 +61,12 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
         from .host_pool import RemoteCompilePool
 
         pool = RemoteCompilePool(compile_ends, device)
-    from ..gpu_info import detect
+    from ..gpu_info import DeviceInfo, detect
     from ..store.database import Store
     from .driver import Sweep
 
     try:
-        opts_dict, url, launcher_steps = handoff.recv()
+        opts_dict, url, launcher_steps, info = handoff.recv()
     except (EOFError, OSError):  # the launcher refused the sweep (it said why) or is gone: nothing to do
         from .compiling import stop_pool
 
@@ -76,7 +76,9 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
     handoff.close()
     timeline.adopt(launcher_steps, prefix="launcher_")
     opts = options_from_dict(opts_dict)
-    info = detect(opts.device, interpret=opts.interpret)
+    # The launcher's description of this device: detecting it here again costs a driver start-up in every worker
+    # while the others' start, and the workers would then record different revisions of one sweep.
+    info = DeviceInfo(**info) if info is not None else detect(opts.device, interpret=opts.interpret)
     with Store(url) as store:
         timeline.mark("store_open")
         summary = Sweep(opts, store, info, helpers=(measurer, pool)).run()
@@ -134,8 +136,9 @@ class DeviceWorkers:
             self._handoffs.append(send)
         timeline.mark("workers_spawned")
 
-    def hand_over(self, opts: SweepOptions, url: str) -> None:
-        """Give each worker its options and the database `url`; the host's pool starts serving them."""
+    def hand_over(self, opts: SweepOptions, url: str, infos: list | None = None) -> None:
+        """Give each worker its options, the database `url` and its device's `DeviceInfo` (`infos`, one per
+        device; None: each worker detects its own); the host's pool starts serving them."""
         from ..measure.harness import TIMING, Timing
         from . import timeline
 
@@ -147,9 +150,10 @@ class DeviceWorkers:
             self.host.regroup(self.devices, opts.compile_workers, device_kinds(self.devices))
             self.host.start()
         steps = timeline.marks()
-        for worker, send in zip(worker_options(opts, self.devices), self._handoffs):
+        infos = infos or [None] * len(self.devices)
+        for worker, info, send in zip(worker_options(opts, self.devices), infos, self._handoffs):
             try:
-                send.send((options_to_dict(worker), url, steps))
+                send.send((options_to_dict(worker), url, steps, info and info.to_dict()))
             except OSError:  # that worker is gone already: its exit code says so
                 pass
             send.close()
@@ -178,9 +182,10 @@ class DeviceWorkers:
 
 
 def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
-                   on_tick: Callable[[], None] | None = None, workers: DeviceWorkers | None = None) -> int:
-    """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones) and
-    wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
+                   on_tick: Callable[[], None] | None = None, workers: DeviceWorkers | None = None,
+                   infos: list | None = None) -> int:
+    """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones; `infos`:
+    each device's `DeviceInfo`, else each worker detects its own) and wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
     failed, else 0."""
     workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret,
                                        dataclasses.asdict(opts.timing))
@@ -200,7 +205,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not received:
-            workers.hand_over(opts, url)
+            workers.hand_over(opts, url, infos)
             if received:  # a signal came while they were handed the sweep
                 pass_on(received[0])
         while any(p.is_alive() for p in procs):
