@@ -164,7 +164,7 @@ def test_a_config_that_is_not_a_seed_gets_a_job_of_its_own_and_claimed_slots_are
 
 
 def test_seed_compiles_that_finish_while_the_worker_waits_on_a_trials_compile_are_replaced():
-    """`wait_compiled` (a trial waiting for its own compile) refills the seed compiles every quarter second."""
+    """`wait_compiled` (a trial waiting for its own compile) refills the seed compiles while it waits."""
     from concurrent.futures import Future
 
     from normtune.tuner.sweep.compiling import wait_compiled
@@ -199,3 +199,47 @@ def test_a_study_whose_seeds_start_after_its_first_slots_gets_them_in_those_slot
     seeds = _seeds(problem)[:3]
     walked = list(seeds_in_claim_order([problem], [5], lambda p: [None, None] + seeds, lambda p: {3}))
     assert walked == [(problem, seeds[0]), (problem, seeds[2])]  # slots 2 and 4 (slot 3 is claimed)
+
+
+class AnsweringMeasurer(QuickMeasurer):
+    """A measuring process that has started: it compiles a trial itself when the trial's job is not done. It
+    records whether each trial's compile job was done when the trial came."""
+
+    def __init__(self, pool, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pool, self.job_done_at_submit = pool, []
+
+    def answering(self):
+        return True
+
+    def submit(self, problem, config):
+        job = self.pool.jobs.index((problem.key, config.to_json()))
+        self.job_done_at_submit.append(self.pool.futures[job].done())
+        self.pool.released.set()  # the first trial came without its compile: let that compile end
+        super().submit(problem, config)
+
+
+class StartingPool(RecordingPool):
+    """A pool whose processes are still starting (their drivers) until the measuring process gets its first trial
+    (or for 60 s): no job ends before that."""
+
+    def __init__(self, workers: int = 12):
+        super().__init__(workers)
+        self.released = threading.Event()
+
+    def _compile(self):
+        self.released.wait(60)
+        return super()._compile()
+
+
+def test_the_first_trial_goes_to_a_started_measuring_process_without_waiting_for_its_compile(tmp_path):
+    """The compile processes may still be starting when the measuring process is ready: the worker's first trial
+    is then compiled by the measuring process, and the later ones still wait for their own compiles."""
+    pool = StartingPool()
+    measurer = AnsweringMeasurer(pool)
+    QuickMeasurer.measured = []
+    opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS[:1], trials=6, sampler="tpe", interpret=True,
+                        compile_workers=0)
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
+        driver.Sweep(opts, store, INFO, helpers=(measurer, pool)).run()
+    assert measurer.job_done_at_submit == [False] + [True] * 5

@@ -64,20 +64,20 @@ def share_of(total: int, workers: int, index: int) -> int:
 
 
 def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool],
-                  tick: Callable[[], None] = lambda: None):
+                  tick: Callable[[], None] = lambda: None, enough: Callable[[], bool] = lambda: False):
     """(status, seconds, error) of a compile-ahead job; None when `abandoned()` turns true while waiting. A broken
-    pool or a compile past `timeout_s` yields ("ok", None, None): the measuring process compiles it itself.
-    `tick` is called every quarter second of the wait."""
+    pool, a compile past `timeout_s` or `enough()` turning true yields ("ok", None, None): the measuring process
+    compiles it itself. `tick` is called, and `enough` asked, every 50 ms of the wait."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return future.result(timeout=0.25)
+            return future.result(timeout=0.05)
         except FutureTimeout:
             tick()
             if abandoned():
                 future.cancel()
                 return None
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or enough():
                 return "ok", None, None
         except Exception as err:  # noqa: BLE001 - a broken pool: measure (and compile) in the measurer
             log.debug("compile-ahead failed: %s", err)
@@ -145,8 +145,11 @@ def _usable() -> bool:
 
 
 def _warm_up() -> None:
-    """Import what compiling needs, so that the first config's compile does not pay for it."""
+    """Import what compiling needs and start the driver (no context), so that the first config's compile does not
+    pay for either."""
     import normtune.kernels.backward  # noqa: F401
+
+    _usable()
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:

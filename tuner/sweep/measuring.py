@@ -118,6 +118,10 @@ class MeasuringProcess:
         mark("measurer_spawned")
         self._conn, self._ready = parent, False
 
+    def answering(self) -> bool:
+        """Whether the process has started and said so (or failed to): `submit` would not wait for it."""
+        return self._ready or (self._conn is not None and self._conn.poll(0))
+
     def _await_ready(self) -> None:
         if not self._conn.poll(600):
             raise RuntimeError("the measuring process did not start within 600 s")

@@ -87,7 +87,12 @@ class PendingTrials:
         there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
         if item.compiled is not None:
             t_wait = time.perf_counter()
-            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning, self.ahead.refill)
+            # The worker's first trial goes to the measuring process once that is ready, compiled there if its job
+            # has not finished: the compile processes start as many drivers at once, which the first measurement
+            # need not wait for.
+            answering = getattr(self.measurer, "answering", None) if self.costs.startup_s is None else None
+            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning, self.ahead.refill,
+                                     enough=answering or (lambda: False))
             summary.compile_wait_s += time.perf_counter() - t_wait
             self.costs.add("compile_wait", time.perf_counter() - t_wait)
             if compiled is None:
