@@ -145,11 +145,10 @@ def _usable() -> bool:
 
 
 def _warm_up() -> None:
-    """Import what compiling needs and start the driver (no context), so that the first config's compile does not
-    pay for either."""
+    """Import what compiling needs, so that the first config's compile does not pay for it. The driver starts
+    with the first job: dozens of processes starting it at once here delayed the measuring processes' own start
+    and the sweep's device detection by seconds."""
     import normtune.kernels.backward  # noqa: F401
-
-    _usable()
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
