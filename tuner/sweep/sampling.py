@@ -10,6 +10,7 @@ from normtune.kernels.config import BackwardConfig
 from normtune.kernels.strategies import STRATEGIES
 
 from ..space import Space
+from .retries import Retries
 
 
 class Sampling:
@@ -29,6 +30,7 @@ class Sampling:
             self.sampler = optuna.samplers.TPESampler(multivariate=True, group=True, constant_liar=True, seed=seed,
                                                       n_startup_trials=8)
             _distinct_groups(self.sampler)
+        self._retries = Retries.attach(self.sampler)
 
     @property
     def size(self) -> int | None:
@@ -50,15 +52,19 @@ class Sampling:
 
         `retry`: the previous proposal on this study was rejected, so no trial was created since: the trials it
         read and the relative search space inferred from them are reused (a retry costs the sampling alone).
-        The samples are the ones a fresh read would give, the sampler's random state going on as before."""
+        TPE's estimators are built once per proposal and its retries, and a proposal rejected many times
+        retries from its ranked candidates (`Retries`)."""
         import optuna
         from optuna.distributions import CategoricalDistribution
 
         last = self._last
-        if retry and last is not None and last[0] is study:
+        retrying = retry and last is not None and last[0] is study
+        if retrying:
             view, relative_space = last[1].again(), last[2]
         else:
             view, relative_space = _OneRead(study), None
+        if self._retries is not None:
+            self._retries.begin(retrying)
         frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params={}, distributions={})
         self.sampler.before_trial(view, frozen)
         if relative_space is None:
