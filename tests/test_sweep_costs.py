@@ -84,6 +84,7 @@ def test_the_next_trials_are_proposed_while_one_measures_and_the_costs_are_store
     assert costs["trials"] == trials * len(PROBLEMS)
     assert abs(costs["measuring_s"] - MEASURE_S * costs["trials"]) < 1e-6
     assert costs["database_s"] > 0 and costs["sampler_s"] >= 0 and costs["startup_s"] > 0
+    assert set(costs["proposals"]) == {"kept", "rejected"} and costs["proposals"]["kept"] <= costs["trials"]
     assert abs(costs["gpu_idle_s"] - (costs["wall_s"] - costs["startup_s"] - costs["measuring_s"])) < 1e-6
     with Store(url) as store:
         (worker,) = store.workers.states()
@@ -93,6 +94,12 @@ def test_the_next_trials_are_proposed_while_one_measures_and_the_costs_are_store
     text = " ".join(out.output.split())
     assert f"where its time went: {costs_line(costs)}" in text
     assert f"{costs['trials']} trials" in text and "sampler" in text and "database" in text
+
+
+def test_the_closing_line_counts_the_samplers_proposals_kept_and_rejected():
+    costs = {"wall_s": 10.0, "startup_s": 1.0, "trials": 5, "proposals": {"kept": 5, "rejected": 12}}
+    assert "sampler proposals: 5 kept, 12 rejected by the space" in costs_line(costs)
+    assert "sampler proposals" not in costs_line({**costs, "proposals": {"kept": 0, "rejected": 0}})
 
 
 def test_a_proposal_considers_a_bounded_window_of_a_large_study():

@@ -8,7 +8,8 @@ processes, storing measurements and telling trials (database), and the heartbeat
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
 `compiles` counts the trials whose compile job was a seed's submitted before the trial's claim (`compile_ahead`)
-and those compiled only once claimed.
+and those compiled only once claimed; `proposals`, the sampler's proposals that became trials and those the
+space rejected.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
 options parsed, measuring process spawned, its torch imported, its CUDA context made, ready (copy bandwidth
@@ -51,6 +52,7 @@ class Costs:
         self.trials = 0
         self.phases: dict[str, float] = {name: 0.0 for name in MEASURING + WORKER}
         self.compiles = {"ahead": 0, "at_claim": 0}  # trials' compile jobs: a seed's submitted before its claim, or not
+        self.proposals = {"kept": 0, "rejected": 0}  # the sampler's proposals: made trials, or refused by the space
         self._lock = threading.Lock()
 
     def add(self, phase: str, seconds: float) -> None:
@@ -88,7 +90,8 @@ class Costs:
             return {"wall_s": wall, "startup_s": startup, "first_result_s": self.first_result_s,
                     "trials": self.trials, "measuring_s": measuring,
                     "gpu_idle_s": max(0.0, wall - startup - measuring), **{f"{k}_s": v for k, v in self.phases.items()},
-                    "compiles": dict(self.compiles), "timeline": timeline.marks()}
+                    "compiles": dict(self.compiles), "proposals": dict(self.proposals),
+                    "timeline": timeline.marks()}
 
 
 def _step_order(item: tuple[str, float]) -> tuple:
@@ -116,6 +119,10 @@ def line(costs: dict) -> str:
     if any(compiles.values()):
         parts.append(f"compiles: {compiles.get('ahead', 0)} ahead of their trial's claim, "
                      f"{compiles.get('at_claim', 0)} at it")
+    proposals = costs.get("proposals") or {}
+    if any(proposals.values()):
+        parts.append(f"sampler proposals: {proposals.get('kept', 0)} kept, {proposals.get('rejected', 0)} rejected "
+                     "by the space")
     steps = costs.get("timeline") or {}
     if steps:
         parts.append("since the command started: " + ", ".join(

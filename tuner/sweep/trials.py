@@ -189,7 +189,9 @@ class StudyBook:
                 why = self.space.why_not(config)
             if why is not None:
                 self.rejected += 1
+                costs.proposals["rejected"] += 1
                 continue
+            costs.proposals["kept"] += 1
             template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
