@@ -245,6 +245,31 @@ def test_the_store_holds_its_worker_coordination(tmp_path):
         assert state.run_id == run_id and state.alive
 
 
+def test_a_worker_claims_the_slot_after_its_last_in_one_transaction_and_free_slots_below_later(tmp_path,
+                                                                                                 monkeypatch):
+    """Consecutive claims read no slots; a slot given back below them, or the one after the last claim taken by
+    another worker, is found by reading the slots."""
+    study = "normtune:h100:" + RMS.key
+    with Store(f"sqlite:///{tmp_path / 'results.db'}") as s:
+        mine = s.start_run(H100, kind="sweep", command_line="this worker")
+        other = s.start_run(H100, kind="sweep", command_line="another worker")
+        for run in (mine, other):
+            s.workers.beat(run, grace_s=60.0, device=0)
+        reads = []
+        read = s.workers.slots
+        monkeypatch.setattr(s.workers, "slots", lambda name: reads.append(name) or read(name))
+        assert [s.workers.claim_slot(study, 6, mine) for _ in range(3)] == [(0, None), (1, None), (2, None)]
+        assert len(reads) == 1  # the first claim only: the others took the slot after the last
+        s.workers.release_slot(study, 1, mine)  # given back unmeasured
+        assert s.workers.claim_slot(study, 6, other) == (1, None)  # another worker's first claim: the lowest
+        assert s.workers.claim_slot(study, 6, other) == (3, None)  # the slot after its last (2) is mine: read
+        assert s.workers.claim_slot(study, 6, mine) == (4, None)  # 3 is taken: the slots are read
+        assert s.workers.claim_slot(study, 6, mine) == (5, None)
+        s.workers.release_slot(study, 4, mine)
+        assert s.workers.claim_slot(study, 6, mine) == (4, None)  # past the target: the free one below
+        assert s.workers.claim_slot(study, 6, mine) is None
+
+
 def test_status_reads_a_database_without_changing_it(tmp_path):
     url = _filled(tmp_path / "results.db")
     with Store(url) as s:
