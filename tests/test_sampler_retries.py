@@ -90,15 +90,17 @@ def test_past_the_draws_a_retry_moves_one_group_to_its_next_candidate(counted):
     assert len(set(seen)) >= 4
 
 
-def test_past_the_draws_a_proposal_whose_candidates_are_used_up_draws_afresh(counted):
+def test_past_the_draws_a_proposal_whose_candidates_are_used_up_draws_afresh():
     space, sampling, study = _filled()
     sampling.propose(study)
     for _ in range(R.DRAWS_BEFORE_RANKED):
         sampling.propose(study, retry=True)
-    for queue in sampling._retries._candidates.values():
-        queue.clear()
+    retries = sampling._retries
+    for key in list(retries._draws):
+        retries._queue(key).clear()  # every group's candidates given
     again, _ = sampling.propose(study, retry=True)
     assert sampling._retries.ranked and space.config(again) is not None
+    assert retries._queue(retries._target)  # the group in turn drew afresh: it has candidates again
 
 
 def test_only_tpe_samplers_get_these_retries():

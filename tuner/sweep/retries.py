@@ -21,7 +21,8 @@ class Retries:
     """
 
     def __init__(self, sampler):
-        self._candidates: dict[tuple, list[dict]] = {}  # per group: its last draw's candidates not given, best first
+        self._draws: dict[tuple, tuple] = {}  # per group: its last draw (candidates, acquisition, space, choice)
+        self._candidates: dict[tuple, list[dict]] = {}  # per group: those not given yet, best first (ranked mode)
         self._chosen: dict[tuple, dict] = {}  # per group: its choice in the proposal's last config
         self._order: list[tuple] = []  # the groups in the order the fresh proposal drew them
         self._built: dict = {}  # the proposal's estimators, by (group, good or bad trials, their numbers)
@@ -51,6 +52,7 @@ class Retries:
     def begin(self, retrying: bool) -> None:
         """A proposal starts: a retry of the last one, or a fresh one (everything forgotten)."""
         if not retrying:
+            self._draws.clear()
             self._candidates.clear()
             self._chosen.clear()
             self._built.clear()
@@ -61,7 +63,14 @@ class Retries:
             order = self._order or [None]
             start = self._retries - DRAWS_BEFORE_RANKED - 1
             turns = [order[(start + i) % len(order)] for i in range(len(order))]
-            self._target = next((key for key in turns if self._candidates.get(key)), turns[0])
+            self._target = next((key for key in turns if self._queue(key)), turns[0])
+
+    def _queue(self, key) -> list[dict]:
+        """The group's candidates not given yet, ranked from its last draw on first use: only a proposal rejected
+        past DRAWS_BEFORE_RANKED draws pays for ranking."""
+        if key not in self._candidates and key in self._draws:
+            self._candidates[key] = _ranked(*self._draws[key])
+        return self._candidates.get(key, [])
 
     def build(self, study, search_space, trials, handle_below, *args, **kwargs):
         try:
@@ -84,7 +93,7 @@ class Retries:
         if self.ranked and key in self._chosen:
             if key != self._target:
                 return dict(self._chosen[key])
-            queue = self._candidates.get(key)
+            queue = self._queue(key)
             if queue:
                 self._chosen[key] = queue.pop(0)
                 return dict(self._chosen[key])
@@ -92,8 +101,9 @@ class Retries:
             self._order.append(key)
         self._drawn = None
         best = self._sample(study, trial, search_space)
+        self._candidates.pop(key, None)
         if self._drawn is not None:
-            self._candidates[key] = _ranked(self._drawn, search_space, best)
+            self._draws[key] = (self._drawn, search_space, best)
         self._chosen[key] = best
         return best
 
