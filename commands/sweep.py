@@ -17,6 +17,11 @@ from .common import (
 )
 
 
+# When the command's end steps happened: the sweep done (its last worker exited), the live view closed, the
+# summary read; what the command's wall adds after the last is the interpreter's exit.
+CLOSING_STEPS = ("sweep_returned", "workers_exited", "view_closed", "store_closed", "summary_read")
+
+
 def _parse_devices(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -70,6 +75,7 @@ def sweep(
     from normtune.tuner.sweep import timeline
 
     timeline.start_command()  # the processes started below count from this command's start
+    timeline.forget(CLOSING_STEPS)  # a command run before in this process recorded its own
     device_list = run_checked(_parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
@@ -146,21 +152,30 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, worker
         console.print(f"sweeping {len(problems)} problems on devices {device_list} ({store.display_url})")
         with S.LiveView(console, store.url, targets):
             code = S.run_on_devices(opts, device_list, store.url, workers=workers, infos=infos)
+        timeline.mark("view_closed")
         with run_checked(read_only_store, store.url) as done:
             since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=time.monotonic() - started)
             for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):
                 console.print("sweep: " + line.strip(), markup=False)
+        timeline.mark("summary_read")
+        closing = timeline.line(CLOSING_STEPS)
+        console.print(f"sweep: closing steps since the command started: {closing}", markup=False, soft_wrap=True)
         raise typer.Exit(code)
     sw = run_checked(S.Sweep, opts, store, info, helpers=helpers)
     with S.LiveView(console, store.url, targets) as view:
         sw.emit = _sweep_events(view.console)
         result = run_checked(sw.run)
+        timeline.mark("sweep_returned")
+    timeline.mark("view_closed")
     store.close()
+    timeline.mark("store_closed")
     console.print(f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, "
                   f"{result.compile_s:.0f} s compiling in workers ({result.compile_wait_s:.0f} s waited on them)")
     console.print(f"sweep: where the time went: {S.costs_line(result.costs)}", markup=False)
     if summary:
         run_checked(write_text, summary, S.summary_json(result), "--summary")
+    closing = timeline.line(CLOSING_STEPS)
+    console.print(f"sweep: closing steps since the command started: {closing}", markup=False, soft_wrap=True)
     if result.stopped:
         console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
                       "Re-run the same command to continue.[/]")

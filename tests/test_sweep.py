@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import sqlite3
@@ -120,6 +121,11 @@ def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     summary_path = tmp_path / "summary.json"
     result = invoke(sweep_args(url, shapes="40x96,24x200", trials=3, extra=["--summary", str(summary_path)]))
     assert result.exit_code == 0, result.output
+    # The command's closing steps, in order, each at a time since the command started.
+    (closing,) = [line for line in result.output.splitlines() if "closing steps" in line]
+    times = re.findall(r"(sweep returned|view closed|store closed) ([0-9.]+)", closing)
+    assert [name for name, _ in times] == ["sweep returned", "view closed", "store closed"], closing
+    assert [float(t) for _, t in times] == sorted(float(t) for _, t in times), closing
 
     with Store(url) as store:
         (run,) = store.runs()

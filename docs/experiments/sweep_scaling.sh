@@ -9,9 +9,11 @@
 # and every visible GPU (those the host has). Smaller runs: TRIALS 12 (the first round only), or SHAPES
 # 4096x4096,8192x8192. Run it on an idle CUDA host with normtune installed (`pip install -e ".[tune]"`).
 #
-# Per run: wall (the whole command, process start-up included), trials measured, trials/s, the first
-# measurement's time after the command started (NORMTUNE_GIT_REVISION, where set, names the tree measured), the GPU measuring share (the measuring processes' busy seconds
-# over the GPUs' wall after their start-up), and per worker the breakdown the sweep stores with its run
+# Per run: wall (the whole command, process start-up included), trials measured, trials/s over the wall and
+# between the first and last measurement stored (the rate once the GPUs measure), the first and last
+# measurement's times after the command started (NORMTUNE_GIT_REVISION, where set, names the tree measured), the
+# GPU measuring share (the measuring processes' busy seconds over the GPUs' wall after their start-up), the
+# command's closing steps (from its log), and per worker the breakdown the sweep stores with its run
 # (start-up; measuring: inputs, load, gate, timing; the worker's sampler, database, compile wait, heartbeats; the
 # measuring process's idle time). Targets (issue 42): 1 GPU, 30 problems x 30 trials: wall <= 70 s, measuring
 # >= 80 % of the wall after the first measurement, first measurement <= 5 s; 2 GPUs >= 1.85x and 4 GPUs >= 3.4x
@@ -43,8 +45,8 @@ TABLE="$OUTDIR/sweep_scaling.md"
     echo "Triton cache: $([ "${FRESH_TRITON_CACHE:-0}" = 1 ] && echo "empty for every run" || echo "shared by the runs (only the first starts cold)");"
     echo "normtune $("$PY" -c 'import normtune; print(getattr(normtune, "__version__", "?"))'),  tree of ${NORMTUNE_GIT_REVISION:-$(git rev-parse --short HEAD 2>/dev/null || echo 'unknown')}."
     echo
-    echo "| GPUs | trials | wall s | trials/s | vs 1 GPU | first measurement s | measuring share |"
-    echo "|---:|---:|---:|---:|---:|---:|---:|"
+    echo "| GPUs | trials | wall s | trials/s | vs 1 GPU | trials/s measuring | vs 1 GPU | first measurement s | last s | measuring share |"
+    echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 } >"$TABLE"
 BREAKDOWN="$OUTDIR/breakdown.txt"
 : >"$BREAKDOWN"
@@ -63,20 +65,30 @@ for n in $COUNTS; do
     COLUMNS=200 "$NT" sweep --gpu "$GPU" --shapes "$SHAPES" --trials "$TRIALS" "${dev[@]}" --db "$db" \
         >"$OUTDIR/scaling-${n}gpu.log" 2>&1 || { echo "sweep on $n GPU(s) failed: see $OUTDIR/scaling-${n}gpu.log" >&2; exit 1; }
     end=$(date +%s.%N)
-    row=$("$PY" - "$n" "$db" "$start" "$end" "$BASE" "$BREAKDOWN" <<'PYEOF'
+    row=$("$PY" - "$n" "$db" "$start" "$end" "$BASE" "$BREAKDOWN" "$OUTDIR/scaling-${n}gpu.log" <<'PYEOF'
 import datetime as dt
 import json
 import sqlite3
 import sys
 
-n, db, start, end, base, breakdown = sys.argv[1:7]
+n, db, start, end, base, breakdown, log = sys.argv[1:8]
 start, end = float(start), float(end)
 con = sqlite3.connect(db)
-measured, first = con.execute("SELECT COUNT(*), MIN(created_at) FROM normtune_measurements").fetchone()
-first_s = dt.datetime.fromisoformat(first).replace(tzinfo=dt.timezone.utc).timestamp() - start
+measured, first, last = con.execute(
+    "SELECT COUNT(*), MIN(created_at), MAX(created_at) FROM normtune_measurements").fetchone()
+stamp = lambda text: dt.datetime.fromisoformat(text).replace(tzinfo=dt.timezone.utc).timestamp() - start
+first_s, last_s = stamp(first), stamp(last)
 wall = end - start
 rate = measured / wall
-base_rate = float(base) if base else rate
+# Between the first and the last measurement stored: the rate once every GPU is measuring, start-up and the
+# command's end left out.
+steady = (measured - 1) / (last_s - first_s) if last_s > first_s else float("nan")
+bases = base.split(",") if base else [rate, steady]
+base_rate, base_steady = float(bases[0]), float(bases[1])
+closing = ""
+for text in open(log, errors="replace"):
+    if "closing steps since the command started:" in text:
+        closing = text.split("started:", 1)[1].strip()
 costs = [json.loads(c) for (c,) in con.execute("SELECT costs_json FROM normtune_run_costs ORDER BY run_id")]
 busy = sum(c["measuring_s"] for c in costs)
 after = sum(c["wall_s"] - c["startup_s"] for c in costs)
@@ -85,10 +97,12 @@ share = f"{100 * busy / after:.0f} %" if after > 0 else "–"
 from normtune.tuner.sweep import costs_line
 
 with open(breakdown, "a") as fh:
-    fh.write(f"{n} GPU(s): wall {wall:.1f} s, {measured} trials, {rate:.2f} trials/s\n")
+    fh.write(f"{n} GPU(s): wall {wall:.1f} s, {measured} trials, {rate:.2f} trials/s; measurements stored from "
+             f"{first_s:.1f} to {last_s:.1f} s; closing steps: {closing or '–'}; command ended {wall:.1f}\n")
     for i, c in enumerate(costs):
         fh.write(f"  worker {i}: {costs_line(c)}\n")
-print(f"{rate:.6f}||| {n} | {measured} | {wall:.1f} | {rate:.2f} | {rate / base_rate:.2f}x | {first_s:.1f} | {share} |")
+print(f"{rate:.6f},{steady:.6f}||| {n} | {measured} | {wall:.1f} | {rate:.2f} | {rate / base_rate:.2f}x | "
+      f"{steady:.2f} | {steady / base_steady:.2f}x | {first_s:.1f} | {last_s:.1f} | {share} |")
 PYEOF
 )
     [ -n "$BASE" ] || BASE=${row%%||*}

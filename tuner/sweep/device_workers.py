@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
+import sys
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -82,7 +84,11 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
     with Store(url) as store:
         timeline.mark("store_open")
         summary = Sweep(opts, store, info, helpers=(measurer, pool)).run()
-    raise SystemExit(summary.exit_code)
+    # Everything is stored and the store is closed: the interpreter's teardown (torch's and Triton's modules, the
+    # pool's threads) would only delay the launcher's end.
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(summary.exit_code)
 
 
 def worker_options(opts: SweepOptions, devices: list[int]) -> list[SweepOptions]:
@@ -187,6 +193,8 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
     """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones; `infos`:
     each device's `DeviceInfo`, else each worker detects its own) and wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
     failed, else 0."""
+    from . import timeline
+
     workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret,
                                        dataclasses.asdict(opts.timing))
     procs = workers.procs
@@ -208,12 +216,17 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
             workers.hand_over(opts, url, infos)
             if received:  # a signal came while they were handed the sweep
                 pass_on(received[0])
-        while any(p.is_alive() for p in procs):
+        running = [p for p in procs if p.is_alive()]
+        while running:
             if on_tick is not None:
                 on_tick()
-            time.sleep(1.0)
-            for p in procs:
-                p.join(0)
+            # Woken by a worker's exit at once (its sentinel), else once a second for `on_tick`.
+            ended = mp.connection.wait([p.sentinel for p in running], timeout=1.0)
+            for p in running:
+                if p.sentinel in ended:
+                    p.join()
+            running = [p for p in running if p.is_alive()]
+        timeline.mark("workers_exited")
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -85,3 +85,10 @@ def marks() -> dict[str, float]:
     start = origin()
     with _lock:
         return {name: round(at - start, 3) for name, at in sorted(_marks.items(), key=lambda kv: kv[1])}
+
+
+def line(names) -> str:
+    """'name t, …' for the steps of `names` reached so far, in seconds since the command started (its closing
+    steps, say); empty when none was reached."""
+    steps = marks()
+    return ", ".join(f"{name.replace('_', ' ')} {steps[name]:.1f}" for name in names if name in steps)
