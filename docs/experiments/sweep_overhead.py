@@ -7,11 +7,14 @@ Sweeps the 15 RMSNorm seed shapes (bf16) for TRIALS trials each (default 40) on 
 (default: a temporary file) and prints the wall time, the sweep's trials and the Optuna trials it created.
 Runs on CPU; no GPU and no kernel is involved. With MEASURE_MS, the stand-in is busy that long per trial, as a
 GPU would be (and reports it as timing): the wall then shows how much of the sweep's own work hides behind it.
+TPE's proposals are made ahead in the proposer process, as on a GPU; PROPOSE_AHEAD=0 makes them in the sweep's
+own thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import sqlite3
 import sys
@@ -91,7 +94,8 @@ def main() -> None:
         driver.MeasuringProcess = BusyMeasurer
     info = dataclasses.replace(detect(interpret=True), sm_count=132)  # an H100's grid sizes for the search space
     problems = [Problem("rms_norm", M, N, "bf16", "bf16", True, False, False, "input") for M, N in SEED]
-    opts = SweepOptions(gpu_key="interpret", problems=problems, trials=trials, interpret=True, compile_workers=0)
+    opts = SweepOptions(gpu_key="interpret", problems=problems, trials=trials, interpret=True, compile_workers=0,
+                        propose_ahead=os.environ.get("PROPOSE_AHEAD", "1") != "0")
     with Store(f"sqlite:///{path}") as store:
         t = time.perf_counter()
         summary = driver.Sweep(opts, store, info).run()

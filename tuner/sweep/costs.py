@@ -8,8 +8,8 @@ processes, storing measurements and telling trials (database), and the heartbeat
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
 `compiles` counts the trials whose compile job was a seed's submitted before the trial's claim (`compile_ahead`)
-and those compiled only once claimed; `proposals`, the sampler's proposals that became trials and those the
-space rejected.
+and those compiled only once claimed; `proposals`, the sampler's proposals that became trials (and how many of
+them the proposer process made ahead, `proposer` its busy seconds) and those the space rejected.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
 options parsed, measuring process spawned, its torch imported, its CUDA context made, ready (copy bandwidth
@@ -52,7 +52,8 @@ class Costs:
         self.trials = 0
         self.phases: dict[str, float] = {name: 0.0 for name in MEASURING + WORKER}
         self.compiles = {"ahead": 0, "at_claim": 0}  # trials' compile jobs: a seed's submitted before its claim, or not
-        self.proposals = {"kept": 0, "rejected": 0}  # the sampler's proposals: made trials, or refused by the space
+        # The sampler's proposals: made trials (`ahead` of them made by the proposer process), or refused by the space.
+        self.proposals = {"kept": 0, "rejected": 0, "ahead": 0}
         self._lock = threading.Lock()
 
     def add(self, phase: str, seconds: float) -> None:
@@ -121,8 +122,10 @@ def line(costs: dict) -> str:
                      f"{compiles.get('at_claim', 0)} at it")
     proposals = costs.get("proposals") or {}
     if any(proposals.values()):
-        parts.append(f"sampler proposals: {proposals.get('kept', 0)} kept, {proposals.get('rejected', 0)} rejected "
-                     "by the space")
+        ahead = (f" ({proposals['ahead']} made ahead by the proposer process, busy "
+                 f"{costs.get('proposer_s', 0.0):.1f} s)" if proposals.get("ahead") else "")
+        parts.append(f"sampler proposals: {proposals.get('kept', 0)} kept{ahead}, {proposals.get('rejected', 0)} "
+                     "rejected by the space")
     steps = costs.get("timeline") or {}
     if steps:
         parts.append("since the command started: " + ", ".join(

@@ -46,6 +46,7 @@ from .costs import Costs
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary
 from .pending import Pending, PendingTrials
+from .proposer import Proposer
 from .trials import StudyBook, remaining
 
 log = logging.getLogger("normtune.sweep")
@@ -84,6 +85,7 @@ class Sweep:
         self._books: dict[str, StudyBook] = {}
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
         self._measurer, self.costs, self._fed_stop = None, Costs(), None
+        self.proposer: Proposer | None = None  # TPE's proposals made ahead, while `run()` runs (`proposer.py`)
         self.pending: PendingTrials | None = None  # the trials on their way to the store, while `run()` runs
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
 
@@ -147,6 +149,7 @@ class Sweep:
         self.held_ahead = opts.held_ahead(processes)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
+        self.proposer = Proposer(self.store.url, self.costs) if opts.proposes_ahead else None
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.workers.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.workers.mark_dead_runs()
@@ -162,6 +165,8 @@ class Sweep:
             stop_hb.set()
             heartbeats.join(timeout=60)  # its last beat is written before the final costs, never beside them
             self._measurer.close()
+            if self.proposer is not None:
+                self.proposer.close()
             self.ahead.stop()
             stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
@@ -238,6 +243,8 @@ class Sweep:
                             self._exhausted[problem.key] = True
                             break
                         yield item
+                    if self.proposer is not None:
+                        self.proposer.done(book)
                     yield _ProblemEnd(book, ps)
                     if not self._exhausted.get(problem.key) and self._held_by_others(book, goal, run_id):
                         waiting.append(problem)
@@ -368,6 +375,7 @@ class Sweep:
                                  claimed_slots=lambda name: max(self.store.workers.slots(name), default=-1) + 1)
                 self.store.workers.adopt_measured_trials(book.name)
                 book.repair(self.store)
+            book.proposer = self.proposer
             self._books[problem.key] = book
             timeline.mark("first_study")
         return self._books[problem.key]

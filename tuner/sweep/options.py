@@ -70,6 +70,14 @@ class SweepOptions:
     source: str = "sweep"  # measurement source recorded in the store
     extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
+    propose_ahead: bool | None = None  # TPE's proposals made ahead in a process of their own; None: on a GPU
+
+    @property
+    def proposes_ahead(self) -> bool:
+        """Whether the worker's TPE proposals come from a `proposer.Proposer` (on a GPU, where proposing in the
+        worker's thread would keep the GPU waiting; the interpreter's measurements take far longer)."""
+        on = (not self.interpret) if self.propose_ahead is None else self.propose_ahead
+        return on and self.sampler == "tpe"
 
     def held_ahead(self, processes: int) -> int:
         """Trials a worker holds ahead of the one measuring (claimed, created, compiling): `lookahead` when

@@ -43,7 +43,7 @@ class Sampling:
         (it keeps its place in the trial's attributes), so it goes through `suggest`."""
         return self._grid is None
 
-    def propose(self, study, retry: bool = False) -> tuple[dict[str, Any], dict]:
+    def propose(self, study, retry: bool = False, liars: tuple = ()) -> tuple[dict[str, Any], dict]:
         """The next config's params and their distributions, sampled without touching the study's storage: the
         sweep rejects what the space's constraints forbid before any trial exists (a rejected config costs a
         sample, not a trial with a database write per knob), and creates the trial it keeps in one transaction.
@@ -53,7 +53,10 @@ class Sampling:
         `retry`: the previous proposal on this study was rejected, so no trial was created since: the trials it
         read and the relative search space inferred from them are reused (a retry costs the sampling alone).
         TPE's estimators are built once per proposal and its retries, and a proposal rejected many times
-        retries from its ranked candidates (`Retries`)."""
+        retries from its ranked candidates (`Retries`).
+
+        `liars`: RUNNING trials that are not in storage yet (proposals made ahead and not created yet), which the
+        sampler counts as the study's own (TPE's constant liar)."""
         import optuna
         from optuna.distributions import CategoricalDistribution
 
@@ -62,7 +65,7 @@ class Sampling:
         if retrying:
             view, relative_space = last[1].again(), last[2]
         else:
-            view, relative_space = _OneRead(study), None
+            view, relative_space = _OneRead(study, liars), None
         if self._retries is not None:
             self._retries.begin(retrying)
         frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params={}, distributions={})
@@ -185,9 +188,10 @@ class _OneRead:
     (TPE's relative sample, for other workers' constant liar) is kept for its template. Everything else is the
     study's."""
 
-    def __init__(self, study):
+    def __init__(self, study, liars: tuple = ()):
         self._study = study
         self._trials = None
+        self._liars = list(liars)
         self._storage = _Recording(study._storage)
 
     def again(self) -> "_OneRead":
@@ -198,6 +202,7 @@ class _OneRead:
     def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
         if self._trials is None:
             self._trials = considered(self._study._get_trials(deepcopy=False, states=None, use_cache=False))
+            self._trials += self._liars
         trials = self._trials if states is None else [t for t in self._trials if t.state in tuple(states)]
         return [copy.deepcopy(t) for t in trials] if deepcopy else list(trials)
 

@@ -80,6 +80,7 @@ class StudyBook:
         self.seeds = seed_configs(opts, problem, self.space)
         self.default = self.space.canonical(default_config(problem, self.space.limits))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
+        self.proposer = None  # a `Proposer` making this study's proposals ahead, where the sweep has one
         self.seed_base = 0  # slot of the first seed
         self._resume_seeds(claimed_slots)
         self._describe()
@@ -180,8 +181,26 @@ class StudyBook:
 
     def _proposed_trial(self, costs: Costs, bind=None) -> NewTrial | None:
         """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
-        configs it rejects on the way are counted in `rejected` and never become trials."""
+        configs it rejects on the way are counted in `rejected` and never become trials. The proposal is the
+        `proposer`'s where it has one ready (checked against the same space there), else made here."""
         optuna = self._optuna
+        if self.proposer is not None:
+            with costs.timed("sampler"):
+                ahead = self.proposer.take(self)
+            if ahead is not None:
+                self.rejected += ahead.rejected
+                costs.proposals["rejected"] += ahead.rejected
+                costs.proposals["kept"] += 1
+                costs.proposals["ahead"] += 1
+                template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING,
+                                                     params=ahead.record["params"],
+                                                     distributions=ahead.record["distributions"],
+                                                     system_attrs=ahead.record["system_attrs"])
+                config = self.space.canonical(self.space.config(ahead.values))
+                with costs.timed("database"):
+                    created = self._created(template, config, self.opts.source, bind)
+                self.proposer.took(self, ahead)
+                return created
         for attempt in range(INVALID_STREAK_LIMIT):
             with costs.timed("sampler"):
                 values, record = self.sampling.propose(self.study, retry=attempt > 0)
