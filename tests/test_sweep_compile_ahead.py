@@ -207,7 +207,8 @@ class AnsweringMeasurer(QuickMeasurer):
 
     def __init__(self, pool, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pool, self.job_done_at_submit = pool, []
+        self.pool, self.job_done_at_submit, self.held_at_submit = pool, [], []
+        self.held = lambda: 0  # the trials the worker holds (created, not stored)
 
     def answering(self):
         return True
@@ -215,6 +216,7 @@ class AnsweringMeasurer(QuickMeasurer):
     def submit(self, problem, config):
         job = self.pool.jobs.index((problem.key, config.to_json()))
         self.job_done_at_submit.append(self.pool.futures[job].done())
+        self.held_at_submit.append(self.held())
         self.pool.released.set()  # the first trial came without its compile: let that compile end
         super().submit(problem, config)
 
@@ -241,5 +243,9 @@ def test_the_first_trial_goes_to_a_started_measuring_process_without_waiting_for
     opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS[:1], trials=6, sampler="tpe", interpret=True,
                         compile_workers=0)
     with Store(f"sqlite:///{tmp_path / 'results.db'}") as store:
-        driver.Sweep(opts, store, INFO, helpers=(measurer, pool)).run()
+        sweep = driver.Sweep(opts, store, INFO, helpers=(measurer, pool))
+        measurer.held = lambda: len(sweep.pending.running)
+        sweep.run()
     assert measurer.job_done_at_submit == [False] + [True] * 5
+    # It goes as soon as it exists: the trials after it are claimed and proposed while it measures.
+    assert measurer.held_at_submit[0] == 1, measurer.held_at_submit

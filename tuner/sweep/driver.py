@@ -340,17 +340,27 @@ class Sweep:
         return isinstance(item, Pending) and (item.compiled is None or item.compiled.done())
 
     def _sendable(self, queue: deque) -> bool:
-        """True when a trial of `queue` is ready to measure (compiled, or nothing to compile ahead)."""
-        return any(self._compiled(x) for x in queue)
+        """True when a trial of `queue` is ready to measure (compiled, or nothing to compile ahead, or the first)."""
+        return any(self._compiled(x) for x in queue) or (
+            any(isinstance(x, Pending) for x in queue) and self._first_goes_now())
+
+    def _first_goes_now(self) -> bool:
+        """Nothing was sent yet and the measuring process is ready: the first trial goes now, compiled there if
+        its compile-ahead job has not ended, before the trials after it are proposed."""
+        answering = getattr(self._measurer, "answering", None)
+        return self.costs.startup_s is None and answering is not None and answering()
 
     def _next_to_send(self, queue: deque, summary: SweepSummary) -> Pending | None:
         """The first trial of `queue` whose compile is done, so that a slow compile does not hold up the trials
         behind it; where none is done yet, the first one done within a short wait (else the first in line, which
-        `PendingTrials.send` waits for)."""
+        `PendingTrials.send` waits for). The worker's first trial goes at once to a measuring process that is
+        ready, as `PendingTrials.send` sends it."""
         pending = [x for x in queue if isinstance(x, Pending)]
         ready = next((x for x in pending if self._compiled(x)), None)
         if ready is not None or not pending:
             return ready
+        if self._first_goes_now():
+            return pending[0]
         t, futures = time.perf_counter(), [x.compiled for x in pending]
         while time.perf_counter() - t < 1.0 and not wait_futures(futures, 0.1, return_when=FIRST_COMPLETED).done:
             self.ahead.refill()  # the seed compiles that finished meanwhile are replaced at once
