@@ -8,6 +8,7 @@ In-process sweeps with a stand-in measuring process (no kernels run) and a real 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sys
 import time
 
@@ -26,6 +27,7 @@ from normtune.tuner.sweep.sampling import Sampling, _OneRead
 
 PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, "bf16")]
 TS = optuna.trial.TrialState
+POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
 
 
 class AnsweringProposer(P.Proposer):
@@ -45,20 +47,37 @@ def proposer_processes() -> list:
     return [p for p in mp.active_children() if p.name == "normtune-proposer"]
 
 
-def sweep(tmp_path, monkeypatch, proposer_class, trials: int = 30):
+def sweep(tmp_path, monkeypatch, proposer_class, trials: int = 30, url: str | None = None):
     monkeypatch.setattr(driver, "MeasuringProcess", instant_measuring_process(busy_s=0.02))
     monkeypatch.setattr(driver, "Proposer", proposer_class)
     monkeypatch.setattr(P, "WAIT_S", 30.0)  # a loaded machine's proposal is waited for, not made twice
     opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS, trials=trials, interpret=True, compile_workers=0,
                         propose_ahead=True)
-    url = f"sqlite:///{tmp_path / 'results.db'}"
+    url = url or f"sqlite:///{tmp_path / 'results.db'}"
     with Store(url) as store:
         summary = driver.Sweep(opts, store, INFO).run()
     return url, opts, summary
 
 
-def test_proposals_made_ahead_become_the_trials_with_exact_counts_and_no_process_left(tmp_path, monkeypatch):
-    url, opts, summary = sweep(tmp_path, monkeypatch, AnsweringProposer)
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database(request, tmp_path):
+    """A fresh database URL: a SQLite file, or a PostgreSQL database where a test server is configured."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'results.db'}"
+        return
+    admin_url = os.environ.get(POSTGRES_ENV)
+    if not admin_url:
+        pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
+                    "PostgreSQL server")
+    from pg_support import fresh_database
+
+    with fresh_database(admin_url) as url:
+        yield url
+
+
+def test_proposals_made_ahead_become_the_trials_with_exact_counts_and_no_process_left(tmp_path, monkeypatch,
+                                                                                       database):
+    url, opts, summary = sweep(tmp_path, monkeypatch, AnsweringProposer, url=database)
     names = [study_name("interpret", p, True) for p in PROBLEMS]
     studies = check_studies(url, names, 30)
     proposals = summary.costs["proposals"]
@@ -175,7 +194,6 @@ def _stat(pid: int) -> list[str] | None:
 
 def _children(pid: int) -> list[int]:
     """The running processes whose parent is `pid`."""
-    import os
 
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and (s := _stat(int(e))) and int(s[1]) == pid
             and s[0] != "Z"]
@@ -186,7 +204,6 @@ def _running(pids: list[int]) -> list[int]:
 
 
 def _killed_worker(url: str) -> None:
-    import os
 
     driver.MeasuringProcess = instant_measuring_process(busy_s=0.05)
     driver.Proposer = AnsweringProposer
@@ -199,7 +216,6 @@ def _killed_worker(url: str) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_worker_killed_while_its_proposer_runs_loses_nothing_and_leaves_no_proposer(tmp_path, monkeypatch):
-    import os
     import signal
     import sqlite3
 
