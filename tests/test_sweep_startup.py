@@ -102,6 +102,39 @@ def test_a_sweep_ends_its_measuring_process_without_waiting_for_its_teardown():
     assert proc.exitcode == -signal.SIGKILL and measurer._proc is None
 
 
+def _busy_job(started: str) -> None:
+    import pathlib
+    import time
+
+    pathlib.Path(started).touch()
+    time.sleep(60)
+
+
+def test_stopping_a_compile_pool_kills_its_busy_processes_so_a_second_stop_does_not_wait(tmp_path):
+    """A pool's processes in the middle of a compile are killed, not left to finish it: the pool's thread would
+    wait for them holding the lock that the command's own stop (after the sweep's) waits on."""
+    import multiprocessing as mp
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from normtune.tuner.sweep.compiling import stop_pool
+
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+    started = tmp_path / "started"
+    pool.submit(_busy_job, str(started))
+    deadline = time.monotonic() + 120
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists()
+    (proc,) = pool._processes.values()
+    t = time.monotonic()
+    stop_pool(pool)  # the sweep's
+    stop_pool(pool)  # the command's, once the sweep is done
+    assert time.monotonic() - t < 30, "the second stop waited for the job"
+    proc.join(30)
+    assert not proc.is_alive()
+
+
 def test_a_slow_compile_does_not_hold_up_the_compiled_trials_behind_it(tmp_path, monkeypatch):
     import threading
     from concurrent.futures import Future, InvalidStateError

@@ -85,15 +85,17 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
 
 
 def stop_pool(pool) -> None:
-    """Stop a compile pool now: queued jobs cancelled, its processes killed (they hold nothing to save)."""
+    """Stop a compile pool now: its processes killed (they hold nothing to save), queued jobs cancelled. The
+    processes are taken before `shutdown`, which forgets them: left running, they would finish their compiles
+    while the pool's thread waits for them, holding the pool's lock that a later `shutdown` call waits on."""
     if pool is None:
         return
-    pool.shutdown(wait=False, cancel_futures=True)
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         try:
             proc.kill()
         except (OSError, ValueError, AttributeError):
             pass
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 # Why this compile process cannot compile (its device is unusable), else None: its jobs then answer "not compiled

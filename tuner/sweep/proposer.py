@@ -88,12 +88,10 @@ class Proposer:
             self._send(("drop", book.name))
 
     def close(self) -> None:
+        """End the process at once: it holds nothing to save (it only reads)."""
         if self._proc is not None:
-            self._send(("stop",))
-            self._proc.join(0.5)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join()
+            self._proc.kill()
+            self._proc.join(10)
             self._conn.close()
         self._proc, self._gone = None, True
 
@@ -210,8 +208,6 @@ def _serve(conn, url: str, parent_pid: int) -> None:
             idle = not any(len(studies[n].outstanding) < studies[n].wanted for n in order)
             if conn.poll(None if idle else 0):
                 message = conn.recv()
-                if message[0] == "stop":
-                    return
                 if message[0] == "want":
                     _, name, spec, count = message
                     if name not in studies:
