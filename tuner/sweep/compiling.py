@@ -69,6 +69,8 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
     pool, a compile past `timeout_s` or `enough()` turning true yields ("ok", None, None): the measuring process
     compiles it itself. `tick` is called, and `enough` asked, every 50 ms of the wait."""
     deadline = time.monotonic() + timeout_s
+    if not future.done() and enough():
+        return "ok", None, None
     while True:
         try:
             return future.result(timeout=0.05)

@@ -31,8 +31,6 @@ import threading
 import time
 import warnings
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -43,6 +41,7 @@ from . import timeline
 from .compile_ahead import CompileAhead, seeds_ahead
 from .compiling import COMPILERS_PER_GPU, stop_pool
 from .costs import Costs
+from .dispatch import Dispatcher
 from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary
 from .pending import Pending, PendingTrials
@@ -269,80 +268,75 @@ class Sweep:
         return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
 
     def _pipeline(self, feed: Iterator, run_id: int, t0: float, summary: SweepSummary) -> None:
-        """Measure what `feed` gives, one trial in the measuring process at a time: as soon as a result comes
-        back the next trial is sent, and the result is stored while that one measures; the trials after it are
-        proposed (up to `lookahead` ahead) in the same wait. A measurement is committed to the store with (or before)
-        its trial's tell, so a SIGKILL loses nothing stored; a result collected but not stored yet when the worker
-        is killed was never committed: its slot is taken over and measured again."""
+        """Measure what `feed` gives: a `Dispatcher` thread keeps the measuring process busy (the next ready trial
+        goes as soon as a result comes back), while this thread stores the results and claims, proposes and
+        creates the trials after them (up to `lookahead` held). A measurement is committed to the store with (or
+        before) its trial's tell, so a SIGKILL loses nothing stored; a result collected but not stored yet when
+        the worker is killed was never committed: its slot is taken over and measured again. A first signal or the
+        time budget lets the trial in flight finish and gives the others back; a second abandons it."""
         lookahead = self.held_ahead
-        queue: deque = deque()
-        inflight: Pending | None = None  # sent to the measuring process
-        collected: tuple | None = None  # (item, result): measured, not stored yet
-        idle = ended = False
+        order: deque = deque()  # trials not stored yet and problems' ends, in feed order
+        dispatcher = Dispatcher(self.pending, summary, self.costs, self._first_goes_now).start()
+        idle = ended = finished = False
         try:
             while True:
                 stopping = self._stopping(t0)
                 self.ahead.refill()
-                while not (stopping or ended or idle) and sum(isinstance(x, Pending) for x in queue) < lookahead:
-                    if inflight is not None and self._measurer.ready():
-                        break
-                    if inflight is None and self._sendable(queue):  # measure it now, propose the rest meanwhile
-                        break
+                for item, result in dispatcher.results():  # stored while the next trials measure
+                    order.remove(item)
+                    self.pending.commit(item, result, run_id, summary)
+                self._summarize_ready(order)
+                if stopping:
+                    summary.stopped = stopping
+                    for rest in dispatcher.stop_sending():  # the trial in flight finishes (a second signal abandons it)
+                        order.remove(rest)
+                        self.pending.abandon(rest, run_id)
+                    dispatcher.close()
+                    for item, result in dispatcher.results():
+                        order.remove(item)
+                        self.pending.commit(item, result, run_id, summary)
+                    break
+                held = sum(isinstance(x, Pending) for x in order)
+                if not (ended or idle) and held < lookahead:
                     nxt = next(feed, None)
                     if nxt is None:
                         ended = True
                     elif nxt is _IDLE:
                         idle = True
                     else:
-                        queue.append(nxt)
-                self._summarize_ready(queue, inflight, collected)
-                if inflight is not None:
-                    collected, inflight = (inflight, self.pending.collect(inflight, summary)), None
-                    stopping = self._stopping(t0)
-                nxt = None if stopping else self._next_to_send(queue, summary)
-                if nxt is not None:
-                    queue.remove(nxt)
-                    at_once = self.pending.send(nxt, summary)
-                    if at_once is None:
-                        inflight = nxt
-                    else:  # nothing to measure: stored after the previous one
-                        if collected is not None:
-                            self.pending.commit(*collected, run_id, summary)
-                        collected = (nxt, at_once)
-                if collected is not None:  # stored while the trial just sent measures
-                    self.pending.commit(*collected, run_id, summary)
-                    collected = None
-                if stopping:
-                    summary.stopped = stopping
-                    if inflight is not None:  # the trial in flight is finished (a second signal abandons it)
-                        self.pending.commit(inflight, self.pending.collect(inflight, summary), run_id, summary)
-                        inflight = None
-                    break
-                if inflight is None and not any(isinstance(x, Pending) for x in queue):
-                    self._summarize_ready(queue, None, None)
+                        order.append(nxt)
+                        if isinstance(nxt, Pending):
+                            dispatcher.add(nxt)
+                            if dispatcher.sent == 0:  # the first trial goes before the ones after it are proposed
+                                dispatcher.wait_sent(1, 0.0 if not self._sendable_now(nxt) else 60.0)
+                    continue
+                if held == 0:
+                    self._summarize_ready(order)
                     if ended:
+                        finished = True
                         break
                     if idle:  # only slots of other workers are left: look again shortly
                         time.sleep(min(1.0, self.opts.heartbeat_interval / 2))
                         idle = False
+                        continue
+                dispatcher.wait(0.05)
             summary.stopped = summary.stopped or self._fed_stop  # the feed may have stopped first
         finally:
-            for item in [x for x in (inflight, collected and collected[0]) if x is not None]:
+            # Past a failure, the measurement in flight is not waited for; nothing unstored is kept.
+            dispatcher.close(interrupt=None if finished or summary.stopped else self._measurer.interrupt,
+                             timeout=self.opts.trial_timeout_s)
+            for item, result in dispatcher.results() if dispatcher.error is None else []:
+                order.remove(item)
                 self.pending.abandon(item, run_id)
-            for rest in [x for x in queue if isinstance(x, Pending)]:
-                queue.remove(rest)
+            for rest in [x for x in order if isinstance(x, Pending)]:
+                order.remove(rest)
                 self.pending.abandon(rest, run_id)
-            self._summarize_ready(queue, None, None)
+            self._summarize_ready(order)
             feed.close()
 
-    @staticmethod
-    def _compiled(item) -> bool:
-        return isinstance(item, Pending) and (item.compiled is None or item.compiled.done())
-
-    def _sendable(self, queue: deque) -> bool:
-        """True when a trial of `queue` is ready to measure (compiled, or nothing to compile ahead, or the first)."""
-        return any(self._compiled(x) for x in queue) or (
-            any(isinstance(x, Pending) for x in queue) and self._first_goes_now())
+    def _sendable_now(self, item: Pending) -> bool:
+        """True when the dispatcher sends `item` without waiting (compiled, or the first to a ready process)."""
+        return item.compiled is None or item.compiled.done() or self._first_goes_now()
 
     def _first_goes_now(self) -> bool:
         """Nothing was sent yet and the measuring process is ready: the first trial goes now, compiled there if
@@ -350,32 +344,12 @@ class Sweep:
         answering = getattr(self._measurer, "answering", None)
         return self.costs.startup_s is None and answering is not None and answering()
 
-    def _next_to_send(self, queue: deque, summary: SweepSummary) -> Pending | None:
-        """The first trial of `queue` whose compile is done, so that a slow compile does not hold up the trials
-        behind it; where none is done yet, the first one done within a short wait (else the first in line, which
-        `PendingTrials.send` waits for). The worker's first trial goes at once to a measuring process that is
-        ready, as `PendingTrials.send` sends it."""
-        pending = [x for x in queue if isinstance(x, Pending)]
-        ready = next((x for x in pending if self._compiled(x)), None)
-        if ready is not None or not pending:
-            return ready
-        if self._first_goes_now():
-            return pending[0]
-        t, futures = time.perf_counter(), [x.compiled for x in pending]
-        while time.perf_counter() - t < 1.0 and not wait_futures(futures, 0.1, return_when=FIRST_COMPLETED).done:
-            self.ahead.refill()  # the seed compiles that finished meanwhile are replaced at once
-        summary.compile_wait_s += time.perf_counter() - t
-        self.costs.add("compile_wait", time.perf_counter() - t)
-        return next((x for x in pending if self._compiled(x)), pending[0])
-
-    def _summarize_ready(self, queue: deque, inflight, collected) -> None:
-        """Summarize the problems whose round ended (a marker in `queue`) once the trials before it are stored."""
-        unstored = {id(x.book) for x in (inflight, collected and collected[0]) if x is not None}
-        for x in list(queue):
-            if isinstance(x, Pending):
-                unstored.add(id(x.book))
-            elif id(x.book) not in unstored:
-                queue.remove(x)
+    def _summarize_ready(self, order: deque) -> None:
+        """Summarize the problems whose round ended (a marker in `order`) once their trials are all stored."""
+        unstored = {id(x.book) for x in order if isinstance(x, Pending)}
+        for x in list(order):
+            if not isinstance(x, Pending) and id(x.book) not in unstored:
+                order.remove(x)
                 self._summarize(x)
 
     def _book(self, problem: Problem) -> StudyBook:

@@ -82,16 +82,19 @@ class PendingTrials:
         with self._lock:
             self.running.pop(item.trial.trial_id, None)
 
-    def send(self, item: Pending, summary: SweepSummary) -> MeasureResult | None:
+    def send(self, item: Pending, summary: SweepSummary, tick: Callable[[], None] | None = None
+             ) -> MeasureResult | None:
         """Wait for the trial's compile-ahead job, then hand it to the measuring process. A result at once when
-        there is nothing to measure (it failed to compile, or a second signal abandoned it)."""
+        there is nothing to measure (it failed to compile, or a second signal abandoned it). `tick` is called
+        while it waits (by default the compile-ahead's refill; a thread other than the worker's passes its own)."""
         if item.compiled is not None:
             t_wait = time.perf_counter()
             # The worker's first trial goes to the measuring process once that is ready, compiled there if its job
             # has not finished: the compile processes start as many drivers at once, which the first measurement
             # need not wait for.
             answering = getattr(self.measurer, "answering", None) if self.costs.startup_s is None else None
-            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning, self.ahead.refill,
+            compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning,
+                                     self.ahead.refill if tick is None else tick,
                                      enough=answering or (lambda: False))
             summary.compile_wait_s += time.perf_counter() - t_wait
             self.costs.add("compile_wait", time.perf_counter() - t_wait)
