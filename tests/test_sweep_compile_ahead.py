@@ -183,9 +183,10 @@ def test_seed_compiles_that_finish_while_the_worker_waits_on_a_trials_compile_ar
     pool.shutdown()
 
 
-def test_a_worker_holds_one_trial_per_compile_process_ahead_within_an_eighth_of_its_share():
+def test_a_worker_holds_two_trials_per_compile_process_ahead_within_an_eighth_of_its_share():
     many = SweepOptions(gpu_key="h100", problems=PROBLEMS * 10, trials=60)  # 1800 slots
-    assert many.held_ahead(14) == 14 and many.held_ahead(0) == 2  # no pool: nothing compiles ahead
+    assert many.held_ahead(14) == 28 and many.held_ahead(0) == 2  # no pool: nothing compiles ahead
+    assert many.held_ahead(200) == 225  # an eighth of its share
     assert SweepOptions(gpu_key="h100", problems=PROBLEMS * 10, trials=60, workers=4).held_ahead(64) == 56
     few = SweepOptions(gpu_key="h100", problems=PROBLEMS[:2], trials=5)  # 10 slots: another worker gets some
     assert few.held_ahead(14) == 2

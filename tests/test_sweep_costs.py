@@ -210,3 +210,32 @@ def test_distinct_groups_decompose_as_optuna_does_and_the_samples_are_the_same()
         return got
 
     assert proposals(keep_optunas=False) == proposals(keep_optunas=True)
+
+
+def test_problems_take_turns_once_their_slots_get_sampled_trials(tmp_path, monkeypatch):
+    """A problem's sampled trials alternate with the other problems', one each, so that the trials held ahead
+    spread over the studies."""
+    import sqlite3
+
+    from sweep_support import instant_measuring_process
+
+    three = PROBLEMS + [Problem("rms_norm", 16, 128, "bf16")]
+    monkeypatch.setattr(driver, "MeasuringProcess", instant_measuring_process())
+    opts = SweepOptions(gpu_key="interpret", problems=three, trials=40, interpret=True, compile_workers=0)
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    with Store(url) as store:
+        driver.Sweep(opts, store, INFO).run()
+    check_studies(url, [study_name("interpret", p, True) for p in three], 40)
+    rows = sqlite3.connect(tmp_path / "results.db").execute(
+        "SELECT study_name, source FROM normtune_measurements ORDER BY id").fetchall()
+    names = [study_name("interpret", p, True) for p in three]
+    # The problems' sampled trials overlap in time: none has had all of its own before another's first.
+    sampled = [n for n, source in rows if source != "seed"]
+    assert set(sampled) == set(names), sampled
+    first = {n: sampled.index(n) for n in names}
+    last = {n: len(sampled) - 1 - sampled[::-1].index(n) for n in names}
+    assert all(last[a] > first[b] for a in names for b in names), (first, last)
+    # Once all have started, no problem gets two in a row while another still has some left.
+    for i in range(max(first.values()) + 1, len(sampled)):
+        if len(set(sampled[i:])) > 1:
+            assert sampled[i] != sampled[i - 1], sampled

@@ -216,18 +216,25 @@ class Sweep:
         """The trials to measure, in order: a `Pending` per claimed slot (created, its compile submitted), a
         `_ProblemEnd` after each problem's trials of a round, and `_IDLE` when only slots that other workers
         hold are left (the pipeline waits, then asks again). Lazy: a problem's study is opened only when its
-        turn comes, so measuring starts before the rest are loaded."""
+        turn comes, so measuring starts before the rest are loaded.
+
+        A problem's seeds are claimed one after another; once its slots get the sampler's trials, the problems
+        take turns, one sampled trial each: the trials held ahead (compiling while others measure) then spread
+        over the studies, so that each proposal has the measurements of the study's earlier ones."""
         for target in targets:
-            busy = list(order)
+            busy, announced = list(order), set()
             while busy:
-                waiting = []
+                waiting, turns = [], []
                 for problem in busy:
                     if self._feed_stops(t0):
                         return
                     book = self._book(problem)
                     ps = by_key.setdefault(problem.key, ProblemSummary(problem, book.name))
                     goal = book.target(target)
-                    self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
+                    if problem.key not in announced:
+                        announced.add(problem.key)
+                        self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
+                    sampled = False
                     while not self._feed_stops(t0) and not self._exhausted.get(problem.key):
                         with self.costs.timed("database"):
                             claim = self.store.workers.claim_slot(book.name, goal, run_id)
@@ -242,11 +249,20 @@ class Sweep:
                             self._exhausted[problem.key] = True
                             break
                         yield item
+                        if item.trial.source != "seed":  # the next problem's turn
+                            sampled = True
+                            break
+                    if sampled:
+                        turns.append(problem)
+                        continue
                     if self.proposer is not None:
                         self.proposer.done(book)
                     yield _ProblemEnd(book, ps)
                     if not self._exhausted.get(problem.key) and self._held_by_others(book, goal, run_id):
                         waiting.append(problem)
+                if turns:  # another turn for the problems with sampled slots left (and a look at the others)
+                    busy = turns + waiting
+                    continue
                 busy = waiting
                 if busy:
                     yield _IDLE

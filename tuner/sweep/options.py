@@ -81,13 +81,14 @@ class SweepOptions:
 
     def held_ahead(self, processes: int) -> int:
         """Trials a worker holds ahead of the one measuring (claimed, created, compiling): `lookahead` when
-        given, else one per process of its compile pool (`processes`, 0 without one), within an eighth of the
-        worker's share of the sweep's slots, so that it never holds what the other workers would claim; at
-        least 2."""
+        given, else two per process of its compile pool (`processes`, 0 without one: one compiling and one
+        queued, since a sampled trial's compile starts only at its claim and takes many measurements' time),
+        within an eighth of the worker's share of the sweep's slots, so that it never holds what the other
+        workers would claim; at least 2."""
         if self.lookahead is not None:
             return max(2, self.lookahead)
         share = len(self.problems) * self.trials // max(1, self.workers)
-        return max(2, min(processes, share // 8))
+        return max(2, min(2 * processes, share // 8))
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
