@@ -8,9 +8,10 @@ with exactly `trials` measurements, each measured once:
     claim a slot ─► create its trial (seed or sampler) ─► compile ahead in a CPU worker ─┐
     tell ◄── store the measurement (committed at once) ◄── gate + time in the measuring process ┘
 
-- The measuring process is kept busy: as soon as a result comes back the next trial is sent, and the worker
-  stores the result and proposes the trials after it (up to `lookahead`, across problems) while that one
-  measures (`_pipeline`). Where the wall clock went is kept per phase (`costs`) and stored with the run.
+- The measuring process is kept busy: a dispatcher thread sends the next ready trial as soon as a result comes
+  back (`dispatch.py`), while the worker's thread stores the results and claims, proposes (with TPE's proposals
+  made ahead in a proposer process, `proposer.py`) and creates the trials after them, up to `lookahead` held
+  (`_pipeline`). Where the wall clock went is kept per phase (`costs`) and stored with the run.
 
 - A measurement is committed to the store together with its trial's tell (or before it, where Optuna's internals
   are not the expected ones), so a SIGKILL loses nothing that was measured; a trial found measured but not told

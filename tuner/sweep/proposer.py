@@ -3,7 +3,7 @@
 A sampled trial's proposal (reading the study, building TPE's estimators, drawing until the space accepts a
 config) is pure Python and most of a sweep worker's own work per sampled trial. The worker's one thread also
 claims slots, creates trials and stores measurements while the GPU measures, so when proposing is added the
-worker falls behind the GPU. The proposer process keeps up to `AHEAD` proposals ready for the study the worker
+worker falls behind the GPU. The proposer process keeps up to `AHEAD` proposals ready for each study the worker
 is filling; the worker takes one when it creates a trial, and the process proposes the next meanwhile.
 
 - The process only reads: it opens the studies on its own connection and writes nothing. Slots are claimed and
