@@ -596,7 +596,7 @@ def test_a_config_the_space_rejects_never_becomes_a_trial(tmp_path, monkeypatch,
             return unpatched(book.space, config)
 
         made = [book.new_trial(slot) for slot in range(len(book.seeds), len(book.seeds) + 12)]
-        assert book.rejected >= 3
+        assert book.rejected >= 3 and all(m.sampled for m in made)
         trials = book.study.get_trials(deepcopy=False)
         assert [t.number for t in trials] == [m.number for m in made]  # no trial but the kept ones
         for t, m in zip(trials, made):
@@ -604,6 +604,8 @@ def test_a_config_the_space_rejects_never_becomes_a_trial(tmp_path, monkeypatch,
             assert book.space.canonical(book.space.config({**book.space.params(m.config), **t.params})) == m.config
         book.tell(made[0], "ok", 10.0, None)
         assert book.study.get_trials(deepcopy=False)[0].state == TS.COMPLETE
+        if book.seeds:
+            assert not book.new_trial(0).sampled  # a seed's
 
 
 def test_a_study_seeded_under_an_older_seed_version_gets_the_seeds_it_lacks(tmp_path, monkeypatch):

@@ -250,7 +250,7 @@ class Sweep:
                             self._exhausted[problem.key] = True
                             break
                         yield item
-                        if item.trial.source != "seed":  # the next problem's turn
+                        if item.trial.sampled:  # the next problem's turn
                             sampled = True
                             break
                     if sampled:

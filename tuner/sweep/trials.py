@@ -48,6 +48,7 @@ class NewTrial:
     config: BackwardConfig
     source: str  # "seed" or the sweep's source
     bound: bool = False  # its slot was bound to it in the transaction that created it
+    sampled: bool = False  # its config is the sampler's (not a seed's)
 
 
 def seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> list[BackwardConfig]:
@@ -173,7 +174,8 @@ class StudyBook:
             config = self.sampling.suggest(trial)
             why = self.space.why_not(config)
             if why is None:
-                return NewTrial(trial._trial_id, trial.number, self.space.canonical(config), self.opts.source)
+                return NewTrial(trial._trial_id, trial.number, self.space.canonical(config), self.opts.source,
+                                sampled=True)
             trial.set_user_attr("status", "invalid")
             trial.set_user_attr("rejected", why[:500])
             self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
@@ -198,7 +200,7 @@ class StudyBook:
                                                      system_attrs=ahead.record["system_attrs"])
                 config = self.space.canonical(self.space.config(ahead.values))
                 with costs.timed("database"):
-                    created = self._created(template, config, self.opts.source, bind)
+                    created = self._created(template, config, self.opts.source, bind, sampled=True)
                 self.proposer.took(self, ahead)
                 return created
         for attempt in range(INVALID_STREAK_LIMIT):
@@ -215,16 +217,16 @@ class StudyBook:
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
             with costs.timed("database"):
-                return self._created(template, self.space.canonical(config), self.opts.source, bind)
+                return self._created(template, self.space.canonical(config), self.opts.source, bind, sampled=True)
         return None
 
-    def _created(self, template, config: BackwardConfig, source: str, bind=None) -> NewTrial:
+    def _created(self, template, config: BackwardConfig, source: str, bind=None, sampled: bool = False) -> NewTrial:
         """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
         dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
         considers stale)."""
         trial_id, number, bound = create_running_trial(self.storage, self.study._study_id, template,
                                                        after=bind)
-        return NewTrial(trial_id, number, config, source, bound)
+        return NewTrial(trial_id, number, config, source, bound, sampled)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
