@@ -9,6 +9,7 @@ autovacuum, and the drop is retried for a server started otherwise.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 
@@ -19,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 from normtune.tuner.store.database import normalize_url
 
 DROP_ATTEMPTS = 20
+POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"  # the test server's admin URL (`tests/postgres.sh` prints it)
 
 
 def drop_database(admin, name: str) -> None:
@@ -49,3 +51,20 @@ def fresh_database(admin_url: str):
             drop_database(admin, name)
     finally:
         admin.dispose()
+
+
+@contextlib.contextmanager
+def backend_database(backend: str, tmp_path, purpose: str):
+    """Yields a fresh database URL: a SQLite file in `tmp_path` ("sqlite"), or a new PostgreSQL database on the
+    test server ("postgresql"; the test is skipped, naming the fix, where no server is configured)."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'results.db'}"
+        return
+    import pytest
+
+    admin_url = os.environ.get(POSTGRES_ENV)
+    if not admin_url:
+        pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
+                    f"PostgreSQL server for {purpose}")
+    with fresh_database(admin_url) as url:
+        yield url

@@ -21,7 +21,7 @@ import pytest
 from sqlalchemy import create_engine, inspect, select, text, update
 from sqlalchemy.engine import make_url
 
-from pg_support import fresh_database
+from pg_support import backend_database
 
 from normtune.kernels.config import STRATEGIES, BackwardConfig, Kernel2Config, Problem, kernel_1_config
 from normtune.tuner.store import database as store_module
@@ -30,7 +30,6 @@ from normtune.tuner.measure.harness import STATUSES, MeasureResult
 from normtune.tuner.store.database import (CONFIG_COLUMNS, SCHEMA_VERSION, MeasurementModel, MetaModel, SchemaVersionError,
                                   Store, StoreError, StoreIntegrityError)
 
-POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
 
 H100 = DeviceInfo(name="NVIDIA H100 80GB HBM3", key="h100", compute_capability="9.0", sm_count=132,
                   l2_bytes=50 * 2**20, memory_bytes=85_520_809_984, driver="560.35.03", cuda="12.6",
@@ -63,14 +62,7 @@ def ok(median: float, **more) -> MeasureResult:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'results.db'}"
-        return
-    admin_url = os.environ.get(POSTGRES_ENV)
-    if not admin_url:
-        pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
-                    "PostgreSQL server for the storage suite")
-    with fresh_database(admin_url) as db_url:
+    with backend_database(request.param, tmp_path, "the storage suite") as db_url:
         yield db_url
 
 

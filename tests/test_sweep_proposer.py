@@ -14,6 +14,7 @@ import time
 
 import optuna
 import pytest
+from pg_support import backend_database
 from sweep_support import check_studies, instant_measuring_process
 from test_sweep_costs import INFO
 
@@ -27,7 +28,6 @@ from normtune.tuner.sweep.sampling import Sampling, _OneRead
 
 PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, "bf16")]
 TS = optuna.trial.TrialState
-POSTGRES_ENV = "NORMTUNE_TEST_POSTGRES_URL"
 
 
 class AnsweringProposer(P.Proposer):
@@ -59,19 +59,9 @@ def sweep(tmp_path, monkeypatch, proposer_class, trials: int = 30, url: str | No
     return url, opts, summary
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def database(request, tmp_path):
-    """A fresh database URL: a SQLite file, or a PostgreSQL database where a test server is configured."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'results.db'}"
-        return
-    admin_url = os.environ.get(POSTGRES_ENV)
-    if not admin_url:
-        pytest.skip(f"{POSTGRES_ENV} is not set: run `eval \"$(bash tests/postgres.sh)\"` to start a local "
-                    "PostgreSQL server")
-    from pg_support import fresh_database
-
-    with fresh_database(admin_url) as url:
+    with backend_database(request.param, tmp_path, "the proposer's sweep") as url:
         yield url
 
 
