@@ -158,8 +158,7 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, worker
             for line in S.worker_lines(S.snapshot(done, prefix="", targets=targets), since, costs=True):
                 console.print("sweep: " + line.strip(), markup=False)
         timeline.mark("summary_read")
-        closing = timeline.line(CLOSING_STEPS)
-        console.print(f"sweep: closing steps since the command started: {closing}", markup=False, soft_wrap=True)
+        _print_closing_steps(console)
         raise typer.Exit(code)
     sw = run_checked(S.Sweep, opts, store, info, helpers=helpers)
     with S.LiveView(console, store.url, targets) as view:
@@ -174,12 +173,18 @@ def _sweep(gpu, device_list, device, interpret, compile_workers, helpers, worker
     console.print(f"sweep: where the time went: {S.costs_line(result.costs)}", markup=False)
     if summary:
         run_checked(write_text, summary, S.summary_json(result), "--summary")
-    closing = timeline.line(CLOSING_STEPS)
-    console.print(f"sweep: closing steps since the command started: {closing}", markup=False, soft_wrap=True)
+    _print_closing_steps(console)
     if result.stopped:
         console.print(f"[yellow]stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. "
                       "Re-run the same command to continue.[/]")
     raise typer.Exit(result.exit_code)
+
+
+def _print_closing_steps(console) -> None:
+    from normtune.tuner.sweep import timeline
+
+    closing = timeline.line(CLOSING_STEPS)
+    console.print(f"sweep: closing steps since the command started: {closing}", markup=False, soft_wrap=True)
 
 
 def _sweep_events(console):
