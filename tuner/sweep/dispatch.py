@@ -54,11 +54,12 @@ class Dispatcher:
             self._cond.notify_all()
 
     def results(self) -> list:
-        """The results come back since the last call, in the order they came."""
+        """The results come back since the last call, in the order they came; once the thread failed and they
+        are all handed over, its error is raised."""
         with self._cond:
             out = list(self._results)
             self._results.clear()
-        if self.error is not None:
+        if not out and self.error is not None:
             raise self.error
         return out
 
@@ -66,11 +67,6 @@ class Dispatcher:
     def sent(self) -> int:
         """Trials handed to the measuring process (or failed before it) so far."""
         return self._sent
-
-    def busy(self) -> bool:
-        """A trial is in flight, waiting to be sent, or measured and not handed over."""
-        with self._cond:
-            return bool(self._line or self._inflight is not None or self._results)
 
     def wait(self, timeout: float) -> None:
         """Until a result comes back or the line runs empty (the thread wants trials), at most `timeout`."""

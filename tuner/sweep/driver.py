@@ -342,7 +342,7 @@ class Sweep:
             # Past a failure, the measurement in flight is not waited for; nothing unstored is kept.
             dispatcher.close(interrupt=None if finished or summary.stopped else self._measurer.interrupt,
                              timeout=self.opts.trial_timeout_s)
-            for item, result in dispatcher.results() if dispatcher.error is None else []:
+            for item, result in dispatcher.results() if dispatcher.error is None else []:  # measured, not stored
                 order.remove(item)
                 self.pending.abandon(item, run_id)
             for rest in [x for x in order if isinstance(x, Pending)]:
