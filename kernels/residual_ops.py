@@ -83,6 +83,12 @@ def _grads(d: Tensor, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> tupl
     return (d if d.dtype == x_dtype else d.to(x_dtype)), (d if d.dtype == residual_dtype else d.to(residual_dtype))
 
 
+def _passed_through(grad_h, x_dtype: torch.dtype, residual_dtype: torch.dtype) -> tuple:
+    """The gradients of x and residual where y got none: h's own (None where h got none too). The saved tensors
+    are not read, so h may have been changed in place since the forward (its norm's result was never used)."""
+    return (None, None) if grad_h is None else _grads(grad_h, x_dtype, residual_dtype)
+
+
 def _materialized(grad_y, grad_h, saved, x_dtype, h_dtype):
     """dy and dh, a zero tensor standing for one that got no gradient."""
     if grad_y is None:
@@ -101,8 +107,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, grad_y, grad_h, _grad_rstd, _grad_mean):
-    saved, weight, bias, rstd, mean = ctx.saved_tensors
     is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype = ctx.flags
+    if grad_y is None:  # y unused: h's gradient passes through, the norm's parameters get none
+        return _passed_through(grad_h, x_dtype, residual_dtype) + (None,) * 8
+    saved, weight, bias, rstd, mean = ctx.saved_tensors
     grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
     d, dw, db = norm_residual_backward(grad_y, grad_h, saved, weight, bias, rstd, mean, is_rms, zero_centered,
                                        save_output, config)
@@ -149,10 +157,10 @@ class EagerFusedAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
-        if grad_y is None and grad_h is None:
-            return (None,) * 12
-        saved, weight, bias, rstd, mean = ctx.saved_tensors
         is_rms, zero_centered, save_output, config, x_dtype, residual_dtype, h_dtype, eps = ctx.flags
+        if grad_y is None:  # y unused: h's gradient passes through, the norm's parameters get none
+            return _passed_through(grad_h, x_dtype, residual_dtype) + (None,) * 10
+        saved, weight, bias, rstd, mean = ctx.saved_tensors
         grad_y, grad_h = _materialized(grad_y, grad_h, saved, x_dtype, h_dtype)
         if composite.needs_graph(grad_y, grad_h, saved, weight, bias):  # create_graph=True: differentiable
             dxn, dw, db = composite.backward(grad_y.float(), saved, weight, bias, eps, is_rms=is_rms,
