@@ -74,18 +74,20 @@ def fuse(model: nn.Module, tolerance: float) -> FusionResult:
         fused.add(key)
     # Consecutive fused layers of one container hand their outputs over; the container's last layer hands its
     # output to a normtune norm registered right after the container (a decoder's final norm).
+    # The link is (consumer, its container, its key there): not a submodule (no second path to its parameters),
+    # and taken at call time only while the container still holds the consumer under that key.
     for parent in model.modules():
-        children = [c for c in parent._modules.values() if c is not None]
-        for layer, nxt in zip(children, children[1:]):
+        children = [(k, c) for k, c in parent._modules.items() if c is not None]
+        for (_, layer), (key, nxt) in zip(children, children[1:]):
             if id(layer) in fused and id(nxt) in fused and layer is not nxt:
-                layer.__dict__[_NEXT] = nxt  # not a submodule: no second path to its parameters
+                layer.__dict__[_NEXT] = (nxt, parent, key)
                 result.chained += 1
             elif id(layer) not in fused and isinstance(nxt, (LayerNorm, RMSNorm)) and layer._modules:
                 last = [c for c in layer._modules.values() if c is not None][-1]
                 if id(last) in fused and last.input_layernorm.normalized_shape == nxt.normalized_shape:
                     if not getattr(type(nxt), "_normtune_consumer", False):
                         nxt.__class__ = _consuming_class(type(nxt))
-                    last.__dict__[_NEXT] = nxt
+                    last.__dict__[_NEXT] = (nxt, parent, key)
                     result.chained += 1
     return result
 
@@ -116,7 +118,75 @@ def _bare(norm: nn.Module) -> bool:
 
 def _handover_on(layer: nn.Module) -> bool:
     checkpointing = getattr(layer, "gradient_checkpointing", False) and layer.training
-    return not checkpointing and not torch.compiler.is_compiling()
+    # inference_mode: its tensors keep no version counter, so a change in place could not be seen
+    return not checkpointing and not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled() \
+        and not _saving_hooked()
+
+
+def _saving_hooked() -> bool:
+    """Saved-tensor hooks are active: non-reentrant activation checkpointing (its first forward and its recompute
+    alike), offloading to the host. A hand-over made there could be taken in one of the two forwards and not in the
+    other, so it is never made."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+class _Handover:
+    """The next norm's output, computed by the producing layer in the pass that wrote its output `x`, and the
+    state it was computed in. The consumer takes it only where its own call would compute the same thing in the
+    same autograd graph: it is the consumer named, x is unchanged (version) and still the producer's autograd
+    output (the same grad_fn: a checkpoint's Function re-wraps its outputs), the grad mode and inference mode are
+    the producer's, and the norm's parameters are the same tensors at the same versions."""
+
+    __slots__ = ("consumer", "version", "grad_fn", "grad_enabled", "inference", "params", "versions", "y")
+
+    def __init__(self, consumer: nn.Module, x: Tensor, norm: nn.Module, y: Tensor):
+        self.consumer, self.version, self.grad_fn, self.y = consumer, x._version, x.grad_fn, y
+        self.grad_enabled, self.inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        self.params = _norm_params(norm)
+        self.versions = tuple(p._version for p in self.params)
+
+    def taken_by(self, consumer: nn.Module, x: Tensor, norm: nn.Module) -> Tensor | None:
+        params = _norm_params(norm)
+        valid = (consumer is self.consumer and x._version == self.version and x.grad_fn is self.grad_fn
+                 and torch.is_grad_enabled() == self.grad_enabled
+                 and torch.is_inference_mode_enabled() == self.inference
+                 and len(params) == len(self.params) and all(p is q for p, q in zip(params, self.params))
+                 and tuple(p._version for p in params) == self.versions and not _saving_hooked())
+        return self.y if valid else None
+
+
+def _norm_params(norm: nn.Module) -> tuple[Tensor, ...]:
+    return tuple(p for p in (norm.weight, getattr(norm, "bias", None)) if p is not None)
+
+
+def _plain_params(norm: nn.Module) -> bool:
+    """The norm's parameters are ordinary tensors with storage (not sharded DTensors, not on the meta device)."""
+    return all(type(p) in (nn.Parameter, Tensor) and not p.is_meta for p in _norm_params(norm))
+
+
+def _consumer_of(layer: nn.Module) -> nn.Module | None:
+    """Where `layer`'s output may be handed over: the next fused layer (or final norm) linked at patch time, while
+    it is still the next entry of the container it was linked in and nothing runs before its forward (forward
+    pre-hooks, e.g. FSDP's unsharding of its parameters), and while `layer` has no forward hooks (which would see,
+    and could change in place, the output before the consumer does)."""
+    link = layer.__dict__.get(_NEXT)
+    if link is None or layer._forward_hooks or layer._forward_hooks_with_kwargs:
+        return None
+    consumer, container, key = link
+    if container._modules.get(key) is not consumer or consumer._forward_pre_hooks:
+        return None
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_pre_hooks:
+        return None
+    return consumer
+
+
+def _taken(consumer: nn.Module, x: Tensor, norm: nn.Module) -> Tensor | None:
+    """The handed-over output of `norm` for this input of `consumer`, or None: compute it."""
+    handover = x.__dict__.pop(_HANDOVER, None)
+    return handover.taken_by(consumer, x, norm) if handover is not None else None
 
 
 def _fused_forward(self, *args, **kwargs):
@@ -128,24 +198,23 @@ def _fused_forward(self, *args, **kwargs):
     handover = _handover_on(self)
 
     def first(x):
-        normed = x.__dict__.pop(_HANDOVER, None) if handover else None
-        if normed is not None and _bare(self.input_layernorm):
-            layer, version, weight_version, y = normed
-            if layer is self and version == x._version and weight_version == _weight_version(self.input_layernorm):
+        if handover and _bare(self.input_layernorm):
+            y = _taken(self, x, self.input_layernorm)
+            if y is not None:
                 return y
         return self.input_layernorm(x)
 
     def add_norm(name, x, residual):
         return fused_add_norm(getattr(self, name), x, residual)
 
-    nxt = self.__dict__.get(_NEXT) if handover else None
+    nxt = _consumer_of(self) if handover else None
     norm = _input_norm(nxt)
 
     def last(m, h):
-        if not isinstance(norm, (LayerNorm, RMSNorm)) or not _bare(norm):
+        if not isinstance(norm, (LayerNorm, RMSNorm)) or not _bare(norm) or not _plain_params(norm):
             return h + m
         y_next, out = fused_add_norm(norm, m, h)
-        out.__dict__[_HANDOVER] = (nxt, out._version, _weight_version(norm), y_next)
+        out.__dict__[_HANDOVER] = _Handover(nxt, out, norm, y_next)
         return out
 
     return skeleton(self, self._normtune_form, hidden_states, call_kwargs, first, add_norm, last)
@@ -160,12 +229,9 @@ def _input_norm(consumer: nn.Module | None) -> nn.Module | None:
 
 def _consuming_forward(self, x):
     """A final norm's forward: the normalized input handed over with this very tensor, else its own."""
-    normed = None
     if isinstance(x, Tensor) and not torch.compiler.is_compiling():
-        normed = x.__dict__.pop(_HANDOVER, None)
-    if normed is not None:
-        consumer, version, weight_version, y = normed
-        if consumer is self and version == x._version and weight_version == _weight_version(self):
+        y = _taken(self, x, self)
+        if y is not None:
             return y
     return self._normtune_base.forward(self, x)
 
@@ -178,10 +244,6 @@ def _consuming_class(cls: type) -> type:
             "__module__": cls.__module__, "__qualname__": cls.__qualname__,
             "__doc__": f"{cls.__name__} that takes its normalized input from the fused layer before it."})
     return _FUSED_CLASSES[key]
-
-
-def _weight_version(norm: nn.Module) -> tuple:
-    return tuple(p._version for p in (norm.weight, getattr(norm, "bias", None)) if p is not None)
 
 
 def _fused_class(cls: type, form: str) -> type:

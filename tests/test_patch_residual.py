@@ -16,10 +16,11 @@ import normtune
 from normtune.kernels import RMSNorm
 from normtune.kernels import forward_calls, patch_residual
 
+from patch_support import TINY, check_same as _check_same, logits_and_grads as _logits_and_grads, \
+    tiny_model as _model, token_ids as _ids
+
 transformers = pytest.importorskip("transformers")
 
-TINY = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 64}
 # model_type -> its decoder layer class
 LAYERS = {"llama": "LlamaDecoderLayer", "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer",
           "mistral": "MistralDecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
@@ -32,40 +33,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _model(model_type: str, device: str, dtype=torch.float32, **sizes) -> nn.Module:
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **{**TINY, **sizes})
-    except ValueError:
-        pytest.skip(f"this transformers has no {model_type}")
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norm weights off their init (Gemma's zeros would hide the 1 + w)
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
-    return model.to(device=device, dtype=dtype)
-
-
-def _ids(model, batch=2, tokens=8):
-    gen = torch.Generator().manual_seed(7)
-    return torch.randint(0, model.config.vocab_size, (batch, tokens), generator=gen).to(model.device)
-
-
-def _logits_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    return out.logits.detach(), {name: p.grad for name, p in model.named_parameters()}
-
-
-def _check_same(model, reference, ids, tol, assert_close):
-    (logits, grads), (ref_logits, ref_grads) = _logits_and_grads(model, ids), _logits_and_grads(reference, ids)
-    assert_close(logits, ref_logits, tol, "logits")
-    assert list(grads) == list(ref_grads)
-    for name, grad in ref_grads.items():
-        assert_close(grads[name], grad, tol, f"grad {name}")
 
 
 class _Counts:
@@ -282,7 +249,7 @@ def test_a_final_norm_uses_a_hand_over_only_for_that_tensor_unchanged(device):
         for change, other in ((False, False), (True, False), (False, True)):
             t = x.clone()
             consumer = model.model.layers[0] if other else norm
-            t.__dict__[patch_residual._HANDOVER] = (consumer, t._version, patch_residual._weight_version(norm), marker)
+            t.__dict__[patch_residual._HANDOVER] = patch_residual._Handover(consumer, t, norm, marker)
             if change:
                 t.mul_(1.0)  # same values, new version: the hand-over no longer applies
             got = norm(t)
