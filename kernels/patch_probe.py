@@ -1,13 +1,17 @@
 """Whether a decoder layer's own forward computes one of the fused forms (`patch_forms.py`), found by probing it:
 a shallow copy of the layer, whose norms are float64-exact formulas with random weights and whose attention and
-MLP are recording stand-ins (elementwise nonlinear maps), runs the layer's own forward on a random input, with a
-sentinel for each of its arguments, in training and eval mode; the form, run on the same copy, must give the same
-output within the tolerance and call the attention and the MLP with the same arguments. The user's weights are
-never read, and the layer's other submodules get their training mode back.
+MLP are recording stand-ins (elementwise nonlinear maps), runs the layer's own forward on random inputs, with a
+sentinel for each of its arguments; the form, run on the same copy, must give the same output within the tolerance
+and call the attention and the MLP with the same arguments. Everything else the layer owns (its own parameters and
+buffers, those of its other submodules) takes random values on copies, and the comparison is made at several
+sequence lengths, in float32, the model's dtype and bfloat16, in training and eval mode: a layer that matches the
+form only at its patch-time values, or only at one length or dtype, is not fused. The user's weights are never
+read or changed.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -35,7 +39,6 @@ def choose_form(layer: nn.Module, tolerance: float) -> tuple[str | None, str]:
     return (None, reason) if reason else (form, "")
 
 
-
 class _Recorder(nn.Module):
     """A stand-in for the attention or the MLP: an elementwise nonlinear map mixing neighbouring features, which
     records the arguments it is called with. As attention it returns (out, None), as transformers' do."""
@@ -49,7 +52,8 @@ class _Recorder(nn.Module):
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         x = kwargs.get("hidden_states", args[0] if args else None)
-        out = torch.tanh(x * self.a + x.roll(1, -1) * self.b) + self.c
+        a, b, c = (v.to(x.dtype) for v in (self.a, self.b, self.c))
+        out = torch.tanh(x * a + x.roll(1, -1) * b) + c
         return (out, None) if self.attention else out
 
 
@@ -99,8 +103,19 @@ def _probe(layer: nn.Module, form: str, n: int, tolerance: float) -> str | None:
     for key in [k for k in probe.__dict__ if k.startswith("_normtune_")]:  # normtune's hand-over links
         probe.__dict__.pop(key)
     attn, mlp = _Recorder(n, gen, device, True), _Recorder(n, gen, device, False)
-    probe.__dict__["_modules"] = {**layer._modules, **{name: _Formula(getattr(layer, name), gen, device)
-                                                       for name in FORMS[form]}, "self_attn": attn, "mlp": mlp}
+    # Everything else the layer owns (its own parameters and buffers, its other submodules') takes random values
+    # on copies: a form that holds only at the patch-time values (a scale that is 1 then) is not the form.
+    stand_ins = {"self_attn": attn, "mlp": mlp, **{name: _Formula(getattr(layer, name), gen, device)
+                                                   for name in FORMS[form]}}
+    others = {name: copy.deepcopy(sub) for name, sub in layer._modules.items()
+              if sub is not None and name not in stand_ins}
+    holder = nn.Module()
+    holder.__dict__.update(_parameters=dict(layer._parameters), _buffers=dict(layer._buffers), _modules=others)
+    reason = _vary(holder, gen)
+    if reason:
+        return reason
+    probe.__dict__.update(_parameters=holder._parameters, _buffers=holder._buffers,
+                          _modules={**layer._modules, **others, **stand_ins})
     probe.__dict__["gradient_checkpointing"] = False
     original = type(layer).forward
     params = list(inspect.signature(original).parameters.values())[2:]
@@ -108,28 +123,49 @@ def _probe(layer: nn.Module, form: str, n: int, tolerance: float) -> str | None:
                  if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         sentinels["normtune_probe"] = _Sentinel("normtune_probe")
-    x = torch.randn(2, 3, n, generator=gen).to(device) + 0.5
-    bound = bind_call(original, (x,), sentinels)
-    if bound is None:
+    if bind_call(original, (torch.empty(0),), sentinels) is None:
         return "its forward does not take the input first and its other arguments by name"
-    # The layer's other submodules (a dropout, say) run as they are, in the probed mode; the global RNG is kept.
-    others = [m for name, sub in layer._modules.items() if sub is not None and probe._modules[name] is sub
-              for m in sub.modules()]
-    modes = {m: m.training for m in others}
+    model_dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
     devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
-            for training in (True, False):
-                for m in others:
-                    m.training = training
-                probe.__dict__["training"] = training
-                reason = _probe_mode(probe, form, original, x, sentinels, bound[1], (attn, mlp), tolerance)
-                if reason:
-                    return reason
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        for dtype in dict.fromkeys((torch.float32, model_dtype, torch.bfloat16)):
+            tol = tolerance if dtype in (torch.float32, torch.float64) else max(tolerance, 2 * torch.finfo(dtype).eps)
+            for batch, tokens in PROBE_SHAPES:
+                x = (torch.randn(batch, tokens, n, generator=gen) + 0.5).to(device=device, dtype=dtype)
+                call_kwargs = bind_call(original, (x,), sentinels)[1]
+                for training in (True, False):
+                    for sub in others.values():
+                        sub.train(training)
+                    probe.__dict__["training"] = training
+                    reason = _probe_mode(probe, form, original, x, sentinels, call_kwargs, (attn, mlp), tol)
+                    if reason:
+                        return reason
     return None
+
+
+# (batch, tokens) of the probe's inputs: a layer that branches on the sequence length shows it on one of them.
+PROBE_SHAPES = ((2, 1), (2, 3), (1, 130))
+
+
+def _vary(module: nn.Module, gen: torch.Generator) -> str | None:
+    """Random values, in place of the originals, for every floating parameter and buffer of `module` and its
+    submodules (integer buffers, such as indices, keep theirs); why not where a parameter cannot take them."""
+    for sub in module.modules():
+        for key, p in sub._parameters.items():
+            if p is None:
+                continue
+            if type(p) not in (nn.Parameter, Tensor) or not p.is_floating_point() or p.is_meta:
+                return (f"it owns a parameter the probe cannot vary ({key}: {type(p).__name__} of "
+                        f"{p.dtype} on {p.device.type}): patch() before sharding or moving it")
+            sub._parameters[key] = nn.Parameter(_random_like(p, gen), requires_grad=False)
+        for key, b in sub._buffers.items():
+            if b is not None and b.is_floating_point():
+                sub._buffers[key] = _random_like(b, gen)
+    return None
+
+
+def _random_like(t: Tensor, gen: torch.Generator) -> Tensor:
+    return (0.5 + torch.rand(t.shape, generator=gen)).to(device=t.device, dtype=t.dtype)
 
 
 def _probe_mode(probe, form, original, x, sentinels, call_kwargs, recorders, tolerance) -> str | None:

@@ -10,14 +10,21 @@ and Gemma2/Gemma3 wrap both branches in norms of their own ("sandwich"):
     out = h + post_feedforward_layernorm(mlp(y))
 
 The add before the second norm becomes one call of normtune's fused form, `(y, h) = norm(a, residual=x)`, whose
-backward writes dh + norm_backward(dy) in the pass that computes dx. The add at the end of a layer feeds the next
-layer's `input_layernorm`: where the next layer of the same container is fused too, the layer returns `out` from
-`(y_next, out) = next.input_layernorm(m, residual=h)` and hands `y_next` to the next layer on `out` itself, which
-uses it only when it is called with that very tensor, unchanged (same `_version`), with the same norm weights;
-any other input (a loop that skips or reorders layers, an in-place change) runs its own `input_layernorm` as before.
-The last layer of a container hands over, the same way, to a normtune norm registered right after the container
-(a decoder's final norm, which then checks for a hand-over before normalizing). The hand-over is off under
-gradient checkpointing (the recompute would take another path) and under torch.compile.
+backward writes dh + norm_backward(dy) in the pass that computes dx.
+
+The add at the end of a layer feeds the next layer's `input_layernorm`: where the next layer of the same container
+is fused too, the layer returns `out` from `(y_next, out) = next.input_layernorm(m, residual=h)` and hands `y_next`
+over on `out` itself (`_Handover`). The next layer takes it only where its own call would compute the same thing in
+the same autograd graph: called with that very tensor, unchanged (same `_version`) and still the producer's autograd
+output (same `grad_fn`: a reentrant checkpoint re-wraps its outputs), in the producer's grad and inference mode,
+with the same norm parameter tensors at the same versions. Any other call runs its own `input_layernorm`; the
+producer's unused `y_next` then costs its norm's parameters no gradient (the fused add passes h's gradient
+through). No hand-over is made under saved-tensor hooks (non-reentrant activation checkpointing, whose recompute
+must save what its first forward saved; offloading), under inference_mode, transformers' gradient checkpointing or
+torch.compile, where the producer has forward hooks (they see its output first), where the consumer has forward
+pre-hooks (FSDP2 unshards its parameters there) or parameters that are not plain tensors, or to a consumer its
+container no longer holds. The last layer of a container hands over, the same way, to a normtune norm registered
+right after the container (a decoder's final norm, which then checks for a hand-over before normalizing).
 
 Which layers: any module with `self_attn`, `mlp` and `input_layernorm` submodules whose norms patch() replaced
 (normtune's 1-D norms). Whether its forward computes one of the two forms (`patch_forms.py`) is checked by probing
