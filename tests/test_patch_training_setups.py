@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import normtune
 
-from patch_support import check_same, tiny_model, token_ids
+from patch_support import check_same, logits_and_grads, tiny_model, token_ids
 
 pytest.importorskip("transformers")
 
@@ -200,3 +200,28 @@ def test_fsdp2_per_layer_gives_the_unpatched_gradients(model_type, one_process_g
         assert (got[name] is None) == (grad is None), name
         if grad is not None:
             assert_close(got[name], grad, tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_a_training_setup_in_bf16_is_as_close_to_float64_as_the_unpatched_model(setup, device, tolerance,
+                                                                                 relative_error):
+    """bf16: the patched model's logits and gradients are no further from a float64 model than the unpatched bf16
+    model's are, plus the kernels' bf16 tolerance."""
+    if setup == "per-layer torch.compile":
+        torch._dynamo.reset()
+    model = tiny_model("llama", device, torch.bfloat16)
+    unpatched, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    normtune.patch(model, fuse_residual=True)
+    for m in (model, unpatched, exact):
+        SETUPS[setup](m)
+        m.train()
+    ids = token_ids(model, tokens=5)
+    (ours, our_grads), (theirs, their_grads), (ref, ref_grads) = (
+        logits_and_grads(m, ids) for m in (model, unpatched, exact))
+    tol = tolerance(torch.bfloat16)
+    assert relative_error(ours, ref) <= tol + relative_error(theirs, ref)
+    for name, grad in ref_grads.items():
+        if grad is None:
+            assert our_grads[name] is None and their_grads[name] is None, name
+        else:
+            assert relative_error(our_grads[name], grad) <= tol + relative_error(their_grads[name], grad), name
