@@ -8,6 +8,10 @@
    AMD GPUs, which is no Hopper) — these two with a one-time warning saying which;
 4. none: the analytic defaults, sized to the device (with a one-time warning on a GPU saying how to tune it).
 
+$NORMTUNE_HIDE_TABLES (any value but 0) hides steps 2 and 3: the device runs as a GPU nobody tuned, with the
+analytic defaults unless step 1 names a table (`normtune tune --as-new-gpu` sets it for its whole run, its spawned
+processes included, so that neither its measurements nor its comparisons see a table tuned on the device).
+
 Without a GPU (no device name, or the CPU) only step 1 applies. A table named in step 1 or 2 that cannot be used
 (unreadable, malformed, or holding Triton-interpreter timings on a GPU) is refused with an error naming the file.
 `choose_table` walks the chain and records every step (what `normtune where` prints); `table_for` is the same
@@ -27,6 +31,12 @@ from .tables import Table, TableError, load_table, shipped_tables
 
 ENV_VAR = "NORMTUNE_CONFIG"
 HOME_VAR = "NORMTUNE_HOME"
+HIDE_VAR = "NORMTUNE_HIDE_TABLES"
+
+
+def tables_hidden() -> bool:
+    """Whether $NORMTUNE_HIDE_TABLES hides the user and shipped tables."""
+    return os.environ.get(HIDE_VAR, "") not in ("", "0")
 
 
 def user_dir() -> Path:
@@ -85,6 +95,10 @@ def choose_table(device_name: str | None, capability: tuple[int, int] | None = N
     steps = [Step("env", f"${ENV_VAR}: not set")]
     if not device_name or device_name.startswith("cpu"):
         steps.append(Step("default", "no GPU: the analytic defaults"))
+        return TableChoice(None, tuple(steps))
+    if tables_hidden():
+        steps += [Step("user", f"user table: hidden by ${HIDE_VAR}"),
+                  Step("shipped", f"shipped tables: hidden by ${HIDE_VAR}"), Step("default", "the analytic defaults")]
         return TableChoice(None, tuple(steps))
     key = gpu_key(device_name)
     user = user_table_path(key)
