@@ -49,7 +49,8 @@ from normtune.commands.emit import emit  # noqa: E402
 from normtune.commands.prune import prune  # noqa: E402
 from normtune.commands.report import report  # noqa: E402
 from normtune.commands.slim import slim  # noqa: E402
-from normtune.commands.sweep import status, sweep  # noqa: E402
+from normtune.commands.status import status  # noqa: E402
+from normtune.commands.sweep import sweep  # noqa: E402
 from normtune.commands.validate import validate  # noqa: E402
 from normtune.commands.where import where  # noqa: E402
 

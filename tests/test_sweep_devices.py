@@ -23,8 +23,8 @@ pytestmark = INTERPRETER_ONLY
 # device): the database check comes after it.
 LAUNCHER_WITH_GPUS = [
     CLI[0], "-c",
-    "import normtune.commands.sweep as command; from normtune.tuner.gpu_info import detect; "
-    "command.device_info = lambda gpu, interpret, device=0: detect(device, interpret=True); "
+    "import normtune.tuner.sweep.launcher as launcher; from normtune.tuner.gpu_info import detect; "
+    "launcher.device_info = lambda gpu, interpret, device=0: detect(device, interpret=True); "
     "from normtune.cli import app; app()"]
 
 

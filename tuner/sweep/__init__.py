@@ -1,6 +1,7 @@
 """`normtune sweep`: an Optuna search over both kernels' launch knobs, per problem, measured cold-L2, stored.
 
-One job per module: `options` (what to do, names, summaries), `measuring` (the GPU process), `compiling` (the
+`run(options)` is the one entry point (`launcher`): it starts and stops every process of a sweep and returns a
+`SweepResult`. One job per module: `options` (what to do, names, summaries), `measuring` (the GPU process), `compiling` (the
 compile-ahead workers, and the host's pool the `--devices` workers share), `compile_ahead` (a worker's compile
 jobs, its seeds' ahead of their claims), `pending` (a trial from its claim to its stored measurement), `sampling`
 (sampler and seeds),
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import importlib
 
-_WHERE = {"costs_line": ("costs", "line"), "Sweep": ("driver", "Sweep"),
+_WHERE = {"costs_line": ("costs", "line"), "Sweep": ("driver", "Sweep"), "run": ("launcher", "run"),
+          "SweepResult": ("launcher", "SweepResult"), "CLOSING_STEPS": ("launcher", "CLOSING_STEPS"),
           "run_on_devices": ("device_workers", "run_on_devices"),
           "MeasuringProcess": ("measuring", "MeasuringProcess"), "start_helpers": ("measuring", "start_helpers"),
           **{name: ("options", name) for name in ("SAMPLERS", "ProblemSummary", "SweepOptions", "SweepSummary",
                                                   "study_name", "summary_json")},
-          **{name: ("progress", name) for name in ("LiveView", "snapshot", "worker_lines")}}
+          **{name: ("progress", name) for name in ("LiveView", "event_line", "result_lines", "snapshot",
+                                                   "worker_lines")}}
 
 __all__ = sorted(_WHERE)
 

@@ -40,13 +40,14 @@ def options_from_dict(data: dict) -> SweepOptions:
     from .options import SweepOptions
 
     return SweepOptions(**{**data, "problems": [Problem.from_dict(p) for p in data["problems"]],
-                           "timing": Timing(**data["timing"])})
+                           "timing": Timing(**data["timing"]) if data["timing"] is not None else None})
 
 
 def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dict | None, parent_pid: int,
                  spawned_at: float, handoff, compile_ends: tuple | None = None) -> None:
     """One device's worker: its helpers start and the heavy imports happen while the launcher sets up; then it
-    waits for the sweep (`DeviceWorkers.hand_over`), or stops if the launcher closes `handoff` instead."""
+    waits for the sweep (`DeviceWorkers.hand_over`), or stops if the launcher closes `handoff` instead. Its
+    `SweepSummary` goes back to the launcher through `handoff` once everything is stored."""
     os.setpgid(0, 0)
     from . import timeline
 
@@ -75,7 +76,6 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
         measurer.close()
         stop_pool(pool)
         raise SystemExit(0) from None
-    handoff.close()
     timeline.adopt(launcher_steps, prefix="launcher_")
     opts = options_from_dict(opts_dict)
     # The launcher's description of this device: detecting it here again costs a driver start-up in every worker
@@ -84,6 +84,11 @@ def _worker_main(device: int, interpret: bool, compile_workers: int, timing: dic
     with Store(url) as store:
         timeline.mark("store_open")
         summary = Sweep(opts, store, info, helpers=(measurer, pool)).run()
+    try:
+        handoff.send(summary)
+    except OSError:  # the launcher is gone: the database holds everything
+        pass
+    handoff.close()
     # Everything is stored and the store is closed: the interpreter's teardown (torch's and Triton's modules, the
     # pool's threads) would only delay the launcher's end.
     for stream in (sys.stdout, sys.stderr):
@@ -95,8 +100,8 @@ def worker_options(opts: SweepOptions, devices: list[int]) -> list[SweepOptions]
     """The options of each device's worker: its device, its place, and its share of the host's compile processes
     (the size of its own pool, or its share of the host's pool that serves it: the compiles it keeps running
     ahead). Whether it has a pool of its own was decided when it was spawned (`DeviceWorkers`)."""
-    return [dataclasses.replace(opts, device=device, worker_index=i, workers=len(devices),
-                                compile_workers=share_of(opts.compile_workers, len(devices), i))
+    return [dataclasses.replace(opts, device=device, devices=None, worker_index=i, workers=len(devices),
+                                compile_workers=share_of(opts.compile_workers or 0, len(devices), i))
             for i, device in enumerate(devices)]
 
 
@@ -114,7 +119,7 @@ class DeviceWorkers:
     (torch, device detection, the database). `hand_over(opts, url)` gives them the sweep; `abandon()` stops the
     workers that never got it (the launcher refused the sweep), leaving no process behind. The measuring
     processes use `timing` (a `Timing` as a dict; None: the sweep's preset), which the options handed over must
-    carry."""
+    carry. `summaries` holds the `SweepSummary` of each worker that ended its sweep (none of one killed)."""
 
     def __init__(self, devices: list[int], compile_workers: int, interpret: bool, timing: dict | None = None):
         from . import timeline
@@ -128,18 +133,18 @@ class DeviceWorkers:
 
             # One pool for the host until the launcher knows the devices' kinds (`hand_over` regroups it).
             self.host = HostCompiler.for_devices(self.devices, compile_workers, None, ctx)
-        self.procs, self._handoffs = [], []
+        self.procs, self._handoffs, self.summaries = [], [], []
         for i, device in enumerate(self.devices):
             ends = self.host.connect() if self.host is not None else None
             own = 0 if self.host is not None else share_of(compile_workers, len(self.devices), i)
-            receive, send = ctx.Pipe(duplex=False)
+            ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main,
-                               args=(device, interpret, own, timing, os.getpid(), time.time(), receive, ends))
+                               args=(device, interpret, own, timing, os.getpid(), time.time(), theirs, ends))
             proc.start()
-            for end in (receive, *(ends or ())):  # the worker's ends are its own now: its exit closes them
+            for end in (theirs, *(ends or ())):  # the worker's ends are its own now: its exit closes them
                 end.close()
             self.procs.append(proc)
-            self._handoffs.append(send)
+            self._handoffs.append(ours)
         timeline.mark("workers_spawned")
 
     def hand_over(self, opts: SweepOptions, url: str, infos: list | None = None) -> None:
@@ -149,7 +154,7 @@ class DeviceWorkers:
         from . import timeline
 
         started = Timing(**self.timing) if self.timing else TIMING["sweep"]
-        if not self.interpret and opts.timing != started:
+        if not self.interpret and (opts.timing or TIMING["sweep"]) != started:
             raise ValueError(f"the sweep's timing {opts.timing} is not the one its workers' measuring processes "
                              f"were started with ({started})")
         if self.host is not None:
@@ -162,8 +167,16 @@ class DeviceWorkers:
                 send.send((options_to_dict(worker), url, steps, info and info.to_dict()))
             except OSError:  # that worker is gone already: its exit code says so
                 pass
-            send.close()
         self.handed_over = True
+
+    def collect(self) -> None:
+        """Read the summaries the exited workers sent (`summaries`)."""
+        for conn in self._handoffs:
+            try:
+                while not conn.closed and conn.poll(0):
+                    self.summaries.append(conn.recv())
+            except (EOFError, OSError):  # that worker ended (and closed its end)
+                conn.close()
 
     def abandon(self, wait_s: float = 30.0) -> None:
         """Stop workers that were not handed the sweep, and the host's pool; returns once they have exited. A
@@ -189,14 +202,15 @@ class DeviceWorkers:
 
 def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
                    on_tick: Callable[[], None] | None = None, workers: DeviceWorkers | None = None,
-                   infos: list | None = None) -> int:
+                   infos: list | None = None, on_signal: Callable[[str], None] | None = None) -> int:
     """Run one sweep worker per device on the database `url` (the `workers` spawned ahead, else new ones; `infos`:
-    each device's `DeviceInfo`, else each worker detects its own) and wait; returns the exit code the command should end with: 130/143 when a signal stopped it, 1 when a worker
-    failed, else 0."""
+    each device's `DeviceInfo`, else each worker detects its own) and wait; the workers' summaries are in
+    `workers.summaries` afterwards. Returns the exit code the command should end with: 130/143 when a signal
+    stopped it, 1 when a worker failed, else 0. `on_signal(message)` hears what a signal does."""
     from . import timeline
 
-    workers = workers or DeviceWorkers(devices, opts.compile_workers, opts.interpret,
-                                       dataclasses.asdict(opts.timing))
+    workers = workers or DeviceWorkers(devices, opts.compile_workers or 0, opts.interpret,
+                                       opts.timing and dataclasses.asdict(opts.timing))
     procs = workers.procs
     received: list[int] = []
 
@@ -207,6 +221,10 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
 
     def forward(signum, frame):
         received.append(signum)
+        if on_signal is not None:
+            name = signal.Signals(signum).name
+            on_signal(f"{name}: each worker finishes its current trial, then stops (again to abandon it)"
+                      if len(received) == 1 else f"{name}: each worker abandons its current trial")
         if workers.handed_over:  # before that, `abandon` stops the workers
             pass_on(signum)
 
@@ -226,6 +244,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
                 if p.sentinel in ended:
                     p.join()
             running = [p for p in running if p.is_alive()]
+            workers.collect()  # a worker's summary is read as it ends: its pipe holds at most one
         timeline.mark("workers_exited")
     finally:
         for sig, handler in old.items():

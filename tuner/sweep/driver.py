@@ -40,7 +40,7 @@ from normtune.kernels.config import Problem
 from ..gpu_info import DeviceInfo, command_line
 from . import timeline
 from .compile_ahead import CompileAhead, seeds_ahead
-from .compiling import COMPILERS_PER_GPU, stop_pool
+from .compiling import COMPILERS_PER_GPU, default_compile_workers, stop_pool
 from .costs import Costs
 from .dispatch import Dispatcher
 from .measuring import MeasuringProcess, asynchronous, start_helpers
@@ -139,12 +139,13 @@ class Sweep:
                 old_handlers[sig] = signal.signal(sig, self._on_signal)
         # Steps of this run (and of its helpers, unless started ahead of it) are recorded afresh.
         timeline.forget(RUN_STEPS + (() if self._helpers else HELPER_STEPS))
-        measurer, pool = self._helpers or start_helpers(opts.device, opts.interpret, opts.compile_workers,
+        compile_workers = opts.compile_workers if opts.compile_workers is not None else default_compile_workers(1)
+        measurer, pool = self._helpers or start_helpers(opts.device, opts.interpret, compile_workers,
                                                         timing=opts.timing, l2_bytes=self.info.l2_bytes,
                                                         measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
-        processes = 0 if pool is None else opts.compile_workers or COMPILERS_PER_GPU
+        processes = 0 if pool is None else compile_workers or COMPILERS_PER_GPU
         self.ahead = CompileAhead(pool, self.info.sm_count, processes, self.costs)
         self.held_ahead = opts.held_ahead(processes)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from normtune.kernels.config import BackwardConfig, Problem
+if TYPE_CHECKING:  # the command builds its options before it imports torch (the kernels, the harness)
+    from normtune.kernels.config import BackwardConfig, Problem
 
-from ..measure.harness import TIMING, Timing
+    from ..measure.harness import Timing
 
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
@@ -50,6 +52,12 @@ def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: 
 
 @dataclass
 class SweepOptions:
+    """What a sweep is asked to do: the whole sweep as `run` takes it, and each worker's share of it.
+
+    `gpu_key` is the key results are labelled with, or "auto" (the detected device's; `run` resolves it).
+    `problems` may be a function returning them: `run` calls it once its helper processes have started, so that
+    whatever it imports (torch, the kernels) overlaps their start-up. `storage` is the database's SQLAlchemy URL
+    and `devices` the GPUs of this host to run one worker each on (`run`'s; a worker's own is `device`)."""
     gpu_key: str
     problems: list[Problem]
     trials: int = 40
@@ -59,11 +67,11 @@ class SweepOptions:
     worker_index: int = 0  # this worker's place among `workers` on the host: where it starts in the problem list
     workers: int = 1
     interpret: bool = False
-    compile_workers: int = 8
+    compile_workers: int | None = None  # compile-ahead processes; None: `compiling.default_compile_workers`
     lookahead: int | None = None  # trials proposed (and compiling) ahead of the one measuring; None: `held_ahead`
     trial_timeout_s: float = 180.0
     seed: int = 0
-    timing: Timing = TIMING["sweep"]  # repetitions per trial on a GPU (the interpreter uses TIMING["interpret"])
+    timing: Timing | None = None  # repetitions per trial on a GPU; None: TIMING["sweep"] (the interpreter's own)
     heartbeat_interval: int = 20
     grace_period: int = 60
     study_prefix: str = "normtune"  # validation sweeps use their own studies
@@ -71,6 +79,8 @@ class SweepOptions:
     extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
     propose_ahead: bool | None = None  # TPE's proposals made ahead in a process of their own; None: on a GPU
+    storage: str | None = None  # SQLAlchemy URL of the results database (`run` opens it)
+    devices: list[int] | None = None  # one worker per GPU of this host; None: `device` alone
 
     @property
     def proposes_ahead(self) -> bool:
@@ -91,6 +101,19 @@ class SweepOptions:
         return max(2, min(2 * processes, share // 8))
 
     def __post_init__(self):
+        if not 0 <= self.seed < 2**32:  # what numpy's generators (Optuna's samplers) accept
+            raise ValueError(f"--seed {self.seed}: give an integer from 0 to {2**32 - 1}")
+        if self.device < 0:
+            raise ValueError(f"--device {self.device}: give a CUDA device index, 0 or more")
+        if self.devices is not None:
+            if not self.devices or len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+                raise ValueError(f"--devices {','.join(map(str, self.devices))}: use distinct non-negative "
+                                 "indices, e.g. 0,1")
+            if self.interpret:
+                raise ValueError("--devices needs GPUs; --interpret runs one worker on CPU")
+        if self.compile_workers is not None and self.compile_workers < 0:
+            raise ValueError(f"--compile-workers {self.compile_workers}: give 0 (compile in the measuring process) "
+                             "or more")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
         if self.trials < 1:

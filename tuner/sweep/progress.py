@@ -186,3 +186,44 @@ class LiveView:
         self._live.__exit__(*exc)
         if not self.console.is_terminal:  # redirected: the last frame ends without a newline of its own
             self.console.line()
+
+
+# ------------------------------------------------------------------------------------------ a command's lines
+
+INTERPRET_NOTE = ("--interpret: kernels run on CPU in the Triton interpreter; these timings are interpreter timings "
+                  "and are never emitted as a GPU table")
+
+
+def event_line(kind: str, data: dict, interpret: bool = False) -> str | None:
+    """The line a command prints for one of `run`'s events (None: nothing to print): the interpreter's note and
+    the devices once the database is open, each problem's result, what a signal does."""
+    if kind == "opened":
+        lines = [INTERPRET_NOTE] if interpret else []
+        if len(data["devices"]) > 1:
+            lines.append(f"sweeping {len(data['problems'])} problems on devices {data['devices']} ({data['store']})")
+        return "\n".join(lines) or None
+    if kind == "problem_done":
+        ps = data["summary"]
+        return (f"{ps.problem.key}: {ps.trials} trials, best {ps.best_us and f'{ps.best_us:.1f} µs'}"
+                + (f" (default {ps.default_us:.1f} µs)" if ps.default_us else "")
+                + (f", failures {ps.failures}" if ps.failures else ""))
+    if kind == "signal":
+        return data["message"]
+    return None
+
+
+def result_lines(result) -> list[str]:
+    """The lines a command ends with (`run`'s `SweepResult`): the wall and where the time went (per worker with
+    several devices), when the closing steps happened, and what remains after a stop."""
+    if len(result.devices) > 1:
+        lines = ["sweep: " + line.strip() for line in result.worker_lines]
+    else:
+        lines = [f"sweep: {result.wall_s:.0f} s wall, {result.measure_s:.0f} s measuring, {result.compile_s:.0f} s "
+                 f"compiling in workers ({result.compile_wait_s:.0f} s waited on them)",
+                 f"sweep: where the time went: {costs_line(result.costs)}"]
+    lines.append(f"sweep: results in {result.store}")
+    lines.append(f"sweep: closing steps since the command started: {result.closing_steps}")
+    if result.stopped:
+        lines.append(f"stopped ({result.stopped}); remaining: {'; '.join(result.remaining) or 'none'}. Re-run the "
+                     "same command to continue.")
+    return lines
