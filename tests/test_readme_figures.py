@@ -1,6 +1,6 @@
 """The README's Results table against the committed results.db: every figure it states is recomputed with the
 report's own code (`normtune report`'s Summary section) from the runs the database keeps, and a cell that says
-"not measured yet" has no such run behind it.
+"not measured yet" has no such run behind it. docs/new-gpu.md's example validation is checked the same way.
 
 Only the GPU's runs, its bench runs' rows and its validate runs' measurements are read (not every measurement of
 the GPU, which the full report loads), so the check takes seconds.
@@ -49,8 +49,9 @@ def report_summary(store: Store, gpu_key: str) -> dict:
                           r"\*\*(\d\.\d{3})×\*\*", line):
             figures["bench"] = (int(m[2]), int(m[3]), m[4], int(m[1]))
         elif m := re.search(r"\*\*Held-out validation(, fused residual add)?\*\* \(run (\d+), [^)]*, (\d+) shapes\): "
-                            r"the table's regret is (\d\.\d{3})", line):
+                            r"the table's regret is (\d\.\d{3}) \(geometric mean; worst (\d\.\d{3})\)", line):
             figures["validate"]["residual" if m[1] else ""] = (m[4], int(m[3]), int(m[2]))
+            figures["worst", "residual" if m[1] else ""] = m[5]
     return figures
 
 
@@ -104,3 +105,12 @@ def test_the_figures_are_the_ones_the_committed_reports_show(summaries):
         for form, (regret, count, run) in summaries[gpu]["validate"].items():
             what = "Held-out validation" + (", fused residual add" if form else "")
             assert f"**{what}** (run {run}," in report and f"{count} shapes): the table's regret is {regret}" in report
+
+
+def test_the_new_gpu_guide_quotes_the_h100_validation_as_the_report_computes_it(summaries):
+    text = " ".join((ROOT / "docs" / "new-gpu.md").read_text().split())
+    m = re.search(r"the H100 table: geometric mean (\d\.\d{3}), worst (\d\.\d{3}) on (\d+) held-out problems, "
+                  r"validate run (\d+)", text)
+    assert m, "docs/new-gpu.md no longer quotes the H100 table's validation"
+    regret, count, run = summaries["H100"]["validate"][""]
+    assert (m[1], m[2], int(m[3]), int(m[4])) == (regret, summaries["H100"]["worst", ""], count, run)
