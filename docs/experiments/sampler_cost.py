@@ -23,7 +23,7 @@ import optuna
 from normtune.kernels.config import Problem
 from normtune.tuner.space import Space
 from normtune.tuner.store.database import Store
-from normtune.tuner.sweep.rows import create_running_trial, finish_trial
+from normtune.tuner.sweep.optuna_rows import create_running_trial, finish_trial
 from normtune.tuner.sweep.sampling import Sampling
 
 WINDOW = 5

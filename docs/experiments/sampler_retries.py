@@ -34,7 +34,7 @@ from normtune.tuner.space import Space
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import retries as R
 from normtune.tuner.sweep import sampling as S
-from normtune.tuner.sweep.rows import create_running_trial, finish_trial
+from normtune.tuner.sweep.optuna_rows import create_running_trial, finish_trial
 
 
 def objective(problem: Problem, params: dict) -> float:

@@ -22,7 +22,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from sqlalchemy import DateTime, ForeignKey, Text, bindparam, case, delete, func, select, text, update
+from sqlalchemy import DateTime, ForeignKey, Text, case, delete, func, select, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, mapped_column
@@ -112,15 +112,6 @@ class Workers:
         self._next_slot: dict[tuple[str, int], int] = {}  # (study, run) -> the slot after the run's last claim
 
     # ------------------------------------------------------------------------------------------ liveness
-
-    def trials_with_heartbeats(self, trial_ids: list[int]) -> set[int]:
-        """Those of Optuna's `trial_ids` that have recorded a heartbeat (Optuna's own table, same database)."""
-        if not trial_ids:
-            return set()
-        query = text("SELECT trial_id FROM trial_heartbeats WHERE trial_id IN :ids").bindparams(
-            bindparam("ids", expanding=True))
-        with self._store.session_scope() as session:
-            return {row[0] for row in session.execute(query, {"ids": list(trial_ids)})}
 
     def beat(self, run_id: int, *, grace_s: float, device: int | None = None, costs: dict | None = None) -> None:
         """Record that `run_id` is alive (and its `costs` so far, in the same transaction). A run declared dead

@@ -23,7 +23,8 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 
 from ..space import Space
 from .costs import Costs
-from .rows import create_running_trial, finish_trial, finish_trial_in
+from . import optuna_rows as rows
+from .optuna_rows import create_running_trial, finish_trial, finish_trial_in
 from .options import METRIC_NAME, SEED_VERSION, ProblemSummary, SweepOptions, study_name
 from .sampling import Sampling
 
@@ -142,9 +143,9 @@ class StudyBook:
         TS = self._optuna.trial.TrialState
         for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING,)):
             try:
-                if self.storage.set_trial_state_values(t._trial_id, state=TS.RUNNING):
-                    self.storage.set_trial_user_attr(t._trial_id, "status", "abandoned")
-                    self.storage.set_trial_state_values(t._trial_id, state=TS.PRUNED)
+                if self.storage.set_trial_state_values(rows.trial_id(t), state=TS.RUNNING):
+                    self.storage.set_trial_user_attr(rows.trial_id(t), "status", "abandoned")
+                    self.storage.set_trial_state_values(rows.trial_id(t), state=TS.PRUNED)
             except self._optuna.exceptions.UpdateFinishedTrialError:
                 continue
 
@@ -170,11 +171,11 @@ class StudyBook:
             trial = self.study.ask()
             # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
             # otherwise leave a RUNNING trial that Optuna never considers stale.
-            self.storage.record_heartbeat(trial._trial_id)
+            self.storage.record_heartbeat(rows.trial_id(trial))
             config = self.sampling.suggest(trial)
             why = self.space.why_not(config)
             if why is None:
-                return NewTrial(trial._trial_id, trial.number, self.space.canonical(config), self.opts.source,
+                return NewTrial(rows.trial_id(trial), trial.number, self.space.canonical(config), self.opts.source,
                                 sampled=True)
             trial.set_user_attr("status", "invalid")
             trial.set_user_attr("rejected", why[:500])
@@ -224,7 +225,7 @@ class StudyBook:
         """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
         dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
         considers stale)."""
-        trial_id, number, bound = create_running_trial(self.storage, self.study._study_id, template,
+        trial_id, number, bound = create_running_trial(self.storage, rows.study_id(self.study), template,
                                                        after=bind)
         return NewTrial(trial_id, number, config, source, bound, sampled)
 
@@ -266,7 +267,7 @@ class StudyBook:
         """The unmeasured trial of a dead worker whose slot this worker took over: FAIL, not left RUNNING."""
         TS = self._optuna.trial.TrialState
         try:
-            trial_id = self.storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+            trial_id = self.storage.get_trial_id_from_study_id_trial_number(rows.study_id(self.study), number)
             if self.storage.get_trial(trial_id).state == TS.RUNNING:
                 self.storage.set_trial_state_values(trial_id, state=TS.FAIL)
         except (self._optuna.exceptions.UpdateFinishedTrialError, KeyError) as err:
@@ -282,7 +283,7 @@ class StudyBook:
             for t in running:
                 m = stored.get(t.number)
                 if m is not None:
-                    self.tell(NewTrial(t._trial_id, t.number, m.config, m.source), m.status,
+                    self.tell(NewTrial(rows.trial_id(t), t.number, m.config, m.source), m.status,
                               m.median_us if m.status == "ok" else None, m.error)
         self._optuna.storages.fail_stale_trials(self.study)
         self._fail_unbeaten(store)
@@ -295,12 +296,12 @@ class StudyBook:
         cutoff = dt.datetime.now() - dt.timedelta(seconds=self.opts.grace_period)  # Optuna stores local times
         old = [t for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
                if t.datetime_start is not None and t.datetime_start.replace(tzinfo=None) < cutoff]
-        beaten = store.workers.trials_with_heartbeats([t._trial_id for t in old])
+        beaten = rows.trials_with_heartbeats(self.storage, [rows.trial_id(t) for t in old])
         for t in old:
-            if t._trial_id in beaten:
+            if rows.trial_id(t) in beaten:
                 continue
             try:
-                self.storage.set_trial_state_values(t._trial_id, state=TS.FAIL)
+                self.storage.set_trial_state_values(rows.trial_id(t), state=TS.FAIL)
             except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError) as err:
                 log.debug("trial %s of %s already finished: %s", t.number, self.name, err)
 

@@ -1,4 +1,6 @@
-"""The sweep's own writes of Optuna's rows: the same rows Optuna's public calls write, fewer statements and
+"""The sweep's own writes of Optuna's rows (`optuna_rows`, the one module that reaches Optuna's storage internals): the
+same rows Optuna's public calls write and Optuna reads back as its own (checked against the installed Optuna,
+within the range pyproject.toml pins), fewer statements and
 transactions, and what is written together is committed together (a trial and the slot it fills; a measurement
 and its trial's tell)."""
 
@@ -14,7 +16,7 @@ from sweep_support import instant_measuring_process
 from normtune.kernels.config import Problem, default_config
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store
-from normtune.tuner.sweep.rows import create_running_trial, finish_trial_in
+from normtune.tuner.sweep.optuna_rows import create_running_trial, finish_trial_in
 
 DISTRIBUTIONS = {"k1.num_warps": CategoricalDistribution([1, 2, 4, 8]), "k1.block_row": IntDistribution(1, 16)}
 
@@ -110,3 +112,57 @@ def test_a_sweep_trial_takes_fewer_transactions(tmp_path, monkeypatch):
             event.listen(engine, "commit", lambda conn: commits.append(1))
         sweep.run()
     assert len(commits) / 30 < 6, len(commits) / 30  # 7 per trial when each was its own transaction
+
+
+def _supported_range() -> str:
+    """The optuna requirement of pyproject.toml's tune extra (the versions these rows were checked against)."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    data = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (spec,) = [r for r in data["project"]["optional-dependencies"]["tune"] if re.match(r"optuna\b", r)]
+    return spec
+
+
+def test_the_installed_optuna_is_a_supported_one_and_reads_the_rows_written_here_as_its_own(store):
+    """Trials written here in every state the sweep leaves them in, read back with Optuna's public API: a study
+    loaded afresh, its best trial, its dataframe, the next number Optuna gives, and its stale-trial check."""
+    from packaging.specifiers import SpecifierSet
+
+    from normtune.tuner.sweep import optuna_rows
+
+    spec = _supported_range()
+    assert optuna.__version__ in SpecifierSet(spec.removeprefix("optuna")), (optuna.__version__, spec)
+    assert optuna_rows.SUPPORTED, f"optuna {optuna.__version__}: its RDB rows are not the layout optuna_rows writes"
+    storage = optuna.storages.RDBStorage(store.url, heartbeat_interval=1, grace_period=2)
+    study = optuna.create_study(study_name="rows", storage=storage)
+    sid = optuna_rows.study_id(study)
+    ends = [(TS.COMPLETE, 12.5), (TS.FAIL, None), (TS.PRUNED, None), (TS.COMPLETE, 3.25), (TS.COMPLETE, float("inf"))]
+    ids = [create_running_trial(storage, sid, _template())[0] for _ in ends]
+    for tid, (state, value) in zip(ids, ends):
+        with store.session_scope() as session:
+            assert finish_trial_in(session, storage, tid, state, value, {"status": state.name.lower()})
+    running, number, _ = create_running_trial(storage, sid, _template())
+    assert number == len(ends)
+    loaded = optuna.load_study(study_name="rows", storage=store.url)
+    trials = loaded.get_trials()
+    assert [t.number for t in trials] == list(range(len(ends) + 1))
+    assert [(t.state, t.value) for t in trials[:-1]] == [(s, v) for s, v in ends]
+    assert trials[-1].state == TS.RUNNING and trials[-1].datetime_start is not None
+    for t in trials:
+        assert t.params == {"k1.num_warps": 4, "k1.block_row": 3} and t.distributions == DISTRIBUTIONS
+        assert t.system_attrs == {"proposal": {"a": 1}} and t.user_attrs["origin"] == "seed"
+    assert [t.user_attrs["status"] for t in trials[:-1]] == [s.name.lower() for s, _ in ends]
+    assert trials[0].datetime_complete >= trials[0].datetime_start
+    assert loaded.best_trial.number == 3 and loaded.best_value == 3.25
+    frame = loaded.trials_dataframe()
+    assert list(frame["number"]) == list(range(len(ends) + 1)) and frame["params_k1.num_warps"].tolist() == [4] * 6
+    assert loaded.ask().number == len(ends) + 1  # Optuna numbers its own trials after ours
+    assert optuna_rows.trials_with_heartbeats(storage, ids + [running]) == set(ids + [running])
+    # Optuna's own stale check sees the first beat written here (on the database's clock).
+    import time
+
+    time.sleep(3)
+    optuna.storages.fail_stale_trials(optuna.load_study(study_name="rows", storage=storage))
+    assert storage.get_trial(running).state == TS.FAIL
