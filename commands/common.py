@@ -63,9 +63,23 @@ ResidualDtype = Annotated[Optional[str], typer.Option(
     "--residual-dtype", help="With --residual: the residual stream's dtype, the activation dtype or fp32 "
                              "[default: the activation dtype]")]
 Storage = Annotated[str, typer.Option("--db", "--storage", help="SQLAlchemy URL of the results database.")]
+# A command that writes results: with no --db, the user's database (`user_db`), never the repository's results.db.
+WritingStorage = Annotated[Optional[str], typer.Option(
+    "--db", "--storage", help="SQLAlchemy URL of the results database [default: results.db in the user directory: "
+                              "$NORMTUNE_HOME, else ~/.config/normtune]")]
 Device = Annotated[int, typer.Option("--device", help="CUDA device index.")]
 
-DEFAULT_DB = "sqlite:///results.db"
+DEFAULT_DB = "sqlite:///results.db"  # the repository's committed database: read by default, written only when named
+
+
+def user_db(db: str | None, make: bool = True) -> str:
+    """--db as given, else the user's database (`user_database_url`: the one `normtune sweep` writes when --db is
+    not given), its folder made unless `make` is false (a command that only reads it)."""
+    if db is not None:
+        return db
+    from normtune.tuner.store.database import user_database_url
+
+    return user_database_url(make=make)
 
 
 class CLIError(Exception):

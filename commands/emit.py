@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, INTERPRETER_BANNER, CLIError, Gpu, Interpret, Storage, device_info, read_only_store, refuse,
+    DEFAULT_DB, INTERPRETER_BANNER, CLIError, Gpu, Interpret, device_info, read_only_store, refuse,
     run_checked, use_interpreter,
 )
 
@@ -80,7 +80,9 @@ def _incumbent(keep: Path | None, runs_of: Path | None, recorded: dict | None):
 
 def emit(
     gpu: Gpu = "auto",
-    db: Storage = DEFAULT_DB,
+    db: Annotated[Optional[str], typer.Option("--db", "--storage", help=(
+        "SQLAlchemy URL of the results database [default: results.db; --remeasure, which writes, needs it named]"))]
+    = None,
     out: Annotated[Optional[Path], typer.Option(help="Output file [default: configs/<gpu>.json]")] = None,
     user: Annotated[bool, typer.Option("--user", help="Write the user table <user dir>/<gpu>.json instead of --out: "
                                                       "the runtime prefers it to the shipped table (user dir: "
@@ -122,6 +124,10 @@ def emit(
         run_checked(refuse, "--gpu interpret names the Triton interpreter's results: add --interpret")
     if remeasure and check:
         run_checked(refuse, "--check re-emits from the database as it is: it cannot be combined with --remeasure")
+    if remeasure and db is None:
+        run_checked(refuse, "--remeasure stores its measurements in the database: name it with --db (the "
+                            "repository's results.db is written only when named; e.g. --db a copy of it)")
+    db = db or DEFAULT_DB
     if user and out is not None:
         run_checked(refuse, f"--user and --out {out} both name the output file: give one of them")
     if user and interpret:

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from .common import DEFAULT_DB, Storage, existing_store, read_only_store, run_checked
+from .common import WritingStorage, existing_store, read_only_store, run_checked, user_db
 
 
 def prune(
-    db: Storage = DEFAULT_DB,
+    db: WritingStorage = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be dropped; write nothing (the "
                                                             "database is opened read-only)")] = False,
 ):
@@ -19,6 +19,7 @@ def prune(
     alone. Studies with a running trial or a held slot are kept. On SQLite the file then shrinks (VACUUM)."""
     from normtune.tuner.upkeep.superseded_studies import prune as drop, superseded_studies
 
+    db = run_checked(user_db, db, make=False)
     with run_checked(read_only_store if dry_run else existing_store, db) as store:
         studies = run_checked(superseded_studies, store)
         trials = sum(s.trials for s in studies)

@@ -9,15 +9,15 @@ from typer import Exit, Option as Opt
 
 from normtune.tuner import sweep as S
 
-from .common import (DEFAULT_DB, CLIError, Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes,
-                     ShapesFrom, Storage, Tokens, WeightDtype, check_writable_file, problems_option,
-                     refuse, run_checked, use_interpreter, write_text)
+from .common import (CLIError, Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes, ShapesFrom,
+                     Tokens, WeightDtype, WritingStorage, check_writable_file, problems_option, refuse, run_checked,
+                     use_interpreter, write_text)
 
 
 def sweep(
     gpu: Gpu = "auto", norm: Norms = None, dtype: Dtype = None, shapes: Shapes = None, shapes_from: ShapesFrom = None,
     tokens: Tokens = None, weight_dtype: WeightDtype = None, residual: Residual = False,
-    residual_dtype: ResidualDtype = None, storage: Storage = DEFAULT_DB, device: Device = 0,
+    residual_dtype: ResidualDtype = None, storage: WritingStorage = None, device: Device = 0,
     bias: Annotated[Optional[bool], Opt("--bias/--no-bias", help="LayerNorm bias [default: bias]")] = None,
     zero_centered: Annotated[Optional[bool], Opt("--zero-centered/--no-zero-centered", help=(
         "Zero-centered weights (w = 1 + w') [default: no; with --shapes-from, the model's]"))] = None,

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 import typer
 
 from .common import (
-    DEFAULT_DB, INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, ShapesFrom, Storage, Tokens,
+    INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, ShapesFrom, Tokens, WritingStorage,
     check_out_folder, compile_processes, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked,
-    use_interpreter, with_residual,
+    use_interpreter, user_db, with_residual,
 )
 
 
@@ -74,7 +74,7 @@ def validate(
     = None,
     trials: Annotated[int, typer.Option(help="Trials of the unseeded reference sweep per shape")] = 40,
     rounds: Annotated[int, typer.Option(help="Interleaved head-to-head rounds per shape")] = 5,
-    db: Storage = DEFAULT_DB,
+    db: WritingStorage = None,
     out: Annotated[Optional[Path], typer.Option(help="Folder for validate.json and validate.md")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
         help="CPU processes compiling ahead [default: 8, within the host's cores]")] = None,
@@ -110,6 +110,9 @@ def validate(
     console.print(f"validating {label or 'no table (the analytic defaults)'}")
     if model is not None:
         console.print(f"--shapes-from {model.describe()}: {len(problems)} problems", markup=False)
+    if db is None:
+        db = run_checked(user_db, db)
+        console.print(f"validate: no --db: results go to {db} (the user directory; --db names another)")
     store = run_checked(Store, db)
     try:
         try:

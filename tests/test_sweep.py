@@ -279,6 +279,10 @@ def test_gpu_without_a_gpu_is_a_clear_error_and_interpret_works(tmp_path):
     ("--heartbeat-interval", "0"),
     ("--grace-period", "0"),
     ("--devices", "0,1"),
+    ("--devices", "-1"),
+    ("--device", "-3"),
+    ("--seed", "-1"),
+    ("--shapes", "0x64"),
 ])
 def test_bad_options_are_one_line_errors_naming_the_option(tmp_path, option, value):
     url = sqlite_url(tmp_path)

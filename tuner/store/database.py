@@ -46,7 +46,7 @@ from .workers import Workers
 
 __all__ = ["BUSY_TIMEOUT_S", "CONFIG_COLUMNS", "SCHEMA_VERSION", "MeasurementModel", "MeasurementRecord",
            "MetaModel", "PeerRecord", "RunRecord", "SchemaVersionError", "Store", "StoreError",
-           "StoreIntegrityError", "normalize_url"]
+           "StoreIntegrityError", "normalize_url", "user_database_url"]
 
 
 class Store:
@@ -340,6 +340,23 @@ class Store:
             query = query.where(ProblemModel.key == problem.key)
         with self.session_scope() as session:
             return [peer_record(*row) for row in session.execute(query)]
+
+
+def user_database_url(make: bool = True) -> str:
+    """The database a writing command uses when none is named (--db): results.db in the user directory, the one
+    the user tables live in ($NORMTUNE_HOME, else $XDG_CONFIG_HOME/normtune, else ~/.config/normtune), made where
+    missing unless `make` is false. Never a file of the repository: its committed results.db is written only when
+    named."""
+    from normtune.kernels.table_chain import user_dir
+
+    folder = user_dir()
+    try:
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise StoreError(f"the user directory {folder} cannot be made ({err.strerror or err}): set $NORMTUNE_HOME to "
+                         "a writable folder, or name the database with --db") from None
+    return f"sqlite:///{folder / 'results.db'}"
 
 
 def _advice(err: SQLAlchemyError) -> str:

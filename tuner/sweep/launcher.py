@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from . import timeline
-from .options import SweepOptions, SweepSummary, study_name
+from .options import SweepOptions, SweepSummary, check_problems, study_name
 
 # When the run's end steps happened: the sweep done (one device), its last worker exited (several), the caller's
 # view closed, the store closed, the workers' summaries read; what a command's wall adds after the last is the
@@ -67,12 +67,11 @@ def device_info(gpu: str, interpret: bool, device: int = 0):
 
 
 def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable | None = None) -> SweepResult:
-    """Run the sweep `options` asks for (its `storage`, on its `devices` or its `device`) to its end, its time
-    budget or a signal, and return what it did. Errors in what was asked (an unknown GPU, a database that cannot
-    be opened) raise before anything is written, with every helper process stopped."""
+    """Run the sweep `options` asks for (its `storage`, else the user's database: `user_database_url`; on its
+    `devices` or its `device`) to its end, its time budget or a signal, and return what it did. Errors in what was
+    asked (an unknown GPU, a database that cannot be opened) raise before anything is written, with every helper
+    process stopped."""
     emit = on_event or (lambda kind, data: None)
-    if not options.storage:
-        raise ValueError("the sweep needs a database: give its SQLAlchemy URL (--db)")
     timeline.start_command()  # the processes started below count from the command's start
     timeline.forget(CLOSING_STEPS)  # a sweep run before in this process recorded its own
     timeline.mark("options")
@@ -103,19 +102,21 @@ def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable 
 
 
 def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Event, view) -> SweepResult:
-    from ..store.database import Store
+    from ..store.database import Store, user_database_url
 
     started = time.monotonic() - (time.time() - timeline.origin())
     problems = options.problems() if callable(options.problems) else list(options.problems)
+    check_problems(problems)
     info = device_info(options.gpu_key, options.interpret, devices[0])
     timeline.mark("device_detected")
     key = info.key if options.interpret or options.gpu_key == "auto" else options.gpu_key
     opts = dataclasses.replace(options, gpu_key=key, problems=problems, device=devices[0],
                                devices=devices if len(devices) > 1 else None)
-    store = Store(options.storage)
+    store = Store(options.storage if options.storage is not None else user_database_url())
     timeline.mark("store_open")
     targets = {study_name(key, p, opts.interpret, opts.study_prefix): opts.trials for p in problems}
-    emit("opened", {"store": store.display_url, "problems": problems, "devices": devices, "gpu_key": key})
+    emit("opened", {"store": store.display_url, "problems": problems, "devices": devices, "gpu_key": key,
+                    "default_store": options.storage is None})
     show = view(store.url, targets) if view is not None else nullcontext()
     if len(devices) == 1:
         from .driver import Sweep

@@ -50,6 +50,16 @@ def study_name(gpu_key: str, problem: Problem, interpret: bool = False, prefix: 
     return f"{prefix}:{'interpret' if interpret else gpu_key}:{problem.key}:space-{space_tag(problem)}"
 
 
+def check_problems(problems) -> None:
+    """A sweep's problems must each have rows and columns to time (a 0-row problem would store trials that
+    measured nothing), and there must be one."""
+    if not problems:
+        raise ValueError("--shapes: no problems to sweep; give at least one MxN shape")
+    for p in problems:
+        if p.M < 1 or p.N < 1:
+            raise ValueError(f"--shapes {p.M}x{p.N}: a sweep times rows of columns; give M >= 1 and N >= 1")
+
+
 @dataclass
 class SweepOptions:
     """What a sweep is asked to do: the whole sweep as `run` takes it, and each worker's share of it.
@@ -101,6 +111,8 @@ class SweepOptions:
         return max(2, min(2 * processes, share // 8))
 
     def __post_init__(self):
+        if not callable(self.problems):
+            check_problems(self.problems)
         if not 0 <= self.seed < 2**32:  # what numpy's generators (Optuna's samplers) accept
             raise ValueError(f"--seed {self.seed}: give an integer from 0 to {2**32 - 1}")
         if self.device < 0:

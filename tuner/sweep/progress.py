@@ -199,6 +199,8 @@ def event_line(kind: str, data: dict, interpret: bool = False) -> str | None:
     the devices once the database is open, each problem's result, what a signal does."""
     if kind == "opened":
         lines = [INTERPRET_NOTE] if interpret else []
+        if data.get("default_store"):
+            lines.append(f"sweep: no --db: results go to {data['store']} (the user directory; --db names another)")
         if len(data["devices"]) > 1:
             lines.append(f"sweeping {len(data['problems'])} problems on devices {data['devices']} ({data['store']})")
         return "\n".join(lines) or None
