@@ -403,3 +403,73 @@ def test_family_titles_name_what_sets_a_family_apart():
     assert family_title(residual) == ("rms_norm bf16 (weights bf16, no bias, fused residual add, fp32 stream, "
                                       "saves the input)")
 
+
+
+def test_heatmaps_name_the_gpu(full_report):
+    _, figures, _ = full_report
+    heatmaps = [(name, fig) for name, fig in figures if name.startswith("heatmap_")]
+    assert len(heatmaps) == 3
+    for name, fig in heatmaps:
+        title = " ".join(fig.axes[0].get_title().split())
+        assert "NVIDIA Test GPU" in title and "layer_norm 300×1536 bf16" in title, (name, title)
+
+
+def test_a_split_above_its_total_and_a_floor_above_100_are_marked_and_explained(tmp_path):
+    """kernel_1 comes from another series of repetitions than the total, and the floor is an estimate at the run's
+    copy bandwidth: both can be passed. The rows say so (†, ‡), the notes name the rows beyond noise, and the
+    breakdown plot keeps a floor tick above 1.0 in view."""
+    store = Store(f"sqlite:///{tmp_path / 'marks.db'}")
+    run = store.start_run(GPU, kind="sweep", command_line="normtune sweep", copy_bandwidth_gbps=100.0)
+    # LN 256x1024 bf16: floor 3 * 256 * 1024 * 2 B at 100 GB/s = 15.73 µs; the best takes 15.0 -> 104.9 %, and its
+    # kernel_1 (15.2) is 1.3 % above it: noise. RMS 512x2048: floor 62.9 µs, best 70.0 (89.9 %), kernel_1 150.0:
+    # 2.1 times the total, beyond noise.
+    for problem, median, k1 in ((LN, 15.0, 15.2), (RMS, 70.0, 150.0)):
+        store.add_measurement(run, problem, config(problem, 1, 8),
+                              MeasureResult(status="ok", median_us=median, reps=20, kernel_1_us=k1, kernel_2_us=0.0),
+                              source="sweep")
+    store.end_run(run)
+    figures = []
+    from normtune.tuner.report import plots
+
+    save = plots.Pictures.save
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plots.Pictures, "save", lambda self, fig, name: figures.append((name, fig)) or
+                      save(self, fig, name))
+        text = write_report(store, "testgpu", tmp_path / "out")[0].read_text()
+    store.close()
+    assert f"| 256×1024 | `{config(LN, 1, 8)}` | 15.0 | 15.2† | 0.0 |" in text and "| 105‡ |" in text
+    assert f"| 512×2048 | `{config(RMS, 1, 8)}` | 70.0 | 150.0† | 0.0 |" in text and "| 90 |" in text
+    notes = " ".join(line for line in text.splitlines() if line.startswith(("† ", "‡ ")))
+    assert "† kernel_1 above the total (2 problems)" in notes
+    assert "Far beyond it" in notes and "rms_norm bf16 512×2048, kernel_1 150.0 µs against 70.0 µs (run 1)" in notes
+    assert "layer_norm bf16 256×1024, kernel_1" not in notes  # within noise: marked, not listed
+    assert "‡ % floor above 100 (1 problem: layer_norm bf16 256×1024 104.9 % (run 1))" in notes
+    assert "not a bound" in notes
+    breakdown = dict(figures)["kernels_layer_norm_bf16.png"]
+    assert breakdown.axes[0].get_ylim()[1] >= 15.73 / 15.0
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_the_committed_reports_mark_and_explain_what_passes_a_bound(gpu):
+    """docs/report-<gpu>/report.md, rendered from results.db: every kernel_1 above its total carries †, every %
+    floor above 100 carries ‡, and the notes below the tables explain each mark used."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / f"report-{gpu}" / "report.md").read_text()
+    header, daggers, double = None, 0, 0
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| M×N | best config |"):
+            header = cells
+        elif header and line.startswith("|") and not line.startswith("|---"):
+            row = dict(zip(header, cells))
+            total, k1, floor = row["µs"], row["kernel_1 µs"], row["% floor"]
+            if re.fullmatch(r"[\d.]+", total) and re.match(r"[\d.]+", k1):
+                above = float(k1.rstrip("†")) > float(total)
+                assert not above or k1.endswith("†"), (gpu, row["M×N"], k1, total)
+                daggers += k1.endswith("†")
+            if re.match(r"\d", floor):
+                assert float(floor.rstrip("‡")) <= 100 or floor.endswith("‡"), (gpu, row["M×N"], floor)
+                double += floor.endswith("‡")
+        elif not line.startswith("|"):
+            header = None
+    assert (daggers > 0) == ("\n† kernel_1 above the total" in text)
+    assert (double > 0) == ("\n‡ % floor above 100" in text)

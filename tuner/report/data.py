@@ -67,6 +67,15 @@ class ProblemSummary:
     def floor_fraction(self) -> float | None:
         return self.floor_us / self.best.median_us if self.floor_us and self.best else None
 
+    @property
+    def split_above_total(self) -> float | None:
+        """kernel_1 ÷ the total where the best's kernel_1 took longer than its whole backward, else None. The two
+        come from separate series of repetitions (`measure.harness`): the total without an event between the
+        kernels, the split with one; each median has its own noise."""
+        b = self.best
+        return b.kernel_1_us / b.median_us if b and b.kernel_1_us and b.median_us and b.kernel_1_us > b.median_us \
+            else None
+
 
 def load_report_data(store, gpu_key: str) -> ReportData:
     runs = store.runs(gpu_key=gpu_key)

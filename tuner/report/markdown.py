@@ -21,6 +21,7 @@ from ..render import MISSING, geomean, markdown_table, num, ratio, validation_su
 from ..tables.validate import summarize
 from . import plots
 from .data import BenchRun, ProblemSummary, ReportData, heatmap_cells
+from .notes import split_and_floor_notes
 from .provenance import command_text
 
 HEATMAP_PAIRS = (("k1_block_row", "k1_num_warps"), ("k2_block_m", "k2_block_n"), ("k1_programs_per_sm", "k2_block_m"))
@@ -174,21 +175,25 @@ def problems_section(summaries: list[ProblemSummary], data: ReportData, pictures
         return lines + ["No measurements are stored for this GPU yet: run `normtune sweep` first.", ""]
     lines += ["Best = the fastest correct measurement of any run. Default = the analytic default config (what runs "
               "without a table) timed in the same run as the best (– where that run did not time it). GB/s counts "
-              "every byte both kernels move. % floor = the memory floor (3·M·N·itemsize at the copy bandwidth "
-              "stored with the best's run; n/a where that run stored none) ÷ the best time. Trials = every stored "
-              "measurement of the problem.", ""]
+              "every byte both kernels move. % floor = the memory floor (the bytes the backward must move, 3·M·N·"
+              "itemsize, 4 passes with the fused residual add, at the copy bandwidth stored with the best's run; "
+              "n/a where that run stored none) ÷ the best time. Trials = every stored measurement of the problem. "
+              "† and ‡ are explained below the tables.", ""]
     for family in dict.fromkeys(s.problem.family for s in summaries):
         body = []
         for s in (s for s in summaries if s.problem.family == family):
             b = s.best
             body.append([_shape(s.problem), f"`{b.config}`" if b else "no correct run",
-                         num(b and b.median_us), num(b and b.kernel_1_us), num(b and b.kernel_2_us), num(s.gbps, 0),
-                         num(100 * s.floor_fraction, 0) if s.floor_fraction else ("n/a" if b else MISSING),
+                         num(b and b.median_us), num(b and b.kernel_1_us) + ("†" if s.split_above_total else ""),
+                         num(b and b.kernel_2_us), num(s.gbps, 0),
+                         num(100 * s.floor_fraction, 0) + ("‡" if s.floor_fraction > 1 else "") if s.floor_fraction
+                         else ("n/a" if b else MISSING),
                          str(b.run_id) if b else MISSING, num(s.default_us), ratio(s.default_us, b and b.median_us),
                          str(s.trials), ", ".join(f"{k} {n}" for k, n in s.failures.items()) or MISSING])
         lines += [f"### {family_title(family)} — {gpu}", ""] + markdown_table(
             ["M×N", "best config", "µs", "kernel_1 µs", "kernel_2 µs", "GB/s", "% floor", "run", "default µs",
              "default ÷ best", "trials", "failed"], body) + [""]
+    lines += split_and_floor_notes(summaries)
     with_default = [s for s in summaries if s.default_us and s.best]
     if with_default:
         def draw(ax, subtitle, chunk):
@@ -215,8 +220,8 @@ def kernels_section(summaries: list[ProblemSummary], data: ReportData, pictures:
         return lines + ["No problem ran correctly: nothing to break down.", ""]
     lines += ["kernel_1 computes the input gradient and per-program partial sums of the weight and bias "
               "gradients; kernel_2 adds the partials up. Each bar is the best config's time split into the two "
-              "kernels' shares; the tick marks how close the total is to the memory floor (1.0 = at the floor).",
-              ""]
+              "kernels' shares; the tick marks how close the total is to the memory floor (1.0 = at the floor). "
+              "Where the split adds up to more than the total (†, above), both shares are scaled down to it.", ""]
     unit = "µs" if not data.interpret else "µs (interpreter)"
 
     def draw(ax, subtitle, chunk):
@@ -242,13 +247,15 @@ def heatmap_section(data: ReportData, focus: ProblemSummary | None, pictures: pl
         return lines + ["No correct measurement to draw heatmaps from.", ""]
     p = focus.problem
     rows = [m for m in data.measurements if m.problem == p]
-    lines += [f"{p.norm} {p.dtype} {p.M}×{p.N} on {data.runs[-1].gpu_name} (`{p.key}`, {focus.trials} "
+    gpu = data.runs[-1].gpu_name
+    lines += [f"{p.norm} {p.dtype} {p.M}×{p.N} on {gpu} (`{p.key}`, {focus.trials} "
               "measurements): each cell is the best µs among the configs with those two values; blank cells were "
               "never measured (or never ran correctly).", ""]
     unit = plots.time_label(data.interpret)
     for x, y in HEATMAP_PAIRS:
         fig = plots.heatmap(heatmap_cells(rows, x, y), x, y, unit=unit,
-                            title=f"{p.norm} {p.M}×{p.N} {p.dtype}: best {unit}")
+                            title=f"{p.norm} {p.M}×{p.N} {p.dtype}"
+                            f"{' + residual add' if p.residual else ''} on {gpu}: best {unit}")
         lines.append(pictures.save(fig, f"heatmap_{x}_{y}.png"))
     return lines + [""]
 
