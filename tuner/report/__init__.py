@@ -4,8 +4,8 @@ report.md holds, in order: a summary of the results; normtune against the peers 
 other bench runs in one line each, labelled by dtype); per problem the best config against today's analytic
 default; the per-kernel breakdown; the launch-knob heatmaps; the heuristic table's rules; the latest validation's
 regret on held-out shapes; provenance as counts and ranges, with every run in runs.csv. `data` gathers and
-defines the numbers, `markdown` and `provenance` write the sections, `plots` draws the pictures; the PNGs and
-runs.csv lie beside report.md.
+defines the numbers, `markdown` and `provenance` write the sections (`notes` the notes below the best-config
+tables), `plots` draws the pictures; the PNGs and runs.csv lie beside report.md.
 """
 
 from __future__ import annotations
