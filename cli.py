@@ -51,6 +51,7 @@ from normtune.commands.report import report  # noqa: E402
 from normtune.commands.slim import slim  # noqa: E402
 from normtune.commands.status import status  # noqa: E402
 from normtune.commands.sweep import sweep  # noqa: E402
+from normtune.commands.tune import tune  # noqa: E402
 from normtune.commands.validate import validate  # noqa: E402
 from normtune.commands.where import where  # noqa: E402
 
@@ -59,7 +60,7 @@ from normtune.commands.where import where  # noqa: E402
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 
-for command in (bench, sweep, status, emit, validate, compare, report, where, prune, slim):
+for command in (bench, sweep, status, tune, emit, validate, compare, report, where, prune, slim):
     app.command()(command)
 
 

@@ -144,5 +144,13 @@ def test_the_tuner_subpackages_do_not_import_each_other_in_a_circle():
     assert _cycles(folded) == [["normtune.tuner.a", "normtune.tuner.b"]]
     graph, _ = _graph()
     rooms = _rooms(graph)
-    assert {"normtune.tuner.store", "normtune.tuner.measure", "normtune.tuner.tables"} <= set(rooms)
+    assert {"normtune.tuner.store", "normtune.tuner.measure", "normtune.tuner.tables", "normtune.tuner.tune"} \
+        <= set(rooms)
     assert _cycles(rooms) == []
+
+
+def test_the_tune_sits_on_top_of_the_tuner():
+    # `normtune tune` drives the sweep, the tables and the store; none of them may depend on it (only its command).
+    rooms = _rooms(_graph()[0])
+    users = sorted(name for name, targets in rooms.items() if "normtune.tuner.tune" in targets)
+    assert users == ["normtune.commands.tune"], users

@@ -1,0 +1,215 @@
+"""`normtune tune`: a bare GPU to a validated, gated table in one command (`normtune.tuner.tune`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer import Option as Opt
+
+from .common import (CLIError, Device, Gpu, Interpret, Norms, ShapesFrom, Tokens, check_writable_file,
+                     compile_processes, device_info, parse_dtype, parse_list, parse_shapes_option,
+                     positive_seconds, problems_for, problems_option, refuse, run_checked, use_interpreter,
+                     with_residual)
+
+FORMS = ("plain", "residual")
+
+
+def user_database() -> str:
+    """The database a tune uses without --db: results.db in the user directory (made if need be), beside the user
+    tables; never the repository's committed results.db."""
+    from normtune.kernels.table_chain import user_dir
+
+    try:
+        user_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"the user directory {user_dir()} cannot be made ({err.strerror or err}): pass --db URL, or "
+                       "set $NORMTUNE_HOME to a writable folder") from None
+    return f"sqlite:///{user_dir() / 'results.db'}"
+
+
+def _devices(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    items = [d.strip() for d in text.split(",") if d.strip()]
+    if not items or not all(d.isdigit() for d in items) or len(set(items)) != len(items):
+        raise CLIError(f"--devices {text!r}: use a comma list of distinct CUDA device indices, e.g. 0,1")
+    return [int(d) for d in items]
+
+
+def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
+    """--shapes as a comma list of sets (presets, files, MxN); never the held-out preset."""
+    from normtune.tuner.shapes import PRESETS
+
+    items = [s.strip() for s in (spec or ("tiny" if interpret else "seed,llm")).split(",") if s.strip()]
+    if "heldout" in items:
+        raise CLIError("--shapes heldout: the held-out preset is kept for measuring the finished table (normtune "
+                       "validate, normtune compare); a tune never sweeps it: use seed, llm, a file or MxN shapes")
+    named = [s for s in items if s in PRESETS or os.path.isfile(s)]
+    explicit = [s for s in items if s not in named]
+    shapes = [shape for s in named for shape in parse_shapes_option(s, interpret)]
+    if explicit:
+        shapes += parse_shapes_option(",".join(explicit), interpret)
+    return list(dict.fromkeys(shapes))
+
+
+def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
+    """The plan's problems: every norm x shape x dtype in each form, or the model's norms (their residual form on
+    the hidden size); those of the held-out preset left out (with a note). Returns (problems, notes)."""
+    from normtune.kernels.config import NORMS
+    from normtune.tuner.tune.plan import without_heldout_preset
+
+    kinds = parse_list(forms, FORMS, "--forms")
+    dtypes = [parse_dtype(d) for d in dtype.split(",") if d.strip()] if dtype else [None]
+    notes, plain = [], []
+    if shapes_from is not None:
+        if shapes is not None:
+            raise CLIError(f"--shapes {shapes} and --shapes-from {shapes_from} both name the shapes: give one of them")
+        hidden = None
+        for dt in dtypes:
+            found, model = problems_option(None, shapes_from, tokens, norm, dt, None, interpret=interpret)
+            plain += found
+            hidden = model.norms[0].N
+            notes.append(f"--shapes-from {model.describe()}")
+        residual = [p for p in plain if p.N == hidden and p.has_weight]
+    else:
+        if tokens is not None:
+            raise CLIError(f"--tokens {tokens}: token counts go with --shapes-from CONFIG.json")
+        norms = parse_list(norm, NORMS, "--norm") if norm is not None else list(NORMS)
+        shape_list = _shape_sets(shapes, interpret)
+        for dt in dtypes:
+            plain += problems_for(norms, dt or "bf16", None, shape_list, bias=None, zero_centered=False,
+                                  save="input")
+        residual = plain
+    problems = (plain if "plain" in kinds else []) + (with_residual(residual, True, None) if "residual" in kinds
+                                                      else [])
+    problems, dropped = without_heldout_preset(list(dict.fromkeys(problems)))
+    if dropped:
+        notes.append(f"left out {len(dropped)} problems of the held-out preset's shapes (kept for measuring the "
+                     "finished table): " + ", ".join(sorted({f"{p.M}x{p.N}" for p in dropped})))
+    return problems, notes
+
+
+def _outputs(out: Path | None, report: Path | None, key: str, interpret: bool) -> tuple[Path, Path]:
+    from normtune.kernels.table_chain import user_table_path
+
+    if out is None:
+        if interpret:
+            raise CLIError("--interpret: an interpreter table never tunes a GPU, so it is not written as your user "
+                           "table: pass --out FILE")
+        out = user_table_path(key)
+    check_writable_file(out, "--out")
+    report = report if report is not None else out.with_name(out.stem + "-tune")
+    try:
+        report.mkdir(parents=True, exist_ok=True)
+        probe = report / ".normtune-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise CLIError(f"--report {report}: cannot write there ({err.strerror or err}); pass a writable folder") \
+            from None
+    return out, report
+
+
+def _warm_start(spec: str | None, info, as_new_gpu: bool):
+    if spec is None:
+        return None
+    from normtune.tuner.tune import warm
+
+    table = warm.resolve(spec)
+    if as_new_gpu and not info.interpret and table.gpu_key == info.key:
+        raise CLIError(f"--from {spec}: a table of this GPU ({info.key}), which --as-new-gpu hides: warm-start from "
+                       f"another GPU's table ({', '.join(k for k in warm.shipped_keys() if k != info.key) or 'none'})")
+    return table
+
+
+def _incumbent(info, as_new_gpu: bool):
+    """The table the runtime would use here now (none as a new GPU, none for interpreter timings)."""
+    if as_new_gpu:
+        return None
+    from normtune.kernels.table_chain import choose_table
+
+    cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
+    table = choose_table(None if info.interpret else info.name, cc).table
+    return table if table is not None and table.interpret == info.interpret else None
+
+
+def tune(
+    gpu: Gpu = "auto",
+    shapes: Annotated[Optional[str], Opt("--shapes", help=(
+        "Comma list of shape sets: seed, llm, tiny, FILE (one MxN per line), MxN; never heldout "
+        "[default: seed,llm; tiny with --interpret]"))] = None,
+    shapes_from: ShapesFrom = None,
+    tokens: Tokens = None,
+    norm: Norms = None,
+    dtype: Annotated[Optional[str], Opt("--dtype", help=(
+        "Comma list of activation dtypes: bf16, fp16, fp32 [default: bf16; with --shapes-from, the model's]"))] = None,
+    forms: Annotated[str, Opt(help="Comma list: plain (the norm alone), residual (the fused residual add)")] =
+    "plain,residual",
+    trials: Annotated[int, Opt(help="The most sweep trials one problem gets")] = 40,
+    heldout: Annotated[int, Opt("--heldout", help="Held-out shapes generated per problem family")] = 4,
+    reference_trials: Annotated[int, Opt(help="Trials of the unseeded reference sweep per held-out shape")] = 8,
+    time_budget: Annotated[Optional[float], Opt(help=(
+        "Hard wall-clock limit in seconds; the table at the end is the best so far (run again to continue)"))] =
+    None,
+    warm_from: Annotated[Optional[str], Opt("--from", help=(
+        "Warm start: a shipped table's GPU key (h100, h200) or a table file; its rules seed each problem's sweep "
+        "(measured, never trusted)"))] = None,
+    as_new_gpu: Annotated[bool, Opt("--as-new-gpu", help=(
+        "Tune as if this GPU had no table: its shipped and user tables are hidden from the whole run"))] = False,
+    db: Annotated[Optional[str], Opt("--db", help=(
+        "SQLAlchemy URL of the results database [default: results.db in the user directory]"))] = None,
+    device: Device = 0,
+    devices: Annotated[Optional[str], Opt(help="Comma list of CUDA devices: one sweep worker per GPU")] = None,
+    compile_workers: Annotated[Optional[int], Opt(help=(
+        "CPU processes compiling upcoming configs [default: 16 per GPU, within the host's cores]"))] = None,
+    out: Annotated[Optional[Path], Opt(help="The table file [default: the user table <user dir>/<gpu>.json]")] =
+    None,
+    report: Annotated[Optional[Path], Opt(help="The report folder [default: beside the table, <table>-tune]")] =
+    None,
+    interpret: Interpret = False,
+):
+    """Tune this GPU in one command: sweep both norms (plain and fused residual), fit a table, validate it on
+    generated held-out shapes, sweep again where it is weakest, gate it against the analytic default and the
+    incumbent table, write it (the user table by default) and a report. Resumable: the same command continues."""
+    started = time.monotonic()
+    if interpret:  # before Triton is imported, so that its language's own jit helpers are interpreted too
+        os.environ["TRITON_INTERPRET"] = "1"
+    run_checked(use_interpreter, interpret)
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if time_budget is not None:
+        run_checked(positive_seconds, time_budget, "--time-budget")
+    for option, value in (("--trials", trials), ("--heldout", heldout), ("--reference-trials", reference_trials)):
+        if value < 1:
+            run_checked(refuse, f"{option} {value}: give a whole number of at least 1")
+    device_list = run_checked(_devices, devices)
+    if device_list and interpret:
+        run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
+    if as_new_gpu:
+        from normtune.kernels.table_chain import ENV_VAR, HIDE_VAR
+
+        if os.environ.get(ENV_VAR):
+            run_checked(refuse, f"--as-new-gpu: ${ENV_VAR} names a table ({os.environ[ENV_VAR]}) that would stand in "
+                                "for the hidden ones: unset it")
+        os.environ[HIDE_VAR] = "1"  # inherited by every process the tune starts
+    problems, notes = run_checked(_problems, shapes, shapes_from, tokens, norm, dtype, forms, interpret)
+    info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
+    key = info.key
+    out, report = run_checked(_outputs, out, report, key, interpret)
+    warm_table = run_checked(_warm_start, warm_from, info, as_new_gpu)
+    from normtune.tuner.tune import runner
+
+    db = db or run_checked(user_database)
+    code = run_checked(runner.tune, console, runner.Options(
+        key=key, info=info, problems=problems, trials=trials, heldout=heldout, reference_trials=reference_trials,
+        budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db, device=device,
+        devices=device_list, compile_workers=compile_processes(compile_workers, len(device_list or ()) or 1),
+        out=out, report=report, incumbent=None if as_new_gpu else run_checked(_incumbent, info, as_new_gpu),
+        notes=notes))
+    raise typer.Exit(code)
+

@@ -1,0 +1,167 @@
+"""The gate a tune's table passes before it is written: on every shape the tune knows (the fitted ones and the
+generated held-out ones) the table's config must not be slower than the analytic default's, nor than the incumbent
+table's, by more than `compare`'s threshold and beyond the measured spread (`spread.slower_beyond_spread`, the
+rule `normtune compare` fails a table by). Times come from what the tune measured (its sweeps, re-measurements
+and validations); a pair nobody timed is timed head to head while time allows, else the shape is listed untimed.
+
+A rule that loses falls back: to the incumbent table's config where the incumbent runs every shape the rule was
+fitted on and every shape it lost on with one config; else to the analytic default where those shapes share one;
+else the rule goes (its shapes fall to the next rule; a family's last rule takes the family with it, whose shapes
+then run the default). The shapes are checked again, at most MAX_PASSES times; what still loses is listed."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily, default_config
+from normtune.kernels.tables import TableError, parse_table
+
+from ..measure.spread import Ratio, Timing, slower_beyond_spread
+from ..tables.compare import THRESHOLD, config_for
+from ..tables.fit import single_pass_threshold
+
+MAX_PASSES = 3
+
+Lookup = Callable[[Problem, BackwardConfig], "Timing | None"]
+Timer = Callable[[Problem, dict], dict]  # (problem, {name: config}) -> {name: Timing | None}
+
+
+@dataclass
+class Check:
+    problem: Problem
+    config: BackwardConfig  # the table's, as it runs on this device
+    against: dict[str, BackwardConfig]  # "default", and "incumbent" where there is one
+    times: dict[str, Timing | None]  # by name, "table" included
+
+    @property
+    def verdict(self) -> str:
+        differing = [k for k, c in self.against.items() if c != self.config]
+        if not differing:
+            return "same config"
+        table = self.times.get("table")
+        for name in differing:
+            other = self.times.get(name)
+            if table is not None and other is not None and slower_beyond_spread(table, other, THRESHOLD):
+                return f"slower than {name}"
+        if table is None or any(self.times.get(k) is None for k in differing):
+            return "untimed"
+        return "ok"
+
+    @property
+    def fails(self) -> bool:
+        return self.verdict.startswith("slower")
+
+    def to_dict(self) -> dict:
+        def ratio(name):
+            r = Ratio.of(self.times.get("table"), self.times.get(name))
+            return None if r is None else round(r.value, 4)
+
+        return {"problem": self.problem.key, "verdict": self.verdict, "config": self.config.to_dict(),
+                "table_vs": {k: ratio(k) for k in self.against}}
+
+
+def check(table, problems: list[Problem], incumbent, limits, lookup: Lookup, timer: Timer | None) -> list[Check]:
+    """One `Check` per problem: `table` (None: no table) against the default and `incumbent`."""
+    out = []
+    for p in problems:
+        config = config_for(table, p, limits)
+        against = {"default": default_config(p, limits)}
+        if incumbent is not None:
+            against["incumbent"] = config_for(incumbent, p, limits)
+        named = {"table": config, **against}
+        times = {k: lookup(p, c) for k, c in named.items()}
+        row = Check(p, config, against, times)
+        if row.verdict == "untimed" and timer is not None:  # all of them head to head, none from elsewhere
+            timed = timer(p, named)
+            if timed:
+                row.times = {k: timed.get(k) for k in named}
+        out.append(row)
+    return out
+
+
+def _fitted(family_key: str, rule: dict) -> list[Problem]:
+    family = ProblemFamily.from_key(family_key)
+    return [family.problem(*map(int, s.split("x"))) for s in rule.get("fitted_on", [])]
+
+
+def _one(configs) -> BackwardConfig | None:
+    found = set(configs)
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
+def _fallback(family_key: str, rule: dict, lost: list[Problem], incumbent, limits) -> tuple[BackwardConfig | None, str]:
+    """(the config the losing rule falls back to, to what) or (None, "removed")."""
+    current = BackwardConfig.from_dict(rule["config"])
+    shapes = _fitted(family_key, rule) + lost
+    if incumbent is not None:
+        kept = _one(incumbent.lookup(p) for p in shapes)
+        if kept is not None and kept != current:
+            return kept, "incumbent"
+    default = _one(default_config(p, limits) for p in _fitted(family_key, rule) or lost)
+    if default is not None and default != current:
+        return default, "default"
+    return None, "removed"
+
+
+def fall_back(raw: dict, failing: list[Check], incumbent, limits) -> tuple[dict | None, list[dict]]:
+    """`raw` with each rule that answered a failing check fallen back (see the module docstring); None when no
+    family is left. Returns (the new table, one record per rule changed)."""
+    table = parse_table(raw, "<gated table>")
+    lost: dict[tuple[str, int], list[Problem]] = {}
+    for c in failing:
+        match = table.match(c.problem)
+        if match.rule is not None and match.exact_family:
+            lost.setdefault((match.family_key, match.index), []).append(c.problem)
+    new = copy.deepcopy(raw)
+    edits = []
+    for (key, index), problems in sorted(lost.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        rules = new["families"][key]["rules"]
+        rule = rules[index]
+        config, to = _fallback(key, rule, problems, incumbent, limits)
+        edit = {"family": key, "rule": index + 1, "fitted_on": rule.get("fitted_on", []),
+                "lost_on": [f"{p.M}x{p.N}" for p in problems], "config": rule["config"], "to": to}
+        if config is not None:
+            trial = copy.deepcopy(new)
+            trial["families"][key]["rules"][index]["config"] = config.to_dict()
+            try:
+                parse_table(trial, "<gated table>")
+                new = trial
+                edits.append({**edit, "new_config": config.to_dict()})
+                continue
+            except TableError:
+                edit["to"] = "removed"
+        del rules[index]
+        edits.append(edit)
+    for key in sorted({e["family"] for e in edits}):
+        family = new["families"][key]
+        if not family["rules"]:
+            del new["families"][key]
+        else:
+            family["single_pass_max_n"] = single_pass_threshold(family["rules"])
+    return (new if new["families"] else None), edits
+
+
+def gate(raw: dict, problems: list[Problem], incumbent, limits, lookup: Lookup,
+         timer: Timer | None = None) -> tuple[dict | None, dict]:
+    """The table that passes (None: no rule does), and the gate's record: the final checks, the fall-backs."""
+    table = parse_table(raw, "<gated table>")
+    checks = check(table, problems, incumbent, limits, lookup, timer)
+    edits: list[dict] = []
+    for _ in range(MAX_PASSES):
+        failing = [c for c in checks if c.fails]
+        if not failing or raw is None:
+            break
+        raw, changed = fall_back(raw, failing, incumbent, limits)
+        if not changed:
+            break
+        edits += changed
+        checks = check(parse_table(raw, "<gated table>") if raw else None, problems, incumbent, limits, lookup, timer)
+    verdicts: dict[str, int] = {}
+    for c in checks:
+        verdicts[c.verdict] = verdicts.get(c.verdict, 0) + 1
+    record = {"shapes": len(checks), "verdicts": verdicts, "fall_backs": edits,
+              "still_slower": [c.to_dict() for c in checks if c.fails],
+              "untimed": [c.problem.key for c in checks if c.verdict == "untimed"]}
+    return raw, record

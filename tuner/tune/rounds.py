@@ -1,0 +1,74 @@
+"""Where a tune's sweep trials go, round by round (`next_round`).
+
+Every problem first gets `first_round` trials (the analytic default, the structural seeds and the default's
+neighbours, before any sampled config), then more in steps of `round_step` up to `--trials`. A problem whose best
+time has not improved by more than STALL_GAIN over its last `round_step` trials stops where it is: more of the same
+search does not pay there. The trials it would have had go to the problems whose best moved most over their last
+step, where the search pays most. A decision reads only the measurements, in trial order, and is recorded in the
+journal before its trials are measured, so that a run continued after a kill measures exactly the same targets."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..sweep.options import FIRST_ROUND
+
+STALL_GAIN = 0.01  # a best that moved by no more than 1 % over a step has stalled
+
+
+def first_round(trials: int) -> int:
+    """The first round's trials per problem: the seeds' round (FIRST_ROUND), within half of `trials`."""
+    return max(1, min(FIRST_ROUND, -(-trials // 2)))
+
+
+def round_step(trials: int) -> int:
+    """The trials a later round adds to a problem whose search still pays: what is left past the first round in
+    three steps."""
+    return max(1, -(-(trials - first_round(trials)) // 3))
+
+
+def gain(values: list[float | None], window: int) -> float | None:
+    """How much the best of `values` (measured times in trial order; None: a trial that failed) improved over its
+    last `window` trials: the best before them ÷ the best of all − 1 (0: not at all). Infinite where only those
+    trials ran correctly; None where none did, or where there is nothing before them."""
+    if len(values) <= window:
+        return None
+    before = [v for v in values[:-window] if v]
+    every = [v for v in values if v]
+    if not every:
+        return None
+    return math.inf if not before else min(before) / min(every) - 1.0
+
+
+@dataclass
+class Round:
+    targets: dict[str, int]  # problem key -> trials its study ends with
+    raised: list[str] = field(default_factory=list)  # given one more step: their search still pays
+    stalled: list[str] = field(default_factory=list)  # stopped in this round
+    given: list[str] = field(default_factory=list)  # given the stalled problems' step too
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.raised)
+
+    def to_dict(self) -> dict:
+        return {"raised": self.raised, "stalled": self.stalled, "given": self.given}
+
+
+def next_round(values: dict[str, list[float | None]], targets: dict[str, int], stopped: set[str], trials: int,
+               step: int) -> Round:
+    """The next round's targets, from each problem's measured values (trial order) at its current target.
+    `stopped`: problems stalled in an earlier round, never raised again."""
+    gains = {k: gain(values.get(k, []), step) for k in targets}
+    active = sorted(k for k in targets if targets[k] < trials and k not in stopped)
+    stalled = [k for k in active if gains[k] is not None and gains[k] <= STALL_GAIN]
+    raised = [k for k in active if k not in stalled]
+    new = dict(targets)
+    for k in raised:
+        new[k] = min(trials, targets[k] + step)
+    room = [k for k in raised if new[k] < trials]
+    given = sorted(room, key=lambda k: (-(gains[k] if gains[k] is not None else 0.0), k))[:len(stalled)]
+    for k in given:
+        new[k] = min(trials, new[k] + step)
+    return Round(new, raised, stalled, sorted(given))

@@ -1,0 +1,47 @@
+"""The one call a tune makes into the sweep engine: `sweep(ctx, problems, trials, …)`, through its entry point
+`tuner.sweep.run`, the same engine and studies as `normtune sweep` (one worker on this GPU or the interpreter;
+with `--devices`, one per GPU; any host sharing the database adds its own). Each problem's study ends with exactly
+`trials` measured trials, whoever measures them; a killed sweep loses none it stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from normtune.kernels.config import Problem
+
+# Seconds a sweep runs past its time budget at most, on the interpreter or a GPU: the trial in flight finishes, then
+# its processes stop; a budget is cut by as much. A share shorter than MIN_SWEEP_S is not started at all: a
+# sweep's processes take seconds to start before any trial is measured.
+CLOSING_S = 1.0
+MIN_SWEEP_S = 2.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    stopped: str | None = None  # "time budget", "interrupted"; None: the sweep ran to its end
+    signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped it
+    exit_code: int = 0  # 130/143 after a signal
+
+
+def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, prefix: str, source: str = "sweep",
+          seeded: bool = True, extra_seeds: dict | None = None) -> Outcome:
+    """Measure `problems` until each of their studies (named with `prefix`) holds `trials` trials, within
+    `seconds` (None: no limit). `ctx` is the tune's `context.TuneContext`."""
+    from ..sweep import SweepOptions, run
+
+    if seconds is not None:
+        if seconds < MIN_SWEEP_S:
+            return Outcome(stopped="time budget")
+        seconds -= CLOSING_S
+    opts = SweepOptions(gpu_key=ctx.plan.gpu_key, problems=list(problems), trials=trials, time_budget_s=seconds,
+                        interpret=ctx.plan.interpret, compile_workers=ctx.compile_workers, device=ctx.device,
+                        devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
+                        storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
+                        extra_seeds=dict(extra_seeds or {}))
+    result = run(opts, on_event=ctx.on_sweep_event)
+    if result.exit_code == 1:
+        from .context import TuneError
+
+        raise TuneError("a sweep worker failed (exit code 1); the trials it stored are kept: run the same command "
+                        "again to continue")
+    return Outcome(result.stopped, result.signal, result.exit_code)
