@@ -204,12 +204,12 @@ def tune(
     warm_table = run_checked(_warm_start, warm_from, info, as_new_gpu)
     from normtune.tuner.tune import runner
 
+    workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
     db = db or run_checked(user_database)
     code = run_checked(runner.tune, console, runner.Options(
         key=key, info=info, problems=problems, trials=trials, heldout=heldout, reference_trials=reference_trials,
-        budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db, device=device,
-        devices=device_list, compile_workers=compile_processes(compile_workers, len(device_list or ()) or 1),
-        out=out, report=report, incumbent=None if as_new_gpu else run_checked(_incumbent, info, as_new_gpu),
-        notes=notes))
+        budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db,
+        device=device_list[0] if device_list else device, devices=device_list, compile_workers=workers, out=out,
+        report=report, incumbent=run_checked(_incumbent, info, as_new_gpu), notes=notes))
     raise typer.Exit(code)
 
