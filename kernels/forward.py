@@ -13,7 +13,8 @@ The forward is not what normtune tunes; it uses one analytic launch: a block of 
 in registers up to 8192 columns, chunked passes beyond (mean, then variance around the mean, then the output,
 so that a large mean never cancels catastrophically). Rows whose values pass 2^50 are scaled by 1/max|x| before
 squaring, so that Σ(x−μ)² cannot overflow fp32 (bf16 holds values up to 3e38): such rows normalize exactly
-instead of collapsing to y = b.
+instead of collapsing to y = b. A row holding ±inf or NaN is not scaled (1/inf would make inf·0 = NaN of every
+column): its Σx² is inf (r = 0) or NaN, so that y is NaN or inf exactly where the formula in fp32 gives it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ SINGLE_PASS_MAX_COLS = 8192
 CHUNK_COLS = 4096
 # Past this magnitude a row is scaled before squaring (2^50 squared, times up to 2^18 columns, stays in fp32).
 LARGE: tl.constexpr = tl.constexpr(2.0 ** 50)
+FP32_MAX: tl.constexpr = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _square_scale(amax):
-    """1/max|x| for rows whose squares could overflow, else 1."""
-    return tl.where(amax > LARGE, 1.0 / tl.maximum(amax, 1.0), 1.0)
+def _square_scale(amax, SPREAD: tl.constexpr):
+    """1/(SPREAD·max|x|) for rows whose squares could overflow (SPREAD·max|x| bounds the values squared), else 1;
+    also 1 where max|x| is ±inf or NaN, whose row is not finite to scale (1/inf·inf would be NaN). A select on
+    the row's scale: nothing per element."""
+    return tl.where((amax > LARGE) & (amax <= FP32_MAX), (1.0 / SPREAD) / tl.maximum(amax, 1.0), 1.0)
 
 
 @triton.jit
@@ -96,7 +100,7 @@ def _forward_kernel(
         else:
             mean = tl.sum(x, axis=1) / N
             xc = tl.where(mask, x - mean[:, None], 0.0)
-        scale = _square_scale(tl.max(tl.abs(xc), axis=1))
+        scale = _square_scale(tl.max(tl.abs(xc), axis=1), 1.0)
         xs = xc * scale[:, None]
         rstd = _rstd(tl.sum(xs * xs, axis=1), scale, N, eps)
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
@@ -119,7 +123,7 @@ def _forward_kernel(
             amax = tl.maximum(amax, tl.abs(x))
         if not IS_RMS:
             mean = tl.sum(acc, axis=1) / N
-        scale = _square_scale(2.0 * tl.max(amax, axis=1))
+        scale = _square_scale(tl.max(amax, axis=1), 2.0)
         if HAS_RESIDUAL:
             tl.debug_barrier()
             x_rows = h_rows

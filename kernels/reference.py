@@ -28,7 +28,8 @@ def forward(x2d: torch.Tensor, weight, bias, eps: float, *, is_rms: bool, zero_c
         mean = x.mean(dim=1)
         xc = x - mean[:, None]
     amax = xc.abs().amax(dim=1, keepdim=True) if xc.numel() else xc.new_zeros((xc.shape[0], 1))
-    scale = torch.where(amax > 2.0 ** 50, 1.0 / amax.clamp_min(1.0), torch.ones_like(amax))  # as forward.py
+    large = (amax > 2.0 ** 50) & amax.isfinite()  # as forward.py: a row holding ±inf is not scaled (inf·0)
+    scale = torch.where(large, 1.0 / amax.clamp_min(1.0), torch.ones_like(amax))
     xs = xc * scale
     rstd = torch.rsqrt((xs * xs).mean(dim=1) + eps * scale[:, 0] ** 2) * scale[:, 0]
     y = xc * rstd[:, None]
