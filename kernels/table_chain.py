@@ -141,7 +141,7 @@ def _shipped(device_name: str, key: str, capability: tuple[int, int] | None, ste
                                  + (f" or compute capability {cc}" if cc else "")))
     steps.append(Step("default", "the analytic defaults"))
     warning = (f"normtune: no heuristic table for {device_name!r}: running the analytic default configs, sized to "
-               f"this GPU. To tune it: `normtune sweep --gpu auto`, then `normtune emit --gpu {key} --user` "
+               f"this GPU. To tune it: `normtune tune --gpu auto`, which writes the user table {key}.json "
                "(docs/new-gpu.md)")
     return TableChoice(None, tuple(steps), warning)
 

@@ -181,7 +181,7 @@ def test_an_amd_gpu_takes_no_nvidia_table_by_compute_capability(monkeypatch, tmp
     # An MI250X reports compute capability 9.0, as the shipped H100 table records
     choice = choose_table("AMD Instinct MI250X", (9, 0))
     assert choice.table is None, choice.steps
-    assert "normtune sweep --gpu auto" in choice.warning and "emit --gpu mi250x --user" in choice.warning
+    assert "normtune tune --gpu auto" in choice.warning and "user table mi250x.json" in choice.warning
     # an unknown NVIDIA GPU of the same capability still takes it, with its warning
     assert choose_table("NVIDIA H100 NVL", (9, 0)).table is not None
     with warnings.catch_warnings(record=True) as seen:

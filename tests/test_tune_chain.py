@@ -63,3 +63,9 @@ def test_zero_or_empty_does_not_hide(monkeypatch):
         clear_caches()
         assert not tables_hidden()
         assert choose_table(H100_NAME, (9, 0)).table is not None
+
+
+def test_a_gpu_without_a_table_is_told_to_run_tune():
+    choice = choose_table("NVIDIA RTX PRO 6000 Blackwell", (12, 0))
+    assert choice.table is None
+    assert "To tune it: `normtune tune --gpu auto`, which writes the user table" in choice.warning, choice.warning
