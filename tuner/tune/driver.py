@@ -25,7 +25,7 @@ from .checking import Stopped, rows_of
 from .checking import validate as validate_table
 from .emission import emit, inputs, remeasure, study_measurements
 from .resweep import decide
-from .rounds import first_round, next_round, round_step
+from .rounds import next_round, opening, round_step
 from .sweeping import sweep
 
 # Shares of the time budget, by phase: each phase takes its weight against the phases still to come.
@@ -115,8 +115,9 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
     """The rounds (`rounds.py`); True once they are over, False when the time ran out first."""
     deadline = ctx.clock.deadline(seconds)
     trials, step = ctx.plan.trials, round_step(ctx.plan.trials)
+    uniform = opening(trials)
     if not ctx.journal.get(J.ROUNDS):
-        targets = {p.key: first_round(trials) for p in ctx.plan.problems}
+        targets = {p.key: uniform[0] for p in ctx.plan.problems}
         ctx.journal.append(J.ROUNDS, {"targets": targets, "raised": sorted(targets), "stalled": [], "given": []})
     while True:
         rounds = ctx.journal.get(J.ROUNDS)
@@ -125,6 +126,10 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
             return False
         if ctx.journal.get(J.SWEEP_DONE):
             return True
+        if len(rounds) < len(uniform):  # the opening rounds: every problem alike
+            targets = {p.key: uniform[len(rounds)] for p in ctx.plan.problems}
+            ctx.journal.append(J.ROUNDS, {"targets": targets, "raised": sorted(targets), "stalled": [], "given": []})
+            continue
         values = {k: [m.median_us if m.status == "ok" else None for m in records]
                   for k, records in study_measurements(ctx, ctx.plan.problems).items()}
         stopped = {k for r in rounds for k in r["stalled"]}

@@ -1,7 +1,9 @@
 """Where a tune's sweep trials go, round by round (`next_round`).
 
-Every problem first gets `first_round` trials (the analytic default, the structural seeds and the default's
-neighbours, before any sampled config), then more in steps of `round_step` up to `--trials`. A problem whose best
+Every problem first gets COVER trials (the analytic default and the first structural seeds), so that a short
+time budget still reaches every problem, then `first_round` (the rest of the seeds: the structural ones and the
+default's neighbours, before any sampled config): the `opening` rounds. Then more in steps of `round_step` up to
+`--trials`. A problem whose best
 time has not improved by more than STALL_GAIN over its last `round_step` trials stops where it is: more of the same
 search does not pay there. The trials it would have had go to the problems whose best moved most over their last
 step, where the search pays most. A decision reads only the measurements, in trial order, and is recorded in the
@@ -15,11 +17,18 @@ from dataclasses import dataclass, field
 from ..sweep.options import FIRST_ROUND
 
 STALL_GAIN = 0.01  # a best that moved by no more than 1 % over a step has stalled
+COVER = 4  # the first round's trials per problem
 
 
 def first_round(trials: int) -> int:
     """The first round's trials per problem: the seeds' round (FIRST_ROUND), within half of `trials`."""
     return max(1, min(FIRST_ROUND, -(-trials // 2)))
+
+
+def opening(trials: int) -> list[int]:
+    """The targets every problem gets, round after round, before the rounds that stop a stalled problem."""
+    first = first_round(trials)
+    return sorted({min(COVER, first), first})
 
 
 def round_step(trials: int) -> int:
