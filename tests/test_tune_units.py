@@ -119,6 +119,20 @@ def test_the_command_leaves_the_presets_shapes_out_with_a_note():
     assert f"{M}x{N}" in notes[0] and "held-out preset" in notes[0]
 
 
+def test_a_models_norms_get_the_residual_form_on_its_hidden_size(tmp_path):
+    import json
+
+    from normtune.commands.tune import _problems
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}))
+    problems, notes = _problems(None, tmp_path / "config.json", "64", None, None, "plain,residual", True)
+    assert sorted((p.M, p.N, p.residual) for p in problems) == [(64, 1024, False), (64, 1024, True),
+                                                                 (256, 128, False), (512, 128, False)]
+    assert "qwen3" in notes[0]
+
+
 def test_without_db_the_tune_uses_the_user_directory(monkeypatch, tmp_path):
     from normtune.commands.tune import user_database
 

@@ -112,7 +112,8 @@ def stamped(ctx, raw: dict, index: int, record: dict) -> dict:
     out = dict(raw)
     out["provenance"] = {**raw["provenance"], "tune": {
         "id": ctx.plan.tune_id, "command": ctx.command_line, "table": index + 1,
-        "elapsed_s": round(ctx.journal.elapsed_s(), 1), "from": ctx.plan.warm_start, "as_new_gpu": ctx.plan.as_new_gpu,
+        "elapsed_s": round(ctx.journal.get(J.EMISSIONS)[index]["elapsed_s"], 1), "from": ctx.plan.warm_start,
+        "as_new_gpu": ctx.plan.as_new_gpu,
         "incumbent": ctx.incumbent_label,
         "held_out": None if validation is None else {k: validation["summary"][k] for k in
                                                      ("shapes", "geomean_regret", "worst_regret")},

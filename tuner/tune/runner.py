@@ -96,6 +96,7 @@ def _finish(ctx, o: Options, stopped: str | None) -> tuple[dict | None, dict | N
 
 def tune(console, o: Options) -> int:
     """Run the tune; returns the command's exit code (0, or 130/143 after a signal)."""
+    from . import journal as J
     from .checking import Stopped
     from .display import Progress
     from .driver import run
@@ -116,6 +117,9 @@ def tune(console, o: Options) -> int:
         ctx.journal.start_run()
         with Progress(console, ctx) as progress:
             ctx.progress = progress
+            earlier = ctx.journal.get(J.VALIDATIONS, [])
+            if earlier:  # a tune continued: the regret it reached so far
+                progress.regret(earlier[-1]["summary"]["geomean_regret"])
             try:
                 stopped = run(ctx).stopped
             except Stopped as stop:
