@@ -18,6 +18,19 @@ from .select import parsed_config
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_DTYPE_EPS = {d: torch.finfo(d).eps for d in _FLOAT_DTYPES}
+
+
+def dtype_eps(x, dtype) -> float:
+    """RMSNorm's eps=None: torch.finfo(dtype).eps, as torch.nn.RMSNorm takes it (dtype: x's, or with a residual
+    h's). A dtype the kernels do not take means x breaks a rule: its check raises, naming it."""
+    eps = _DTYPE_EPS.get(dtype)
+    if eps is None:
+        check_inputs(x, None, None, False)
+        raise TypeError(f"eps=None needs a float32, bfloat16 or float16 dtype to take its eps from, got {dtype}")
+    return eps
+
+
 def check_options(eps, save: str, *, eps_may_be_none: bool = False) -> None:
     """The rules for eps and save: at each call of `layer_norm`/`rms_norm`, and when a module is built (where
     RMSNorm's eps=None means the dtype's eps, as in torch)."""

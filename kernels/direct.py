@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from . import forward_calls, saving
-from .call_checks import check_inputs, check_options, explicit_backward, rows_2d
+from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, rows_2d
 from .config import BackwardConfig
 from .ops import backward_impl, contiguous_operand, forward_impl
-from .residual import residual_dtype_of
+from .residual import residual_dtype_of, stream_eps
 from .residual_ops import forward_impl as _residual_forward_impl
 
 
@@ -163,10 +163,13 @@ def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Te
     return _backward(grad, x, weight, bias, rstd, mean, False, zero_centered, from_output, config, grad_residual)
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, residual: Tensor | None = None,
-                     residual_dtype: torch.dtype | None = None, zero_centered: bool = False):
+def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *,
+                     residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+                     zero_centered: bool = False):
     """(y, rstd) of RMSNorm over the last dimension, without autograd; with a residual, (y, rstd, h) of the norm
-    of h = x + residual."""
+    of h = x + residual. eps=None: the eps of the dtype normalized (x's, or h's), as `rms_norm`."""
+    if eps is None:
+        eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
     y, rstd, _ = _forward(x, weight, None, eps, True, zero_centered, residual, residual_dtype)
     if residual is not None:
         return y[0], rstd, y[1]

@@ -21,10 +21,11 @@ import torch
 from torch import Tensor
 
 from . import forward_calls
-from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d, rows_view
+from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, output_recovers, rows_2d
+from .call_checks import rows_view
 from .config import BackwardConfig
 from .ops import contiguous_operand, eager_norm, norm_forward
-from .residual import fused_add_norm
+from .residual import fused_add_norm, stream_eps
 
 
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
@@ -78,11 +79,14 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     return _norm(x, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save, config=config)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6, *, residual: Tensor | None = None,
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *, residual: Tensor | None = None,
              residual_dtype: torch.dtype | None = None, zero_centered: bool = False, save: str = "input",
              config: BackwardConfig | dict | str | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm over the last dimension: y = x·r·w, r = (mean(x²) + eps)^-½. Arguments as `layer_norm` (with a
-    residual: (y, h))."""
+    residual: (y, h)). eps=None: torch.finfo's eps of the dtype normalized, as torch's rms_norm: x's, or with a
+    residual h's (the residual stream's, `residual_dtype`)."""
+    if eps is None:
+        eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
     if residual is not None:
         return fused_add_norm(x, residual, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
                               config=config, residual_dtype=residual_dtype)

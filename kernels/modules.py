@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import check_options, layer_norm, rms_norm
+from .residual import stream_eps
 
 
 def _is_int(d) -> bool:
@@ -127,7 +128,8 @@ class FusedAddLayerNorm(LayerNorm):
 
 
 class FusedAddRMSNorm(RMSNorm):
-    """`RMSNorm` of h = x + residual: forward(x, residual) returns (y, h), as `FusedAddLayerNorm`."""
+    """`RMSNorm` of h = x + residual: forward(x, residual) returns (y, h), as `FusedAddLayerNorm`. eps=None means
+    torch.finfo of h's dtype (the residual stream's), as `RMSNorm` applied on h would take it."""
 
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
                  dtype=None, *, zero_centered: bool = False, save: str = "input", config=None,
@@ -137,7 +139,7 @@ class FusedAddRMSNorm(RMSNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else stream_eps(x, residual, self.residual_dtype)
         y, h = rms_norm(self._rows(x), self._flat(self.weight), eps, residual=self._rows(residual),
                         residual_dtype=self.residual_dtype, zero_centered=self.zero_centered, save=self.save,
                         config=self.config)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import forward_calls
 from .problem import canonical_dtype
-from .call_checks import check_inputs, check_options, explicit_backward, output_recovers, rows_2d
+from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, output_recovers, rows_2d
 from .ops import contiguous_operand
 from .residual_ops import eager_fused_add, norm_residual_forward
 
@@ -46,6 +46,17 @@ def residual_dtype_of(x: Tensor, residual, residual_dtype) -> torch.dtype:
     if residual_dtype not in (x.dtype, torch.float32):
         raise TypeError(f"residual_dtype={residual_dtype!r} is not allowed: {_ALLOWED}")
     return residual_dtype
+
+
+def stream_eps(x: Tensor, residual, residual_dtype) -> float:
+    """RMSNorm's eps=None in the residual form: the eps of h's dtype, the residual stream's (`residual_dtype`, else
+    the residual's), which torch.nn.RMSNorm(eps=None) applied on h would take; not x's (bf16's eps on an fp32
+    stream is 2^16 times fp32's). Arguments that break a rule raise as the call's checks would."""
+    if residual_dtype is None and type(residual) is Tensor:
+        return dtype_eps(x, residual.dtype)
+    if type(residual_dtype) is torch.dtype:
+        return dtype_eps(x, residual_dtype)
+    return dtype_eps(x, residual_dtype_of(x, residual, residual_dtype))
 
 
 def fused_add_norm(x, residual, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config,

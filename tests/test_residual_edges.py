@@ -1,6 +1,7 @@
 """The residual form's inputs and outputs that could go silently wrong: a residual that is x or overlaps it,
 gradients asked of only some inputs, outputs changed in place before the backward, double backward
-(create_graph=True), modules over several normalized dims; each on a first (checked) and a planned call."""
+(create_graph=True), modules over several normalized dims, eps=None on a residual stream wider than x; each on a
+first (checked) and a planned call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels import forward_calls, layer_norm, rms_norm
+from normtune.kernels import FusedAddLayerNorm, FusedAddRMSNorm, forward_calls, layer_norm, rms_norm
+from normtune.kernels import rms_norm_forward
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -164,3 +166,70 @@ def test_double_backward_reaches_x_and_residual(norm, device):
             torch.testing.assert_close(g.double(), ref, rtol=1e-3, atol=1e-3, msg=f"{attempt}: {what}")
     with pytest.raises(RuntimeError, match="save='input'"):
         _penalty_grads(norm, *leaves(FP32), a, c, save="output")
+
+
+def _rel(out, want) -> float:
+    return ((out.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm()).item()
+
+
+@pytest.mark.parametrize("stream", ["residual_dtype", "residual", "str"])
+def test_eps_none_follows_the_residual_streams_dtype(stream, device):
+    """bf16 x on an fp32 stream, activations of 0.02 (mean(h²) ~ 1e-3, below bf16's eps 2^-7): eps=None is fp32's
+    eps, as torch.nn.RMSNorm(eps=None) applied on h takes it, in the module, the functional and the function
+    without autograd; the fp32 stream is asked for by residual_dtype (as a dtype or "fp32") or by an fp32
+    residual."""
+    n = 64
+    x = (0.02 * torch.randn(4, n)).to(device=device, dtype=BF16)
+    r = 0.02 * torch.randn(4, n)
+    r = r.to(device=device, dtype=FP32 if stream == "residual" else BF16)
+    residual_dtype = {"residual_dtype": FP32, "residual": None, "str": "fp32"}[stream]
+    h = x.float() + r.float()
+    torch_norm = torch.nn.RMSNorm(n, eps=None, device=device, dtype=FP32)
+    with torch.no_grad():
+        torch_norm.weight.copy_(1 + 0.1 * torch.randn(n))
+        want = torch_norm(h)
+    m = FusedAddRMSNorm(n, eps=None, device=device, dtype=BF16, residual_dtype=residual_dtype)
+    m.load_state_dict(torch_norm.state_dict())
+    w = m.weight.detach()
+    for attempt in ("first", "planned"):
+        y, got_h = m(x, r)
+        assert got_h.dtype == FP32 and torch.equal(got_h, h), attempt
+        assert _rel(y, want) < 2e-2, f"module ({attempt}): relative error {_rel(y, want):.3g}"
+        y, _ = rms_norm(x, w, None, residual=r, residual_dtype=residual_dtype)
+        assert _rel(y, want) < 2e-2, f"rms_norm ({attempt}): relative error {_rel(y, want):.3g}"
+        y, _, _ = rms_norm_forward(x, w, None, residual=r, residual_dtype=residual_dtype)
+        assert _rel(y, want) < 2e-2, f"rms_norm_forward ({attempt}): relative error {_rel(y, want):.3g}"
+    # eps=None of the plain norm is x's dtype's, as torch.nn.functional.rms_norm's
+    want = F.rms_norm(x.float(), (n,), w, torch.finfo(BF16).eps)
+    assert _rel(rms_norm(x, w, None), want) < 2e-2 and _rel(rms_norm_forward(x, w, None)[0], want) < 2e-2
+
+
+def test_eps_none_with_a_broken_residual_names_the_argument(device):
+    x = torch.randn(2, 8, device=device, dtype=BF16)
+    with pytest.raises(TypeError, match="residual has dtype torch.float16"):
+        rms_norm(x, None, None, residual=torch.randn(2, 8, device=device, dtype=torch.float16))
+    with pytest.raises(TypeError, match="residual_dtype=torch.float16"):
+        rms_norm(x, None, None, residual=x, residual_dtype=torch.float16)
+    with pytest.raises(TypeError, match="x has dtype torch.int64"):
+        rms_norm(torch.ones(2, 8, dtype=torch.int64, device=device), None, None)
+
+
+def test_fused_layer_norm_eps_is_torch_layer_norms(device):
+    """LayerNorm's eps has no dtype rule (torch.nn.LayerNorm's is a number, 1e-5 by default): on an fp32 stream
+    the fused module matches torch.nn.LayerNorm applied on h, and eps=None is refused in one line naming eps."""
+    n = 64
+    x = (0.02 * torch.randn(4, n)).to(device=device, dtype=BF16)
+    r = (0.02 * torch.randn(4, n)).to(device=device, dtype=BF16)
+    torch_norm = torch.nn.LayerNorm(n, device=device, dtype=FP32)
+    m = FusedAddLayerNorm(n, device=device, dtype=BF16, residual_dtype=FP32)
+    with torch.no_grad():
+        torch_norm.weight.copy_(1 + 0.1 * torch.randn(n))
+        torch_norm.bias.copy_(0.1 * torch.randn(n))
+        want = torch_norm(x.float() + r.float())
+    m.load_state_dict(torch_norm.state_dict())
+    assert m.eps == torch_norm.eps == 1e-5
+    for _ in range(2):
+        y, h = m(x, r)
+        assert h.dtype == FP32 and _rel(y, want) < 2e-2
+    with pytest.raises(ValueError, match="eps must be a positive finite number"):
+        FusedAddLayerNorm(n, eps=None)
