@@ -166,3 +166,29 @@ def test_the_installed_optuna_is_a_supported_one_and_reads_the_rows_written_here
     time.sleep(3)
     optuna.storages.fail_stale_trials(optuna.load_study(study_name="rows", storage=storage))
     assert storage.get_trial(running).state == TS.FAIL
+
+
+
+def test_a_trial_created_while_another_writer_holds_the_lock_is_numbered_after_that_writers_trial(store):
+    """The number is the study's count of trials read under the lock of the insert: a trial created while another
+    connection is inserting one (and holds SQLite's write lock) gets the number after it, never the same one."""
+    import sqlite3
+    import threading
+    import time
+
+    storage = store.optuna_storage()
+    study = optuna.create_study(study_name="rows", storage=storage)
+    holder = sqlite3.connect(store.url.removeprefix("sqlite:///"), timeout=60, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    holder.execute("INSERT INTO trials (number, study_id, state, datetime_start) VALUES (0, ?, 'RUNNING', "
+                   "CURRENT_TIMESTAMP)", (study._study_id,))
+    created = []
+    thread = threading.Thread(target=lambda: created.append(create_running_trial(storage, study._study_id,
+                                                                                 _template())))
+    thread.start()
+    time.sleep(1.0)  # the creation waits for the lock
+    holder.execute("COMMIT")
+    holder.close()
+    thread.join(60)
+    assert created and created[0][1] == 1, created
+    assert sorted(t.number for t in optuna.load_study(study_name="rows", storage=store.url).get_trials()) == [0, 1]

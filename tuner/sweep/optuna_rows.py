@@ -82,16 +82,24 @@ def create_trial_in(session, study_id: int, template) -> tuple[int, int]:
     heartbeat, written within the caller's transaction `session` (needs `direct`)."""
     from optuna.distributions import distribution_to_json
     from optuna.trial import TrialState
-    from sqlalchemy import func, insert, select
+    from sqlalchemy import func, insert, literal, select
 
     m, conn = _MODELS, _connection(session)
     trials = m.TrialModel.__table__
     if conn.dialect.name != "sqlite":  # numbers are per study: Optuna locks its row (SQLite: the write lock)
         conn.execute(select(m.StudyModel.__table__.c.study_id)
                      .where(m.StudyModel.__table__.c.study_id == study_id).with_for_update())
-    number = conn.execute(select(func.count()).select_from(trials).where(trials.c.study_id == study_id)).scalar_one()
-    tid = conn.execute(insert(trials).values(study_id=study_id, number=number, state=TrialState.RUNNING,
-                                             datetime_start=dt.datetime.now())).inserted_primary_key[0]
+    # One statement counts the study's trials and inserts the new one with that number: on SQLite the count is
+    # read under the write lock the insert takes (a count read before it, outside that lock, could be another
+    # writer's too).
+    row = select(func.count(), literal(study_id), literal(TrialState.RUNNING, trials.c.state.type),
+                 literal(dt.datetime.now(), trials.c.datetime_start.type)).where(trials.c.study_id == study_id)
+    statement = insert(trials).from_select(["number", "study_id", "state", "datetime_start"], row)
+    if conn.dialect.insert_returning:
+        tid, number = conn.execute(statement.returning(trials.c.trial_id, trials.c.number)).one()
+    else:
+        tid = conn.execute(statement).lastrowid
+        number = conn.execute(select(trials.c.number).where(trials.c.trial_id == tid)).scalar_one()
     rows = {m.TrialParamModel: [dict(trial_id=tid, param_name=name,
                                      param_value=template.distributions[name].to_internal_repr(value),
                                      distribution_json=distribution_to_json(template.distributions[name]))
