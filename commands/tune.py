@@ -166,6 +166,10 @@ def tune(
     devices: Annotated[Optional[str], Opt(help="Comma list of CUDA devices: one sweep worker per GPU")] = None,
     compile_workers: Annotated[Optional[int], Opt(help=(
         "CPU processes compiling upcoming configs [default: 16 per GPU, within the host's cores]"))] = None,
+    heartbeat_interval: Annotated[int, Opt(help="Seconds between a sweep worker's trial heartbeats")] = 20,
+    grace_period: Annotated[int, Opt(help=(
+        "Seconds without a heartbeat before a worker counts as dead (a killed run's trials are taken over then)"))]
+    = 60,
     out: Annotated[Optional[Path], Opt(help="The table file [default: the user table <user dir>/<gpu>.json]")] =
     None,
     report: Annotated[Optional[Path], Opt(help="The report folder [default: beside the table, <table>-tune]")] =
@@ -184,9 +188,13 @@ def tune(
     console = Console(stderr=True)
     if time_budget is not None:
         run_checked(positive_seconds, time_budget, "--time-budget")
-    for option, value in (("--trials", trials), ("--heldout", heldout), ("--reference-trials", reference_trials)):
+    for option, value in (("--trials", trials), ("--heldout", heldout), ("--reference-trials", reference_trials),
+                          ("--heartbeat-interval", heartbeat_interval)):
         if value < 1:
             run_checked(refuse, f"{option} {value}: give a whole number of at least 1")
+    if grace_period <= heartbeat_interval:
+        run_checked(refuse, f"--grace-period {grace_period} must exceed --heartbeat-interval {heartbeat_interval}: a "
+                            "live worker's trial would be taken over")
     device_list = run_checked(_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
@@ -210,6 +218,7 @@ def tune(
         key=key, info=info, problems=problems, trials=trials, heldout=heldout, reference_trials=reference_trials,
         budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db,
         device=device_list[0] if device_list else device, devices=device_list, compile_workers=workers, out=out,
-        report=report, incumbent=run_checked(_incumbent, info, as_new_gpu), notes=notes))
+        report=report, incumbent=run_checked(_incumbent, info, as_new_gpu), notes=notes,
+        heartbeat_interval=heartbeat_interval, grace_period=grace_period))
     raise typer.Exit(code)
 

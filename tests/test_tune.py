@@ -36,9 +36,10 @@ SHAPES = "4x64,8x128"
 
 
 def tune_args(tmp_path: Path, *more: str, trials: int = 2, forms: str = "plain,residual") -> list[str]:
+    # A killed run's claims are taken over once its heartbeats stop for the grace period: a short one here.
     return ["tune", "--interpret", "--shapes", SHAPES, "--norm", "rms_norm", "--forms", forms, "--trials",
             str(trials), "--heldout", "1", "--reference-trials", "2", "--db", f"sqlite:///{tmp_path / 'tune.db'}",
-            "--out", str(tmp_path / "table.json"), *more]
+            "--out", str(tmp_path / "table.json"), "--heartbeat-interval", "1", "--grace-period", "3", *more]
 
 
 def tune_env(tmp_path: Path, **more: str) -> dict[str, str]:

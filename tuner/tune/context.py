@@ -30,6 +30,7 @@ class TuneContext:
     device: int = 0
     devices: list[int] | None = None  # --devices: one sweep worker per GPU
     compile_workers: int = 8
+    heartbeats: tuple[int, int] = (20, 60)  # the sweeps' heartbeat interval and grace period, seconds
     incumbent: object = None  # kernels.tables.Table the tune must not lose to (None: none)
     incumbent_label: str | None = None  # where it came from, as the tune's first run found it
     warm_table: object = None  # kernels.tables.Table of --from (None: no warm start)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..render import num
 from ..tables.incumbent import from_record, record
 from . import journal as J
 from .checking import Stopped, rows_of
@@ -187,9 +188,9 @@ def validate_emission(ctx, index: int, seconds: float | None) -> int | None:
     summary = found["summary"]
     if ctx.progress is not None:
         ctx.progress.regret(summary["geomean_regret"])
-    ctx.say(f"validate: table {index + 1}: held-out regret {summary['geomean_regret']:.3f} (worst "
-            f"{summary['worst_regret']:.3f}) on {summary['shapes']} shapes; the analytic default's "
-            f"{found['default_regret']:.3f}; at {found['elapsed_s']:.0f} s")
+    ctx.say(f"validate: table {index + 1}: held-out regret {num(summary['geomean_regret'], 3)} (worst "
+            f"{num(summary['worst_regret'], 3)}) on {summary['shapes']} shapes; the analytic default's "
+            f"{num(found['default_regret'], 3)}; at {found['elapsed_s']:.0f} s")
     return len(ctx.journal.get(J.VALIDATIONS)) - 1
 
 

@@ -4,7 +4,6 @@ head-to-head timings of what nobody timed, then stamped with the tune's provenan
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -128,6 +127,3 @@ def write(path: Path, table: dict) -> Path | None:
     one changed since, is not replaced). Returns the backup of the table it replaced, if any."""
     return write_table(path, dumps(table))
 
-
-def regret_text(value: float | None) -> str:
-    return "–" if value is None or not math.isfinite(value) else f"{value:.3f}"

@@ -31,6 +31,8 @@ class Options:
     report: Path
     incumbent: object  # the table the runtime would use now (None: none, or hidden)
     notes: list[str] = field(default_factory=list)
+    heartbeat_interval: int = 20  # the sweeps' heartbeats and grace period (`SweepOptions`)
+    grace_period: int = 60
 
 
 class _Terminated(BaseException):
@@ -67,7 +69,7 @@ def _context(console, o: Options):
                       store=store, info=o.info, journal=Journal(store, plan.journal_name),
                       clock=Clock(o.budget_s, o.started), command_line=command_line(), device=o.device,
                       devices=o.devices, compile_workers=o.compile_workers, incumbent=o.incumbent, say=say,
-                      on_sweep_event=on_sweep_event)
+                      on_sweep_event=on_sweep_event, heartbeats=(o.heartbeat_interval, o.grace_period))
     ctx.warm_table = o.warm
     return ctx
 
@@ -140,7 +142,7 @@ def tune(console, o: Options) -> int:
 
 
 def _summary(ctx, o: Options, table: dict | None, done: dict, stopped: str | None) -> None:
-    from .finish import regret_text
+    from ..render import num
 
     if table is None:
         ctx.say("no table written: " + ("nothing measured yet" if done["index"] is None else
@@ -150,7 +152,7 @@ def _summary(ctx, o: Options, table: dict | None, done: dict, stopped: str | Non
         held = tune["held_out"]
         gate = tune["gate"]
         ctx.say(f"wrote {o.out}: table {tune['table']} of the tune, {len(table['families'])} families; held-out regret "
-                + (f"{regret_text(held['geomean_regret'])} (worst {regret_text(held['worst_regret'])}) on "
+                + (f"{num(held['geomean_regret'], 3)} (worst {num(held['worst_regret'], 3)}) on "
                    f"{held['shapes']} shapes" if held else "not validated (time)")
                 + f"; gate: {gate['fall_backs']} rules fell back"
                 + (f", still slower on {len(gate['still_slower'])} shapes" if gate["still_slower"] else ""))

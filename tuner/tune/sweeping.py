@@ -37,7 +37,8 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
                         interpret=ctx.plan.interpret, compile_workers=ctx.compile_workers, device=ctx.device,
                         devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
-                        extra_seeds=dict(extra_seeds or {}))
+                        extra_seeds=dict(extra_seeds or {}), heartbeat_interval=ctx.heartbeats[0],
+                        grace_period=ctx.heartbeats[1])
     result = run(opts, on_event=ctx.on_sweep_event)
     if result.exit_code == 1:
         from .context import TuneError
