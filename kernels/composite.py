@@ -1,7 +1,15 @@
-"""The backward as differentiable PyTorch ops, for double backward (`torch.autograd.grad(..., create_graph=True)`,
-e.g. a gradient penalty): the Triton kernels compute first-order gradients only, so a backward that must itself be
-differentiated runs this instead. Same math as `backward/common.py`, in fp32, with x̂ recomputed from x (not read
-from the saved rstd, which is a constant to autograd), so second and higher order gradients are exact.
+"""The norm as differentiable PyTorch ops.
+
+`backward`: for double backward (`torch.autograd.grad(..., create_graph=True)`, e.g. a gradient penalty): the
+Triton kernels compute first-order gradients only, so a backward that must itself be differentiated runs this
+instead. Same math as `backward/common.py`, in fp32, with x̂ recomputed from x (not read from the saved rstd, which
+is a constant to autograd), so second and higher order gradients are exact.
+
+`forward` and `forward_residual`: the whole norm (and the residual add) for calls under torch.func's transforms
+(`torch.func.grad`, `torch.vmap`, `jvp`, `jacrev`, ...). The kernels read raw memory, which the transforms' wrapped
+tensors do not have, and an autograd.Function that launches them has no batching rule; these ops have torch's
+own, at any order and nesting of transforms. The formula of torch's own norms, in fp32, y in x's dtype (save=
+does not apply: the transforms keep what they need).
 """
 
 from __future__ import annotations
@@ -12,6 +20,57 @@ from torch import Tensor
 SAVE_OUTPUT_MESSAGE = (
     "double backward (create_graph=True) through normtune's {norm} needs save='input': with save='output' the "
     "input x is not kept, and x̂ recovered from y carries no gradient to x; pass save='input' to this layer")
+
+
+_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def transforms_active() -> bool:
+    """Whether a call runs under torch.func's transforms (then `forward`/`forward_residual` run, not the kernels)."""
+    return _ACTIVE()
+
+
+_TRANSFORM_NAMES = {"Vmap": "torch.vmap", "Grad": "torch.func.grad (or vjp, jacrev)",
+                    "Jvp": "torch.func.jvp (or jacfwd)", "Functionalize": "torch.func.functionalize"}
+
+
+def refuse_wrapped(name: str, *tensors) -> None:
+    """Raise one RuntimeError, naming the transform, where a torch.func transform has wrapped one of `tensors`:
+    the functions without autograd launch the kernels on raw memory, which wrapped tensors do not have."""
+    if not transforms_active():
+        return
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if not any(isinstance(t, Tensor) and wrapped(t) for t in tensors):
+        return
+    try:
+        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+        kind = retrieve_current_functorch_interpreter().key().name
+    except (ImportError, AttributeError, RuntimeError):
+        kind = ""
+    transform = _TRANSFORM_NAMES.get(kind, "a torch.func transform")
+    raise RuntimeError(f"{name} does not run under {transform}: it launches the kernels on the tensors' memory, "
+                       "which the transform's wrapped tensors do not have; inside the transform call layer_norm / "
+                       "rms_norm or the modules instead (they run a differentiable composite of the same math there)")
+
+
+def forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *, is_rms: bool,
+            zero_centered: bool) -> Tensor:
+    """y over the last dimension of x (any leading dims), in x's dtype; differentiable in x, weight and bias."""
+    xf = x.float()
+    xc = xf if is_rms else xf - xf.mean(-1, keepdim=True)
+    y = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.float() + 1.0 if zero_centered else weight.float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def forward_residual(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, *,
+                     is_rms: bool, zero_centered: bool, h_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(y, h): h = x + residual added in fp32 and stored in h_dtype, y = the norm of that h in x's dtype."""
+    h = (x.float() + residual.float()).to(h_dtype)
+    return forward(h, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered).to(x.dtype), h
 
 
 def needs_graph(*tensors) -> bool:

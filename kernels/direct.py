@@ -8,7 +8,8 @@ comparing host time with libraries that offer only such functions.
     dx, dw = rms_norm_backward(grad, x, weight, rstd)
 
 The same kernels, launch configs and checks as `layer_norm` / `rms_norm` (functional.py), over the last
-dimension with any leading dims. mean and rstd are fp32, one per row. The backward may recover x̂ from the
+dimension with any leading dims (not under torch.func's transforms: a RuntimeError names the transform and points
+to `layer_norm` / `rms_norm`). mean and rstd are fp32, one per row. The backward may recover x̂ from the
 forward's output instead of its input (`from_output=True`: pass y where x goes; LayerNorm then needs no mean),
 where the weight and bias allow it (`saving.py`'s rule; otherwise a ValueError says to pass x).
 dw/db come back as None where there is no weight/bias. Nothing here records an autograd graph.
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import forward_calls, saving
+from . import composite, forward_calls, saving
 from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, rows_2d
 from .config import BackwardConfig
 from .ops import backward_impl, contiguous_operand, forward_impl
@@ -58,6 +59,7 @@ def _residual_forward(x, residual, weight, bias, eps, is_rms: bool, zero_centere
     if plan is not None:  # inputs like an earlier call's, which passed the checks
         y, h, rstd, mean = forward_calls.run_residual(plan, x, residual, weight, bias, eps)
         return (y, h), rstd, mean
+    composite.refuse_wrapped("rms_norm_forward" if is_rms else "layer_norm_forward", x, residual, weight, bias)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, "input")
     h_dtype = residual_dtype_of(x, residual, residual_dtype)
@@ -79,6 +81,7 @@ def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool, residual=N
     plan = forward_calls.lookup(sig)
     if plan is not None:  # inputs like an earlier call's, which passed the checks
         return forward_calls.run(plan, x, weight, bias, eps)
+    composite.refuse_wrapped("rms_norm_forward" if is_rms else "layer_norm_forward", x, weight, bias)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, "input")
     x2d = rows_2d(x)
@@ -110,6 +113,8 @@ def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centere
 
 def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config,
               grad_residual=None):
+    composite.refuse_wrapped("rms_norm_backward" if is_rms else "layer_norm_backward", grad, saved, weight, bias,
+                             rstd, mean, grad_residual)
     if grad_residual is not None:
         _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered, from_output)
     else:

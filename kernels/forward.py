@@ -320,6 +320,11 @@ def run_residual_plan(plan: tuple, x: torch.Tensor, residual: torch.Tensor, weig
     return y, h, rstd, mean
 
 
+def residual_plan_h_dtype(plan: tuple) -> torch.dtype:
+    """The dtype of h that a residual plan (`residual_call_plan`) writes."""
+    return plan[7]
+
+
 @functools.lru_cache(maxsize=1024)
 def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
               int64: bool, hint: int = 1, has_residual: bool = False) -> tuple[Launcher, int]:

@@ -13,6 +13,10 @@ Double backward (`torch.autograd.grad(..., create_graph=True)`, e.g. a gradient 
 differentiable fp32 PyTorch composite of the same math (`composite.py`) instead of the kernels, so second-order
 gradients are exact. It needs save="input" (save="output" raises a RuntimeError saying so); under torch.compile,
 torch itself refuses double backward.
+
+Under torch.func's transforms (`torch.func.grad`, `torch.vmap`, `jvp`, ...) the call runs `composite.forward`, the
+same math as differentiable PyTorch ops, which the transforms differentiate and batch (the kernels read raw memory,
+which wrapped tensors do not have).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import forward_calls
+from . import composite, forward_calls
 from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, output_recovers, rows_2d
 from .call_checks import rows_view
 from .config import BackwardConfig
@@ -30,7 +34,10 @@ from .residual import fused_add_norm, stream_eps
 
 def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
     compiling = torch.compiler.is_compiling()
-    if save == "output" and not compiling and not output_recovers(x, weight, bias, zero_centered):
+    # under torch.func's transforms the composite runs, which saves nothing of its own (and the wrapped weights
+    # have no memory to read back)
+    if save == "output" and not compiling and not composite.transforms_active() \
+            and not output_recovers(x, weight, bias, zero_centered):
         save = "input"  # y would not determine x̂ as precisely as x does (saving.py's rule): save x for this call
     store_mean = not is_rms and save == "input"
     sig = None

@@ -249,8 +249,11 @@ _EAGER = _eager_apply()
 
 
 def eager_norm(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None) -> Tensor:
-    """y = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`)."""
-    if _EAGER is None or _EAGER[2]():  # functorch transforms go through Function.apply's own handling
+    """y = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`); under torch.func's transforms,
+    the differentiable composite (`composite.forward`), which they can differentiate and batch."""
+    if _EAGER is None or _EAGER[2]():
+        if composite.transforms_active():
+            return composite.forward(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered)
         return EagerNorm.apply(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan)
     apply, unwrap, _ = _EAGER
     return apply(unwrap(x), weight if weight is None else unwrap(weight), bias if bias is None else unwrap(bias),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import forward_calls
+from . import composite, forward_calls
 from .problem import canonical_dtype
 from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, output_recovers, rows_2d
 from .ops import contiguous_operand
@@ -65,7 +65,10 @@ def fused_add_norm(x, residual, weight, bias, eps, *, is_rms: bool, zero_centere
     y would not determine x̂ the call saves h instead, and under torch.compile the custom op raises). A call like
     an earlier one that passed the checks (`forward_calls.residual_signature`) runs that call's plan."""
     compiling = torch.compiler.is_compiling()
-    if save == "output" and not compiling and not output_recovers(x, weight, bias, zero_centered):
+    # under torch.func's transforms the composite runs, which saves nothing of its own (and the wrapped weights
+    # have no memory to read back)
+    if save == "output" and not compiling and not composite.transforms_active() \
+            and not output_recovers(x, weight, bias, zero_centered):
         save = "input"
     sig = None
     if config is None and not compiling and (save == "input" or save == "output"):

@@ -195,8 +195,14 @@ _EAGER = _eager_apply()
 
 def eager_fused_add(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config, h_dtype, plan=None,
                     sig=None) -> tuple[Tensor, Tensor]:
-    """(y, h) = EagerFusedAdd.apply(...), at less host cost per call."""
-    if _EAGER is None or _EAGER[2]():  # functorch transforms go through Function.apply's own handling
+    """(y, h) = EagerFusedAdd.apply(...), at less host cost per call; under torch.func's transforms, the
+    differentiable composite (`composite.forward_residual`), which they can differentiate and batch."""
+    if _EAGER is None or _EAGER[2]():
+        if composite.transforms_active():
+            if h_dtype is None:  # a planned call: the plan's
+                h_dtype = _forward.residual_plan_h_dtype(plan)
+            return composite.forward_residual(x, residual, weight, bias, eps, is_rms=is_rms,
+                                              zero_centered=zero_centered, h_dtype=h_dtype)
         return EagerFusedAdd.apply(x, residual, weight, bias, eps, is_rms, zero_centered, save_output, config,
                                    h_dtype, plan, sig)
     apply, unwrap, _ = _EAGER

@@ -141,7 +141,8 @@ def test_forward_plans_are_bounded(device, make_norm_inputs, monkeypatch):
 
 def test_tensors_without_storage_get_no_signature(device):
     """Under functorch's transforms x is a wrapper without storage: no signature (and so no plan), and the call
-    takes the checked path, which fails as it did before plans existed, not on reading a data pointer."""
+    takes the checked path, which runs the differentiable composite (test_transforms.py), not reading a data
+    pointer."""
     x, w = torch.randn(4, N, device=device), torch.ones(N, device=device)
     seen = []
 
@@ -152,6 +153,5 @@ def test_tensors_without_storage_get_no_signature(device):
     torch.func.grad(probe)(x)
     assert seen == [None]
     assert forward_calls.signature(x, w, None, 1e-5, True, False, False) is not None
-    with pytest.raises(RuntimeError) as info:
-        torch.func.grad(lambda t: rms_norm(t, w).sum())(x)
-    assert "data pointer" not in str(info.value)
+    got = torch.func.grad(lambda t: rms_norm(t, w).sum())(x)
+    assert got.shape == x.shape and torch.isfinite(got).all()
