@@ -198,6 +198,18 @@ def test_a_rule_that_loses_to_the_default_falls_back_to_it():
     assert not record["still_slower"]
 
 
+def test_a_table_config_that_fails_on_a_shape_loses_there():
+    raw = _table([_other(A), _other(B)])
+    table = parse_table(raw)
+    fast = Timing(10.0, 9.5, 10.5)
+    times = {(HELD.key, table.lookup(HELD).to_json()): gate.FAILED, (HELD.key, default_config(HELD).to_json()): fast}
+    checks = gate.check(table, [HELD], None, None, _lookup(times), None)
+    assert checks[0].verdict == "slower than default"
+    timed = gate.check(table, [HELD], None, None, lambda p, c: None,
+                       lambda p, configs: {"table": None, "default": fast})  # timed now: the table's failed
+    assert timed[0].verdict == "slower than default"
+
+
 def test_a_losing_rule_takes_the_incumbents_config_else_the_default_else_goes():
     held = Problem("rms_norm", 6, 64, "bf16")  # answered by the first rule, as its fitted 4x64 is
     incumbent = parse_table(_table([_other(A), _other(B)]))

@@ -16,7 +16,7 @@ from ..tables.emit import dumps, write_table
 from . import journal as J
 from .checking import ROUNDS, incumbent_times, rows_of
 from .emission import emit, evidence
-from .gate import gate
+from .gate import FAILED, gate
 
 
 def candidate(ctx) -> int | None:
@@ -39,14 +39,13 @@ def _lookup(ctx):
     """(problem, config) → its time: pooled over the tune's fitted measurements, or from a validation's head to
     head (the latest that timed it); a config is also looked up in the canonical form a sweep stores."""
     times: dict[tuple[str, str], Timing] = dict(evidence(ctx))
-    for record in ctx.journal.get(J.VALIDATIONS, []):
+    for record in ctx.journal.get(J.VALIDATIONS, []):  # timed head to head: None there is a config that failed
         for row in rows_of(record):
             for name, config in row.configs.items():
-                if config is not None and row.times.get(name) is not None:
-                    times[(row.problem.key, config.to_json())] = row.times[name]
+                if config is not None:
+                    times[(row.problem.key, config.to_json())] = row.times.get(name) or FAILED
         for key, (config, t) in incumbent_times(record).items():
-            if t is not None:
-                times[(key, config.to_json())] = t
+            times[(key, config.to_json())] = t or FAILED
     limits = ctx.limits()
 
     def lookup(problem, config):

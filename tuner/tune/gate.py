@@ -3,6 +3,7 @@ generated held-out ones) the table's config must not be slower than the analytic
 table's, by more than `compare`'s threshold and beyond the measured spread (`spread.slower_beyond_spread`, the
 rule `normtune compare` fails a table by). Times come from what the tune measured (its sweeps, re-measurements
 and validations); a pair nobody timed is timed head to head while time allows, else the shape is listed untimed.
+A config timed that did not run correctly counts as slower than any (`FAILED`).
 
 A rule that loses falls back: to the incumbent table's config where the incumbent runs every shape the rule was
 fitted on and every shape it lost on with one config; else to the analytic default where those shapes share one;
@@ -12,6 +13,7 @@ then run the default). The shapes are checked again, at most MAX_PASSES times; w
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +25,8 @@ from ..tables.compare import THRESHOLD, config_for
 from ..tables.fit import single_pass_threshold
 
 MAX_PASSES = 3
+# The time of a config that was timed and did not run correctly (a compile error, a wrong result): slower than any.
+FAILED = Timing(math.inf, math.inf, math.inf, 0)
 
 Lookup = Callable[[Problem, BackwardConfig], "Timing | None"]
 Timer = Callable[[Problem, dict], dict]  # (problem, {name: config}) -> {name: Timing | None}
@@ -76,7 +80,7 @@ def check(table, problems: list[Problem], incumbent, limits, lookup: Lookup, tim
         if row.verdict == "untimed" and timer is not None:  # all of them head to head, none from elsewhere
             timed = timer(p, named)
             if timed:
-                row.times = {k: timed.get(k) for k in named}
+                row.times = {k: timed.get(k) or FAILED for k in named}
         out.append(row)
     return out
 
