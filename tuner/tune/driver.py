@@ -91,25 +91,29 @@ def _warm(ctx, problems) -> dict:
 
 def sweep_to_targets(ctx, seconds: float | None, only: set[str] | None = None) -> bool:
     """Sweep each fitted problem (of `only`, when given) still short of its target, one sweep per target; True
-    when none is short."""
+    once the sweeps ran to their end (a problem whose search space has nothing more to offer stays short), False
+    when the time ran out first."""
     deadline = ctx.clock.deadline(seconds)
-    for _ in range(2):  # once more where a problem came out short (a trial taken over from another worker)
+    for attempt in range(2):  # once more where a problem came out short (a trial taken over from another worker)
         targets = ctx.targets()
         problems = [p for p in ctx.fit_problems() if only is None or p.key in only]
         counts = {k: len(v) for k, v in study_measurements(ctx, problems).items()}
         short = [p for p in problems if counts[p.key] < targets.get(p.key, 0)]
         if not short:
             return True
+        if attempt:
+            ctx.say(f"sweep: {len(short)} problems ended short of their trials (their search space offers no more "
+                    "configs): " + ", ".join(p.key for p in short[:5]) + (" …" if len(short) > 5 else ""))
+            return True
         for target in sorted({targets[p.key] for p in short}):
-            left = _left(deadline)
             group = [p for p in short if targets[p.key] == target]
-            outcome = sweep(ctx, group, target, seconds=left, prefix=ctx.plan.study_prefix,
+            outcome = sweep(ctx, group, target, seconds=_left(deadline), prefix=ctx.plan.study_prefix,
                             extra_seeds=_warm(ctx, group))
             if outcome.signal:
                 raise Stopped(outcome)
             if outcome.stopped:
                 return False
-    return False
+    return True
 
 
 def sweep_rounds(ctx, seconds: float | None) -> bool:
