@@ -234,12 +234,20 @@ def test_a_losing_rule_takes_the_incumbents_config_else_the_default_else_goes():
 # -------------------------------------------------------------------------------------------------- journal
 
 
-def test_the_journal_keeps_decisions_and_the_time_over_runs(tmp_path, monkeypatch):
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_url(request, tmp_path):
+    from pg_support import backend_database
+
+    with backend_database(request.param, tmp_path, "the tune's journal") as url:
+        yield url
+
+
+def test_the_journal_keeps_decisions_and_the_time_over_runs(db_url, monkeypatch):
     from normtune.tuner.store.database import Store
 
     now = [1000.0]
     monkeypatch.setattr(J.time, "time", lambda: now[0])
-    with Store(f"sqlite:///{tmp_path / 'j.db'}") as store:
+    with Store(db_url) as store:
         journal = J.Journal(store, "normtune-tune:interpret:abc")
         journal.start_run()
         now[0] = 1010.0
