@@ -198,19 +198,20 @@ def validate_emission(ctx, index: int, seconds: float | None) -> int | None:
     return len(ctx.journal.get(J.VALIDATIONS)) - 1
 
 
-def resweep(ctx, validation: int, seconds: float | None) -> bool:
-    """Sweep where validation `validation` found the highest regret (decided once, continued after a kill);
-    False when there is nothing worth it or the time ran out."""
+def resweep(ctx, validation: int, seconds: float | None) -> bool | None:
+    """Sweep where validation `validation` found the highest regret (decided once, continued after a kill): True
+    when swept, False when the time ran out first, None when there is nothing worth it (or the tune had its
+    RESWEEPS)."""
     done = [r for r in ctx.journal.get(J.RESWEEPS, []) if r["validation"] == validation]
     if done:
         decision = done[0]
     else:
         if len(ctx.journal.get(J.RESWEEPS, [])) >= RESWEEPS:
-            return False
+            return None
         rows = rows_of(ctx.journal.get(J.VALIDATIONS)[validation])
         decision = decide(rows, ctx.fit_problems(), ctx.heldout, ctx.targets(), ctx.plan.trials)
         if decision is None:
-            return False
+            return None
         ctx.journal.append(J.RESWEEPS, {"validation": validation, **decision})
         ctx.say(f"resweep: where the held-out regret is highest ({', '.join(w['problem'] for w in decision['worst'])})"
                 f": {len(decision['added'])} shapes added, {len(decision['targets'])} problems given more trials")
@@ -240,6 +241,10 @@ def run(ctx) -> Progress:
         if out.validation is None:
             out.stopped = "time budget"
             break
-        if cycle == RESWEEPS or ctx.clock.out() or not resweep(ctx, out.validation, share(ctx, "resweep")):
+        if cycle == RESWEEPS or ctx.clock.out():
+            break
+        swept = resweep(ctx, out.validation, share(ctx, "resweep"))
+        if not swept:
+            out.stopped = out.stopped if swept is None else "time budget"
             break
     return out

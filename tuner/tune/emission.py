@@ -65,7 +65,7 @@ def remeasure(ctx, incumbent, seconds: float | None) -> int:
     that no earlier re-measurement timed, in a new "emit" run recorded in the journal before anything is measured,
     until `seconds` have passed. Returns the pairs measured."""
     found = inputs(ctx)
-    if found is None:
+    if found is None or (seconds is not None and seconds <= 0):
         return 0
     session, limits = ctx.session(), ctx.limits()
     pairs, incumbents = [], {}
