@@ -203,6 +203,6 @@ def test_the_time_budget_is_a_hard_limit_and_leaves_the_best_table_so_far(tuned)
     budgeted = tuned.budgeted
     done = re.search(r"done in (\d+) s of the 12 s budget; stopped early", budgeted.stderr)
     assert done and int(done.group(1)) <= BUDGET_S, budgeted.stderr
-    assert tuned.budgeted_wall < BUDGET_S + 5, tuned.budgeted_wall  # the interpreter's own start and exit besides
+    assert tuned.budgeted_wall < BUDGET_S + 8, tuned.budgeted_wall  # the interpreter's own start and exit besides
     assert tuned.best_so_far is not None, budgeted.stderr  # a trial was stored before: a table fitted on it
     parse_table(json.loads(tuned.best_so_far), "best so far")
