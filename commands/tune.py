@@ -10,25 +10,12 @@ from typing import Annotated, Optional
 import typer
 from typer import Option as Opt
 
-from .common import (CLIError, Device, Gpu, Interpret, Norms, ShapesFrom, Tokens, check_writable_file,
-                     compile_processes, device_info, parse_dtype, parse_list, parse_shapes_option,
-                     positive_seconds, problems_for, problems_option, refuse, run_checked, use_interpreter,
+from .common import (CLIError, Device, Gpu, Interpret, Norms, ShapesFrom, Tokens, WritingStorage,
+                     check_writable_file, compile_processes, device_info, parse_dtype, parse_list, parse_shapes_option,
+                     positive_seconds, problems_for, problems_option, refuse, run_checked, use_interpreter, user_db,
                      with_residual)
 
 FORMS = ("plain", "residual")
-
-
-def user_database() -> str:
-    """The database a tune uses without --db: results.db in the user directory (made if need be), beside the user
-    tables; never the repository's committed results.db."""
-    from normtune.kernels.table_chain import user_dir
-
-    try:
-        user_dir().mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CLIError(f"the user directory {user_dir()} cannot be made ({err.strerror or err}): pass --db URL, or "
-                       "set $NORMTUNE_HOME to a writable folder") from None
-    return f"sqlite:///{user_dir() / 'results.db'}"
 
 
 def _devices(text: str | None) -> list[int] | None:
@@ -160,8 +147,7 @@ def tune(
         "(measured, never trusted)"))] = None,
     as_new_gpu: Annotated[bool, Opt("--as-new-gpu", help=(
         "Tune as if this GPU had no table: its shipped and user tables are hidden from the whole run"))] = False,
-    db: Annotated[Optional[str], Opt("--db", help=(
-        "SQLAlchemy URL of the results database [default: results.db in the user directory]"))] = None,
+    db: WritingStorage = None,
     device: Device = 0,
     devices: Annotated[Optional[str], Opt(help="Comma list of CUDA devices: one sweep worker per GPU")] = None,
     compile_workers: Annotated[Optional[int], Opt(help=(
@@ -213,7 +199,7 @@ def tune(
     from normtune.tuner.tune import runner
 
     workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
-    db = db or run_checked(user_database)
+    db = run_checked(user_db, db)
     code = run_checked(runner.tune, console, runner.Options(
         key=key, info=info, problems=problems, trials=trials, heldout=heldout, reference_trials=reference_trials,
         budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db,

@@ -133,11 +133,19 @@ def test_a_models_norms_get_the_residual_form_on_its_hidden_size(tmp_path):
     assert "qwen3" in notes[0]
 
 
-def test_without_db_the_tune_uses_the_user_directory(monkeypatch, tmp_path):
-    from normtune.commands.tune import user_database
+def test_without_db_the_tune_uses_the_database_in_the_user_directory(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
 
+    from normtune.cli import app
+    from normtune.tuner.tune import runner
+
+    seen = []
     monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path / "home"))
-    assert user_database() == f"sqlite:///{tmp_path / 'home' / 'results.db'}" and (tmp_path / "home").is_dir()
+    monkeypatch.setattr(runner, "tune", lambda console, options: seen.append(options) or 0)
+    result = CliRunner().invoke(app, ["tune", "--interpret", "--shapes", "4x64", "--out", str(tmp_path / "t.json")])
+    assert result.exit_code == 0, result.output
+    assert seen[0].db == f"sqlite:///{tmp_path / 'home' / 'results.db'}" and (tmp_path / "home").is_dir()
+    assert seen[0].report == tmp_path / "t-tune"  # the report beside the table
 
 
 # -------------------------------------------------------------------------------------------------- resweep
