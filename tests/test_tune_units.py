@@ -148,6 +148,33 @@ def test_without_db_the_tune_uses_the_database_in_the_user_directory(monkeypatch
     assert seen[0].report == tmp_path / "t-tune"  # the report beside the table
 
 
+def test_as_new_gpu_hides_the_tables_before_the_tune_starts_a_process(monkeypatch, tmp_path):
+    import os
+
+    from typer.testing import CliRunner
+
+    from normtune.cli import app
+    from normtune.kernels.select import clear_caches
+    from normtune.kernels.table_chain import HIDE_VAR, choose_table
+    from normtune.tuner.tune import runner
+
+    monkeypatch.setenv(HIDE_VAR, "0")  # restored after the test; the command sets it for its whole run
+    monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path / "home"))
+    seen = []
+
+    def tune(console, options):
+        clear_caches()
+        seen.append((os.environ[HIDE_VAR], options.incumbent, choose_table("NVIDIA H100 80GB HBM3", (9, 0)).table))
+        return 0
+
+    monkeypatch.setattr(runner, "tune", tune)
+    result = CliRunner().invoke(app, ["tune", "--interpret", "--shapes", "4x64", "--out", str(tmp_path / "t.json"),
+                                      "--as-new-gpu", "--from", "h100"])
+    assert result.exit_code == 0, result.output
+    assert seen == [("1", None, None)]  # inherited by every process it spawns; the runtime chain sees no table
+    clear_caches()
+
+
 # -------------------------------------------------------------------------------------------------- resweep
 
 
