@@ -31,7 +31,10 @@ def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
     """--shapes as a comma list of sets (presets, files, MxN); never the held-out preset."""
     from normtune.tuner.shapes import PRESETS
 
-    items = [s.strip() for s in (spec or ("tiny" if interpret else "seed,llm")).split(",") if s.strip()]
+    spec = ("tiny" if interpret else "seed,llm") if spec is None else spec
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        return parse_shapes_option(spec, interpret)  # refused, as every command refuses no shapes
     if "heldout" in items:
         raise CLIError("--shapes heldout: the held-out preset is kept for measuring the finished table (normtune "
                        "validate, normtune compare); a tune never sweeps it: use seed, llm, a file or MxN shapes")
@@ -77,7 +80,7 @@ def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
     if dropped:
         notes.append(f"left out {len(dropped)} problems of the held-out preset's shapes (kept for measuring the "
                      "finished table): " + ", ".join(sorted({f"{p.M}x{p.N}" for p in dropped})))
-    return problems, notes
+    return problems, list(dict.fromkeys(notes))
 
 
 def _outputs(out: Path | None, report: Path | None, key: str, interpret: bool) -> tuple[Path, Path]:

@@ -90,6 +90,7 @@ def test_an_interpreter_table_is_never_written_as_the_user_table(tmp_path):
     (["--norm", "batch_norm"], "error: --norm 'batch_norm'"),
     (["--dtype", "int8"], "error: --dtype 'int8'"),
     (["--compile-workers", "-1"], "error: --compile-workers -1"),
+    (["--shapes", " "], "error: --shapes: no shapes given"),
     (["--heartbeat-interval", "5", "--grace-period", "5"], "error: --grace-period 5 must exceed"),
 ])
 def test_other_options(tmp_path, args, needle):
