@@ -74,12 +74,12 @@ def _rounds(ctx) -> list[str]:
     return lines
 
 
-def _gate(record: dict | None) -> list[str]:
+def _gate(record: dict | None, incumbent: str | None) -> list[str]:
     if record is None:
         return ["No table was gated (nothing measured yet)."]
     counts = ", ".join(f"{v}: {n}" for v, n in sorted(record["verdicts"].items()))
-    lines = [f"{record['shapes']} shapes (fitted and held-out) checked against the analytic default and the "
-             f"incumbent: {counts}."]
+    lines = [f"{record['shapes']} shapes (fitted and held-out) checked against the analytic default"
+             + (f" and the incumbent `{incumbent}`" if incumbent else "") + f": {counts}."]
     if record["fall_backs"]:
         body = [[e["family"], str(e["rule"]), ", ".join(e["lost_on"]), e["to"]] for e in record["fall_backs"]]
         lines += ["", "Rules that lost fell back:", ""] + markdown_table(["family", "rule", "lost on", "now"], body)
@@ -132,7 +132,7 @@ def write(ctx, out: Path, table_path: Path | None, table: dict | None, gate_reco
         lines += validation_table(rows) + ["", validation_summary(chosen["summary"])]
     else:
         lines.append("The written table was not validated (the time ran out first).")
-    lines += ["", "## Gate", ""] + _gate(gate_record)
+    lines += ["", "## Gate", ""] + _gate(gate_record, ctx.incumbent_label)
     lines += ["", "## Where the trials went", ""] + _rounds(ctx)
     lines += ["", "## Continue or reproduce", "", f"    {ctx.command_line}", "",
               "The same command continues this tune from its database (every measurement and decision is there)."]
