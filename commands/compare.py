@@ -13,9 +13,12 @@ from .common import (
 )
 
 
+DEFAULT = "default"  # in place of a table file: the analytic default config of every shape (no table)
+
+
 def compare(
-    old: Annotated[Path, typer.Argument(help="The table in use (JSON)")],
-    new: Annotated[Path, typer.Argument(help="The candidate table (JSON)")],
+    old: Annotated[Path, typer.Argument(help="The table in use (JSON), or 'default': the analytic default configs")],
+    new: Annotated[Path, typer.Argument(help="The candidate table (JSON), or 'default'")],
     gpu: Gpu = "auto",
     shapes: Shapes = None,
     norm: Annotated[str, typer.Option("--norm", help="Comma list: layer_norm, rms_norm")] = "layer_norm,rms_norm",
@@ -29,7 +32,8 @@ def compare(
                                                             "config changes, with both configs")] = False,
     interpret: Interpret = False,
 ):
-    """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape."""
+    """Time two tables' configs head to head (cold L2, interleaved) and exit 1 if NEW is slower on any shape.
+    'default' in place of either file stands for the analytic default configs (what runs without a table)."""
     run_checked(use_interpreter, interpret)
     from rich.console import Console
 
@@ -43,9 +47,11 @@ def compare(
         run_checked(refuse, f"--threshold {threshold}: give a fraction in [0, 1), e.g. 0.03 for 3 %")
     if rounds < 1:
         run_checked(refuse, f"--rounds {rounds}: need at least 1 round")
-    tables = [run_checked(load_table, str(path)) for path in (old, new)]
+    tables = [None if str(path) == DEFAULT else run_checked(load_table, str(path)) for path in (old, new)]
+    if tables == [None, None]:
+        run_checked(refuse, "OLD and NEW are both 'default': give a table file for at least one of them")
     for path, table in zip((old, new), tables):
-        if table.interpret and not interpret:
+        if table is not None and table.interpret and not interpret:
             run_checked(refuse, f"{path} holds Triton-interpreter timings: it never tunes a GPU, so comparing it "
                                 f"for --gpu {gpu} means nothing; compare it with --interpret, or pass a GPU's table")
     norms = run_checked(parse_list, norm, NORMS, "--norm")
@@ -56,7 +62,7 @@ def compare(
     if dry_run:  # no GPU needed: the configs as they run on the GPU NEW was tuned on
         from normtune.tuner.gpu_info import stored_limits
 
-        t = tables[1]
+        t = tables[1] or tables[0]
         limits = stored_limits(t.gpu_key, t.gpu_name, t.compute_capability, t.sm_count, t.interpret or interpret)
         typer.echo("\n".join(C.changes_markdown(C.config_changes(*tables, problems, limits), len(problems))))
         return

@@ -135,6 +135,27 @@ def test_compare_dry_run_lists_the_changed_configs_and_times_nothing(tmp_path, m
     assert same.exit_code == 0 and "0 of 1 shapes change config" in same.stdout and "| problem |" not in same.stdout
 
 
+def test_compare_against_the_analytic_default(tmp_path):
+    """'default' in place of a file: the configs that run without a table, timed like a table's."""
+    from normtune.kernels.config import default_config
+    from normtune.tuner.tables.compare import config_for
+
+    table = write_table(tmp_path / "new.json", BAD)
+    args = ["--interpret", "--norm", "rms_norm", "--shapes", "64x256", "--rounds", "2"]
+    dry = runner.invoke(app, ["compare", "default", table, "--dry-run", *args])
+    assert dry.exit_code == 0, dry.output
+    from normtune.kernels.config import Problem
+    from normtune.kernels.tables import load_table
+
+    problem = Problem("rms_norm", 64, 256, "bf16")
+    assert f"| rms_norm 64×256 bf16 | `{default_config(problem)}` | `{config_for(load_table(table), problem)}` |" \
+        in dry.stdout
+    timed = runner.invoke(app, ["compare", "default", table, *args])  # BAD's many programs lose to the default
+    assert timed.exit_code == 1 and "| SLOWER |" in timed.stdout, timed.output
+    both = runner.invoke(app, ["compare", "default", "default", *args])
+    assert both.exit_code == 1 and both.output.count("\n") == 1 and "both 'default'" in both.output
+
+
 @pytest.mark.parametrize("args, needle", [(["--threshold", "-0.1"], "--threshold -0.1"),
                                           (["--rounds", "0"], "--rounds 0")])
 def test_compare_bad_options_are_one_line(tmp_path, args, needle):
