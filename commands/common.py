@@ -141,12 +141,20 @@ def check_interpreter_triton(version: str) -> None:
 
 
 def use_interpreter(interpret: bool) -> None:
-    """--interpret must take effect before Triton decorates the kernels (at import)."""
+    """--interpret must take effect before Triton is imported: Triton's own library functions (tl.sum, tl.max, ...)
+    are decorated when triton is imported, and the kernels when normtune's are; both must be the interpreter's."""
     if not interpret:
         return
-    import triton
+    from importlib.metadata import PackageNotFoundError, version
 
-    check_interpreter_triton(triton.__version__)
+    try:
+        installed = version("triton")
+    except PackageNotFoundError:
+        raise CLIError("--interpret needs Triton: pip install triton") from None
+    check_interpreter_triton(installed)
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise CLIError("--interpret was given after Triton was imported for a GPU in this process: set "
+                       "TRITON_INTERPRET=1 before starting Python")
     os.environ["TRITON_INTERPRET"] = "1"
     mod = sys.modules.get("normtune.kernels.backward.reduce")
     if mod is not None:

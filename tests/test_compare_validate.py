@@ -272,3 +272,24 @@ def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
     assert "short of" not in full
     short = V.markdown([row(8, 40), row(16, 12)], info, "t.json", 40)
     assert "Reference short of 40 trials on 1 of 2 problems" in short and "rms_norm 16×96 bf16 (12)" in short
+
+
+@pytest.mark.parametrize("command", ["compare", "bench"])
+def test_interpret_works_without_triton_interpret_in_the_environment(tmp_path, command):
+    """--interpret switches the interpreter on before Triton is imported, so a command started from a shell
+    without TRITON_INTERPRET runs (Triton's own tl.sum and friends were decorated for a GPU otherwise)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    common = ["--interpret", "--norm", "rms_norm", "--shapes", "8x64"]
+    if command == "compare":
+        args = ["compare", write_table(tmp_path / "old.json", GOOD), write_table(tmp_path / "new.json", BAD),
+                "--rounds", "1", "--threshold", "0.99", *common]
+    else:
+        args = ["bench", "--out", str(tmp_path / "bench"), *common]
+    result = subprocess.run([sys.executable, "-c", "from normtune.cli import app; app(prog_name='normtune')", *args],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert "Cannot call @triton.jit" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.returncode in (0, 1), result.stderr[-2000:]  # compare exits 1 where NEW is slower
