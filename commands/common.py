@@ -185,6 +185,8 @@ def parse_list(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
 def device_info(gpu: str, interpret: bool, device: int = 0):
     from normtune.tuner.gpu_info import check_gpu_key, detect
 
+    if device < 0:
+        raise CLIError(f"--device {device}: give a CUDA device index, 0 or more (0 is the first GPU)")
     info = detect(device, interpret=interpret)
     check_gpu_key(gpu, info)
     return info

@@ -175,6 +175,7 @@ def test_bench_explicit_config(tmp_path):
     ("4096x", ["bad shape", "'4096x'"]),
     ("axb", ["bad shape", "'axb'", "integers"]),
     ("0x0", ["bad shape", "'0x0'", "N >= 1"]),
+    ("0x64", ["bad shape", "'0x64'", "M >= 1"]),
     ("16x1,8x-3", ["bad shape", "'8x-3'"]),
     (f"4x{MAX_N * 2}", ["bad shape", str(MAX_N)]),
     ("everything", ["neither a preset", "seed"]),
@@ -182,6 +183,16 @@ def test_bench_explicit_config(tmp_path):
 def test_bad_shapes(tmp_path, shapes, needles):
     assert_one_line_error(invoke("bench", "--interpret", "--shapes", shapes, "--out", tmp_path), *needles)
     assert not (tmp_path / "bench.csv").exists()
+    assert_one_line_error(invoke("bench", "--residual", "--interpret", "--shapes", shapes, "--out", tmp_path),
+                          *needles)
+    assert not list(tmp_path.iterdir())
+
+
+@needs_interpreter
+def test_a_negative_device_is_one_line(tmp_path):
+    assert_one_line_error(invoke("bench", "--interpret", "--shapes", "8x64", "--device", "-3", "--out", tmp_path),
+                          "--device -3", "0 or more")
+    assert not list(tmp_path.iterdir())
 
 
 @needs_interpreter
@@ -469,7 +480,7 @@ def test_presets():
 def test_explicit_lists():
     assert parse_shapes("4096x8192") == [(4096, 8192)]
     assert parse_shapes("4096x8192, 2048X4096,,1×1") == [(4096, 8192), (2048, 4096), (1, 1)]
-    assert parse_shapes(f"0x{MAX_N}") == [(0, MAX_N)]
+    assert parse_shapes(f"1x{MAX_N}") == [(1, MAX_N)]
     assert parse_shape(" 7 x 9 ") == (7, 9)
 
 
@@ -492,7 +503,7 @@ def test_shape_file_errors(tmp_path):
 
 @pytest.mark.parametrize("spec, match", [
     ("", "no shapes given"), ("   ", "no shapes given"), ("seeds", "neither a preset"), ("4096x8192x2", "write MxN"),
-    ("1.5x8", "integers"), ("-1x8", "M >= 0"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
+    ("1.5x8", "integers"), ("-1x8", "M >= 1"), ("0x8", "M >= 1"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
 ])
 def test_shape_errors(spec, match):
     with pytest.raises(ValueError, match=match):

@@ -46,8 +46,8 @@ def parse_shape(text: str) -> tuple[int, int]:
         M, N = int(parts[0]), int(parts[1])
     except ValueError:
         raise ValueError(f"bad shape {text!r}: M and N must be integers, e.g. 4096x8192") from None
-    if M < 0 or N < 1:
-        raise ValueError(f"bad shape {text!r}: need M >= 0 and N >= 1")
+    if M < 1 or N < 1:  # a shape without rows times, fits and validates nothing
+        raise ValueError(f"bad shape {text!r}: need M >= 1 and N >= 1 rows and columns")
     if N > MAX_N:
         raise ValueError(f"bad shape {text!r}: N exceeds the supported maximum {MAX_N}")
     return M, N
