@@ -29,6 +29,7 @@ from .knobs import (  # noqa: F401 - re-exported: `from .config import BackwardC
 from .problem import (  # noqa: F401 - the problem's names are re-exported: `from .config import Problem` works
     DTYPES,
     ITEMSIZE,
+    MAX_M,
     MAX_N,
     NORMS,
     RECOVER_LIMITS,

@@ -27,6 +27,7 @@ RECOVER_LIMITS = {"fp32": 2.0 ** 23, "bf16": 2.0 ** 7, "fp16": 2.0 ** 10}
 # Widest normalized dimension supported. Wider rows always run two-pass, so the limit comes from the partial
 # buffer (programs x N x 4 bytes), not from registers: 262144 columns on 132 SMs x 2 programs is ~277 MB.
 MAX_N = 262144
+MAX_M = 2**62  # rows: any count whose element offsets fit int64
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -103,7 +104,7 @@ class Problem:
         if self.has_bias is None:
             object.__setattr__(self, "has_bias", self.norm == "layer_norm")
         check_choice("save", self.save, SAVE_MODES)
-        check_int("M", self.M, 0, 2**62)
+        check_int("M", self.M, 0, MAX_M)
         if not isinstance(self.N, int) or isinstance(self.N, bool) or self.N < 1:
             raise ConfigError(f"N={self.N!r} must be a positive integer (the size of the normalized dimension)")
         if self.N > MAX_N:

@@ -503,7 +503,7 @@ def test_shape_file_errors(tmp_path):
 
 @pytest.mark.parametrize("spec, match", [
     ("", "no shapes given"), ("   ", "no shapes given"), ("seeds", "neither a preset"), ("4096x8192x2", "write MxN"),
-    ("1.5x8", "integers"), ("-1x8", "M >= 1"), ("0x8", "M >= 1"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
+    ("1.5x8", "integers"), ("-1x8", "M >= 1"), ("0x8", "M >= 1"), ("99999999999999999999x8", "M exceeds"), ("8x0", "N >= 1"), (f"8x{MAX_N + 1}", "maximum"),
 ])
 def test_shape_errors(spec, match):
     with pytest.raises(ValueError, match=match):

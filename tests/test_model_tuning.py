@@ -304,6 +304,7 @@ def test_where_names_a_user_table_and_an_explicit_table(monkeypatch, tmp_path):
     (["--gpu", "h100", "--shape", "8x64", "--bias"], ["--bias", "rms_norm has no bias"]),
     (["--gpu", "h100", "--shape", "8x64", "--config-file", "nope.json"], ["--config-file nope.json", "no such file"]),
     (["--gpu", "interpret", "--shape", "8x64"], ["--gpu 'interpret'", "h100"]),
+    (["--gpu", "h100", "--shape", "99999999999999999999x4096"], ["--shape", "M exceeds the supported maximum"]),
 ])
 def test_where_errors_are_one_line(args, needles):
     one_line_error(runner.invoke(app, ["where", *args]), *needles)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from normtune.kernels.config import MAX_N
+from normtune.kernels.config import MAX_M, MAX_N
 
 from .tables.heldout import HELDOUT_SHAPES
 
@@ -50,6 +50,8 @@ def parse_shape(text: str) -> tuple[int, int]:
         raise ValueError(f"bad shape {text!r}: need M >= 1 and N >= 1 rows and columns")
     if N > MAX_N:
         raise ValueError(f"bad shape {text!r}: N exceeds the supported maximum {MAX_N}")
+    if M > MAX_M:
+        raise ValueError(f"bad shape {text!r}: M exceeds the supported maximum {MAX_M}")
     return M, N
 
 
