@@ -29,6 +29,10 @@ def report(
     console = Console(stderr=True)
     if db == DEFAULT_DB and not Path("results.db").exists():
         run_checked(refuse, "results.db not found here: run from the repository root or pass --db sqlite:///PATH")
+    if table is not None:  # a broken table is said before anything is read or written
+        from normtune.kernels.tables import read_table
+
+        run_checked(read_table, str(table))
     store = run_checked(read_only_store, db)
     try:  # a table's TableError is a ValueError; a damaged database's read fails with the store's StoreError
         paths = run_checked(write_report, store, gpu.strip().lower(), out, heatmap_problem=problem,

@@ -227,6 +227,8 @@ class BackwardConfig:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise ConfigError(f"config is not valid JSON ({err}): expected e.g. {cls().to_json()}") from None
+        except RecursionError:
+            raise ConfigError(f"config JSON nests too deeply to be a config: expected e.g. {cls().to_json()}") from None
         return cls.from_dict(data)
 
     def __str__(self) -> str:

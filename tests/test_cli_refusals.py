@@ -70,3 +70,20 @@ def test_status_prefix_matches_names_literally(tmp_path):
     for prefix in ("%", "_"):
         result = CliRunner().invoke(app, ["status", "--db", url, "--prefix", prefix])
         assert result.exit_code == 0 and f"no sweep studies named {prefix}…" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--interpret", "--shapes", "8x64", "--config"],
+    ["report", "--gpu", "h100", "--table"],
+    ["slim", "--table"],
+])
+def test_a_deeply_nested_json_is_one_error_line_naming_the_file(tmp_path, command):
+    """json.loads raises RecursionError on deep nesting: it must read as the file's error, not a traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    out = tmp_path / "out"
+    extra = ["--out", str(out)] if command[0] != "slim" else ["--out", str(tmp_path / "slim.db")]
+    result = CliRunner().invoke(app, [*command, str(deep), *extra])
+    line = _one_error(result)
+    assert str(deep) in line and "nests too deeply" in line
+    assert not out.exists() or not any(out.iterdir())  # nothing written

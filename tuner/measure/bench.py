@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from normtune.kernels.config import BackwardConfig, Problem, default_config
+from normtune.kernels.config import ConfigError, BackwardConfig, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
 from normtune.kernels.select import select_config
 
@@ -82,7 +82,11 @@ def parse_config_option(spec: str) -> BackwardConfig | str:
         raise FileNotFoundError(f"--config {spec}: no such file (give default, table, a JSON file or JSON text "
                                 "such as '{\"kernel_1\": {...}, \"kernel_2\": {...}}')")
     with open(spec) as fh:
-        return BackwardConfig.from_json(fh.read())
+        text = fh.read()
+    try:
+        return BackwardConfig.from_json(text)
+    except ConfigError as err:
+        raise ConfigError(f"--config {spec}: {err}") from None
 
 
 def resolve_bench_config(spec: BackwardConfig | str, problem: Problem, info: DeviceInfo,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.problem import ProblemFamily
-from normtune.kernels.tables import TableError, parse_table
+from normtune.kernels.tables import parse_table, read_json
 
 from ..measure.bench import OURS, summary
 from ..tables.emit import build_table
@@ -298,12 +298,7 @@ def _table(store, data: ReportData, table_path: str | None) -> tuple[dict | None
     """(table dict, where it came from): the given file, the shipped one, or a fit of the stored results."""
     if table_path is not None:
         # Parsed afresh (not kernels.tables.load_table's cache): a report after `emit` must see the new file.
-        try:
-            raw = json.loads(Path(table_path).read_text())
-        except (OSError, ValueError) as err:
-            raise TableError(f"heuristic table {table_path}: cannot be read "
-                             f"({getattr(err, 'strerror', None) or err})") from None
-        return parse_table(raw, str(table_path)).raw, f"`{table_path}`"
+        return parse_table(read_json(str(table_path)), str(table_path)).raw, f"`{table_path}`"
     shipped = resources.files("normtune.configs") / f"{data.gpu_key}.json"
     local = Path("configs") / f"{data.gpu_key}.json"  # where `emit` writes by default, from this folder
     if local.is_file():

@@ -18,11 +18,12 @@ read-only open creates no `-wal`/`-shm` files beside it.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
+
+from normtune.kernels.tables import TableError, read_json
 
 from ..tables.emit import recorded_runs
 from ..store.models import KNOB_COLUMNS, config_from_columns
@@ -140,9 +141,9 @@ def load_tables(paths: list[Path]) -> dict[str, dict]:
     out = {}
     for path in paths:
         try:
-            out[str(path)] = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as err:
-            raise ValueError(f"--table {path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+            out[str(path)] = read_json(str(path))
+        except TableError as err:
+            raise ValueError(f"--table {path}: {err}") from None
     return out
 
 
