@@ -109,7 +109,15 @@ def choose_table(device_name: str | None, capability: tuple[int, int] | None = N
         except TableError as err:
             raise TableError(f"user table: {err}; {fix}") from None
         _refuse_interpreter_table(table, device_name, fix)
-        return TableChoice(table, tuple(steps) + (Step("user", f"user table {user}: found", str(user), True),))
+        if table.gpu_key == key:
+            return TableChoice(table, tuple(steps) + (Step("user", f"user table {user}: found", str(user), True),))
+        # Another GPU's table saved under this GPU's name: its configs were never timed here, so it is skipped.
+        steps.append(Step("user", f"user table {user}: tuned on {table.gpu_name!r} (GPU family {table.gpu_key}), "
+                                  f"not this GPU family {key}: skipped", str(user)))
+        choice = _shipped(device_name, key, capability, steps)
+        skipped = (f"normtune: the user table {user} was tuned on {table.gpu_name!r}, not on {device_name!r} "
+                   f"(GPU family {key}): it is not used; tune this GPU with `normtune tune --gpu auto`, or delete it")
+        return TableChoice(choice.table, choice.steps, "; ".join(w for w in (skipped, choice.warning) if w))
     steps.append(Step("user", f"user table {user}: not found", str(user)))
     return _shipped(device_name, key, capability, steps)
 

@@ -325,6 +325,7 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
             except (ConfigError, TypeError) as err:
                 _fail(path, f"{where}: {err}")
             rules.append(Rule(n_max, m_max, cfg, tuple(map(str, fitted_on))))
+        _check_rule_order(path, key, rules)
         families[key] = tuple(rules)
         if (shapes := fitted_shapes(rules_data)) is not None:
             ms, ns = [m for m, _ in shapes], [n for _, n in shapes]
@@ -335,6 +336,24 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
                  compute_capability=gpu.get("compute_capability"), sm_count=gpu.get("sm_count"),
                  interpret=bool(data.get("interpret", False)), families=families, raw=dict(data), fitted=fitted,
                  aligned_only=frozenset(aligned))
+
+
+def _check_rule_order(path: str, key: str, rules: list[Rule]) -> None:
+    """The first matching rule wins, so a rule whose bounds an earlier rule's contain would never be used (a
+    duplicate, say, shadowing nothing but itself being shadowed): refused, as are rules out of the order `emit`
+    writes (by n_max, then m_max, unbounded last), where a lookup could stop at a wider rule first."""
+    def bound(v):
+        return float("inf") if v is None else v
+
+    for j, later in enumerate(rules):
+        for i, earlier in enumerate(rules[:j]):
+            if bound(earlier.n_max) >= bound(later.n_max) and bound(earlier.m_max) >= bound(later.m_max):
+                _fail(path, f"family {key!r} rule {j} (n_max {later.n_max}, m_max {later.m_max}) is never used: rule "
+                            f"{i} (n_max {earlier.n_max}, m_max {earlier.m_max}) comes first and covers it; remove "
+                            "or reorder the rules (emit writes them by n_max, then m_max)")
+        if j and (bound(later.n_max), bound(later.m_max)) < (bound(rules[j - 1].n_max), bound(rules[j - 1].m_max)):
+            _fail(path, f"family {key!r} rule {j} (n_max {later.n_max}, m_max {later.m_max}) comes after rule {j - 1} "
+                        f"(n_max {rules[j - 1].n_max}, m_max {rules[j - 1].m_max}): rules go by n_max, then m_max")
 
 
 @functools.lru_cache(maxsize=None)

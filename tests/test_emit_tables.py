@@ -10,6 +10,7 @@ tiny interpreter sweep first.
 from __future__ import annotations
 
 import dataclasses
+import re
 import json
 import math
 import warnings
@@ -266,13 +267,14 @@ def test_a_split_rule_is_checked_on_its_fitted_shapes_not_its_bounds():
     rule = BackwardConfig(kernel_1_config(block_row=4, block_col=4096, num_warps=16, recompute=True, row_split=3,
                                         column_accumulators=True), Kernel2Config(block_m=128, block_n=32, pdl=True))
     family = data["families"]["layer_norm/bf16/wbf16/bias/save-input"]
-    family["rules"].insert(0, {"n_max": 14188, "m_max": None, "config": rule.to_dict(), "fitted_on": ["4096x12288"]})
+    at = next(i for i, r in enumerate(family["rules"]) if r["n_max"] == 13272 and r["m_max"] is None)
+    family["rules"][at] = {"n_max": 14188, "m_max": None, "config": rule.to_dict(), "fitted_on": ["4096x12288"]}
     parsed = parse_table(data)
     got = parsed.lookup(Problem("layer_norm", 4096, 14080, "bf16", has_bias=True))
     assert got.kernel_1 == dataclasses.replace(rule.kernel_1, row_split=4)
     got.validate(Problem("layer_norm", 4096, 14080, "bf16", has_bias=True))
-    family["rules"][0]["fitted_on"] = ["4096x14188"]
-    with pytest.raises(TableError, match=r"rule 0: kernel_1.block_col=4096 does not cover a 1/3 slice"):
+    family["rules"][at]["fitted_on"] = ["4096x14188"]
+    with pytest.raises(TableError, match=rf"rule {at}: kernel_1.block_col=4096 does not cover a 1/3 slice"):
         parse_table(data)
 
 
@@ -841,3 +843,21 @@ def test_an_n_range_ends_halfway_between_fitted_widths_within_their_power_of_two
     assert n_boundary(12288, 16384) == 14188
     assert n_boundary(16384, 32768) == 16384  # never past one pass
     assert n_boundary(1536, 1537) == 1536  # never below its own width
+
+
+@pytest.mark.parametrize("rules, needle", [
+    ([(1024, None), (1024, None)], "rule 1 (n_max 1024, m_max None) is never used: rule 0"),
+    ([(4096, None), (1024, 512)], "rule 1 (n_max 1024, m_max 512) is never used: rule 0"),
+    ([(1024, 512), (None, None), (4096, 64)], "rule 2 (n_max 4096, m_max 64) is never used: rule 1"),
+    ([(1024, 512), (512, 4096)], "rule 1 (n_max 512, m_max 4096) comes after rule 0"),
+])
+def test_a_table_whose_rules_overlap_or_are_out_of_order_is_refused(rules, needle):
+    """The first matching rule wins: a rule an earlier one covers would silently never run (`where` would show the
+    earlier rule's config without a word)."""
+    data = _valid()
+    family = data["families"]["layer_norm/bf16/wbf16/bias/save-input"]
+    config = BackwardConfig(kernel_1_config(block_row=1, block_col=256, num_warps=4, two_pass=True),
+                            Kernel2Config()).to_dict()
+    family["rules"] = [{"n_max": n, "m_max": m, "config": config, "fitted_on": []} for n, m in rules]
+    with pytest.raises(TableError, match=re.escape(needle)):
+        parse_table(data)

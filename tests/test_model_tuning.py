@@ -19,7 +19,7 @@ from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.device import interpret_mode
 from normtune.kernels.select import clear_caches, explain, select_config
-from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, choose_table, user_dir
+from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, choose_table, table_for, user_dir
 from normtune.kernels.tables import TableError, load_table, parse_table
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
@@ -234,6 +234,23 @@ def test_malformed_user_table_is_refused_naming_the_file(text, needle):
         select_config(PROBLEM, H100_NAME, (9, 0))
     message = str(info.value)
     assert str(path) in message and needle in message and "normtune emit --gpu h100 --user" in message, message
+
+
+def test_another_gpus_table_saved_as_the_user_table_is_skipped_with_a_warning_naming_it():
+    """An H200 table saved as h100.json: its configs were never timed on an H100, so the chain goes on to the
+    shipped table and says why, once."""
+    h200 = json.loads((CONFIGS / "h200.json").read_text())
+    path = user_dir() / "h100.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(h200))
+    choice = choose_table(H100_NAME, (9, 0))
+    assert choice.table is not None and choice.table.path != str(path) and choice.table.gpu_key == "h100"
+    assert str(path) in choice.warning and h200["gpu"]["name"] in choice.warning
+    assert [s.source for s in choice.steps] == ["env", "user", "shipped"] and "skipped" in choice.steps[1].detail
+    with pytest.warns(UserWarning, match="not used") as caught:
+        table_for(H100_NAME, (9, 0))
+        table_for(H100_NAME, (9, 0))
+    assert len([w for w in caught if "not used" in str(w.message)]) == 1
 
 
 def test_interpreter_user_table_is_refused_on_a_gpu():
