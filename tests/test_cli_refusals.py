@@ -87,3 +87,17 @@ def test_a_deeply_nested_json_is_one_error_line_naming_the_file(tmp_path, comman
     line = _one_error(result)
     assert str(deep) in line and "nests too deeply" in line
     assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_slim_into_a_folder_it_cannot_write_is_one_error_line(tmp_path):
+    """A read-only place for --out (here /proc, which refuses new files even to root) ends in one error line, not
+    sqlite3's OperationalError traceback, and leaves nothing behind."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = CliRunner().invoke(app, ["slim", "--db", f"sqlite:///{root / 'results.db'}", "--table",
+                                      str(root / "configs" / "h100.json"), "--out", "/proc/normtune-slim.db"])
+    last = [line for line in result.output.splitlines() if line.strip()][-1]
+    assert result.exit_code == 1, result.output
+    assert last.startswith("error: --out /proc/normtune-slim.db: cannot write there"), result.output
+    assert "Traceback" not in result.output

@@ -105,10 +105,21 @@ def write_slim(source: str, out: str, run_ids: list[int]) -> int:
     if target.exists():
         raise ValueError(f"--out {out}: already exists; name a new file (the slim copy never overwrites)")
     partial = target.with_name(target.name + ".partial")
-    partial.unlink(missing_ok=True)
-    src = sqlite3.connect(f"file:{os.path.abspath(source)}?mode=ro", uri=True)
     try:
+        partial.unlink(missing_ok=True)
         dst = sqlite3.connect(partial)
+        dst.execute("CREATE TABLE normtune_slim_probe (x)")  # the folder takes a new file
+        dst.execute("DROP TABLE normtune_slim_probe")
+    except (OSError, sqlite3.Error) as err:
+        raise ValueError(f"--out {out}: cannot write there ({err}); name a file in a writable folder") from None
+    try:
+        src = sqlite3.connect(f"file:{os.path.abspath(source)}?mode=ro", uri=True)
+        src.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+    except sqlite3.Error as err:
+        dst.close()
+        partial.unlink(missing_ok=True)
+        raise ValueError(f"--db {source}: cannot be read ({err})") from None
+    try:
         try:
             src.backup(dst)
         finally:
