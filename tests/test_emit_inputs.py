@@ -99,6 +99,20 @@ def test_a_held_out_shape_is_never_fitted_on_even_when_a_sweep_measured_it(tmp_p
         store.close()
 
 
+def test_a_stored_problem_without_rows_is_not_fitted(tmp_path):
+    """An older sweep could store a 0-row problem; emit leaves it out (it failed with m_max=0 before)."""
+    store = sweep_store(tmp_path / "r.db")
+    try:
+        before = emit.build_table(store, GPU.key)
+        run = store.start_run(GPU, kind="sweep", command_line="normtune sweep --shapes 0x1024")
+        store.add_measurement(run, RMS.problem(0, 1024), cfg(1024, 2, 32), ok(0.1), source="sweep")
+        store.end_run(run)
+        after = emit.build_table(store, GPU.key)
+        assert after["families"] == before["families"] and after["provenance"]["runs"] == [1, 2]
+    finally:
+        store.close()
+
+
 def test_selection_by_run_kind_and_revision(tmp_path):
     store = sweep_store(tmp_path / "r.db")
     try:

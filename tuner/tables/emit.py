@@ -100,6 +100,8 @@ def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Se
                     and not m.source.startswith(NEVER_FIT)]
     held_out = sorted({(m.problem.M, m.problem.N) for m in measurements if (m.problem.M, m.problem.N) in HELD_OUT})
     measurements = [m for m in measurements if (m.problem.M, m.problem.N) not in HELD_OUT]
+    # A problem without rows (an older sweep stored some) timed nothing worth fitting: no rule bounds M = 0.
+    measurements = [m for m in measurements if m.problem.M >= 1]
     used = {m.run_id for m in measurements}
     return Inputs([r for r in runs if r.id in used], measurements, [f"{M}x{N}" for M, N in held_out])
 
