@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import re
 
 import torch
@@ -21,8 +22,28 @@ def interpret_mode() -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """CUDA tensors always run the Triton kernels; CPU tensors only in interpreter mode."""
-    return t.is_cuda or (t.device.type == "cpu" and interpret_mode())
+    """CUDA tensors always run the Triton kernels; CPU tensors only in interpreter mode, which must have been on
+    when the kernels were defined (at import)."""
+    if t.is_cuda:
+        return True
+    if t.device.type != "cpu" or not interpret_mode():
+        return False
+    if not _kernels_interpreted():
+        raise RuntimeError("normtune: TRITON_INTERPRET=1 was set after normtune's kernels were imported, so they "
+                           "cannot run on CPU tensors: set it before importing normtune (or unset it: CPU tensors "
+                           "then run the PyTorch reference)")
+    return True
+
+
+def _kernels_interpreted() -> bool:
+    """Whether the forward kernel was defined for Triton's interpreter (decided when it was imported; not imported
+    yet, it will be defined under the current environment)."""
+    forward = sys.modules.get("normtune.kernels.forward")
+    if forward is None or not hasattr(forward, "_forward_kernel"):
+        return True
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(forward._forward_kernel, InterpretedFunction)
 
 
 @functools.lru_cache(maxsize=None)

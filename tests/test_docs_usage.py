@@ -104,3 +104,16 @@ def test_cpu_tensors_take_the_path_the_page_states():
                         text=True, cwd=ROOT.parent)
     assert on.returncode == 0, on.stderr[-2000:]
     assert on.stdout.split()[-1] == "2", "with TRITON_INTERPRET a CPU call did not run the Triton kernels"
+
+
+def test_triton_interpret_set_after_the_import_is_one_clear_error():
+    probe = ("import os, torch, normtune.kernels as k\n"
+             "os.environ['TRITON_INTERPRET'] = '1'\n"
+             "try:\n"
+             "    k.rms_norm(torch.randn(2, 32), torch.ones(32))\n"
+             "except RuntimeError as err:\n"
+             "    print('refused:', err)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    late = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=ROOT.parent)
+    assert late.returncode == 0, late.stderr[-2000:]
+    assert "refused: normtune: TRITON_INTERPRET=1 was set after normtune's kernels were imported" in late.stdout
