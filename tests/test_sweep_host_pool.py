@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from normtune.kernels.config import Problem
 from normtune.tuner.sweep.compiling import wait_compiled
 from normtune.tuner.sweep.device_workers import worker_options
 from normtune.tuner.sweep.host_pool import HostCompiler, RemoteCompilePool
@@ -77,7 +78,7 @@ def test_a_worker_whose_launcher_is_gone_compiles_in_its_measuring_process():
 def test_each_worker_is_handed_its_share_of_the_hosts_compile_processes():
     """A worker keeps its share of the host's compile processes busy ahead (`CompileAhead`) and holds that many
     trials ahead, whether its own pool or the host's shared one serves it."""
-    opts = SweepOptions(gpu_key="h100", problems=[], compile_workers=14)
+    opts = SweepOptions(gpu_key="h100", problems=[Problem("rms_norm", 8, 64, "bf16")], compile_workers=14)
     assert [w.compile_workers for w in worker_options(opts, [0, 1, 2])] == [5, 5, 4]
 
 
