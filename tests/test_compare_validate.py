@@ -274,22 +274,33 @@ def test_the_report_names_shapes_whose_reference_is_short_of_the_trials():
     assert "Reference short of 40 trials on 1 of 2 problems" in short and "rms_norm 16×96 bf16 (12)" in short
 
 
-@pytest.mark.parametrize("command", ["compare", "bench"])
+@pytest.mark.parametrize("command", ["compare", "bench", "validate"])
 def test_interpret_works_without_triton_interpret_in_the_environment(tmp_path, command):
     """--interpret switches the interpreter on before Triton is imported, so a command started from a shell
-    without TRITON_INTERPRET runs (Triton's own tl.sum and friends were decorated for a GPU otherwise)."""
+    without TRITON_INTERPRET runs its kernels in this process (Triton's own tl.sum and friends were decorated for a
+    GPU otherwise, and the first kernel call failed with 'Cannot call @triton.jit'd outside of the scope of a
+    kernel'). `sweep` ran already: it times in helper processes started after the variable was set."""
     import os
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    common = ["--interpret", "--norm", "rms_norm", "--shapes", "8x64"]
+    env.update(CUDA_VISIBLE_DEVICES="", NORMTUNE_HOME=str(tmp_path / "home"))
+    # 64x256: the shape both tables were fitted on, where GOOD and BAD differ and so are timed.
+    common = ["--interpret", "--norm", "rms_norm", "--shapes", "64x256" if command == "compare" else "8x64"]
     if command == "compare":
         args = ["compare", write_table(tmp_path / "old.json", GOOD), write_table(tmp_path / "new.json", BAD),
                 "--rounds", "1", "--threshold", "0.99", *common]
+    elif command == "bench":
+        args = ["bench", "--out", str(tmp_path / "out"), *common]
     else:
-        args = ["bench", "--out", str(tmp_path / "bench"), *common]
+        args = ["validate", "--trials", "1", "--rounds", "1", "--db", f"sqlite:///{tmp_path / 'v.db'}", "--out",
+                str(tmp_path / "out"), *common]
     result = subprocess.run([sys.executable, "-c", "from normtune.cli import app; app(prog_name='normtune')", *args],
                             env=env, capture_output=True, text=True, timeout=300)
     assert "Cannot call @triton.jit" not in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert result.returncode in (0, 1), result.stderr[-2000:]  # compare exits 1 where NEW is slower
+    if command == "compare":  # exits 1 where NEW is slower; either way both tables' configs were timed
+        assert result.returncode in (0, 1) and "| rms_norm 64×256 bf16 | –" not in result.stdout, result.stdout
+        assert "geometric-mean NEW ÷ OLD over the timed shapes –" not in result.stdout, result.stdout
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (tmp_path / "out" / ("bench.csv" if command == "bench" else "validate.json")).is_file()
