@@ -3,6 +3,8 @@ exit code 1 before anything is measured or stored."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -42,6 +44,39 @@ def test_empty_shapes_are_refused_not_taken_for_the_default_preset(tmp_path, com
         args += ["--out", str(tmp_path / "bench")]
     assert _one_error(CliRunner().invoke(app, args)).startswith("error: --shapes: no shapes given")
     assert not (tmp_path / "results.db").exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "compare", "tune"])
+@pytest.mark.parametrize("shapes, bad", [("0x64", "0x64"), ("8x64,-2x64", "-2x64")])
+def test_shapes_without_rows_are_refused_by_every_command(tmp_path, monkeypatch, command, shapes, bad):
+    """A shape needs M >= 1 rows (the shape parsing every command shares): bench reported a speedup for 0 rows,
+    and validate, compare and tune took such shapes as well."""
+    monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path / "home"))
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    table = inputs / "t.json"
+    table.write_text((Path(__file__).resolve().parents[1] / "configs" / "h100.json").read_text())
+    db, out = tmp_path / "results.db", tmp_path / "out"
+    args = {"validate": ["validate", "--db", f"sqlite:///{db}", "--out", str(out)],
+            "compare": ["compare", "default", str(table)],
+            "tune": ["tune", "--db", f"sqlite:///{db}", "--out", str(out / "t.json"), "--time-budget", "5"]}[command]
+    line = _one_error(CliRunner().invoke(app, [*args, "--interpret", "--shapes", shapes]))
+    assert line.startswith(f"error: --shapes: bad shape '{bad}'") and "M >= 1" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # nothing written
+
+
+@pytest.mark.parametrize("command", [
+    ["where", "--gpu", "auto", "--shape", "8x64"],
+    ["tune", "--interpret", "--shapes", "8x64", "--time-budget", "5"],
+])
+def test_a_negative_device_is_refused_naming_device(tmp_path, monkeypatch, command):
+    """--device -3 was taken (bench and tune ran; where blamed --gpu auto for finding no GPU)."""
+    monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path / "home"))
+    more = ["--db", f"sqlite:///{tmp_path / 'results.db'}", "--out", str(tmp_path / "t.json")] \
+        if command[0] == "tune" else []
+    line = _one_error(CliRunner().invoke(app, [*command, *more, "--device", "-3"]))
+    assert line.startswith("error: --device -3: give a CUDA device index, 0 or more"), line
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("target", ["folder", "under-a-file"])
