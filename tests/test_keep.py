@@ -157,6 +157,40 @@ def test_a_read_only_command_leaves_no_wal_files(full, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "results.db"]
 
 
+def test_slim_reads_a_wal_database_in_a_folder_it_cannot_write(full, tmp_path):
+    """A WAL database in a read-only folder: the store reads it `immutable` (no -shm can be made there), and so
+    must slim's copy (sqlite3.OperationalError 'unable to open database file' before). The folder is made
+    read-only by a bind mount in a mount namespace of the command's own (`unshare`), since root ignores a
+    folder's permission bits."""
+    import shutil
+    import subprocess
+    import sys
+
+    path, table = full
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    db = folder / "results.db"
+    source, con = sqlite3.connect(f"file:{path}?mode=ro", uri=True), sqlite3.connect(db)
+    source.backup(con)  # with what the source's write-ahead log holds
+    source.close()
+    assert con.execute("PRAGMA journal_mode=WAL").fetchone() == ("wal",)
+    con.close()
+    out = tmp_path / "slim.db"
+    read_only = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"{read_only} && ! touch {folder}/probe"],
+                           capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("no read-only bind mount here (needs unshare with user and mount namespaces)")
+    cli = [sys.executable, "-c", "from normtune.cli import app; app(prog_name='normtune')"]
+    script = read_only + ' && exec "$@"'
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *cli, "slim", "--db", f"sqlite:///{db}",
+                             "--out", str(out), "--table", str(_write(tmp_path / "testgpu.json", table))],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert f"wrote {out}: 4 runs" in result.stdout, result.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["results.db"]
+
+
 def test_the_committed_results_db_is_within_its_size_limit():
     """docs/results-db.md: the file keeps only what its policy names; `normtune slim` writes it."""
     assert REPO_DB.is_file(), "results.db is missing from the repository root"

@@ -27,6 +27,7 @@ from normtune.kernels.tables import TableError, read_json
 
 from ..tables.emit import recorded_runs
 from ..store.models import KNOB_COLUMNS, config_from_columns
+from ..store.schema import read_only_mode
 
 # Optuna's tables (its RDB storage schema) and normtune's slot claims in them: dropped whole.
 OPTUNA_TABLES = ("trial_params", "trial_user_attributes", "trial_system_attributes", "trial_values",
@@ -105,20 +106,25 @@ def write_slim(source: str, out: str, run_ids: list[int]) -> int:
     if target.exists():
         raise ValueError(f"--out {out}: already exists; name a new file (the slim copy never overwrites)")
     partial = target.with_name(target.name + ".partial")
+    # Opened as the store opens it for reading: a WAL database in a folder this user cannot write is read
+    # `immutable` (its write-ahead log empty) or refused in one line (`read_only_mode`).
+    try:
+        src = sqlite3.connect(f"file:{os.path.abspath(source)}?{read_only_mode(source, source)}", uri=True)
+        src.execute("SELECT 1 FROM sqlite_master LIMIT 1")
+    except sqlite3.Error as err:
+        raise ValueError(f"--db {source}: cannot be read ({err}); pass a copy in a folder you can write") from None
+    dst = None
     try:
         partial.unlink(missing_ok=True)
         dst = sqlite3.connect(partial)
         dst.execute("CREATE TABLE normtune_slim_probe (x)")  # the folder takes a new file
         dst.execute("DROP TABLE normtune_slim_probe")
     except (OSError, sqlite3.Error) as err:
+        src.close()
+        if dst is not None:
+            dst.close()
+            partial.unlink(missing_ok=True)
         raise ValueError(f"--out {out}: cannot write there ({err}); name a file in a writable folder") from None
-    try:
-        src = sqlite3.connect(f"file:{os.path.abspath(source)}?mode=ro", uri=True)
-        src.execute("SELECT 1 FROM sqlite_master LIMIT 1")
-    except sqlite3.Error as err:
-        dst.close()
-        partial.unlink(missing_ok=True)
-        raise ValueError(f"--db {source}: cannot be read ({err})") from None
     try:
         try:
             src.backup(dst)
