@@ -197,17 +197,19 @@ def tune(
     problems, notes = run_checked(_problems, shapes, shapes_from, tokens, norm, dtype, forms, interpret)
     info = run_checked(device_info, gpu, interpret, device_list[0] if device_list else device)
     key = info.key
-    out, report = run_checked(_outputs, out, report, key, interpret)
+    # The tables read (--from, the incumbent) are checked before the report folder is made.
     warm_table = run_checked(_warm_start, warm_from, info, as_new_gpu)
+    incumbent = run_checked(_incumbent, info, as_new_gpu)
+    workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
+    out, report = run_checked(_outputs, out, report, key, interpret)
     from normtune.tuner.tune import runner
 
-    workers = run_checked(compile_processes, compile_workers, len(device_list or ()) or 1)
     db = run_checked(user_db, db)
     code = run_checked(runner.tune, console, runner.Options(
         key=key, info=info, problems=problems, trials=trials, heldout=heldout, reference_trials=reference_trials,
         budget_s=time_budget, started=started, warm=warm_table, as_new_gpu=as_new_gpu, db=db,
         device=device_list[0] if device_list else device, devices=device_list, compile_workers=workers, out=out,
-        report=report, incumbent=run_checked(_incumbent, info, as_new_gpu), notes=notes,
+        report=report, incumbent=incumbent, notes=notes,
         heartbeat_interval=heartbeat_interval, grace_period=grace_period))
     raise typer.Exit(code)
 

@@ -59,6 +59,21 @@ def test_a_warm_start_file_that_is_no_table_is_refused(tmp_path):
     assert line.startswith(f"error: --from heuristic table {bad}: not valid JSON"), line
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--from", "DEEP"], "error: --from heuristic table DEEP: its JSON nests too deeply"),
+    (["--compile-workers", "-1"], "error: --compile-workers -1"),
+])
+def test_a_refused_warm_start_or_option_leaves_no_report_folder(tmp_path, args, needle):
+    """The report folder beside --out is made only once every option and table read has been checked (a deeply
+    nested --from file left an empty t-tune folder behind)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    args = [str(deep) if a == "DEEP" else a for a in args]
+    line = _one_error(_tune(tmp_path, *args), tmp_path)
+    assert line.startswith(needle.replace("DEEP", str(deep))), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep.json"]
+
+
 @pytest.mark.parametrize("shapes", ["heldout", "4x64,heldout"])
 def test_the_heldout_preset_is_never_tuned(tmp_path, shapes):
     result = CliRunner().invoke(app, ["tune", "--interpret", "--shapes", shapes, "--out", str(tmp_path / "t.json"),
