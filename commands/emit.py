@@ -175,6 +175,10 @@ def emit(
     if prov["held_out_left_out"]:
         console.print(f"left out the held-out shapes {', '.join(prov['held_out_left_out'])}: the selected runs "
                       "measured them, but validation must stay blind to the table", markup=False)
+    if prov.get("without_rows_left_out"):
+        console.print(f"left out {len(prov['without_rows_left_out'])} stored problems without rows (M = 0: "
+                      f"{', '.join(prov['without_rows_left_out'])}): they time nothing a rule could fit",
+                      markup=False, soft_wrap=True)
     if check:
         same = path.is_file() and path.read_text() == text
         console.print(f"{path} {'is' if same else 'is NOT'} what runs {_span(prov['runs'])} of {db} give "

@@ -100,7 +100,8 @@ def test_a_held_out_shape_is_never_fitted_on_even_when_a_sweep_measured_it(tmp_p
 
 
 def test_a_stored_problem_without_rows_is_not_fitted(tmp_path):
-    """An older sweep could store a 0-row problem; emit leaves it out (it failed with m_max=0 before)."""
+    """An older sweep could store a 0-row problem; emit leaves it out and says so in one line (the emission failed
+    with 'm_max=0 must be a positive integer' before)."""
     store = sweep_store(tmp_path / "r.db")
     try:
         before = emit.build_table(store, GPU.key)
@@ -109,8 +110,18 @@ def test_a_stored_problem_without_rows_is_not_fitted(tmp_path):
         store.end_run(run)
         after = emit.build_table(store, GPU.key)
         assert after["families"] == before["families"] and after["provenance"]["runs"] == [1, 2]
+        assert after["provenance"]["without_rows_left_out"] == [RMS.problem(0, 1024).key]
+        assert "without_rows_left_out" not in before["provenance"]  # other tables keep their bytes
     finally:
         store.close()
+    out = tmp_path / "t.json"
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", f"sqlite:///{tmp_path / 'r.db'}", "--out",
+                                 str(out)])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "without rows" in line]
+    assert said == [f"left out 1 stored problems without rows (M = 0: {RMS.problem(0, 1024).key}): they time "
+                    "nothing a rule could fit"], result.output
+    assert json.loads(out.read_text())["families"] == before["families"]
 
 
 def test_selection_by_run_kind_and_revision(tmp_path):

@@ -62,6 +62,7 @@ class Inputs:
     runs: list  # RunRecord of every run that contributed a measurement, oldest first
     measurements: list  # MeasurementRecord, by id
     held_out: list = field(default_factory=list)  # "MxN" of held-out shapes the selected runs measured (left out)
+    without_rows: list = field(default_factory=list)  # problem keys of stored 0-row problems (left out)
     fingerprint: str = ""
 
     def __post_init__(self):
@@ -101,9 +102,11 @@ def select_inputs(store, gpu_key: str, *, interpret: bool = False, selection: Se
     held_out = sorted({(m.problem.M, m.problem.N) for m in measurements if (m.problem.M, m.problem.N) in HELD_OUT})
     measurements = [m for m in measurements if (m.problem.M, m.problem.N) not in HELD_OUT]
     # A problem without rows (an older sweep stored some) timed nothing worth fitting: no rule bounds M = 0.
+    without_rows = sorted({m.problem.key for m in measurements if m.problem.M < 1})
     measurements = [m for m in measurements if m.problem.M >= 1]
     used = {m.run_id for m in measurements}
-    return Inputs([r for r in runs if r.id in used], measurements, [f"{M}x{N}" for M, N in held_out])
+    return Inputs([r for r in runs if r.id in used], measurements, [f"{M}x{N}" for M, N in held_out],
+                  without_rows)
 
 
 def collect(inputs: Inputs) -> dict[ProblemFamily, Data]:
@@ -162,6 +165,8 @@ def build_table(store, gpu_key: str, *, interpret: bool = False, selection: Sele
         },
         "families": families,
     }
+    if inputs.without_rows:  # only then: the tables of databases without such problems keep their bytes
+        table["provenance"]["without_rows_left_out"] = inputs.without_rows
     if incumbent is not None:
         table["provenance"]["incumbent"] = record_incumbent(incumbent)
     parse_table(json.loads(json.dumps(table)), "<emitted table>")  # the runtime must accept what we write
