@@ -29,15 +29,15 @@ def _devices(text: str | None) -> list[int] | None:
 
 def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
     """--shapes as a comma list of sets (presets, files, MxN); never the held-out preset."""
-    from normtune.tuner.shapes import PRESETS
+    from normtune.tuner.shapes import PRESETS, TUNE_DEFAULT
 
-    spec = ("tiny" if interpret else "seed,llm") if spec is None else spec
+    spec = ("tiny" if interpret else ",".join(TUNE_DEFAULT)) if spec is None else spec
     items = [s.strip() for s in spec.split(",") if s.strip()]
     if not items:
         return parse_shapes_option(spec, interpret)  # refused, as every command refuses no shapes
     if "heldout" in items:
         raise CLIError("--shapes heldout: the held-out preset is kept for measuring the finished table (normtune "
-                       "validate, normtune compare); a tune never sweeps it: use seed, llm, a file or MxN shapes")
+                       "validate, normtune compare); a tune never sweeps it: use seed, llm, span, a file or MxN shapes")
     named = [s for s in items if s in PRESETS or os.path.isfile(s)]
     explicit = [s for s in items if s not in named]
     shapes = [shape for s in named for shape in parse_shapes_option(s, interpret)]
@@ -130,8 +130,8 @@ def _incumbent(info, as_new_gpu: bool):
 def tune(
     gpu: Gpu = "auto",
     shapes: Annotated[Optional[str], Opt("--shapes", help=(
-        "Comma list of shape sets: seed, llm, tiny, FILE (one MxN per line), MxN; never heldout "
-        "[default: seed,llm; tiny with --interpret]"))] = None,
+        "Comma list of shape sets: seed, llm, span, tiny, FILE (one MxN per line), MxN; never heldout "
+        "[default: seed,llm,span; tiny with --interpret]"))] = None,
     shapes_from: ShapesFrom = None,
     tokens: Tokens = None,
     norm: Norms = None,

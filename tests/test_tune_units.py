@@ -94,8 +94,8 @@ def test_generated_heldout_shapes_are_unseen_deterministic_and_never_the_preset(
 def test_a_drawn_shape_of_the_preset_or_a_fitted_one_is_drawn_again(monkeypatch):
     (M, N), fitted = HELDOUT[0], Problem("rms_norm", 64, 1024, "bf16")
     rows, widths = iter([M, fitted.M, M + 1]), iter([N, fitted.N, N])
-    monkeypatch.setattr(unseen, "_rows", lambda rng, found: next(rows))
-    monkeypatch.setattr(unseen, "_width", lambda rng, found: next(widths))
+    monkeypatch.setattr(unseen, "_rows", lambda rng, found, *where: next(rows))
+    monkeypatch.setattr(unseen, "_width", lambda rng, found, *where: next(widths))
     assert unseen.unseen_problems([fitted], 1, "seed") == [Problem("rms_norm", M + 1, N, "bf16")]
 
 

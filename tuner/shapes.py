@@ -1,4 +1,4 @@
-"""Shape presets and the `--shapes` parser: `seed`, `llm`, a file, or an explicit `4096x8192,...` list."""
+"""Shape presets and the `--shapes` parser: `seed`, `llm`, `span`, a file, or an explicit `4096x8192,...` list."""
 
 from __future__ import annotations
 
@@ -31,10 +31,42 @@ LLM = tuple((m, n) for n in LLM_HIDDEN for m in LLM_TOKENS) + LLM_FEW_ROWS + LLM
 # one list, `heldout.HELDOUT_SHAPES`; `normtune emit` leaves them out whichever run measured them.
 HELDOUT = HELDOUT_SHAPES
 
+# The `span` set: the narrow (128 to 1024 columns) and few-row (64 to 512 rows) regions the seed and llm sets leave
+# out, and very many rows, so that a table fitted on all three covers the shapes users run. A lattice over
+# SPAN_WIDTHS log-spaced widths (multiples of 64 from 1024 columns, of 8 below) by SPAN_ROWS log-spaced row counts,
+# every SPAN_EVERY-th point on each diagonal, within SPAN_MAX_ELEMENTS; never a shape of the held-out set.
+SPAN_WIDTHS, SPAN_ROWS = (128, 65536, 9), (64, 524288, 13)  # (first, last, count)
+SPAN_EVERY = 4
+SPAN_MAX_ELEMENTS = 2 ** 28
+
+
+def _log_spaced(first: int, last: int, count: int) -> list[float]:
+    return [first * (last / first) ** (i / (count - 1)) for i in range(count)]
+
+
+def snap_width(n: float) -> int:
+    """A width as model widths are: a multiple of 64 from 1024 columns, of 8 below."""
+    step = 64 if n >= 1024 else 8
+    return int(min(MAX_N, max(step, round(n / step) * step)))
+
+
+def span_shapes() -> tuple[tuple[int, int], ...]:
+    """The `span` set, by width then rows (deterministic)."""
+    widths = [snap_width(n) for n in _log_spaced(*SPAN_WIDTHS)]
+    rows = [round(m) for m in _log_spaced(*SPAN_ROWS)]
+    held = set(HELDOUT)
+    return tuple((M, N) for i, N in enumerate(widths) for j, M in enumerate(rows)
+                 if (i + j) % SPAN_EVERY == 0 and M * N <= SPAN_MAX_ELEMENTS and M <= MAX_M and (M, N) not in held)
+
+
+SPAN = span_shapes()
+
 # Tiny shapes for the interpreter (CPU): same code path, seconds instead of minutes.
 TINY = ((64, 256), (37, 200), (96, 512), (8, 1000))
 
-PRESETS = {"seed": SEED, "llm": LLM, "heldout": HELDOUT, "tiny": TINY}
+PRESETS = {"seed": SEED, "llm": LLM, "span": SPAN, "heldout": HELDOUT, "tiny": TINY}
+# What `normtune tune` fits on unless --shapes says otherwise.
+TUNE_DEFAULT = ("seed", "llm", "span")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -56,7 +88,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def parse_shapes(spec: str) -> list[tuple[int, int]]:
-    """A preset name (seed, llm, heldout, tiny), a file with one MxN per line (# comments), or 'MxN,MxN'."""
+    """A preset name (seed, llm, span, heldout, tiny), a file with one MxN per line (# comments), or 'MxN,MxN'."""
     spec = spec.strip()
     if spec in PRESETS:
         return list(PRESETS[spec])

@@ -1,6 +1,8 @@
-"""The shapes a tune validates its table on: generated for each problem family of the plan, between and around the
-shapes it fits (widths between two fitted widths or past the ends, row counts inside the fitted range or up to
-twice beyond it), the same for the same plan on every host and every run. None of them is fitted, and none is a
+"""The shapes a tune validates its table on: generated for each problem family of the plan, over and around the
+region it fits (widths inside the fitted range or up to twice past its ends, row counts inside the fitted range or
+up to twice beyond it, no problem larger than the largest fitted), each draw of a family in its own log-slice of
+the widths and of the rows so that the draws span the region, the same for the same plan on every host and every
+run. None of them is fitted, and none is a
 shape of the held-out preset (kept for measuring the finished table)."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections import defaultdict
 
 from normtune.kernels.config import MAX_N, Problem
 
+from ..shapes import snap_width
 from .plan import HELDOUT_PRESET
 
 ATTEMPTS = 200  # draws per shape before a family gives up on finding another unseen shape
@@ -21,26 +24,38 @@ def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
     return math.exp(rng.uniform(math.log(lo), math.log(hi))) if hi > lo else lo
 
 
-def _width(rng: random.Random, widths: list[int]) -> int:
-    """A width between two fitted ones, or (AROUND of the time, or with one width) up to twice past either end;
-    a multiple of 64 from 1024 columns (as model widths are), of 8 below."""
-    if len(widths) > 1 and rng.random() >= AROUND:
-        i = rng.randrange(len(widths) - 1)
-        lo, hi = widths[i], widths[i + 1]
-    elif rng.random() < 0.5:
-        lo, hi = max(8, widths[0] // 2), widths[0]
-    else:
-        lo, hi = widths[-1], min(MAX_N, 2 * widths[-1])
-    n = _log_uniform(rng, lo, hi)
-    step = 64 if n >= 1024 else 8
-    return int(min(MAX_N, max(step, round(n / step) * step)))
+def _slice(rng: random.Random, lo: float, hi: float, part: tuple[int, int] | None) -> float:
+    """Log-uniform in [lo, hi]; in its `part` = (i, of n) log-slice when given."""
+    if part is None or hi <= lo:
+        return _log_uniform(rng, lo, hi)
+    i, n = part
+    a, b = math.log(lo), math.log(hi)
+    return math.exp(rng.uniform(a + (b - a) * i / n, a + (b - a) * (i + 1) / n))
 
 
-def _rows(rng: random.Random, rows: list[int]) -> int:
+def _width(rng: random.Random, widths: list[int], part: tuple[int, int] | None = None) -> int:
+    """A width inside the fitted range (in its `part` of the range on a log scale, so that the draws of a family
+    span it), or (AROUND of the time) up to twice past either end; a multiple of 64 from 1024 columns, of 8
+    below."""
+    lo, hi = widths[0], widths[-1]
+    if rng.random() < AROUND or lo == hi:
+        lo, hi = (max(8, lo // 2), lo) if rng.random() < 0.5 else (hi, min(MAX_N, 2 * hi))
+        part = None
+    return snap_width(_slice(rng, lo, hi, part))
+
+
+def _rows(rng: random.Random, rows: list[int], part: tuple[int, int] | None = None,
+          most: int | None = None) -> int:
+    """A row count inside the fitted range (in its `part`, as for widths), or (AROUND of the time) up to twice
+    beyond it; at most `most`."""
     lo, hi = rows[0], rows[-1]
     if rng.random() < AROUND or lo == hi:
         lo, hi = max(1, lo // 2), 2 * hi
-    return max(1, round(_log_uniform(rng, lo, hi)))
+        part = None
+    if most is not None:
+        hi = max(1, min(hi, most))
+        lo = min(lo, hi)
+    return max(1, round(_slice(rng, lo, hi, part)))
 
 
 def unseen_problems(problems: list[Problem], per_family: int, seed: str) -> list[Problem]:
@@ -55,12 +70,18 @@ def unseen_problems(problems: list[Problem], per_family: int, seed: str) -> list
         family = fitted[0].family
         widths, rows = sorted({p.N for p in fitted}), sorted({p.M for p in fitted})
         taken = {(p.M, p.N) for p in fitted} | HELDOUT_PRESET
+        most = max(p.M * p.N for p in fitted)  # no larger a problem than the largest fitted
         rng = random.Random(f"{seed}/{key}")
+        order = list(range(per_family))
+        rng.shuffle(order)  # the k-th draw: the k-th slice of the widths, a shuffled slice of the rows
         drawn: list[tuple[int, int]] = []
-        for _ in range(per_family * ATTEMPTS):
+        for attempt in range(per_family * ATTEMPTS):
             if len(drawn) == per_family:
                 break
-            shape = (_rows(rng, rows), _width(rng, widths))
+            k = len(drawn)
+            parts = ((k, per_family), (order[k], per_family)) if attempt < per_family * ATTEMPTS // 2 else (None, None)
+            N = _width(rng, widths, parts[0])
+            shape = (_rows(rng, rows, parts[1], max(1, most // N)), N)
             if shape not in taken:
                 taken.add(shape)
                 drawn.append(shape)

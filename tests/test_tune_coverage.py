@@ -1,0 +1,48 @@
+"""Where `normtune tune` fits and validates by default (the `span` set beside seed and llm, the generated held-out
+shapes over the same region), how it keeps buying quality with time left after its rounds, and what its report and
+`normtune compare`'s markdown say about where they ran. No measuring: fast."""
+
+from __future__ import annotations
+
+import math
+
+from normtune.kernels.config import MAX_N, Problem
+from normtune.tuner.shapes import HELDOUT, LLM, PRESETS, SEED, SPAN, parse_shapes, span_shapes
+from normtune.tuner.tune import unseen
+
+
+def test_the_span_set_covers_narrow_and_few_row_shapes_and_never_the_heldout_preset():
+    assert span_shapes() == SPAN and parse_shapes("span") == list(SPAN) and PRESETS["span"] == SPAN
+    assert len(SPAN) == len(set(SPAN)) and not set(SPAN) & set(HELDOUT)
+    widths, rows = {N for _, N in SPAN}, {M for M, _ in SPAN}
+    assert min(widths) == 128 and max(widths) == 65536 and min(rows) == 64 and max(rows) >= 200_000
+    assert any(N & (N - 1) for N in widths) and any(M & (M - 1) for M in rows)  # not only powers of two
+    assert any(N <= 1024 and M >= 100_000 for M, N in SPAN)  # narrow rows, very many of them
+    assert any(M <= 256 and N <= 2048 for M, N in SPAN) and any(M <= 256 and N >= 16384 for M, N in SPAN)
+    assert all(N % (64 if N >= 1024 else 8) == 0 and N <= MAX_N for _, N in SPAN)
+
+
+def test_the_default_plan_adds_the_span_set_within_a_sensible_problem_count():
+    from normtune.commands.tune import _problems
+
+    problems, notes = _problems(None, None, None, None, None, "plain,residual", False)
+    shapes = {(p.M, p.N) for p in problems}
+    assert shapes == set(SEED) | set(LLM) | set(SPAN) and not notes
+    assert not shapes & set(HELDOUT)
+    assert 196 < len(problems) <= 300
+
+
+def _octant(value: float, lo: float, hi: float, parts: int) -> int:
+    return min(parts - 1, max(0, int(parts * math.log(value / lo) / math.log(hi / lo))))
+
+
+def test_generated_heldout_shapes_span_the_fitted_region_and_stay_within_its_size():
+    fitted = [Problem("rms_norm", M, N, "bf16") for M, N in SEED + LLM + SPAN]
+    drawn = unseen.unseen_problems(fitted, 8, "seed-1")
+    assert len(drawn) == 8 and drawn == unseen.unseen_problems(fitted, 8, "seed-1")
+    most = max(p.M * p.N for p in fitted)
+    assert all(p.M * p.N <= most and (p.M, p.N) not in set(HELDOUT) for p in drawn)
+    inside = [p for p in drawn if 128 <= p.N <= 65536]
+    # the draws inside the range fall in distinct log-slices of the widths: narrow ones among them
+    assert len({_octant(p.N, 128, 65536, 8) for p in inside}) == len(inside) >= 4
+    assert any(p.N <= 1024 for p in drawn) and any(p.M <= 512 for p in drawn)
