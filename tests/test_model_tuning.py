@@ -253,6 +253,21 @@ def test_another_gpus_table_saved_as_the_user_table_is_skipped_with_a_warning_na
     assert len([w for w in caught if "not used" in str(w.message)]) == 1
 
 
+def test_a_user_table_with_a_duplicated_rule_is_refused_where_it_is_read():
+    """A rule copied ahead of the others shadowed them (the first match wins): `where` showed the copy's config
+    without a word. Now the table is refused, naming the file and both rules."""
+    data = json.loads((CONFIGS / "h100.json").read_text())
+    rules = data["families"]["rms_norm/bf16/wbf16/nobias/save-input"]["rules"]
+    rules.insert(3, dict(rules[3]))
+    path = user_dir() / "h100.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(data))
+    bounds = f"(n_max {rules[3]['n_max']}, m_max {rules[3]['m_max']})"
+    one_line_error(runner.invoke(app, ["where", "--gpu", "h100", "--shape", "8x64"]), str(path),
+                   f"rule 4 {bounds} is never used: rule 3 {bounds} comes first and covers it",
+                   "normtune emit --gpu h100 --user")
+
+
 def test_interpreter_user_table_is_refused_on_a_gpu():
     path = h100_table(user_dir(), interpret=True)
     with pytest.raises(TableError, match=rf"{path}: it holds Triton-interpreter timings.*--user"):
