@@ -91,3 +91,15 @@ def test_the_dashboard_hint_promises_no_study_the_file_lacks():
     if studies == 0:
         assert not pointing, f"these pages open the shipped results.db, which holds no study, in optuna-dashboard: {pointing}"
         assert "holds no Optuna studies" in PAGE
+
+
+def test_the_study_names_the_page_gives_are_the_ones_written():
+    """The validation's reference sweeps are named `normtune-validate-unseeded:…` (an older page gave
+    `normtune-validate:`, with which `normtune status --prefix` finds nothing); `status --help`, which names the
+    prefixes it knows, agrees."""
+    from normtune.commands.status import PREFIXES
+    from normtune.tuner.tables.validate import REFERENCE_PREFIX
+
+    named = set(re.findall(r"normtune-validate[\w-]*:", PAGE))
+    assert named == {f"{REFERENCE_PREFIX}:"}, named
+    assert f"{REFERENCE_PREFIX}:" in PREFIXES
