@@ -75,6 +75,7 @@ def compare(
 
     session = run_checked(MeasureSession.for_device, info, timing=TIMING["compare"])
     rows = run_checked(C.compare_tables, *tables, problems, session, rounds=rounds, progress=progress)
-    typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret)))
+    where = C.where_line(info.name, info.key, interpret=info.interpret, rounds=rounds)
+    typer.echo("\n".join(C.comparison_markdown(rows, threshold, interpret=info.interpret, where=where)))
     if any(r.fails(threshold) for r in rows):
         raise typer.Exit(1)

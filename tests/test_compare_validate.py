@@ -83,6 +83,10 @@ def test_compare_passes_identical_tables_without_timing(tmp_path):
     assert "| rms_norm 64×256 bf16 | – | – | – | same config |" in result.stdout
     assert "0 of 1 shapes slower" in result.stdout and "PASS" in result.stdout
     assert "Triton interpreter" in result.stderr  # the banner
+    # a saved compare file says where it ran: the GPU's name and key, the timing method
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("Measured on ") and "(`interpret`)" in first
+    assert "host wall-clock" in first and "2 rounds" in first
 
 
 def test_compare_fails_when_new_is_slower(tmp_path):

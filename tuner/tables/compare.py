@@ -115,8 +115,17 @@ def changes_markdown(changes: list[Comparison], total: int) -> list[str]:
             + (markdown_table(["problem", "OLD", "NEW"], body) if body else []))
 
 
-def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: bool) -> list[str]:
-    """The gate's table and its one-line verdict."""
+def where_line(gpu_name: str, gpu_key: str, *, interpret: bool, rounds: int) -> str:
+    """The line naming where a comparison ran: the GPU (name and key) and the timing method."""
+    method = ("Triton interpreter on CPU, host wall-clock (not GPU time)" if interpret
+              else "cold-L2 device time, medians")
+    return (f"Measured on {gpu_name} (`{gpu_key}`); timing: {method}, OLD and NEW interleaved in {rounds} rounds per "
+            "shape.")
+
+
+def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: bool,
+                        where: str | None = None) -> list[str]:
+    """The gate's table and its one-line verdict, after `where` (`where_line`) when given."""
     unit = "interpreter µs (host wall-clock, not GPU time)" if interpret else "µs (cold L2, median [p10–p90])"
 
     def cell(t: Timing | None) -> str:
@@ -129,7 +138,7 @@ def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: 
                      interval(ratio.value, ratio.low, ratio.high) if ratio else MISSING, r.verdict(threshold)])
     failed = sum(r.fails(threshold) for r in rows)
     g = geomean(r.ratio.value for r in rows if r.ratio)
-    return ([f"OLD vs NEW, {unit}; NEW ÷ OLD with bounds from the spread; a shape fails when NEW is more than "
+    return ([where, ""] if where else []) + ([f"OLD vs NEW, {unit}; NEW ÷ OLD with bounds from the spread; a shape fails when NEW is more than "
              f"{threshold:.1%} slower beyond the spread.", ""]
             + markdown_table(["problem", "OLD", "NEW", "NEW ÷ OLD", "verdict"], body)
             + ["", f"{failed} of {len(rows)} shapes slower; geometric-mean NEW ÷ OLD over the timed shapes "
