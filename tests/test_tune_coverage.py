@@ -46,3 +46,32 @@ def test_generated_heldout_shapes_span_the_fitted_region_and_stay_within_its_siz
     # the draws inside the range fall in distinct log-slices of the widths: narrow ones among them
     assert len({_octant(p.N, 128, 65536, 8) for p in inside}) == len(inside) >= 4
     assert any(p.N <= 1024 for p in drawn) and any(p.M <= 512 for p in drawn)
+
+
+def test_the_report_names_the_gpu_in_its_plot_and_shows_the_table_path_as_given(tmp_path, monkeypatch):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from normtune.tuner.report import plots
+    from normtune.tuner.tune import journal as J
+    from normtune.tuner.tune import report
+
+    titles = []
+
+    def save(self, fig, name):
+        titles.append(fig.axes[0].get_title())
+        return f"![{name}]({name})"
+
+    monkeypatch.setattr(plots.Pictures, "save", save)
+    summary = {"geomean_regret": 1.05, "worst_regret": 1.2, "shapes": 4}
+    attrs = {J.VALIDATIONS: [{"emission": 3, "elapsed_s": 12.0, "summary": summary, "default_regret": 1.1}]}
+    journal = SimpleNamespace(get=lambda key, default=None: attrs.get(key, default), elapsed_s=lambda: 12.0)
+    ctx = SimpleNamespace(
+        journal=journal, info=SimpleNamespace(name="NVIDIA H200"), heldout=[], fit_problems=lambda: [],
+        plan=SimpleNamespace(tune_id="abc", gpu_key="h200", interpret=False, reference_trials=8, warm_start=None,
+                             as_new_gpu=True), incumbent_label=None, command_line="normtune tune")
+    monkeypatch.chdir(tmp_path)
+    table = {"families": {}, "provenance": {"tune": {"table": 1}}}
+    text = report.write(ctx, Path("report"), Path("out/h200.json"), table, None, None).read_text()
+    assert titles == ["Time to table — NVIDIA H200"]
+    assert "Table: `out/h200.json` (table 1 of the tune" in text

@@ -22,7 +22,7 @@ def points(ctx) -> list[dict]:
             for i, v in enumerate(ctx.journal.get(J.VALIDATIONS, []))]
 
 
-def _time_to_table(pictures: Pictures, pts: list[dict], interpret: bool) -> str:
+def _time_to_table(pictures: Pictures, pts: list[dict], interpret: bool, gpu: str) -> str:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4), layout="constrained")
@@ -37,7 +37,7 @@ def _time_to_table(pictures: Pictures, pts: list[dict], interpret: bool) -> str:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("elapsed tune time, s" + (" (interpreter)" if interpret else ""))
     ax.set_ylabel("held-out regret (1.0 = fastest known)")
-    ax.set_title("Time to table")
+    ax.set_title(f"Time to table — {gpu}")
     ax.legend(fontsize=8)
     return pictures.save(fig, "time-to-table.png")
 
@@ -92,7 +92,7 @@ def _gate(record: dict | None, incumbent: str | None) -> list[str]:
 
 def write(ctx, out: Path, table_path: Path | None, table: dict | None, gate_record: dict | None,
           stopped: str | None) -> Path:
-    """Write the report into `out`; returns report.md's path."""
+    """Write the report into `out`; returns report.md's path. The table's path is shown as given."""
     out.mkdir(parents=True, exist_ok=True)
     pictures = Pictures(out)
     pts = points(ctx)
@@ -115,7 +115,7 @@ def write(ctx, out: Path, table_path: Path | None, table: dict | None, gate_reco
              ""] + ([] if stopped is None else [f"**Stopped early ({stopped})**: run the same command again to "
                                                 "continue.", ""]) + ["## Time to table", ""]
     if pts:
-        lines += [_time_to_table(pictures, pts, ctx.plan.interpret), ""]
+        lines += [_time_to_table(pictures, pts, ctx.plan.interpret, ctx.info.name), ""]
         lines += markdown_table(["validation", "table", "elapsed s", "held-out regret", "worst", "default's regret"],
                                 [[str(p["validation"]), str(p["table"]), num(p["elapsed_s"]),
                                  num(p["geomean_regret"], 3), num(p["worst_regret"], 3), num(p["default_regret"], 3)]
