@@ -75,3 +75,30 @@ def test_the_report_names_the_gpu_in_its_plot_and_shows_the_table_path_as_given(
     text = report.write(ctx, Path("report"), Path("out/h200.json"), table, None, None).read_text()
     assert titles == ["Time to table — NVIDIA H200"]
     assert "Table: `out/h200.json` (table 1 of the tune" in text
+
+
+def test_time_left_after_the_resweeps_buys_more_of_them_past_trials_where_the_regret_is_highest():
+    from types import SimpleNamespace
+
+    from normtune.tuner.measure.spread import Ratio
+    from normtune.tuner.tune import driver, resweep
+
+    fitted = [Problem("rms_norm", M, N, "bf16") for M, N in ((4096, 1024), (4096, 2048), (4096, 5120))]
+    worst = Problem("rms_norm", 3000, 3584, "bf16")
+    row = SimpleNamespace(problem=worst, regret=Ratio(1.3, 1.27, 1.33))
+    at_trials = {p.key: 40 for p in fitted}
+    # every problem near the worst shape already has --trials: nothing more within --trials ...
+    within = resweep.decide([row], fitted, [worst], at_trials, trials=40)
+    assert all(k not in within["targets"] for k in at_trials)
+    # ... but a later resweep with time left may go past it, near the worst shape only
+    past = resweep.decide([row], fitted, [worst], at_trials, trials=40, ceiling=80)
+    nearest = {k for k in past["targets"] if k in at_trials}
+    assert len(nearest) == resweep.NEAREST and all(past["targets"][k] > 40 for k in nearest)
+    assert fitted[0].key not in nearest  # the farthest width is not raised
+
+    def ctx(budget):
+        return SimpleNamespace(clock=SimpleNamespace(budget_s=budget), plan=SimpleNamespace(trials=40))
+
+    assert driver.resweeps_allowed(ctx(None)) == driver.RESWEEPS
+    assert driver.resweeps_allowed(ctx(600.0)) > driver.RESWEEPS
+    assert driver.ceiling(ctx(600.0), 0) == 40 and driver.ceiling(ctx(600.0), driver.RESWEEPS) > 40

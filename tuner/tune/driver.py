@@ -7,7 +7,8 @@ of it stopped, and any number of hosts sharing the database may run it:
    (keeping that table's configs, or the incumbent's, where the new ones do not pay);
 3. validate the table on the generated held-out problems;
 4. sweep again where the held-out regret is highest (`resweep.py`), then emit and validate again, up to RESWEEPS
-   times in a tune;
+   times in a tune; with a time budget, again and again while time is left (up to EXTRA_RESWEEPS more, their
+   steps past `--trials` where they pay) until the budget is used or no held-out shape's regret pays a sweep;
 5. gate the validated table of lowest regret against the default and the incumbent (`finish.py`).
 
 With a time budget every phase gets a share of the time left (`clock.py`) and stops at its end; once the phases'
@@ -32,7 +33,20 @@ from .sweeping import sweep
 # Shares of the time budget, by phase: each phase takes its weight against the phases still to come.
 WEIGHTS = {"sweep": 50.0, "emit": 6.0, "validate": 10.0, "resweep": 10.0, "emit again": 4.0, "validate again": 4.0,
            "gate": 4.0}
-RESWEEPS = 2  # sweeps where the held-out regret was highest, in a whole tune
+RESWEEPS = 2  # sweeps where the held-out regret was highest, in a tune without a time budget
+# With a time budget, time left after RESWEEPS keeps buying quality: more resweeps (at most EXTRA_RESWEEPS more),
+# whose steps may raise a problem near the worst held-out shapes up to OVER_TRIALS x --trials.
+EXTRA_RESWEEPS, OVER_TRIALS = 10, 2
+
+
+def resweeps_allowed(ctx) -> int:
+    """The resweeps this tune may make: RESWEEPS, and EXTRA_RESWEEPS more while a time budget has time left."""
+    return RESWEEPS if ctx.clock.budget_s is None else RESWEEPS + EXTRA_RESWEEPS
+
+
+def ceiling(ctx, done: int) -> int:
+    """The most trials a resweep (the `done`-th of the tune) may give one problem."""
+    return ctx.plan.trials if done < RESWEEPS else OVER_TRIALS * ctx.plan.trials
 
 
 @dataclass
@@ -206,10 +220,12 @@ def resweep(ctx, validation: int, seconds: float | None) -> bool | None:
     if done:
         decision = done[0]
     else:
-        if len(ctx.journal.get(J.RESWEEPS, [])) >= RESWEEPS:
+        made = len(ctx.journal.get(J.RESWEEPS, []))
+        if made >= resweeps_allowed(ctx):
             return None
         rows = rows_of(ctx.journal.get(J.VALIDATIONS)[validation])
-        decision = decide(rows, ctx.fit_problems(), ctx.heldout, ctx.targets(), ctx.plan.trials)
+        decision = decide(rows, ctx.fit_problems(), ctx.heldout, ctx.targets(), ctx.plan.trials,
+                          ceiling(ctx, made))
         if decision is None:
             return None
         ctx.journal.append(J.RESWEEPS, {"validation": validation, **decision})
@@ -225,7 +241,7 @@ def run(ctx) -> Progress:
     out = Progress()
     if not sweep_rounds(ctx, share(ctx, "sweep")):
         out.stopped = "time budget"
-    for cycle in range(RESWEEPS + 1):
+    for cycle in range(resweeps_allowed(ctx) + 1):
         again = " again" if cycle else ""
         if ctx.clock.out():
             out.stopped = "time budget"
@@ -241,7 +257,7 @@ def run(ctx) -> Progress:
         if out.validation is None:
             out.stopped = "time budget"
             break
-        if cycle == RESWEEPS or ctx.clock.out():
+        if cycle == resweeps_allowed(ctx) or ctx.clock.out():
             break
         swept = resweep(ctx, out.validation, share(ctx, "resweep"))
         if not swept:

@@ -1,7 +1,8 @@
 """Where a tune sweeps again after a validation (`decide`): at the held-out shapes where the table's regret is
 highest. A held-out shape is never fitted; what is added is a fitted shape at its width, on the family's fitted
 row count nearest to its own (twice its rows where that is its own), which teaches the table that width, and one
-more step of trials for the family's fitted problems nearest to it (on a log scale of rows and columns)."""
+more step of trials for the family's fitted problems nearest to it (on a log scale of rows and columns). With time
+left after the tune's first resweeps, those steps may go past `--trials` (`decide`'s ceiling)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def _distance(a: Problem, b: Problem) -> float:
 
 
 def decide(rows, fitted: list[Problem], heldout: list[Problem], targets: dict[str, int],
-           trials: int) -> dict | None:
+           trials: int, ceiling: int | None = None) -> dict | None:
     """The resweep after a validation (its `ValidationRow`s): {"added": [problem dicts], "targets": {key: trials}},
-    or None when no held-out shape's regret is high enough to pay."""
+    or None when no held-out shape's regret is high enough to pay. Targets go up to `ceiling` (default `trials`):
+    past `trials` only for the problems nearest to the worst held-out shapes, where more search pays."""
+    ceiling = trials if ceiling is None else max(trials, ceiling)
     ranked = sorted((r for r in rows if r.regret is not None and r.regret.value > MIN_REGRET),
                     key=lambda r: (-r.regret.value, r.problem.key))
     worst = ranked[:max(1, math.ceil(WORST_SHARE * len(rows)))]
@@ -46,7 +49,7 @@ def decide(rows, fitted: list[Problem], heldout: list[Problem], targets: dict[st
             added.append(bridge)
             raised[bridge.key] = min(trials, first_round(trials) + step)
         for p in sorted(family, key=lambda q: (_distance(q, h), q.key))[:NEAREST]:
-            raised[p.key] = min(trials, max(raised.get(p.key, 0), targets.get(p.key, 0) + step))
+            raised[p.key] = min(ceiling, max(raised.get(p.key, 0), targets.get(p.key, 0) + step))
     raised = {k: v for k, v in raised.items() if v > targets.get(k, 0)}
     if not raised:
         return None
