@@ -18,10 +18,13 @@ such a device. Cluster launches and TMA descriptors are not used by any kernel h
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from .knobs import BackwardConfig
 from .limits import REFERENCE, DeviceLimits
 from .problem import Problem
+
+if TYPE_CHECKING:  # the strategies validate through `checked`: the config's type is theirs
+    from .strategies.configs import BackwardConfig
 
 
 def fallbacks(config: BackwardConfig, limits: DeviceLimits) -> list[str]:
@@ -45,7 +48,7 @@ def portable(config: BackwardConfig, limits: DeviceLimits) -> BackwardConfig:
     new_k2 = k2 if limits.pdl or not k2.pdl else dataclasses.replace(k2, pdl=False)
     if new_k1 == k1 and new_k2 == k2:
         return config
-    return BackwardConfig(new_k1, new_k2)
+    return dataclasses.replace(config, kernel_1=new_k1, kernel_2=new_k2)
 
 
 # (problem, config, limits) → the config's portable form, validated for the problem on that device: what

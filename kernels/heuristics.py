@@ -55,6 +55,8 @@ SHARED_MEMORY_PER_SM = REFERENCE.shared_per_sm
 SLICE_ALIGN = 16
 # Widest slice the analytic default gives a program of a split row (rows wider than MAX_SINGLE_PASS).
 SPLIT_SLICE = 8192
+# Programs a split row (the rows strategy's row_split) may be spread over.
+ROW_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)
 # Elements the analytic default fills a whole-row tile up to with rows (N=1024: 8 rows), so that a short row still
 # issues wide loads.
 ROW_TILE_ELEMENTS = 8192

@@ -1,31 +1,23 @@
 """The knob values of the two kernels: `Kernel1Config` (the kernel_1 launch knobs every strategy shares; each
-strategy's config type adds its own, `strategies/`) and `Kernel2Config` (kernel_2, shared by every strategy),
-their allowed values and per-field checks; `BackwardConfig` pairs them.
-
-A config's canonical JSON (what the tables, the store and the `torch.library` boundary hold) is one flat layout
-for every strategy: every knob of the registered strategies' config types (`kernel_1_layout`), those that do not
-apply to the config's strategy at their default. Parsing dispatches on `strategy` to that strategy's type and
-refuses a non-default value for a knob it does not have. The strategies are looked up by name in `STRATEGIES`,
-the registry that `strategies/__init__.py` fills as it is imported (`normtune.kernels.config` imports it: use
-that module).
+strategy's config type, a frozen subclass in its module, adds its own, each declared with `knob`: its default
+and its search domain) and `Kernel2Config` (kernel_2, shared by every strategy), their allowed values and
+per-field checks. `strategies/` pairs them in a `BackwardConfig` and writes its canonical JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from .heuristics import register_budget
 from .limits import REFERENCE, DeviceLimits
-from .problem import ConfigError, Problem, check_choice, check_int, from_mapping
+from .problem import ConfigError, check_choice, check_int
 
 # Allowed values of the launch knobs (the search space draws its domains from these).
 NUM_WARPS = (1, 2, 4, 8, 16, 32)
 EVICTION_POLICIES = ("", "evict_first", "evict_last")
-ROW_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)
 MAX_BLOCK_ROW = 64
 MAX_BLOCK_COL = 65536
 MAX_TILE = 65536  # elements per register tile (block_row x block_col)
@@ -33,6 +25,49 @@ MAX_NUM_STAGES = 6
 MAX_PROGRAMS_PER_SM = 32
 # The strategy of a kernel_1 mapping that names none.
 DEFAULT_STRATEGY = "rows"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A knob of one strategy's own: its config type's field, the search domain (ordered: neighbours are one
+    step apart when seeding; a config's value must be one of it), the value configs without it hold (and
+    measurements older than it ran), and whether the sampler draws it right after the strategy, before the
+    shared knobs (`leading`: it decides the form of the tile those size)."""
+
+    name: str
+    domain: tuple
+    default: Any
+    leading: bool = False
+
+    def allows(self, value: Any) -> bool:
+        return value in self.domain and isinstance(value, bool) == isinstance(self.default, bool)
+
+
+def knob(default: Any, domain: tuple, *, leading: bool = False) -> Any:
+    """A field of a strategy's config type that is a knob of its own: its default and its search domain (see
+    `Knob`). The strategy's module is the one place it is declared."""
+    return field(default=default, metadata={"domain": tuple(domain), "leading": leading})
+
+
+def own_knobs(config_type: type) -> tuple[Knob, ...]:
+    """The knobs a strategy's config type adds to the shared ones, in declaration order. A field declared
+    without `knob` raises `ConfigError` naming it."""
+    hit = _OWN.get(config_type)
+    if hit is None:
+        shared = {f.name for f in dataclasses.fields(Kernel1Config)}
+        out = []
+        for f in dataclasses.fields(config_type):
+            if f.name in shared:
+                continue
+            if "domain" not in f.metadata:
+                raise ConfigError(f"{config_type.__name__}.{f.name} has no search domain: declare it as "
+                                  f"{f.name}: ... = knob(default, domain)")
+            out.append(Knob(f.name, f.metadata["domain"], f.default, f.metadata["leading"]))
+        hit = _OWN[config_type] = tuple(out)
+    return hit
+
+
+_OWN: dict[type, tuple[Knob, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -154,151 +189,13 @@ class Kernel2Config:
                               "tiles in shared memory: use fewer stages or a smaller tile")
 
 
-# The kernel_1 strategies by name (`strategies/`): filled by `strategies/__init__.py`, read by `BackwardConfig`.
-STRATEGIES: dict[str, Any] = {}
-
-
-def _default_kernel_1() -> Kernel1Config:
-    return STRATEGIES[DEFAULT_STRATEGY].make()
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    """Both kernels' knobs, tuned jointly. Hashable, printable, and round-trips through canonical JSON (the
-    form the tables and the store hold: kernel_1's knobs in the flat layout of `kernel_1_layout`)."""
-
-    kernel_1: Kernel1Config = field(default_factory=_default_kernel_1)
-    kernel_2: Kernel2Config = field(default_factory=Kernel2Config)
-
-    @property
-    def strategy(self):
-        """The kernel_1 strategy object (`strategies/`) of this config."""
-        return STRATEGIES[self.kernel_1.strategy]
-
-    def validate(self, problem: Problem, limits: DeviceLimits | None = None) -> "BackwardConfig":
-        """Raise `ConfigError` naming the field if this config cannot run `problem` (on the device of `limits`;
-        without, the reference device); return self otherwise."""
-        k1 = self.kernel_1
-        if not isinstance(k1, Kernel1Config) or not isinstance(self.kernel_2, Kernel2Config):
-            raise ConfigError("BackwardConfig needs a strategy's kernel_1 config and a Kernel2Config")
-        k1.check_fields(limits)
-        check_choice("kernel_1.strategy", k1.strategy, tuple(STRATEGIES))
-        strategy = STRATEGIES[k1.strategy]
-        if type(k1) is not strategy.config_type:
-            raise ConfigError(f"kernel_1 of strategy={k1.strategy!r} is a {strategy.config_type.__name__}, got a "
-                              f"{type(k1).__name__}: build it with the strategy's make()")
-        strategy.validate_extra(k1)
-        strategy.validate(self, problem, limits or REFERENCE)
-        return self
-
-    def is_valid(self, problem: Problem, limits: DeviceLimits | None = None) -> bool:
-        try:
-            self.validate(problem, limits)
-        except ConfigError:
-            return False
-        return True
-
-    def to_dict(self) -> dict[str, Any]:
-        """The canonical layout as a mapping: kernel_1's every knob of `kernel_1_layout` (and its strategy's own
-        `extra` knobs), those its strategy lacks at their default."""
-        k1 = self.kernel_1
-        return {"kernel_1": {name: getattr(k1, name) if own else default for name, own, default, _ in _wire(type(k1))},
-                "kernel_2": dataclasses.asdict(self.kernel_2)}
-
-    def to_json(self) -> str:
-        """Canonical compact JSON (sorted keys), the same bytes as json.dumps(sort_keys=True, separators=(",",
-        ":")) of `to_dict`. Written out by hand because torch.compile traces this (explicit `config=` in a
-        compiled model) and cannot trace the json module."""
-        k1, k2 = self.kernel_1, self.kernel_2
-        one = ",".join(f'"{name}":{_json_scalar(getattr(k1, name)) if own else text}'
-                       for name, own, _, text in _wire(type(k1)))
-        two = ",".join(f'"{name}":{_json_scalar(getattr(k2, name))}' for name in _K2_NAMES)
-        return f'{{"kernel_1":{{{one}}},"kernel_2":{{{two}}}}}'
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "BackwardConfig":
-        if not isinstance(data, Mapping) or set(data) - {"kernel_1", "kernel_2"}:
-            raise ConfigError(f"a backward config is an object with keys kernel_1 and kernel_2, got {data!r}")
-        return cls(kernel_1_config(data.get("kernel_1", {})), from_mapping(Kernel2Config, data.get("kernel_2", {})))
-
-    @classmethod
-    def from_json(cls, text: str) -> "BackwardConfig":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"config is not valid JSON ({err}): expected e.g. {cls().to_json()}") from None
-        except RecursionError:
-            raise ConfigError(f"config JSON nests too deeply to be a config: expected e.g. {cls().to_json()}") from None
-        return cls.from_dict(data)
-
-    def __str__(self) -> str:
-        strategy = STRATEGIES.get(self.kernel_1.strategy)
-        return strategy.describe(self) if strategy is not None else repr(self)
-
-
-def kernel_1_config(fields: Mapping[str, Any] | None = None, /, **kwargs) -> Kernel1Config:
-    """A kernel_1 config from knobs in the canonical layout (a mapping, or keywords): the type of the strategy
-    they name (`strategy`, default rows), every knob it lacks at its layout default. A non-default value for a
-    knob the strategy lacks, or a name no strategy has, raises `ConfigError` naming it."""
-    if fields is not None and not isinstance(fields, Mapping):
-        raise ConfigError(f"Kernel1Config expects a JSON object, got {type(fields).__name__}")
-    data = {**(fields or {}), **kwargs}
-    name = data.get("strategy", DEFAULT_STRATEGY)
-    check_choice("kernel_1.strategy", name, tuple(STRATEGIES))
-    strategy = STRATEGIES[name]
-    layout = kernel_1_layout()
-    own = {f.name for f in dataclasses.fields(strategy.config_type)}
-    unknown = sorted(set(data) - own - set(layout))
-    if unknown:
-        allowed = sorted(set(layout) | own)
-        raise ConfigError(f"unknown Kernel1Config field(s) {', '.join(unknown)} (allowed: {', '.join(allowed)})")
-    for key, value in data.items():
-        if key != "strategy" and key not in own and not _same(value, layout[key]):
-            raise ConfigError(strategy.inapplicable(key, value))
-    return strategy.make(**{k: v for k, v in data.items() if k in own})
-
-
-def kernel_1_layout() -> dict[str, Any]:
-    """The kernel_1 knobs of the canonical layout and their defaults, in declaration order: the shared fields,
-    each registered strategy's own (its `extra` knobs aside: those appear in its own configs' JSON only), and
-    the strategy. The store's knob columns are generated from it."""
-    out: dict[str, Any] = {}
-    for strategy in STRATEGIES.values():
-        extra = {knob.name for knob in strategy.extra}
-        for f in dataclasses.fields(strategy.config_type):
-            if f.name not in extra:
-                if out.setdefault(f.name, f.default) != f.default:
-                    raise AssertionError(f"kernel_1.{f.name} has two defaults: {out[f.name]!r} and {f.default!r}")
-    out["strategy"] = DEFAULT_STRATEGY
-    return out
-
-
-# Config type -> ((name, held by the type, default, default as JSON), ...) in canonical (sorted) order.
-_WIRE: dict[type, tuple] = {}
-
-
-def _wire(cls: type) -> tuple:
-    hit = _WIRE.get(cls)
-    if hit is None:
-        own = {f.name: f.default for f in dataclasses.fields(cls)}
-        names = {**kernel_1_layout(), **own}
-        hit = tuple((name, name in own or name == "strategy", names[name], _json_scalar(names[name]))
-                    for name in sorted(names))
-        _WIRE[cls] = hit
-    return hit
-
-
-def _same(value: Any, default: Any) -> bool:
-    return type(value) is type(default) and value == default
-
-
 def check_warps(name: str, num_warps: int, limits: DeviceLimits) -> None:
     if num_warps > limits.max_warps:
         raise ConfigError(f"{name}={num_warps} is more than the {limits.max_warps} warps of {limits.warp_size} "
                           f"threads a program may have on {limits.name}: use num_warps <= {limits.max_warps}")
 
 
-def _json_scalar(v) -> str:
+def json_scalar(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -311,10 +208,8 @@ def mapping_to_json(data: Mapping[str, Any]) -> str:
     `BackwardConfig.to_json`); keys it does not know are kept, for from_json to reject with its message."""
     def obj(d) -> str:
         if not isinstance(d, Mapping):
-            return _json_scalar(d)
+            return json_scalar(d)
         return "{" + ",".join(f'"{k}":{obj(d[k])}' for k in sorted(d)) + "}"
 
     return obj(data)
 
-
-_K2_NAMES = tuple(sorted(f.name for f in dataclasses.fields(Kernel2Config)))

@@ -1,10 +1,12 @@
 """The package's import graph, read with `ast` from the sources: no two modules import each other (directly or
-through others; imports inside functions count, only `if TYPE_CHECKING:` blocks do not), and no module imports
-another module's private (underscore) names."""
+through others), and no module imports another module's private (underscore) names. Every import counts: `import`
+and `from` statements anywhere (inside functions and `if TYPE_CHECKING:` blocks too) and `importlib.import_module`
+calls, whose target may be an f-string (`f"{__package__}.{self.name}_launch"`: every module of that form)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,24 +27,35 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
+def _dynamic(node: ast.Call, name: str, package: str, modules: dict[str, Path]) -> list[str]:
+    """The package's modules an `importlib.import_module(...)` call may import: a string's, or, for an f-string,
+    every module its pattern matches (`__package__` and `__name__` are this module's; any other value any name)."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if called != "import_module" or not node.args:
+        return []
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        pattern = re.escape(arg.value)
+    elif isinstance(arg, ast.JoinedStr):
+        known = {"__package__": package, "__name__": name}
+        pattern = "".join(re.escape(part.value) if isinstance(part, ast.Constant)
+                          else re.escape(known[part.value.id]) if getattr(part.value, "id", None) in known
+                          else r"[\w.]+" for part in arg.values)
+    else:
+        return []
+    return [module for module in modules if re.fullmatch(pattern, module)]
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]):
     """(imported module, imported names) pairs of module `name`, resolved within the package."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_lines(tree)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     for node in ast.walk(tree):
-        if getattr(node, "lineno", None) in skip:
-            continue
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call):
+            for target in _dynamic(node, name, package, modules):
+                yield target, ()
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name in modules:
                     yield alias.name, ()
@@ -114,6 +127,29 @@ def test_the_checker_sees_a_cycle_and_a_private_import():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph, _ = _graph()
     assert "normtune.kernels.strategies.rows" in graph["normtune.kernels.strategies"]
+
+
+def test_the_checker_sees_imports_inside_functions_type_checking_and_importlib(tmp_path):
+    """Each kind of import the graph must hold, on a throwaway package: a loop through each is found."""
+    sources = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from . import b\n",
+        "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n",
+        "c.py": "import importlib\n\ndef plan(name):\n    return importlib.import_module(f'{__package__}.{name}_launch')\n",
+        "x_launch.py": "from .a import f\n",
+        "d.py": "import importlib\nimportlib.import_module('normtune.a')\n",
+    }
+    modules = {}
+    for file, text in sources.items():
+        (tmp_path / file).write_text(text)
+        modules["normtune" if file == "__init__.py" else f"normtune.{file[:-3]}"] = tmp_path / file
+    graph = {name: {t for t, _ in _imports(name, path, modules)} for name, path in modules.items()}
+    assert graph == {"normtune": set(), "normtune.a": {"normtune.b"}, "normtune.b": {"normtune.c"}, "normtune.c": {"normtune.x_launch"},
+                     "normtune.x_launch": {"normtune.a"}, "normtune.d": {"normtune.a"}}
+    assert _cycles(graph) == [["normtune.a", "normtune.b", "normtune.c", "normtune.x_launch"]]
+    real, _ = _graph()  # the strategies' launch modules, imported by name on a strategy's first launch
+    assert {"normtune.kernels.strategies.rows_launch", "normtune.kernels.strategies.dual_launch"} \
+        <= real["normtune.kernels.strategies.base"]
 
 
 def test_no_import_cycles():

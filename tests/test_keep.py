@@ -16,6 +16,7 @@ from normtune.cli import app
 from normtune.tuner.tables import emit
 from normtune.tuner.upkeep import kept_subset as keep
 from normtune.tuner.store.database import Store
+from normtune.tuner.store.models import SHARED_COLUMNS
 
 REPO_DB = Path(__file__).resolve().parents[1] / "results.db"
 SIZE_LIMIT = 30_000_000  # bytes: the most results.db may weigh in the repository (docs/results-db.md)
@@ -131,7 +132,7 @@ def test_slim_blanks_the_configs_its_knob_columns_describe_and_reads_them_back(f
                                    "'ix_normtune_measurements_k%'").fetchone()[0]
     finally:
         con.close()
-    assert knob_indexes == len(keep.KNOB_COLUMNS)
+    assert knob_indexes == len(SHARED_COLUMNS)  # the shared knobs' (the flat layout's columns have none)
 
 
 def test_a_table_fitted_on_missing_runs_is_refused(full, tmp_path):

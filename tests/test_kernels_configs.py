@@ -156,9 +156,9 @@ def test_validate_returns_the_config():
     ('{"kernel_1": {}, "kernel_3": {}}', ["keys kernel_1 and kernel_2", "kernel_3"]),
     ('[1, 2]', ["keys kernel_1 and kernel_2"]),
     ('{"kernel_1": [4]}', ["Kernel1Config expects a JSON object", "list"]),
-    # a knob the strategy's config type lacks, at a non-default value
+    # another strategy's knob (the flat layout's are accepted at their defaults only)
     ('{"kernel_1": {"strategy": "dual", "pipelined_split": true}}',
-     ["kernel_1.pipelined_split=true", "strategy='rows'"]),
+     ["kernel_1.pipelined_split=True", "knob of strategy='rows'", "strategy='dual'"]),
     ('{"kernel_1": {"strategy": "columns", "row_split": 2}}', ["kernel_1.row_split=2", "strategy='columns'"]),
     ('{"kernel_1": {"strategy": "dual", "recompute": true}}', ["kernel_1.recompute=True", "strategy='dual'"]),
     ('{"kernel_1": {"strategy": "columns", "two_pass": 1}}', ["kernel_1.two_pass=1", "strategy='columns'"]),

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from normtune.kernels.config import (STRATEGIES, BackwardConfig, ConfigError, Kernel2Config, Problem, default_config,
-                                     kernel_1_config)
+from normtune.kernels.config import (STRATEGIES, BackwardConfig, ConfigError, Kernel1Config, Kernel2Config, Problem,
+                                     default_config, kernel_1_config)
 from normtune.kernels.heuristics import next_power_of_two, row_block_col, slice_width
 from normtune.kernels.strategies import num_programs
 from normtune.kernels.device import sm_count
@@ -53,13 +53,20 @@ def knob(config, name: str):
 
 
 def test_domains_cover_every_config_field():
+    """Each offered strategy's part of the space holds exactly its config type's fields and kernel_2's; together
+    they are the space's domains."""
+    k2 = {f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
     for s in (space("layer_norm", 64, 200, 4), space("rms_norm", 1, 1, 1), space("layer_norm", 8, 40000, 132)):
         d = s.domains()
-        own = {f.name for s in STRATEGIES.values() for f in dataclasses.fields(s.config_type)} | {"strategy"}
-        k1 = {f"k1.{name}" for name in own}
-        k2 = {f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
-        assert k1 | k2 == set(d), f"missing {sorted((k1 | k2) - set(d))}, extra {sorted(set(d) - (k1 | k2))}"
-        assert set(K1_DOMAINS) == own
+        assert set(d["k1.strategy"]) == set(s.offered())
+        union = set()
+        for name in s.offered():
+            own = {f"k1.{f.name}" for f in dataclasses.fields(STRATEGIES[name].config_type)} | {"k1.strategy"}
+            assert set(s.domains(name)) == own | k2, name
+            assert all(s.domains(name)[k] == d[k] for k in own | k2 if k != "k1.strategy")
+            union |= own | k2
+        assert union == set(d)
+        assert set(K1_DOMAINS) == {f.name for f in dataclasses.fields(Kernel1Config)}
         assert set(K2_DOMAINS) == {f.name for f in dataclasses.fields(Kernel2Config)}
         assert all(len(v) >= 1 for v in d.values())
 
@@ -182,14 +189,14 @@ def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
     # value; the whole space takes a minute to enumerate): one per distinct grid.
     fixed = s.params(base)
     narrowed = {k: v if k == "k1.programs_per_sm" else (fixed[k],) for k, v in s.domains().items()}
-    object.__setattr__(s, "domains", lambda: narrowed)  # the dataclass is frozen
+    object.__setattr__(s, "domains", lambda strategy=None: narrowed)  # the dataclass is frozen
     assert sorted(c.kernel_1.programs_per_sm for c in s) == [0.5, 1]
 
 
 def test_size_and_raw_size():
     s = space("rms_norm", 1, 1, 2)  # the smallest of SMALL: size() walks it once more
-    d = s.domains()
-    assert s.raw_size() == math.prod(len(v) for v in d.values())
+    assert s.raw_size() == sum(math.prod(len(v) for k, v in s.domains(name).items() if k != "k1.strategy")
+                               for name in s.offered())
     assert 0 < s.size() < s.raw_size()
     assert s.size() == len(list(s))  # a second walk counts the same launches
 
@@ -203,7 +210,7 @@ def test_params_config_round_trip(norm, M, N, sms):
     d = s.domains()
     for cfg in prefix(s, 300)[::7] + s.seeds():
         params = s.params(cfg)
-        assert set(params) == set(d)
+        assert set(params) == set(s.domains(cfg.kernel_1.strategy))  # its strategy's knobs only
         assert s.config(params) == cfg
         if cfg.kernel_1.strategy == "rows" and not cfg.kernel_1.two_pass:
             assert params["k1.block_col"] == d["k1.block_col"][0]
@@ -328,6 +335,8 @@ def test_seeds_move_each_knob_one_step():
     bp = s.params(base)
     d = s.domains()
     for cfg in rest:
+        if cfg.kernel_1.strategy != base.kernel_1.strategy:
+            continue
         if cfg in s.strategies():
             continue
         moved = {k for k, v in s.params(cfg).items() if v != bp[k]}
@@ -385,6 +394,20 @@ def test_the_columns_slice_width_is_a_sampled_knob():
         if config.kernel_1.strategy == "columns":
             widths.add(config.kernel_1.block_col)
     assert len(widths) > 1, widths
+
+
+def test_a_seed_trials_params_give_its_config_back():
+    """A seed trial holds its strategy's knobs only (those that apply); its params give the seed back."""
+    from normtune.tuner.sweep.sampling import Sampling, trial_config
+
+    space = Space(Problem("rms_norm", 100, 8192, "bf16"), 132)
+    sampling = Sampling("random", space, seed=0)
+    trials = [(seed, sampling.seed_trial(seed)) for seed in space.seeds()]
+    assert {seed.kernel_1.strategy for seed, trial in trials if trial is not None} == {"rows", "columns", "dual"}
+    for seed, trial in trials:
+        if trial is not None:
+            assert set(trial.params) <= set(space.domains(seed.kernel_1.strategy))
+            assert trial_config(space, trial.params) == seed
 
 
 # Shared memory of kernel_1_two_pass compiled for sm_90 by Triton 3.6; the first three are also the figures an H100

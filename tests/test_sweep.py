@@ -483,16 +483,20 @@ def test_sigterm_finishes_the_current_trial_and_stops(tmp_path):
 def test_grid_sampler_covers_a_tiny_space_and_never_exceeds_it(tmp_path, monkeypatch):
     from normtune.tuner import space as space_module
 
-    # A space of four configs (two row tiles x two kernel_2 tiles); the sweep runs in this process.
+    # A space of four configs (two row tiles x two kernel_2 tiles); the sweep runs in this process. The shared
+    # knobs' domains are the space's; the strategy's and the rows strategy's own are narrowed where they are drawn.
     monkeypatch.setattr(space_module, "K1_DOMAINS", {**K1_DOMAINS, "block_row": (8, 16), "num_warps": (4,),
                                                      "num_stages": (1,), "programs_per_sm": (1,),
-                                                     "eviction_policy": ("",), "prefetch": (False,),
-                                                     "recompute": (False,), "strategy": ("rows",),
-                                                     "row_split": (1,), "two_pass": (False,),
-                                                     "column_accumulators": (False,)})
+                                                     "eviction_policy": ("",), "prefetch": (False,)})
     monkeypatch.setattr(space_module, "K2_DOMAINS", {**K2_DOMAINS, "block_m": (64, 128), "block_n": (16,),
                                                      "num_warps": (4,), "num_stages": (1,), "pdl": (False,),
                                                      "fused": (False,)})
+    domains = space_module.Space.domains
+    rows_only = {"k1.strategy": ("rows",), "k1.recompute": (False,), "k1.row_split": (1,), "k1.two_pass": (False,),
+                 "k1.column_accumulators": (False,), "k1.pipelined_split": (False,)}
+    monkeypatch.setattr(space_module.Space, "offered", lambda self: ("rows",))
+    monkeypatch.setattr(space_module.Space, "domains",
+                        lambda self, strategy=None: {**domains(self, "rows"), **rows_only})
     grid = list(Space(RMS_A, INTERPRET_SM_COUNT))
     assert len(grid) == 4
     url = sqlite_url(tmp_path)

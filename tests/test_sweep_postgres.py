@@ -21,7 +21,7 @@ from sweep_support import (INTERPRETER_ONLY, check_studies, kill_group, load_stu
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import Space
-from normtune.tuner.sweep.sampling import DECIDED_FIRST, inapplicable
+from normtune.tuner.sweep import sampling
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep import SweepOptions, study_name
 
@@ -60,13 +60,8 @@ def committed_by(url: str, marker: str) -> int:
 
 
 def trial_config(name: str, params: dict) -> BackwardConfig:
-    space = Space(NAMES[name], INTERPRET_SM_COUNT)
     # Knobs a config does not use (block_col of a rows single pass, recompute of two passes) are not trial params.
-    full = {k: params[k] for k in DECIDED_FIRST if k in params}
-    for key, dom in space.domains().items():
-        fixed = inapplicable(key, full)
-        full.setdefault(key, params.get(key, dom[0]) if fixed is None else fixed(dom))
-    return space.canonical(space.config(full))
+    return sampling.trial_config(Space(NAMES[name], INTERPRET_SM_COUNT), params)
 
 
 def test_two_workers_one_killed_mid_trial_end_with_exactly_the_target(pg_url, tmp_path):

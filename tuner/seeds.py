@@ -10,18 +10,15 @@ then the default's one-step neighbours. Only configs the space allows are return
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from normtune.kernels.config import BackwardConfig, Kernel2Config, default_config
 from normtune.kernels.heuristics import MAX_COLUMNS_ROWS, next_power_of_two
 from normtune.kernels.strategies import SEED_ORDER, in_order
 from normtune.kernels.strategies.columns import FEW_ROWS  # noqa: F401 - where the light few-row seeds stop
 
-if TYPE_CHECKING:  # the space calls this module with itself
-    from .space import Space
+# `space` below is the `space.Space` that calls this module with itself (this module does not import it).
 
 
-def strategies(space: "Space") -> list[BackwardConfig]:
+def strategies(space) -> list[BackwardConfig]:
     """Structurally different configs a local search around the default would not reach."""
     p, base = space.problem, default_config(space.problem, space.limits)
     alts: list[BackwardConfig] = []
@@ -35,13 +32,14 @@ def strategies(space: "Space") -> list[BackwardConfig]:
     return space.worth_measuring(alts)
 
 
-def seeds(space: "Space") -> list[BackwardConfig]:
+def seeds(space) -> list[BackwardConfig]:
     """The analytic default, structural alternatives (`strategies`) and the default's one-step neighbours
-    (each knob moved to the adjacent domain value, where the default's strategy takes it: `Strategy.neighbour`)."""
+    (each knob moved to the adjacent domain value, where the default's strategy takes it: `Strategy.neighbour`;
+    moved to another strategy, the default's shared knobs with that strategy's own at their first values)."""
     base = space.canonical(default_config(space.problem, space.limits))
     few = space.problem.M <= MAX_COLUMNS_ROWS  # few rows: the row-sweeping strategies first (a budgeted sweep
     out = [base] + sorted(space.strategies(), key=lambda c: few and not c.strategy.sweeps_rows)  # reaches them)
-    d = space.domains()
+    d = space.domains(base.kernel_1.strategy)
     params = space.params(base)
     for key, dom in d.items():
         cur = params.get(key)
@@ -50,5 +48,8 @@ def seeds(space: "Space") -> list[BackwardConfig]:
         i = dom.index(cur)
         for j in (i - 1, i + 1):
             if 0 <= j < len(dom) and base.strategy.neighbour(key, dom[j], base.kernel_1, space.problem):
-                out += space.worth_measuring([space.config({**params, key: dom[j]})])
+                moved = {**params, key: dom[j]}
+                if key == "k1.strategy":
+                    moved = {**{k: v[0] for k, v in space.domains(dom[j]).items()}, **params, key: dom[j]}
+                out += space.worth_measuring([space.config(moved)])
     return list(dict.fromkeys(out))

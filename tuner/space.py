@@ -1,8 +1,10 @@
 """The search space: declared domains for every launch knob of both kernels, and declared constraints that prune
 configs before anything is compiled.
 
-The knobs are the fields of the strategies' config types and `Kernel2Config` (the single definition): a test
-checks that every field has a domain here; each strategy narrows its own knobs' domains to the problem.
+The knobs are the fields of the strategies' config types and `Kernel2Config` (the single definition): the shared
+knobs' domains are here (`K1_DOMAINS`, `K2_DOMAINS`), each strategy's own knobs' domains in its module, and each
+strategy narrows its own knobs' domains to the problem. A strategy's part of the space holds the shared knobs and
+its own only, and the registry is read each time, so a strategy registered later is offered from then on.
 Constraints are `BackwardConfig.validate` (what cannot run) plus redundancy pruning (what would time the same
 kernels as another config: e.g. grids that collapse to the same program count), so that enumeration yields each
 distinct launch once. Where a sweep starts (the seeds) is `seeds.py`.
@@ -20,16 +22,15 @@ from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem
 from normtune.kernels.limits import REFERENCE, DeviceLimits
 from normtune.kernels.heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, MIN_ELEMENTS_PER_THREAD, max_warps,
                                         next_power_of_two)
-from normtune.kernels.strategies import KERNEL_2_DOMAINS, STRATEGIES, num_programs
-from normtune.kernels.strategies.base import MAX_SPACE_TILE, kernel_1_domains
+from normtune.kernels.strategies import KERNEL_1_DOMAINS, KERNEL_2_DOMAINS, STRATEGIES, lookup, num_programs
+from normtune.kernels.strategies.base import MAX_SPACE_TILE
 from normtune.kernels.strategies.rows import MAX_COLUMN_ACC_TILE, MIN_TWO_PASS_CHUNK, fitting_split
 
 from . import seeds as seeding
 
-# Domains (ordered: neighbours in a domain are "one step" apart when seeding the search): the strategies' knob
-# layout (`strategies/base.py`'s `kernel_1_domains`: the shared knobs and each strategy's own), the strategy domain
-# being the registry's names.
-K1_DOMAINS: dict[str, tuple] = {**kernel_1_domains(), "strategy": tuple(STRATEGIES)}
+# Domains of the knobs every strategy shares (ordered: neighbours in a domain are "one step" apart when seeding the
+# search); the strategy's domain is the registry's names, each strategy's own knobs' domains are its `knob`s'.
+K1_DOMAINS: dict[str, tuple] = dict(KERNEL_1_DOMAINS)
 K2_DOMAINS: dict[str, tuple] = dict(KERNEL_2_DOMAINS)
 
 __all__ = ["K1_DOMAINS", "K2_DOMAINS", "MAX_COLUMN_ACC_TILE", "MAX_SINGLE_PASS", "MAX_SPACE_TILE",
@@ -50,29 +51,36 @@ class Space:
         return self.limits or REFERENCE
 
     # ---- domains, as they apply to this problem
-    def domains(self) -> dict[str, tuple]:
-        """Each knob's domain: the shared layout narrowed to the problem, then the offered strategies' own knobs,
-        then kernel_2's."""
-        p = self.problem
+    def offered(self) -> tuple[str, ...]:
+        """The registered strategies the space offers for the problem (`Strategy.offered`), in registry order."""
+        return tuple(name for name, strategy in STRATEGIES.items() if strategy.offered(self.problem))
+
+    def domains(self, strategy: str | None = None) -> dict[str, tuple]:
+        """Each knob's domain as it applies to the problem and the device, in the order the sampler draws them: the
+        strategy, the strategy's leading knobs, the shared knobs, its other knobs, then kernel_2's. Of `strategy`'s
+        configs (its knobs only), or of every offered strategy's together (None)."""
+        p, lim = self.problem, self.device
+        offered = self.offered()
+        strategies = [lookup(name) for name in (offered if strategy is None else (strategy,))]
         n_pow2 = next_power_of_two(p.N)
-        d: dict[str, tuple] = {f"k1.{k}": v for k, v in K1_DOMAINS.items()}
-        d["k1.strategy"] = tuple(s for s in K1_DOMAINS["strategy"] if s in STRATEGIES and STRATEGIES[s].offered(p))
+        leading = {f"k1.{k.name}": k.domain for s in strategies for k in s.knobs if k.leading}
+        rest = {f"k1.{k.name}": k.domain for s in strategies for k in s.knobs if not k.leading}
+        d: dict[str, tuple] = {"k1.strategy": offered, **leading, **{f"k1.{k}": v for k, v in K1_DOMAINS.items()},
+                               **rest}
         d["k1.block_col"] = tuple(c for c in K1_DOMAINS["block_col"] if c < n_pow2) or (min(n_pow2, 32),)
         rows_needed = next_power_of_two(max(1, p.M))
         d["k1.block_row"] = tuple(r for r in K1_DOMAINS["block_row"] if r <= rows_needed) or (1,)
-        for name in d["k1.strategy"]:
-            d.update({f"k1.{knob.name}": knob.domain for knob in STRATEGIES[name].extra})
         d.update({f"k2.{k}": v for k, v in K2_DOMAINS.items()})
         d["k2.block_n"] = tuple(b for b in K2_DOMAINS["block_n"] if b <= n_pow2) or (n_pow2,)
-        lim = self.device  # only what the device has (`capabilities`)
+        # only what the device has (`capabilities`)
         d["k1.num_warps"] = tuple(w for w in d["k1.num_warps"] if w <= lim.max_warps)
         d["k2.num_warps"] = tuple(w for w in d["k2.num_warps"] if w <= lim.max_warps)
         if not lim.eviction_hints:
             d["k1.eviction_policy"] = ("",)
         if not lim.pdl:
             d["k2.pdl"] = (False,)
-        for strategy in STRATEGIES.values():  # their own knobs (`Strategy.narrow_domains`)
-            strategy.narrow_domains(d, p, lim)
+        for s in strategies:  # their own knobs (`Strategy.narrow_domains`)
+            s.narrow_domains(d, p, lim)
         return d
 
     def kernel_2_domains(self) -> Mapping[str, tuple]:
@@ -85,23 +93,20 @@ class Space:
     def config(self, params: Mapping[str, Any]) -> BackwardConfig:
         """Params (as sampled: 'k1.block_row', …) → a config of the strategy they name (`Strategy.config`; knobs
         the strategy does not use are ignored)."""
-        return STRATEGIES[params.get("k1.strategy", "rows")].config(self.problem, params, self)
+        return lookup(params.get("k1.strategy", "rows")).config(self.problem, params, self)
 
     def params(self, config: BackwardConfig) -> dict[str, Any]:
-        """The inverse of `config` (what to enqueue in a study to measure a given config). Knobs a config
-        ignores take the first value of their domains."""
+        """The inverse of `config` (what to enqueue in a study to measure a given config): the knobs of its
+        strategy's part of the space. Knobs a config ignores take the first value of their domains."""
         k1 = config.kernel_1
-        out = {f"k1.{f.name}": getattr(k1, f.name) for f in dataclasses.fields(k1)}
-        out["k1.strategy"] = k1.strategy
-        d = self.domains()
-        out.update({k: v[0] for k, v in d.items() if k.startswith("k1.") and k not in out})
+        out = {"k1.strategy": k1.strategy, **{f"k1.{f.name}": getattr(k1, f.name) for f in dataclasses.fields(k1)}}
         out.update({f"k2.{f.name}": getattr(config.kernel_2, f.name) for f in dataclasses.fields(Kernel2Config)})
-        config.strategy.params(config, out, d)
+        config.strategy.params(config, out, self.domains(k1.strategy))
         return out
 
     def applies(self, key: str, params: Mapping[str, Any]) -> bool:
         """Whether knob `key` changes the launch given the knobs decided before it (`Strategy.sampled`)."""
-        strategy = STRATEGIES[params.get("k1.strategy", "rows")]
+        strategy = lookup(params.get("k1.strategy", "rows"))
         return strategy.knows(key) and strategy.sampled(key, params)
 
     # ---- constraints
@@ -162,12 +167,12 @@ class Space:
         """Each distinct launch once: per strategy and variant (`Strategy.variants`: the rows strategy's single
         pass and two-pass), knobs it does not walk (`Strategy.enumerated`) are fixed to their first value before
         the product."""
-        d = self.domains()
         seen: set[BackwardConfig] = set()
-        for name in d["k1.strategy"]:
-            strategy = STRATEGIES[name]
+        for name in self.domains()["k1.strategy"]:
+            strategy = lookup(name)
+            d = self.domains(name)
             for variant in strategy.variants(d):
-                sub = {k: (v if strategy.knows(k) and strategy.enumerated(k, variant) else v[:1]) for k, v in d.items()}
+                sub = {k: (v if strategy.enumerated(k, variant) else v[:1]) for k, v in d.items()}
                 sub["k1.strategy"] = (name,)
                 sub.update({k: (value,) for k, value in variant.items()})
                 keys = list(sub)
@@ -188,11 +193,14 @@ class Space:
         return sum(1 for _ in self)
 
     def raw_size(self) -> int:
-        """Size of the cartesian product before constraints."""
-        n = 1
-        for v in self.domains().values():
-            n *= len(v)
-        return n
+        """Size of the cartesian products (one per offered strategy, of its knobs) before constraints."""
+        total = 0
+        for name in self.offered():
+            n = 1
+            for key, v in self.domains(name).items():
+                n *= 1 if key == "k1.strategy" else len(v)
+            total += n
+        return total
 
     # ---- seeding (`seeds.py`)
     def strategies(self) -> list[BackwardConfig]:

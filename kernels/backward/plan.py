@@ -11,9 +11,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..config import RECOVER_LIMITS, BackwardConfig, Problem
 from ..launcher import Launcher
 from ..limits import DeviceLimits
+from ..problem import RECOVER_LIMITS, Problem
+from ..strategies.configs import BackwardConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,43 +1,31 @@
-"""The contract of a kernel_1 strategy, and what strategies share: the search domains of the knob layout and
+"""The contract of a kernel_1 strategy, and what strategies share: the search domains of the shared knobs and
 the checks every strategy's tile passes (register and shared-memory model).
 
 A strategy is one object (an instance of a `Strategy` subclass, one module each) that the registry
-(`strategies/__init__.py`) lists by name. Everything that depends on which strategy a config uses goes through
-it: validation, the analytic default, the search space's domains and conditional knobs, seeds, the grid and the
+(`registry.py`) lists by name. Everything that depends on which strategy a config uses goes through it:
+validation, the analytic default, the search space's domains and conditional knobs, seeds, the grid and the
 launch plan. Its config type (`config_type`, a frozen subclass of `Kernel1Config` in its module) holds the
-shared knobs and only the knobs that apply to it; code outside this package asks the strategy instead of reading
-them. A knob added later is declared in `extra` (a `Knob`) and held by the config type: the space, the seeds, the
-store and the tables then carry it with no other change.
+shared knobs and its own, each declared there once with `knob(default, domain)`; no other strategy sees them
+(their space, seeds, JSON and stored columns leave them out), and code outside this package asks the strategy
+instead of reading them.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 from typing import Any, Mapping
 
 from ..capabilities import checked
 from ..heuristics import estimate_registers, register_budget, staged_shared_bytes
-from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, STRATEGIES, BackwardConfig, Kernel1Config
+from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, Kernel1Config, Knob, own_knobs
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
-
-
-@dataclass(frozen=True)
-class Knob:
-    """A knob of one strategy's own: its config type's field name, the search domain (ordered: neighbours are
-    one step apart when seeding), and the value configs without it hold (and measurements older than it ran)."""
-
-    name: str
-    domain: tuple
-    default: Any
-
+from .configs import BackwardConfig
 
 # Search domains of the kernel_1 knobs every strategy shares, in the order the sampler draws them (neighbours in a
-# domain are one step apart when seeding). A strategy's own knobs have their domains in its module
-# (`Strategy.leading_domains`, `Strategy.own_domains`); `kernel_1_domains` puts them all in order.
+# domain are one step apart when seeding). A strategy's own knobs have their domains in its module (`knob`).
 KERNEL_1_DOMAINS: dict[str, tuple] = {
-    "strategy": (),  # the registry's names, filled by the space (`Space.domains`)
     "block_row": (1, 2, 4, 8, 16, 32, 64),
     # two-pass chunk (>= 512) or the columns strategy's slice (<= 1024); single pass derives it from N/row_split
     "block_col": (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
@@ -59,25 +47,6 @@ KERNEL_2_DOMAINS: dict[str, tuple] = {
 
 # Largest tile (elements) the search space offers: past it registers spill (`Strategy.largest_tile`).
 MAX_SPACE_TILE = 16384
-
-# The rows strategy's own knobs, refused elsewhere (and in the rows strategy's forms they do not apply to).
-COLUMN_ACCUMULATORS_ROWS_ONLY = ("kernel_1.column_accumulators=true applies to the rows strategy's single pass: use "
-                                 "two_pass=false and strategy='rows', or column_accumulators=false")
-PIPELINED_SPLIT_ROWS_ONLY = ("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split > 1 "
-                             "with strategy='rows', or pipelined_split=false")
-
-
-def kernel_1_domains() -> dict[str, tuple]:
-    """The search domains of the kernel_1 knob layout, in the order the sampler draws them: the strategy, the
-    registered strategies' `leading_domains`, the shared knobs, then the strategies' `own_domains`."""
-    strategies = list(STRATEGIES.values())
-    out: dict[str, tuple] = {"strategy": KERNEL_1_DOMAINS["strategy"]}
-    for strategy in strategies:
-        out.update(strategy.leading_domains)
-    out.update(KERNEL_1_DOMAINS)
-    for strategy in strategies:
-        out.update(strategy.own_domains)
-    return out
 
 
 def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False,
@@ -120,17 +89,23 @@ def describe_flags(k1: Kernel1Config, own: str = "") -> str:
     return (" prefetch" if k1.prefetch else "") + own + (f" {k1.eviction_policy}" if k1.eviction_policy else "")
 
 
-class Strategy:
-    """One kernel_1 strategy. Subclasses set the class attributes and override the methods marked so."""
+class Strategy(ABC):
+    """One kernel_1 strategy. A subclass sets `name` and `config_type` (its knobs are that type's fields, each of
+    its own declared with `knob`) and defines the five required methods: `validate` (what cannot run),
+    `describe` (how a config prints), `programs` (its grid), `offered` (the problems the space offers it for) and
+    `config` (sampled params to a config). Every other method is a hook whose default suits a strategy with no
+    knobs beyond the shared ones; override those its own knobs need.
+
+    Where they are called: a config's validation (`BackwardConfig.validate`) → `validate`; the launch
+    (`backward/launch.py`) → `plan`, `programs`, `partial_rows`; the device's features (`capabilities`) →
+    `fallbacks`, `portable`; the search space (`tuner/space.py`) → `offered`, `narrow_domains`, `variants`,
+    `enumerated`, `sampled`, `config`, `params`, `canonical`, `why_not`, `largest_tile`; the seeds
+    (`tuner/seeds.py`) → `default`, `seeds`, `neighbour`, `expand_seeds`; a table's rule on other problems
+    (`kernels/adapt.py`) → `adapt`, `holds_rows`, `whole_rows`, `walks_twice`, `carry_over`.
+    """
 
     name: str = ""
     config_type: type = Kernel1Config  # its own frozen subclass of Kernel1Config, whose `strategy` is `name`
-    # Search domains of the knobs its config type adds to the layout (ordered: neighbours are one step apart when
-    # seeding): `leading_domains` are drawn right after the strategy, before the shared knobs (they decide the form
-    # of the tile those size), `own_domains` after the shared knobs.
-    leading_domains: Mapping[str, tuple] = {}
-    own_domains: Mapping[str, tuple] = {}
-    extra: tuple[Knob, ...] = ()  # knobs added to config_type later (in its own configs' JSON only)
     sweeps_rows = False  # its column programs sweep every row: offered only for few rows, time grows with M
     # The fields of BackwardConfig.kernel_2 it launches with ("all", or the names of the ones it reads).
     kernel_2_knobs: tuple[str, ...] = tuple(KERNEL_2_DOMAINS)
@@ -138,46 +113,43 @@ class Strategy:
     decided_first: tuple[str, ...] = ()
 
     # ---- the config
+    @property
+    def knobs(self) -> tuple[Knob, ...]:
+        """The knobs of its own (its config type's fields beyond the shared ones), in declaration order."""
+        return own_knobs(self.config_type)
+
     def make(self, **fields) -> Kernel1Config:
-        """A kernel_1 config of this strategy (extra knobs at their defaults unless given)."""
-        for knob in self.extra:
-            fields.setdefault(knob.name, knob.default)
+        """A kernel_1 config of this strategy (knobs left out at their defaults)."""
         return self.config_type(**fields)
 
-    def inapplicable(self, name: str, value: Any) -> str:
-        """The error for a non-default value of knob `name` of the layout, which this strategy's type lacks."""
-        return (f"kernel_1.{name}={value!r} does not apply to strategy={self.name!r}: leave it out (or at its "
-                "default)")
+    def knob_values(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Its own knobs' values in sampled params ('k1.<name>'), each at its default where absent."""
+        return {k.name: params.get(f"k1.{k.name}", k.default) for k in self.knobs}
 
-    def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:  # override
-        """Raise `ConfigError` naming the field if the combination cannot run `problem` on the device of `lim`."""
-        raise NotImplementedError
+    @abstractmethod
+    def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
+        """Raise `ConfigError` naming the field if the combination cannot run `problem` on the device of `lim`
+        (each field's type and range, and each own knob's domain, are checked before)."""
 
-    def validate_extra(self, k1: Kernel1Config) -> None:
-        """Each knob of the strategy's own takes a value of its domain."""
-        for knob in self.extra:
-            value = getattr(k1, knob.name)
-            if value not in knob.domain:
-                raise ConfigError(f"kernel_1.{knob.name}={value!r} is not allowed for strategy={self.name!r}: use "
-                                  f"one of {', '.join(map(repr, knob.domain))}")
+    @abstractmethod
+    def describe(self, config: BackwardConfig) -> str:
+        """The config as `str(config)` shows it (`describe_knobs` adds the own knobs it does not show itself)."""
 
-    def describe(self, config: BackwardConfig) -> str:  # override
-        raise NotImplementedError
+    def describe_knobs(self, k1: Kernel1Config, shown: tuple[str, ...] = ()) -> str:
+        """' name=value' for each knob of its own not at its default, but those named in `shown`."""
+        return "".join(f" {k.name}={getattr(k1, k.name)}" for k in self.knobs
+                       if k.name not in shown and getattr(k1, k.name) != k.default)
 
-    def describe_extra(self, k1: Kernel1Config) -> str:
-        return "".join(f" {k.name}={getattr(k1, k.name)}" for k in self.extra if getattr(k1, k.name) != k.default)
-
-    # ---- the launch plan
+    # ---- the launch plan and the grid
     def plan(self, problem: Problem, config: BackwardConfig, target, int64: bool, hint: int):
         """Its launch plan (`backward/launch.py`'s `plan`): the `plan` of its module `<name>_launch` in this
         package, imported on the first plan (it imports Triton and the kernels; the strategy modules do not)."""
         return importlib.import_module(f"{__package__}.{self.name}_launch").plan(problem, config, target, int64,
                                                                                   hint)
 
-    # ---- the grid
-    def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:  # override
+    @abstractmethod
+    def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
         """Programs kernel_1 launches for M > 0 rows."""
-        raise NotImplementedError
 
     def partial_rows(self, M: int, config: BackwardConfig, sms: int) -> int:
         """Rows of the fp32 partial dw/db buffers kernel_1 writes (none unless overridden)."""
@@ -212,9 +184,14 @@ class Strategy:
         size (`adapt.carried_over`), or None and why it does not carry over."""
         return None, f"its config holds whole {stand_in} rows in registers"
 
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+        """A table rule's config made valid for another problem (`kernels/adapt.py`); None: the default."""
+        return None
+
     # ---- the search space (`tuner/space.py`)
-    def offered(self, problem: Problem) -> bool:  # override
-        raise NotImplementedError
+    @abstractmethod
+    def offered(self, problem: Problem) -> bool:
+        """Whether the space offers this strategy for `problem`."""
 
     def narrow_domains(self, domains: dict[str, tuple], problem: Problem, lim: DeviceLimits) -> None:
         """Narrow the domains of its own knobs to `problem` on the device of `lim`, in place (`Space.domains`)."""
@@ -228,41 +205,36 @@ class Strategy:
         return None
 
     def variants(self, domains: Mapping[str, tuple]) -> tuple[dict, ...]:
-        """The values of the knobs decided first (`sampled_first`) the space enumerates for this strategy."""
-        return ({"k1.two_pass": domains["k1.two_pass"][0]},)
-
-    def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
-        """Whether knob `key` changes the launch, given the knobs decided before it in `params` (the sampler
-        fixes the others to their domain's first value, so that it does not learn from values that changed
-        nothing). The knobs of other strategies never do."""
-        if key.startswith("k2."):
-            return key[3:] in self.kernel_2_knobs
-        return self.knows(key)
+        """The values of the knobs decided first (`decided_first`) the space enumerates, one dict per variant."""
+        return ({},)
 
     def knows(self, key: str) -> bool:
-        """Whether knob `key` ('k1.…', 'k2.…') exists for this strategy: the knob layout (the shared knobs and
-        every registered strategy's own, which `sampled` fixes where they do not apply), or its `extra` knobs."""
+        """Whether knob `key` ('k1.…', 'k2.…') is one of its configs' (a shared knob, or one of its own)."""
         if key.startswith("k2."):
             return True
         name = key[3:]
-        return (name in KERNEL_1_DOMAINS or any(k.name == name for k in self.extra)
-                or any(name in s.leading_domains or name in s.own_domains for s in STRATEGIES.values()))
+        return name in KERNEL_1_DOMAINS or any(k.name == name for k in self.knobs)
+
+    def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
+        """Whether knob `key` changes the launch given the knobs decided before it in `params` (the sampler fixes
+        the others to their domain's first value, so that it does not learn from values that changed nothing).
+        Another strategy's knobs never do."""
+        if key.startswith("k2."):
+            return key[3:] in self.kernel_2_knobs
+        return self.knows(key)
 
     def enumerated(self, key: str, variant: Mapping[str, Any]) -> bool:
         """Whether the space's enumeration walks knob `key`'s domain for this variant (else its first value)."""
         return self.sampled(key, variant)
 
-    def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:  # override
-        """Sampled params ('k1.block_row', …) → this strategy's config."""
-        raise NotImplementedError
-
-    def extra_values(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        return {k.name: params.get(f"k1.{k.name}", k.default) for k in self.extra}
+    @abstractmethod
+    def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:
+        """Sampled params ('k1.block_row', …; those of its knobs) → this strategy's config."""
 
     def params(self, config: BackwardConfig, params: dict[str, Any], domains: Mapping[str, tuple]) -> None:
         """Set the knobs `config` does not use to their domain's first value in `params` (`Space.params`)."""
         for key in domains:
-            if key != "k1.strategy" and not self.sampled(key, params) and key in params:
+            if key != "k1.strategy" and key in params and not self.sampled(key, params):
                 params[key] = domains[key][0]
 
     def canonical(self, config: BackwardConfig, space) -> tuple[BackwardConfig, bool]:
@@ -270,7 +242,7 @@ class Strategy:
         (programs_per_sm) is still to be canonicalized."""
         return config, True
 
-    # ---- defaults and seeds
+    # ---- defaults and seeds (`tuner/seeds.py`)
     def default(self, problem: Problem, lim: DeviceLimits) -> BackwardConfig | None:
         """The analytic default for `problem` on the device of `lim` when this strategy should run it, else None
         (`default_config` asks the strategies in `DEFAULT_ORDER`): a config valid there that asks for no feature
@@ -289,7 +261,3 @@ class Strategy:
     def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
         """Further seeds derived from the others (after every strategy's `seeds`)."""
         return []
-
-    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
-        """A table rule's config made valid for another problem (`kernels/adapt.py`); None: the default."""
-        return None

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two
-from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
+from ..knobs import Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
-from .base import COLUMN_ACCUMULATORS_ROWS_ONLY, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile, describe_flags, fit
+from .base import Strategy, check_tile, describe_flags, fit
+from .configs import BackwardConfig
 
 # Widest column slice of one program (its rows' dw/db accumulate in registers while it sweeps every row).
 MAX_SLICE = 1024
@@ -35,9 +36,6 @@ class Columns(Strategy):
     sweeps_rows = True
     kernel_2_knobs = ()
 
-    def inapplicable(self, name: str, value: Any) -> str:
-        return refused_rows_knob(self.name, "sweeps rows of a column slice", name, value)
-
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1 = config.kernel_1
         if k1.block_col > MAX_SLICE:
@@ -51,7 +49,7 @@ class Columns(Strategy):
     def describe(self, config: BackwardConfig) -> str:
         k1 = config.kernel_1
         return (f"k1[columns {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages}{describe_flags(k1)}"
-                f"{self.describe_extra(k1)}] k2[none]")
+                f"{self.describe_knobs(k1)}] k2[none]")
 
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
         return cdiv(N, config.kernel_1.block_col)
@@ -61,28 +59,22 @@ class Columns(Strategy):
         return problem.M <= MAX_COLUMNS_ROWS
 
     def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
-        if key in ("k1.column_accumulators", "k1.pipelined_split"):
-            return False
-        if key == "k1.recompute":
-            return not params.get("k1.two_pass", False)
         if key.startswith("k2."):  # sampled, and ignored by `config`
             return True
         return super().sampled(key, params)
 
     def enumerated(self, key: str, variant: Mapping[str, Any]) -> bool:
-        return not key.startswith("k2.") and key not in (
-            "k1.row_split", "k1.recompute", "k1.column_accumulators", "k1.pipelined_split", "k1.programs_per_sm")
+        return not key.startswith("k2.") and key != "k1.programs_per_sm" and self.sampled(key, variant)
 
     def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:
-        k1 = self.make(block_row=params["k1.block_row"], block_col=params["k1.block_col"],
-                       num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"], programs_per_sm=1,
-                       eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
-                       **self.extra_values(params))
+        k1 = self.make(**{**self.knob_values(params), "block_row": params["k1.block_row"],
+                          "block_col": params["k1.block_col"], "num_warps": params["k1.num_warps"],
+                          "num_stages": params["k1.num_stages"], "programs_per_sm": 1,
+                          "eviction_policy": params["k1.eviction_policy"], "prefetch": bool(params["k1.prefetch"])})
         return BackwardConfig(k1, space.unused_kernel_2())
 
     def params(self, config: BackwardConfig, params: dict[str, Any], domains: Mapping[str, tuple]) -> None:
-        for key in ("k1.two_pass", "k1.programs_per_sm", "k1.row_split"):
-            params[key] = domains[key][0]
+        params["k1.programs_per_sm"] = domains["k1.programs_per_sm"][0]
         params.update({k: v[0] for k, v in domains.items() if k.startswith("k2.")})
 
     def canonical(self, config: BackwardConfig, space) -> tuple[BackwardConfig, bool]:
@@ -124,16 +116,6 @@ class Columns(Strategy):
         cand = BackwardConfig(dataclasses.replace(k1, block_col=min(k1.block_col, next_power_of_two(problem.N))),
                               config.kernel_2)
         return cand if problem.M <= MAX_COLUMNS_ROWS and cand.is_valid(problem) else None
-
-
-def refused_rows_knob(strategy: str, what: str, name: str, value: Any) -> str:
-    """The error for a rows-strategy knob set on a strategy that lacks it (`what`: how that strategy works)."""
-    if name == "column_accumulators":
-        return COLUMN_ACCUMULATORS_ROWS_ONLY
-    if name == "pipelined_split":
-        return PIPELINED_SPLIT_ROWS_ONLY
-    return (f"kernel_1.{name}={value!r} does not apply to strategy={strategy!r}, which {what}: use "
-            "two_pass=false, row_split=1, recompute=false")
 
 
 COLUMNS = Columns()

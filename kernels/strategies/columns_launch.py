@@ -7,8 +7,9 @@ import dataclasses
 
 from ..backward.columns import kernel_1_columns, row_sums
 from ..backward.plan import Plan, Step, Target, flags, k1_flags, reads_mean
-from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv, max_warps, next_power_of_two
+from ..problem import Problem
+from .configs import BackwardConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two, num_groups, row_block_col
-from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
+from ..knobs import Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem
 from .base import Strategy, check_tile, describe_flags
-from .columns import FEW_ROWS, refused_rows_knob
+from .columns import FEW_ROWS
+from .configs import BackwardConfig
 from .fitting import fit_row_tile
 
 
@@ -34,9 +35,6 @@ class Dual(Strategy):
     sweeps_rows = True
     kernel_2_knobs = ("block_m", "block_n")  # the column programs' tile, on kernel_1's warps
 
-    def inapplicable(self, name: str, value: Any) -> str:
-        return refused_rows_knob(self.name, "holds whole rows in one pass", name, value)
-
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1, k2 = config.kernel_1, config.kernel_2
         if k1.block_col < problem.N:
@@ -51,7 +49,7 @@ class Dual(Strategy):
     def describe(self, config: BackwardConfig) -> str:
         k1, k2 = config.kernel_1, config.kernel_2
         return (f"k1[dual {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} pps{k1.programs_per_sm}"
-                f"{describe_flags(k1)}{self.describe_extra(k1)}] k2[columns {k2.block_m}x{k2.block_n}]")
+                f"{describe_flags(k1)}{self.describe_knobs(k1)}] k2[columns {k2.block_m}x{k2.block_n}]")
 
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:
         return self.row_programs(M, config, sms) + cdiv(N, config.kernel_2.block_n)
@@ -69,23 +67,15 @@ class Dual(Strategy):
         return problem.M <= MAX_COLUMNS_ROWS and next_power_of_two(problem.N) <= MAX_SINGLE_PASS
 
     def sampled(self, key: str, params: Mapping[str, Any]) -> bool:
-        if key in ("k1.block_col", "k1.recompute", "k1.row_split", "k1.column_accumulators", "k1.pipelined_split"):
-            return False
-        return super().sampled(key, params)
+        return key != "k1.block_col" and super().sampled(key, params)  # its row tile holds whole rows
 
     def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:
-        k1 = self.make(block_row=params["k1.block_row"], block_col=row_block_col(problem.N),
-                       num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
-                       programs_per_sm=params["k1.programs_per_sm"], eviction_policy=params["k1.eviction_policy"],
-                       prefetch=bool(params["k1.prefetch"]), **self.extra_values(params))
+        k1 = self.make(**{**self.knob_values(params), "block_row": params["k1.block_row"],
+                          "block_col": row_block_col(problem.N), "num_warps": params["k1.num_warps"],
+                          "num_stages": params["k1.num_stages"], "programs_per_sm": params["k1.programs_per_sm"],
+                          "eviction_policy": params["k1.eviction_policy"], "prefetch": bool(params["k1.prefetch"])})
         return BackwardConfig(k1, dataclasses.replace(space.unused_kernel_2(), block_m=params["k2.block_m"],
                                                       block_n=params["k2.block_n"]))
-
-    def params(self, config: BackwardConfig, params: dict[str, Any], domains: Mapping[str, tuple]) -> None:
-        for key in ("k1.block_col", "k1.two_pass", "k1.row_split"):
-            params[key] = domains[key][0]
-        params.update({k: v[0] for k, v in domains.items()
-                       if k.startswith("k2.") and k[3:] not in self.kernel_2_knobs})
 
     def canonical(self, config: BackwardConfig, space) -> tuple[BackwardConfig, bool]:
         k2 = config.kernel_2

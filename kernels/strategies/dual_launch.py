@@ -7,8 +7,9 @@ import dataclasses
 
 from ..backward.dual import kernel_1_dual
 from ..backward.plan import Plan, Step, Target, k1_flags, reads_mean
-from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv
+from ..problem import Problem
+from .configs import BackwardConfig
 
 
 @dataclasses.dataclass(frozen=True)

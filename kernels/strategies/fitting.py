@@ -1,30 +1,14 @@
-"""Fitting a table rule's row tile to another problem (`Strategy.adapt` of the strategies that hold rows): the
-column tile to the row, the row tile to the rows, then the warps that validate."""
+"""Fitting a table rule's row tile to another problem (`Strategy.adapt` of the strategies that hold rows, through
+the rows strategy's `fit_rows` or directly): the column tile to the row, the row tile to the rows, then the warps
+that validate."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 from ..heuristics import MAX_SINGLE_PASS, next_power_of_two
-from ..knobs import BackwardConfig, Kernel1Config, Kernel2Config
+from ..knobs import Kernel1Config, Kernel2Config
 from ..problem import Problem
-
-if TYPE_CHECKING:
-    from .rows import RowsConfig
-
-
-def fit_rows(k1: "RowsConfig", k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
-    """A rows-strategy kernel_1 (whole rows or two-pass) fitted to `problem`: single pass takes block_col =
-    next_pow2(N) (two-pass past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), then
-    `fit_row_tile`."""
-    n_pow2 = next_power_of_two(problem.N)
-    if not k1.two_pass and n_pow2 > MAX_SINGLE_PASS:
-        k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
-                                 recompute=False, column_accumulators=False)
-    elif k1.two_pass and k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
-        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
-    return fit_row_tile(k1, k2, problem, sm_count, whole_rows=not k1.two_pass)
+from .configs import BackwardConfig
 
 
 def fit_row_tile(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: int | None, *,

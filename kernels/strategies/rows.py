@@ -24,14 +24,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from ..heuristics import MAX_SINGLE_PASS, max_warps, next_power_of_two, num_groups, row_block_col, slice_width
-from ..knobs import ROW_SPLITS, BackwardConfig, Kernel1Config, Kernel2Config, check_booleans
+from ..heuristics import (MAX_SINGLE_PASS, ROW_SPLITS, max_warps, next_power_of_two, num_groups, row_block_col,
+                          slice_width)
+from ..knobs import Kernel1Config, Kernel2Config, check_booleans, knob
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem, check_choice, is_power_of_two
 from . import rows_default
-from .base import (COLUMN_ACCUMULATORS_ROWS_ONLY, MAX_SPACE_TILE, PIPELINED_SPLIT_ROWS_ONLY, Strategy, check_tile,
-                   describe_flags)
-from .fitting import fit_rows
+from .base import MAX_SPACE_TILE, Strategy, check_tile, describe_flags
+from .configs import BackwardConfig
+from .fitting import fit_row_tile
 
 # Largest tile the space and the seeds offer with dw/db per column (block_row times fewer accumulator registers).
 MAX_COLUMN_ACC_TILE = 32768
@@ -54,13 +55,15 @@ def narrow_odd_split(N: int, split: int) -> bool:
 
 @dataclass(frozen=True)
 class RowsConfig(Kernel1Config):
-    """kernel_1 of the rows strategy: the shared knobs and its forms' (the module says what each does)."""
+    """kernel_1 of the rows strategy: the shared knobs and its forms' (the module says what each does). two_pass and
+    row_split are drawn before the shared knobs (they decide the tile's form); pipelined_split is offered where
+    rows split."""
 
-    two_pass: bool = False
-    recompute: bool = False
-    row_split: int = 1
-    column_accumulators: bool = False
-    pipelined_split: bool = False
+    two_pass: bool = knob(False, (False, True), leading=True)
+    recompute: bool = knob(False, (False, True))
+    row_split: int = knob(1, ROW_SPLITS, leading=True)
+    column_accumulators: bool = knob(False, (False, True))
+    pipelined_split: bool = knob(False, (False, True))
 
     strategy: ClassVar[str] = "rows"
 
@@ -70,14 +73,19 @@ class RowsConfig(Kernel1Config):
         check_choice("kernel_1.row_split", self.row_split, ROW_SPLITS)
 
 
+# Its knobs' refusals where a form of its own lacks them.
+COLUMN_ACCUMULATORS_SINGLE_PASS = ("kernel_1.column_accumulators=true applies to the rows strategy's single pass: "
+                                   "use two_pass=false and strategy='rows', or column_accumulators=false")
+PIPELINED_SPLIT_ONLY = ("kernel_1.pipelined_split=true pipelines the exchange of a split row: use row_split > 1 with "
+                        "strategy='rows', or pipelined_split=false")
+# The knobs of its own that `describe` shows in its terms.
+SHOWN = ("two_pass", "recompute", "row_split", "column_accumulators", "pipelined_split")
+
+
 class Rows(Strategy):
     name = "rows"
     config_type = RowsConfig
     decided_first = ("k1.two_pass",)
-    # 3, 5, 6, 7: offered only where they cut the row into power-of-two slices (`fitting_split`)
-    leading_domains = {"two_pass": (False, True), "row_split": ROW_SPLITS}
-    # pipelined_split: offered where rows split (drawn after row_split and num_stages)
-    own_domains = {"recompute": (False, True), "column_accumulators": (False, True), "pipelined_split": (False, True)}
 
     def validate(self, config: BackwardConfig, problem: Problem, lim: DeviceLimits) -> None:
         k1, k2 = config.kernel_1, config.kernel_2
@@ -85,9 +93,9 @@ class Rows(Strategy):
             raise ConfigError("kernel_1.recompute=true applies to single pass: two_pass=true re-reads its chunks "
                               "(use recompute=false)")
         if k1.column_accumulators and k1.two_pass:
-            raise ConfigError(COLUMN_ACCUMULATORS_ROWS_ONLY)
+            raise ConfigError(COLUMN_ACCUMULATORS_SINGLE_PASS)
         if k1.pipelined_split and k1.row_split == 1:
-            raise ConfigError(PIPELINED_SPLIT_ROWS_ONLY)
+            raise ConfigError(PIPELINED_SPLIT_ONLY)
         if k1.row_split > 1:
             if k1.two_pass:
                 raise ConfigError("kernel_1.row_split > 1 splits a single-pass row: use two_pass=false or "
@@ -113,7 +121,7 @@ class Rows(Strategy):
         mode = "2pass" if k1.two_pass else "1pass"
         split = f" split{k1.row_split}" if k1.row_split > 1 else ""
         return (f"k1[{mode}{split} {k1.block_row}x{k1.block_col} w{k1.num_warps} s{k1.num_stages} "
-                f"pps{k1.programs_per_sm}{describe_flags(k1, own_flags(k1))}{self.describe_extra(k1)}] "
+                f"pps{k1.programs_per_sm}{describe_flags(k1, own_flags(k1))}{self.describe_knobs(k1, SHOWN)}] "
                 f"k2[{k2.block_m}x{k2.block_n} w{k2.num_warps} s{k2.num_stages}{' pdl' if k2.pdl else ''}"
                 f"{' fused' if k2.fused else ''}]")
 
@@ -213,16 +221,16 @@ class Rows(Strategy):
     def config(self, problem: Problem, params: Mapping[str, Any], space) -> BackwardConfig:
         two_pass = bool(params["k1.two_pass"])
         row_split = 1 if two_pass else params.get("k1.row_split", 1)
-        k1 = self.make(
-            block_row=params["k1.block_row"],
-            block_col=params["k1.block_col"] if two_pass else row_block_col(problem.N, row_split),
-            num_warps=params["k1.num_warps"], num_stages=params["k1.num_stages"],
-            programs_per_sm=params["k1.programs_per_sm"], two_pass=two_pass,
-            eviction_policy=params["k1.eviction_policy"], prefetch=bool(params["k1.prefetch"]),
-            recompute=bool(params.get("k1.recompute", False)) and not two_pass,
-            column_accumulators=bool(params.get("k1.column_accumulators", False)) and not two_pass,
-            row_split=row_split, pipelined_split=bool(params.get("k1.pipelined_split", False)) and row_split > 1,
-            **self.extra_values(params))
+        k1 = self.make(**{
+            **self.knob_values(params), "block_row": params["k1.block_row"],
+            "block_col": params["k1.block_col"] if two_pass else row_block_col(problem.N, row_split),
+            "num_warps": params["k1.num_warps"], "num_stages": params["k1.num_stages"],
+            "programs_per_sm": params["k1.programs_per_sm"], "two_pass": two_pass,
+            "eviction_policy": params["k1.eviction_policy"], "prefetch": bool(params["k1.prefetch"]),
+            "recompute": bool(params.get("k1.recompute", False)) and not two_pass,
+            "column_accumulators": bool(params.get("k1.column_accumulators", False)) and not two_pass,
+            "row_split": row_split,
+            "pipelined_split": bool(params.get("k1.pipelined_split", False)) and row_split > 1})
         fused = bool(params.get("k2.fused", False))
         k2 = Kernel2Config(block_m=params["k2.block_m"], block_n=params["k2.block_n"],
                            num_warps=space.kernel_2_domains()["num_warps"][0] if fused else params["k2.num_warps"],
@@ -284,7 +292,7 @@ class Rows(Strategy):
             # raw tile kept. Every tile pays one exchange of row sums, so the tile must be tall, and only slices of
             # 4096 columns or wider are seeded (`narrow_odd_split`).
             tail = early if n_pow2 >= 8192 else k2
-            for split in (s for s in space.domains()["k1.row_split"] if not is_power_of_two(s)):
+            for split in (s for s in space.domains(self.name)["k1.row_split"] if not is_power_of_two(s)):
                 if narrow_odd_split(p.N, split):
                     continue
                 width = row_block_col(p.N, split)
@@ -357,6 +365,19 @@ class Rows(Strategy):
                         return cand
             k1 = dataclasses.replace(k1, row_split=1, pipelined_split=False)  # nothing to exchange: the plain loop
         return fit_rows(k1, config.kernel_2, problem, sm_count)
+
+
+def fit_rows(k1: RowsConfig, k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+    """A rows-strategy kernel_1 (whole rows or two-pass) fitted to `problem`: single pass takes block_col =
+    next_pow2(N) (two-pass past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), then
+    `fit_row_tile`."""
+    n_pow2 = next_power_of_two(problem.N)
+    if not k1.two_pass and n_pow2 > MAX_SINGLE_PASS:
+        k1 = dataclasses.replace(k1, two_pass=True, block_col=min(4096, k1.block_col), block_row=1,
+                                 recompute=False, column_accumulators=False)
+    elif k1.two_pass and k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
+        k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
+    return fit_row_tile(k1, k2, problem, sm_count, whole_rows=not k1.two_pass)
 
 
 def own_flags(k1: RowsConfig) -> str:

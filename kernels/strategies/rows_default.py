@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 from ..capabilities import checked
-from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_TILE_ELEMENTS, SPLIT_SLICE, WIDE_DEFAULT_MIN_ROWS,
-                          WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps, next_power_of_two,
-                          row_block_col, slice_width, wide_fp32_rows)
-from ..knobs import ROW_SPLITS, BackwardConfig, Kernel2Config
+from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_SPLITS, ROW_TILE_ELEMENTS, SPLIT_SLICE,
+                          WIDE_DEFAULT_MIN_ROWS, WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps,
+                          next_power_of_two, row_block_col, slice_width, wide_fp32_rows)
+from ..knobs import Kernel2Config
 from ..limits import DeviceLimits
 from ..problem import Problem
 from .base import fit
+from .configs import BackwardConfig
 
 
 def default(strategy, problem: Problem, lim: DeviceLimits) -> BackwardConfig:

@@ -11,8 +11,9 @@ from ..backward.plan import (PLACEHOLDER_COUNTERS, Plan, Step, Target, k1_flags,
                              reads_mean)
 from ..backward.reduce import kernel_2
 from ..backward.rows import kernel_1_single_pass, kernel_1_two_pass
-from ..config import BackwardConfig, Problem
 from ..heuristics import cdiv, slice_width
+from ..problem import Problem
+from .configs import BackwardConfig
 
 
 @dataclasses.dataclass(frozen=True)

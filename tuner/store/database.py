@@ -40,7 +40,7 @@ from .models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RU
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
                            StoreIntegrityError, check_value, hash_config, figure_value, measurement_record, utc_now,
-                           peer_record, problem_from_row, run_record, device_columns)
+                           knob_values, peer_record, problem_from_row, run_record, device_columns)
 from .schema import BUSY_TIMEOUT_S, display_url, normalize_url, short_reason
 from .workers import Workers
 
@@ -216,11 +216,11 @@ class Store:
         if study_name is not None and trial_number is not None and slot is None:
             if (found := self._trial_measurement(study_name, trial_number)) is not None:
                 return found
-        config_json, knobs = config.to_json(), config.to_dict()
+        config_json = config.to_json()
         row = MeasurementModel(
             run_id=run_id, problem_id=self.problem_id(problem), config_json=config_json,
             config_hash=hash_config(config_json),
-            **{column: knobs[kernel][name] for (kernel, name), column in CONFIG_COLUMNS.items()},
+            **knob_values(config),
             status=result.status, error=result.error, reps=result.reps, bytes_moved=result.bytes_moved,
             programs=result.programs, errors_json=json.dumps(result.errors, sort_keys=True),
             interpret=result.interpret, source=source, study_name=study_name, trial_number=trial_number,

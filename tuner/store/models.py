@@ -18,12 +18,14 @@ from sqlalchemy import (BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, 
                         Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, ProblemFamily, kernel_1_layout
+from normtune.kernels.config import (BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily,
+                                     kernel_1_layout)
+from normtune.kernels.strategies.configs import FLAT_LAYOUT
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
-# The layout of the tables. The kernels' knobs are not part of it: their columns are generated from the configs
-# (`KNOB_COLUMNS`), and a database missing some gains them on a writing open (`upgrades.upgrade_knobs`).
+# The layout of the tables. The shared knobs' columns are generated from the config types (`KNOB_COLUMNS`), and a
+# database missing some gains them on a writing open (`upgrades.upgrade_knobs`).
 SCHEMA_VERSION = 5
 # Versions this normtune opens; opening an older one for writing upgrades it to SCHEMA_VERSION.
 READABLE_VERSIONS = ("1", "2", "3", "4", "5")
@@ -33,20 +35,32 @@ _SQL_TYPES = {bool: Boolean(), int: Integer(), float: Float(), str: String(32)}
 
 
 def knob_columns() -> dict[tuple[str, str], tuple[str, Any, Any]]:
-    """(kernel, field) -> (column, SQL type, default) for every knob of the canonical config layout (kernel_1's
-    `kernel_1_layout`: the registered strategies' knobs; `Kernel2Config`): the measurements' indexed knob columns.
-    Knobs a strategy declares later (`Strategy.extra`) live in the stored config JSON only."""
-    out = {}
+    """(kernel, field) -> (column, SQL type, default) of the measurements' knob columns. The indexed ones
+    (`SHARED_COLUMNS`) hold the knobs every config has: `Kernel1Config`'s fields and the strategy, and
+    `Kernel2Config`'s. The others, unindexed, hold the knobs of the frozen flat layout (`FLAT_LAYOUT`: the rows
+    strategy's, which the configs of the rows, columns and dual strategies state), as every database has since
+    they were written, so that a compacted file (`normtune slim`) rebuilds those configs without their JSON. A
+    knob a strategy declares lives in the stored config JSON only: it adds no column and rewrites no row."""
+    k1 = {f.name: f.default for f in dataclasses.fields(Kernel1Config)}
     k2 = {f.name: f.default for f in dataclasses.fields(Kernel2Config)}
-    for kernel, prefix, layout in (("kernel_1", "k1", kernel_1_layout()), ("kernel_2", "k2", k2)):
-        for name, default in layout.items():
-            out[(kernel, name)] = (f"{prefix}_{name}", _SQL_TYPES[type(default)], default)
-    return out
+    layouts = (("kernel_1", "k1", {**k1, "strategy": "rows"}), ("kernel_2", "k2", k2),
+               ("kernel_1", "k1", FLAT_LAYOUT))
+    return {(kernel, name): (f"{prefix}_{name}", _SQL_TYPES[type(default)], default)
+            for kernel, prefix, layout in layouts for name, default in layout.items()}
 
 
 KNOB_COLUMNS = knob_columns()
+# The indexed knob columns: those of the knobs every config has.
+SHARED_COLUMNS = tuple(column for (kernel, name), (column, _, _) in KNOB_COLUMNS.items()
+                       if kernel == "kernel_2" or name not in FLAT_LAYOUT)
 # Config field -> column, for both kernels (each config's knobs are stored there as well as in its JSON).
 CONFIG_COLUMNS = {key: column for key, (column, _, _) in KNOB_COLUMNS.items()}
+
+
+def knob_values(config: BackwardConfig) -> dict[str, Any]:
+    """Column -> value of `config`'s knob columns (a flat-layout knob its strategy lacks at its default)."""
+    knobs = config.to_dict()
+    return {column: knobs[kernel].get(name, default) for (kernel, name), (column, _, default) in KNOB_COLUMNS.items()}
 
 
 class StoreError(Exception):
@@ -150,7 +164,8 @@ class _TimedRowColumns:
 
 
 class MeasurementModel(_TimedRowColumns, Base):
-    """One timed config. Its knob columns (`KNOB_COLUMNS`) are added below the class, generated from the configs."""
+    """One timed config. Its knob columns (`KNOB_COLUMNS`) are added below the class, generated from the config
+    types."""
 
     __tablename__ = "normtune_measurements"
     # One Optuna trial is stored at most once; rows without a trial (NULLs) never collide.
@@ -174,7 +189,8 @@ class MeasurementModel(_TimedRowColumns, Base):
 
 
 for _column, _type, _default in KNOB_COLUMNS.values():
-    setattr(MeasurementModel, _column, mapped_column(_column, _type, index=True, default=_default))
+    setattr(MeasurementModel, _column, mapped_column(_column, _type, index=_column in SHARED_COLUMNS,
+                                                     default=_default))
 
 
 class PeerResultModel(_TimedRowColumns, Base):
@@ -349,12 +365,15 @@ def run_record(row: RunModel) -> RunRecord:
 
 def config_from_columns(values: Any) -> BackwardConfig:
     """The config whose knobs a measurement row's knob columns hold (`values`: the row, or a mapping from column
-    name). A compacted file (`normtune slim`) blanks the config JSON of every row these columns describe exactly."""
+    name; the flat layout's columns for the strategies that have that layout). A compacted file (`normtune slim`)
+    blanks the config JSON of every row these columns describe exactly."""
     get = values.get if isinstance(values, dict) else (lambda column: getattr(values, column))
     kernels: dict[str, dict] = {"kernel_1": {}, "kernel_2": {}}
     for (kernel, name), (column, _, default) in KNOB_COLUMNS.items():
         value = get(column)
         kernels[kernel][name] = type(default)(value) if isinstance(default, (bool, str)) else value
+    own = kernel_1_layout(kernels["kernel_1"]["strategy"])
+    kernels["kernel_1"] = {name: value for name, value in kernels["kernel_1"].items() if name in own}
     return BackwardConfig.from_dict(kernels)
 
 

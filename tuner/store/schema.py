@@ -242,12 +242,10 @@ def check(engine: Engine, shown: str, *, read_only: bool) -> str | None:
     elif found is not None:
         stale = sorted(m.split(".", 1)[1] for m in missing if m in knobs)
         missing = [m for m in missing if m not in knobs]
-        if read_only and not missing and (stale or upgrades.stored_layout(engine)
-                                          != upgrades.config_layout()):
-            what = f"knob column(s) {', '.join(stale)}" if stale else "its configs' knobs"
+        if read_only and not missing and stale:
             raise OlderSchemaError(
-                f"{shown} predates {what} of this normtune and was left unchanged; a writing command (e.g. "
-                "normtune sweep) upgrades it in place.", found)
+                f"{shown} predates knob column(s) {', '.join(stale)} of this normtune and was left unchanged; a "
+                "writing command (e.g. normtune sweep) upgrades it in place.", found)
     if missing:
         # A column added without bumping SCHEMA_VERSION: refuse rather than fail on the first insert.
         raise SchemaVersionError(
@@ -275,8 +273,7 @@ def create_schema(engine: Engine, url: str, shown: str) -> None:
     try:
         if found == "1":
             upgrades.upgrade_from_1(engine, sqlite_path(url), BUSY_TIMEOUT_S)
-        if (found in OLDER_VERSIONS or upgrades.stored_layout(engine) != upgrades.config_layout()
-                or upgrades.missing_knob_columns(engine)):
+        if found in OLDER_VERSIONS or upgrades.missing_knob_columns(engine):
             with engine.begin() as conn:
                 upgrades.upgrade_knobs(conn)
         with engine.begin() as conn:

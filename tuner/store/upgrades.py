@@ -1,7 +1,8 @@
 """Upgrading an older results database in place, each step one transaction: schema 1's run-status check, and
-the knob columns and canonical config JSON of configs stored before a knob existed (no schema version is needed
-for a new knob: its column is generated from the config layout, `models.KNOB_COLUMNS`, and the strategies'
-own knobs are recorded as the database's layout). `schema` decides when, and turns errors into one line."""
+the knob columns and canonical config JSON of configs stored before a shared knob existed (no schema version is
+needed for a new shared knob: its column is generated from the config types, `models.KNOB_COLUMNS`; a knob of one
+strategy's own needs nothing, as its configs stored before it read it at its default and keep their JSON).
+`schema` decides when, and turns errors into one line."""
 
 from __future__ import annotations
 
@@ -11,26 +12,10 @@ from typing import Any
 from sqlalchemy import bindparam, inspect, select, text
 from sqlalchemy.engine import Engine
 
-from normtune.kernels.config import STRATEGIES, BackwardConfig
+from normtune.kernels.config import BackwardConfig
 
-from .models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, MeasurementModel, MetaModel, RunModel,
-                           config_from_columns, hash_config)
-
-# The meta row recording which strategies' own knobs (`Strategy.extra`) the stored config JSON holds.
-LAYOUT_KEY = "config_layout"
-
-
-def config_layout() -> str:
-    """Which strategies' own knobs the canonical config JSON holds, with their defaults ('' when none has any):
-    what a database's stored configs were written with (`LAYOUT_KEY`)."""
-    return ";".join(f"{name}:" + ",".join(f"{k.name}={k.default!r}" for k in s.extra)
-                    for name, s in sorted(STRATEGIES.items()) if s.extra)
-
-
-def stored_layout(engine: Engine) -> str:
-    """The layout recorded in the database (none recorded: configs without a strategy's own knobs)."""
-    with engine.connect() as conn:
-        return conn.execute(select(MetaModel.value).where(MetaModel.key == LAYOUT_KEY)).scalar() or ""
+from .models import (KNOB_COLUMNS, RUN_STATUSES, SCHEMA_VERSION, SHARED_COLUMNS, MeasurementModel, MetaModel,
+                     RunModel, config_from_columns, hash_config, knob_values)
 
 
 def missing_knob_columns(engine: Engine) -> list[str]:
@@ -49,9 +34,10 @@ def sql_literal(value: Any) -> str:
 
 def upgrade_knobs(conn) -> None:
     """In the caller's transaction: the knob columns this normtune's configs have and the database lacks
-    (indexed, each row's value read from its stored config: the knob's default where the config predates it),
-    every stored config rewritten in today's canonical JSON (so that a lookup by config finds measurements stored
-    before a knob existed), the layout and the version recorded. No schema version is needed for a new knob."""
+    (each row's value read from its stored config: the knob's default where the config predates it; the shared
+    knobs' indexed), every stored config rewritten in today's canonical JSON (so that a lookup by config finds
+    measurements stored before a knob existed), and the version recorded. No schema version is needed for a new
+    shared knob."""
     table = MeasurementModel.__tablename__
     have = {c["name"] for c in inspect(conn).get_columns(table)}
     added = []
@@ -59,22 +45,19 @@ def upgrade_knobs(conn) -> None:
         if column not in have:
             ddl = f"{sql_type.compile(dialect=conn.dialect)} NOT NULL DEFAULT {sql_literal(default)}"
             conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {ddl}")
-            conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
+            if column in SHARED_COLUMNS:
+                conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
             added.append((kernel, name, column))
     canonical_configs(conn, tuple(added))
     meta = MetaModel.__table__
-    if conn.execute(select(meta.c.value).where(meta.c.key == LAYOUT_KEY)).scalar() is None:
-        conn.execute(meta.insert().values(key=LAYOUT_KEY, value=config_layout()))
-    else:
-        conn.execute(meta.update().where(meta.c.key == LAYOUT_KEY).values(value=config_layout()))
     conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(SCHEMA_VERSION)))
 
 
 def ensure_knob_indexes(conn) -> None:
-    """The knob columns' indexes, where a compacted file (`normtune slim`) left them out: recreated on a writing
-    open, so that queries by knob stay indexed wherever measurements are added."""
+    """The shared knob columns' indexes, where a compacted file (`normtune slim`) left them out: recreated on a
+    writing open, so that queries by knob stay indexed wherever measurements are added."""
     table = MeasurementModel.__tablename__
-    for column, _, _ in KNOB_COLUMNS.values():
+    for column in SHARED_COLUMNS:
         conn.exec_driver_sql(f"CREATE INDEX IF NOT EXISTS ix_{table}_{column} ON {table} ({column})")
 
 
@@ -93,9 +76,8 @@ def canonical_configs(conn, added: tuple[tuple[str, str, str], ...] = ()) -> Non
             stored = config_from_columns(dict(row)).to_json()
         if stored not in canonical:
             config = BackwardConfig.from_json(stored)
-            knobs = config.to_dict()
-            canonical[stored] = (config.to_json(), {f"v_{column}": knobs[kernel][name]
-                                                   for kernel, name, column in added})
+            knobs = knob_values(config)
+            canonical[stored] = (config.to_json(), {f"v_{column}": knobs[column] for _, _, column in added})
         text_, values = canonical[stored]
         if text_ != stored or added:
             changed.append({"row_id": row_id, "json": text_, "hash": hash_config(text_), **values})

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 from normtune.kernels.config import BackwardConfig
-from normtune.kernels.strategies import STRATEGIES
+from normtune.kernels.strategies import lookup
 
 from ..space import Space
 from .retries import Retries
@@ -74,7 +74,7 @@ class Sampling:
             relative_space = self.sampler.infer_relative_search_space(view, frozen)
         self._last = (study, view, relative_space)
         relative = self.sampler.sample_relative(view, frozen, relative_space)
-        d = self.space.domains()
+        d = self.space.domains()  # every offered strategy's knobs: the strategy drawn picks its own
         params: dict[str, Any] = {}
         dists: dict = {}
 
@@ -88,9 +88,11 @@ class Sampling:
             frozen.params[key], frozen.distributions[key] = value, dist
             return value
 
-        values: dict[str, Any] = {key: draw(key) for key in DECIDED_FIRST}
+        values: dict[str, Any] = {"k1.strategy": draw("k1.strategy")}
+        strategy = lookup(values["k1.strategy"])
+        values.update({key: draw(key) for key in strategy.decided_first})
         for key, dom in d.items():
-            if key in DECIDED_FIRST:
+            if key in values or not strategy.knows(key):
                 continue
             fixed = inapplicable(key, values)
             values[key] = draw(key) if fixed is None else fixed(dom)
@@ -101,9 +103,11 @@ class Sampling:
         if self._grid is not None:
             return self._grid[trial.suggest_categorical("config", list(range(len(self._grid))))]
         d = self.space.domains()
-        params: dict[str, Any] = {key: trial.suggest_categorical(key, list(d[key])) for key in DECIDED_FIRST}
+        params: dict[str, Any] = {"k1.strategy": trial.suggest_categorical("k1.strategy", list(d["k1.strategy"]))}
+        strategy = lookup(params["k1.strategy"])
+        params.update({key: trial.suggest_categorical(key, list(d[key])) for key in strategy.decided_first})
         for key, dom in d.items():
-            if key in DECIDED_FIRST:
+            if key in params or not strategy.knows(key):
                 continue
             fixed = inapplicable(key, params)
             params[key] = trial.suggest_categorical(key, list(dom)) if fixed is None else fixed(dom)
@@ -117,28 +121,25 @@ class Sampling:
 
         if self._grid is not None or self.space.why_not(config) is not None:
             return None
-        domains = self.space.domains()
+        domains = self.space.domains(config.kernel_1.strategy)
         params = self.space.params(config)
         if not all(key in domains and value in domains[key] for key, value in params.items()):
             return None
-        used = {k: v for k, v in params.items() if k in DECIDED_FIRST or inapplicable(k, params) is None}
+        first = ("k1.strategy",) + config.strategy.decided_first
+        used = {k: v for k, v in params.items() if k in first or inapplicable(k, params) is None}
         return optuna.trial.create_trial(
             state=optuna.trial.TrialState.RUNNING, params=used,
             distributions={k: CategoricalDistribution(list(domains[k])) for k in used},
             user_attrs={"source": "seed"})
 
 
-# The knobs sampled first: whether the others apply depends on them (the strategy, then those the strategies
-# decide first, `Strategy.decided_first`).
-DECIDED_FIRST = tuple(dict.fromkeys(("k1.strategy",) + tuple(k for s in STRATEGIES.values() for k in s.decided_first)))
-
-
 def inapplicable(key: str, params: dict[str, Any]):
-    """None when knob `key` matters given the knobs decided before it in `params` (the strategy's
-    `Strategy.sampled`: e.g. the single-pass column tile is derived from N); else how to fix it, a function of
-    its domain (its first value). Fixed knobs are not trial params, so the sampler does not learn from values that
-    changed nothing."""
-    strategy = STRATEGIES[params.get("k1.strategy", "rows")]
+    """None when knob `key` matters given the knobs decided before it in `params` (the strategy, drawn first, then
+    the knobs it decides first, `Strategy.decided_first`; then its `Strategy.sampled`: e.g. the single-pass column
+    tile is derived from N); else how to fix it, a function of its domain (its first value). Fixed knobs are not
+    trial params, so the sampler does not learn from values that changed nothing; another strategy's knobs are
+    never drawn."""
+    strategy = lookup(params.get("k1.strategy", "rows"))
     if strategy.knows(key) and strategy.sampled(key, params):
         return None
     return _first
@@ -146,6 +147,16 @@ def inapplicable(key: str, params: dict[str, Any]):
 
 def _first(domain: tuple):
     return domain[0]
+
+
+def trial_config(space: Space, params: dict[str, Any]) -> BackwardConfig:
+    """The config of a trial's params (those it drew; the knobs it fixed at their first value), canonical."""
+    strategy = lookup(params.get("k1.strategy", "rows"))
+    full = {"k1.strategy": strategy.name, **{k: params[k] for k in strategy.decided_first if k in params}}
+    for key, dom in space.domains(strategy.name).items():
+        fixed = inapplicable(key, full)
+        full.setdefault(key, params.get(key, dom[0]) if fixed is None else fixed(dom))
+    return space.canonical(space.config(full))
 
 
 def _ask_tell_grid_sampler(optuna):
