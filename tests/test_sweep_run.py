@@ -11,7 +11,7 @@ from sweep_support import check_studies, instant_measuring_process
 
 from normtune.kernels.config import Problem
 from normtune.tuner import sweep as S
-from normtune.tuner.sweep import measuring
+from normtune.tuner.sweep import driver, measuring  # noqa: F401 - the driver bound to the real helpers first
 
 PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("rms_norm", 24, 200, "bf16")]
 

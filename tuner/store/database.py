@@ -27,7 +27,7 @@ import tempfile
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
-from sqlalchemy import func, inspect, select
+from sqlalchemy import Connection, func, insert, inspect, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -47,6 +47,9 @@ from .workers import Workers
 __all__ = ["BUSY_TIMEOUT_S", "CONFIG_COLUMNS", "SCHEMA_VERSION", "MeasurementModel", "MeasurementRecord",
            "MetaModel", "PeerRecord", "RunRecord", "SchemaVersionError", "Store", "StoreError",
            "StoreIntegrityError", "normalize_url", "user_database_url"]
+
+
+_INSERT_MEASUREMENT = insert(MeasurementModel.__table__)  # built once: executed with each row's values
 
 
 class Store:
@@ -140,6 +143,19 @@ class Store:
         finally:
             session.close()
 
+    @contextmanager
+    def connection_scope(self) -> Iterator[Connection]:
+        """`session_scope` on a bare connection (SQLAlchemy Core, no ORM session): for the statements a sweep
+        runs per trial, whose ORM bookkeeping cost more than the statements."""
+        try:
+            with self._engine.begin() as conn:
+                yield conn
+        except IntegrityError as err:
+            raise StoreIntegrityError(f"{self.display_url} rejected a write: {short_reason(err)}") from err
+        except SQLAlchemyError as err:
+            raise StoreError(f"--db {self.display_url}: {type(err).__name__}: {short_reason(err)}"
+                             + _advice(err)) from err
+
     def table_names(self) -> set[str]:
         with self._engine.connect() as conn:
             return set(inspect(conn).get_table_names())
@@ -205,9 +221,9 @@ class Store:
                         slot: int | None = None, also: Callable[[Session], None] | None = None) -> int | None:
         """Store one measurement. With (study_name, trial_number), a trial stored before returns its id. With the
         `slot` the run claimed for the trial, it is stored only while the run still holds that slot (in the same
-        transaction that marks the slot measured); None when the slot was taken over meanwhile. `also(session)`
-        writes more in the transaction that stores it (the sweep tells the trial there); it does not run where
-        the measurement is not stored by this call."""
+        transaction that marks the slot measured); None when the slot was taken over meanwhile. `also(conn)`
+        writes more in the transaction that stores it, on its Core connection (the sweep tells the trial there);
+        it does not run where the measurement is not stored by this call."""
         check_value("status", result.status, STATUSES)
         if trial_number is not None and study_name is None:
             raise ValueError("trial_number needs the study_name it belongs to")
@@ -217,7 +233,7 @@ class Store:
             if (found := self._trial_measurement(study_name, trial_number)) is not None:
                 return found
         config_json = config.to_json()
-        row = MeasurementModel(
+        row = dict(
             run_id=run_id, problem_id=self.problem_id(problem), config_json=config_json,
             config_hash=hash_config(config_json),
             **knob_values(config),
@@ -226,14 +242,13 @@ class Store:
             interpret=result.interpret, source=source, study_name=study_name, trial_number=trial_number,
             created_at=utc_now(), **{f: figure_value(getattr(result, f)) for f in FIGURES})
         try:
-            with self.session_scope() as session:
-                if slot is not None and not self.workers.mark_measured(session, study_name, slot, run_id, trial_number):
+            with self.connection_scope() as conn:
+                if slot is not None and not self.workers.mark_measured(conn, study_name, slot, run_id, trial_number):
                     return None
-                session.add(row)
-                session.flush()
+                row_id = conn.execute(_INSERT_MEASUREMENT, row).inserted_primary_key[0]
                 if also is not None:
-                    also(session)
-                return row.id
+                    also(conn)
+                return row_id
         except StoreIntegrityError:
             if study_name is not None and (found := self._trial_measurement(study_name, trial_number)) is not None:
                 return found  # a concurrent writer stored the same trial

@@ -22,7 +22,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from sqlalchemy import DateTime, ForeignKey, Text, case, delete, func, select, update
+from sqlalchemy import DateTime, ForeignKey, Text, bindparam, case, delete, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Mapped, mapped_column
@@ -93,6 +93,25 @@ class WorkerState:
             return None
         span = (self.last_measured_at - self.first_measured_at).total_seconds()
         return (self.measured - 1) / span if span > 0 else None
+
+
+# The claims' statements of every trial, built once (executed with their parameters).
+_CLAIMS = TrialClaimModel.__table__
+_HELD = (_CLAIMS.c.study_name == bindparam("study"), _CLAIMS.c.slot == bindparam("the_slot"),
+         _CLAIMS.c.run_id == bindparam("run"))
+_INSERT_CLAIM = insert(_CLAIMS).values(study_name=bindparam("study"), slot=bindparam("the_slot"),
+                                       run_id=bindparam("run"), trial_number=bindparam("number"), measured=False,
+                                       claimed_at=bindparam("at"))
+_BIND = update(_CLAIMS).where(*_HELD).values(trial_number=bindparam("number"))
+_MARK_MEASURED = update(_CLAIMS).where(*_HELD, _CLAIMS.c.trial_number == bindparam("number"),
+                                       _CLAIMS.c.measured.is_(False)).values(measured=True)
+
+
+def _connection(session):
+    """Statements of the hot path go to the connection (SQLAlchemy Core), not through the ORM session."""
+    from sqlalchemy.orm import Session
+
+    return session.connection() if isinstance(session, Session) else session
 
 
 def _alive(status: str, beat_at: dt.datetime | None, grace_s: float | None, started_at: dt.datetime,
@@ -237,12 +256,32 @@ class Workers:
         """Claim a slot no run has claimed yet; False when another run has it."""
         try:
             with self._store.session_scope() as session:
-                session.add(TrialClaimModel(study_name=study_name, slot=slot, run_id=run_id, measured=False,
-                                            claimed_at=utc_now()))
+                _connection(session).execute(_INSERT_CLAIM, {"study": study_name, "the_slot": slot, "run": run_id,
+                                                             "number": None, "at": utc_now()})
         except StoreIntegrityError:
             return False
         self._next_slot[(study_name, run_id)] = slot + 1
         return True
+
+    def next_guess(self, study_name: str, run_id: int) -> int | None:
+        """The slot after `run_id`'s last new claim of the study (None before its first): the one it most likely
+        gets next."""
+        return self._next_slot.get((study_name, run_id))
+
+    def claim_in(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> None:
+        """Claim a slot no run has claimed yet, already filled by `trial_number`, within the caller's transaction
+        `session` (the one that creates the trial): it raises SQLAlchemy's IntegrityError when another run has
+        the slot, and that transaction, trial included, is then rolled back. `claimed` records it once
+        committed."""
+        _connection(session).execute(_INSERT_CLAIM, {"study": study_name, "the_slot": slot, "run": run_id,
+                                                     "number": trial_number, "at": utc_now()})
+
+    def claimed(self, study_name: str, slot: int, run_id: int, taken: bool = True) -> None:
+        """After `claim_in`'s transaction: the slot is the run's (`taken`), or another's (the guess is dropped)."""
+        if taken:
+            self._next_slot[(study_name, run_id)] = slot + 1
+        else:
+            self._next_slot.pop((study_name, run_id), None)
 
     def bind_slot(self, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """Record which trial fills a slot `run_id` holds. False when the slot is no longer this run's."""
@@ -252,10 +291,8 @@ class Workers:
     @staticmethod
     def bind_slot_in(session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """`bind_slot` within the caller's transaction `session` (e.g. the one that creates the trial)."""
-        return session.execute(
-            update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
-                                          TrialClaimModel.run_id == run_id)
-            .values(trial_number=trial_number)).rowcount == 1
+        return _connection(session).execute(_BIND, {"study": study_name, "the_slot": slot, "run": run_id,
+                                                    "number": trial_number}).rowcount == 1
 
     def release_slot(self, study_name: str, slot: int, run_id: int) -> None:
         """Give a slot back (its trial was abandoned unmeasured): another worker, or a re-run, takes it."""
@@ -268,12 +305,8 @@ class Workers:
     def mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """First statement of the transaction that stores a claimed trial's measurement (so that it takes the
         write lock before reading anything): True when `run_id` still holds the slot with that trial."""
-        return session.execute(
-            update(TrialClaimModel).where(TrialClaimModel.study_name == study_name, TrialClaimModel.slot == slot,
-                                          TrialClaimModel.run_id == run_id,
-                                          TrialClaimModel.trial_number == trial_number,
-                                          TrialClaimModel.measured.is_(False))
-            .values(measured=True)).rowcount == 1
+        return _connection(session).execute(_MARK_MEASURED, {"study": study_name, "the_slot": slot, "run": run_id,
+                                                             "number": trial_number}).rowcount == 1
 
     def adopt_measured_trials(self, study_name: str) -> int:
         """Give the measured trials of a study swept before claims existed (schema 1) their slots, once; how many."""

@@ -8,6 +8,9 @@ with exactly `trials` measurements, each measured once:
     claim a slot ─► create its trial (seed or sampler) ─► compile ahead in a CPU worker ─┐
     tell ◄── store the measurement (committed at once) ◄── gate + time in the measuring process ┘
 
+- The slot after a worker's last claim of a study is claimed in the transaction that creates its trial
+  (`PendingTrials.start_next`); where another worker took it first, that transaction is undone and the worker
+  claims the lowest free slot instead, in a transaction of its own.
 - The measuring process is kept busy: a dispatcher thread sends the next ready trial as soon as a result comes
   back (`dispatch.py`), while the worker's thread stores the results and claims, proposes (with TPE's proposals
   made ahead in a proposer process, `proposer.py`) and creates the trials after them, up to `lookahead` held
@@ -238,15 +241,17 @@ class Sweep:
                         self.emit("problem", {"problem": book.problem, "study": book.name, "target": goal})
                     sampled = False
                     while not self._feed_stops(t0) and not self._exhausted.get(problem.key):
-                        with self.costs.timed("database"):
-                            claim = self.store.workers.claim_slot(book.name, goal, run_id)
-                        if claim is None:
-                            break
-                        slot, dead_trial = claim
-                        if dead_trial is not None:
+                        item = self.pending.start_next(book, ps, goal, run_id)  # claimed and created at once
+                        if item is None:
                             with self.costs.timed("database"):
-                                book.fail_orphan(dead_trial)
-                        item = self.pending.start(book, ps, slot, run_id)
+                                claim = self.store.workers.claim_slot(book.name, goal, run_id)
+                            if claim is None:
+                                break
+                            slot, dead_trial = claim
+                            if dead_trial is not None:
+                                with self.costs.timed("database"):
+                                    book.fail_orphan(dead_trial)
+                            item = self.pending.start(book, ps, slot, run_id)
                         if item is None:
                             self._exhausted[problem.key] = True
                             break
@@ -372,9 +377,10 @@ class Sweep:
 
     def _book(self, problem: Problem) -> StudyBook:
         if problem.key not in self._books:
+            book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
+                             claimed_slots=lambda name: max(self.store.workers.slots(name), default=-1) + 1,
+                             costs=self.costs)
             with self.costs.timed("database"):
-                book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
-                                 claimed_slots=lambda name: max(self.store.workers.slots(name), default=-1) + 1)
                 self.store.workers.adopt_measured_trials(book.name)
                 book.repair(self.store)
             book.proposer = self.proposer

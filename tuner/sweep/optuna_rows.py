@@ -6,8 +6,10 @@ installed Optuna's own reading of them.
 
 What is written: a created trial (its row with its number, params, user and system attributes and first
 heartbeat: `create_trial_in`, within the caller's transaction, so that the slot it fills is claimed and bound in
-the same one) and a finished trial (attributes, value, state: `finish_trial_in`, within the store's transaction
-that records its measurement, so that a trial is measured and told at once). Statements go straight to the
+the same one), a finished trial (attributes, value, state: `finish_trial_in`, within the store's transaction
+that records its measurement, so that a trial is measured and told at once) and a study's description
+(`describe_study`, one transaction). What is read: the unfinished trials' rows alone (`trials_in_states`, for
+repairs) and which trials have beaten (`trials_with_heartbeats`). Statements go straight to the
 connection (SQLAlchemy Core, a multi-row insert per table), not through the ORM's unit of work: a sweep writes a
 trial per measurement, and the ORM's bookkeeping cost more than the statements.
 
@@ -21,8 +23,11 @@ differ from what this expects (`SUPPORTED` false), or the storage is not an RDB 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 log = logging.getLogger("normtune.sweep")
@@ -32,8 +37,9 @@ def _internals():
     try:
         from optuna.storages._rdb import models
 
-        names = {"StudyModel": ("study_id",), "TrialModel": ("trial_id", "number", "study_id", "state",
-                                                            "datetime_start", "datetime_complete"),
+        names = {"StudyModel": ("study_id",), "StudyUserAttributeModel": ("study_id", "key", "value_json"),
+                 "StudySystemAttributeModel": ("study_id", "key", "value_json"),
+                 "TrialModel": ("trial_id", "number", "study_id", "state", "datetime_start", "datetime_complete"),
                  "TrialParamModel": ("trial_id", "param_name", "param_value", "distribution_json"),
                  "TrialUserAttributeModel": ("trial_user_attribute_id", "trial_id", "key", "value_json"),
                  "TrialSystemAttributeModel": ("trial_id", "key", "value_json"),
@@ -77,42 +83,88 @@ def _connection(session):
     return session.connection() if isinstance(session, Session) else session
 
 
+@functools.cache
+def _statements() -> SimpleNamespace:
+    """The statements of the rows written here, built once: executed with their parameters, each is compiled once
+    per connection's dialect (a statement built anew per trial costs more to build than to run)."""
+    from optuna.trial import TrialState
+    from sqlalchemy import bindparam, func, insert, select, update
+
+    m = _MODELS
+    trials, studies = m.TrialModel.__table__, m.StudyModel.__table__
+    attrs, values = m.TrialUserAttributeModel.__table__, m.TrialValueModel.__table__
+    sid = bindparam("sid")
+    counted = select(func.count(), sid, bindparam("new_state", type_=trials.c.state.type),
+                     bindparam("started", type_=trials.c.datetime_start.type)).where(trials.c.study_id == sid)
+    insert_trial = insert(trials).from_select(["number", "study_id", "state", "datetime_start"], counted)
+    return SimpleNamespace(
+        lock_study=select(studies.c.study_id).where(studies.c.study_id == sid).with_for_update(),
+        insert_trial=insert_trial,
+        insert_trial_returning=insert_trial.returning(trials.c.trial_id, trials.c.number),
+        number=select(trials.c.number).where(trials.c.trial_id == bindparam("tid")),
+        params=insert(m.TrialParamModel.__table__), user_attrs=insert(attrs),
+        system_attrs=insert(m.TrialSystemAttributeModel.__table__),
+        # The beat's time is the database's own clock (the column's default), as Optuna's stale-trial check reads it.
+        heartbeat=insert(m.TrialHeartbeatModel.__table__),
+        finish=update(trials).where(trials.c.trial_id == bindparam("tid"),
+                                    trials.c.state == bindparam("running", value=TrialState.RUNNING,
+                                                                type_=trials.c.state.type))
+        .values(state=bindparam("new_state", type_=trials.c.state.type),
+                datetime_complete=bindparam("completed", type_=trials.c.datetime_complete.type)),
+        value=insert(values))
+
+
+@functools.cache
+def _upsert(dialect: str, model: str, owner: str):
+    """INSERT … ON CONFLICT (owner, key) DO UPDATE of an attribute table, where the dialect has it (SQLite,
+    PostgreSQL; None elsewhere): one statement, however many of the attributes exist already."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}.get(dialect)
+    if insert is None:
+        return None
+    statement = insert(getattr(_MODELS, model).__table__)
+    return statement.on_conflict_do_update(index_elements=[owner, "key"],
+                                           set_={"value_json": statement.excluded.value_json})
+
+
+@functools.lru_cache(maxsize=4096)
+def _distribution_json(distribution) -> str:
+    """A distribution as Optuna stores it (a study's trials share a handful of them)."""
+    from optuna.distributions import distribution_to_json
+
+    return distribution_to_json(distribution)
+
+
 def create_trial_in(session, study_id: int, template) -> tuple[int, int]:
     """(trial id, number) of a new RUNNING trial holding `template`'s params and attributes, with its first
     heartbeat, written within the caller's transaction `session` (needs `direct`)."""
-    from optuna.distributions import distribution_to_json
     from optuna.trial import TrialState
-    from sqlalchemy import func, insert, literal, select
 
-    m, conn = _MODELS, _connection(session)
-    trials = m.TrialModel.__table__
+    S, conn = _statements(), _connection(session)
     if conn.dialect.name != "sqlite":  # numbers are per study: Optuna locks its row (SQLite: the write lock)
-        conn.execute(select(m.StudyModel.__table__.c.study_id)
-                     .where(m.StudyModel.__table__.c.study_id == study_id).with_for_update())
+        conn.execute(S.lock_study, {"sid": study_id})
     # One statement counts the study's trials and inserts the new one with that number: on SQLite the count is
     # read under the write lock the insert takes (a count read before it, outside that lock, could be another
     # writer's too).
-    row = select(func.count(), literal(study_id), literal(TrialState.RUNNING, trials.c.state.type),
-                 literal(dt.datetime.now(), trials.c.datetime_start.type)).where(trials.c.study_id == study_id)
-    statement = insert(trials).from_select(["number", "study_id", "state", "datetime_start"], row)
+    new = {"sid": study_id, "new_state": TrialState.RUNNING, "started": dt.datetime.now()}
     if conn.dialect.insert_returning:
-        tid, number = conn.execute(statement.returning(trials.c.trial_id, trials.c.number)).one()
+        tid, number = conn.execute(S.insert_trial_returning, new).one()
     else:
-        tid = conn.execute(statement).lastrowid
-        number = conn.execute(select(trials.c.number).where(trials.c.trial_id == tid)).scalar_one()
-    rows = {m.TrialParamModel: [dict(trial_id=tid, param_name=name,
-                                     param_value=template.distributions[name].to_internal_repr(value),
-                                     distribution_json=distribution_to_json(template.distributions[name]))
-                                for name, value in template.params.items()],
-            m.TrialUserAttributeModel: [dict(trial_id=tid, key=k, value_json=json.dumps(v))
-                                        for k, v in template.user_attrs.items()],
-            m.TrialSystemAttributeModel: [dict(trial_id=tid, key=k, value_json=json.dumps(v))
-                                          for k, v in template.system_attrs.items()]}
-    for model, values in rows.items():
+        tid = conn.execute(S.insert_trial, new).lastrowid
+        number = conn.execute(S.number, {"tid": tid}).scalar_one()
+    rows = ((S.params, [dict(trial_id=tid, param_name=name,
+                             param_value=template.distributions[name].to_internal_repr(value),
+                             distribution_json=_distribution_json(template.distributions[name]))
+                        for name, value in template.params.items()]),
+            (S.user_attrs, [dict(trial_id=tid, key=k, value_json=json.dumps(v))
+                            for k, v in template.user_attrs.items()]),
+            (S.system_attrs, [dict(trial_id=tid, key=k, value_json=json.dumps(v))
+                              for k, v in template.system_attrs.items()]),
+            (S.heartbeat, [dict(trial_id=tid)]))
+    for statement, values in rows:
         if values:
-            conn.execute(insert(model.__table__), values)
-    # The beat's time is the database's own clock (the column's default), as Optuna's stale-trial check reads it.
-    conn.execute(insert(m.TrialHeartbeatModel.__table__).values(trial_id=tid))
+            conn.execute(statement, values)
     return tid, number
 
 
@@ -156,29 +208,81 @@ def finish_trial_in(session, storage, trial_id: int, state, value: float | None,
     if not direct(storage):
         return None
     from optuna.trial import TrialState
+
+    S, conn = _statements(), _connection(session)
+    # The trial's state first: an UPDATE of a RUNNING trial, so that the write lock comes before any read.
+    if conn.execute(S.finish, {"tid": trial_id, "new_state": state, "completed": dt.datetime.now()}).rowcount != 1:
+        return False
+    _set_attrs(conn, "TrialUserAttributeModel", "trial_id", trial_id, user_attrs)
+    if value is not None and state == TrialState.COMPLETE:
+        stored, kind = _MODELS.TrialValueModel.value_to_stored_repr(value)
+        conn.execute(S.value, {"trial_id": trial_id, "objective": 0, "value": stored, "value_type": kind})
+    return True
+
+
+def _set_attrs(conn, model: str, owner: str, owner_id: int, attrs: dict[str, Any]) -> None:
+    """Set the attributes `attrs` of trial or study `owner_id` (new ones inserted, existing ones replaced)."""
+    if not attrs:
+        return
+    rows = [{owner: owner_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()]
+    upsert = _upsert(conn.dialect.name, model, owner)
+    if upsert is not None:
+        conn.execute(upsert, rows)
+        return
     from sqlalchemy import insert, select, update
 
-    m, conn = _MODELS, _connection(session)
-    trials, attrs = m.TrialModel.__table__, m.TrialUserAttributeModel.__table__
-    # The trial's state first: an UPDATE of a RUNNING trial, so that the write lock comes before any read.
-    done = conn.execute(update(trials).where(trials.c.trial_id == trial_id, trials.c.state == TrialState.RUNNING)
-                        .values(state=state, datetime_complete=dt.datetime.now())).rowcount
-    if done != 1:
-        return False
-    existing = dict(conn.execute(select(attrs.c.key, attrs.c.trial_user_attribute_id)
-                                 .where(attrs.c.trial_id == trial_id)).all())
-    new = [dict(trial_id=trial_id, key=k, value_json=json.dumps(v)) for k, v in user_attrs.items() if k not in existing]
+    table = getattr(_MODELS, model).__table__
+    existing = set(conn.execute(select(table.c.key).where(table.c[owner] == owner_id)).scalars())
+    new = [row for row in rows if row["key"] not in existing]
     if new:
-        conn.execute(insert(attrs), new)
-    for key, v in user_attrs.items():
-        if key in existing:
-            conn.execute(update(attrs).where(attrs.c.trial_user_attribute_id == existing[key])
-                         .values(value_json=json.dumps(v)))
-    if value is not None and state == TrialState.COMPLETE:
-        stored, kind = m.TrialValueModel.value_to_stored_repr(value)
-        conn.execute(insert(m.TrialValueModel.__table__).values(trial_id=trial_id, objective=0, value=stored,
-                                                                value_type=kind))
-    return True
+        conn.execute(insert(table), new)
+    for row in rows:
+        if row["key"] in existing:
+            conn.execute(update(table).where(table.c[owner] == owner_id, table.c.key == row["key"])
+                         .values(value_json=row["value_json"]))
+
+
+def describe_study(storage, study, user_attrs: dict[str, Any], metric_names: list[str]) -> None:
+    """Set a study's user attributes and its metric names (what `Study.set_metric_names` records) in one
+    transaction; Optuna's public calls take one each."""
+    key = getattr(__import__("optuna.study.study", fromlist=["_"]), "_SYSTEM_ATTR_METRIC_NAMES", None)
+    if not direct(storage) or key is None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # set_metric_names is marked experimental
+            study.set_metric_names(metric_names)
+        for name, value in user_attrs.items():
+            study.set_user_attr(name, value)
+        return
+    with storage.engine.begin() as conn:
+        _set_attrs(conn, "StudyUserAttributeModel", "study_id", study_id(study), user_attrs)
+        _set_attrs(conn, "StudySystemAttributeModel", "study_id", study_id(study), {key: metric_names})
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """A trial as its row has it (no params, no attributes): what repairs and clean-ups need to know."""
+    trial_id: int
+    number: int
+    state: object  # optuna.trial.TrialState
+    datetime_start: dt.datetime | None
+
+
+def trials_in_states(storage, study, states) -> list[TrialRow]:
+    """The study's trials in `states`, by number, read from their rows alone: a study's unfinished trials are
+    few, and reading every trial with its params and attributes (what `Study.get_trials` does first) would cost
+    a sweep milliseconds per trial it holds."""
+    if not direct(storage):
+        return [TrialRow(trial_id(t), t.number, t.state, t.datetime_start)
+                for t in study.get_trials(deepcopy=False, states=tuple(states))]
+    from sqlalchemy import select
+
+    trials = _MODELS.TrialModel.__table__
+    query = (select(trials.c.trial_id, trials.c.number, trials.c.state, trials.c.datetime_start)
+             .where(trials.c.study_id == study_id(study), trials.c.state.in_(list(states))).order_by(trials.c.number))
+    with storage.engine.connect() as conn:
+        return [TrialRow(*row) for row in conn.execute(query)]
 
 
 def trials_with_heartbeats(storage, trial_ids: list[int]) -> set[int]:

@@ -72,6 +72,35 @@ class PendingTrials:
                 workers.bind_slot(book.name, slot, run_id, trial.number)
         return Pending(slot, trial, self.ahead.job(book.problem, trial.config), book, ps)
 
+    def start_next(self, book: StudyBook, ps: ProblemSummary, goal: int, run_id: int) -> Pending | None:
+        """The trial of the slot after this run's last claim of the study, created in the transaction that claims
+        the slot (one transaction instead of two), its compile submitted. None where that cannot be done: no such
+        slot below `goal`, the slot taken meanwhile (a sampler's proposal made for it is kept for the next
+        slot), the grid sampler, Optuna's public calls, or nothing left to propose; the caller then claims as
+        usual (`Workers.claim_slot`, `start`)."""
+        from sqlalchemy.exc import IntegrityError
+
+        from .optuna_rows import direct
+
+        workers = self.store.workers
+        slot = workers.next_guess(book.name, run_id)
+        if slot is None or slot >= goal or not book.sampling.proposes or not direct(book.storage):
+            return None
+        prepared = book.prepare(slot, self.costs)
+        if prepared is None:
+            return None
+        try:
+            trial = book.create(prepared, self.costs, bind=lambda session, number: workers.claim_in(
+                session, book.name, slot, run_id, number))
+        except IntegrityError:  # another worker has the slot: nothing was written
+            workers.claimed(book.name, slot, run_id, taken=False)
+            book.keep_spare(prepared)
+            return None
+        workers.claimed(book.name, slot, run_id)
+        with self._lock:
+            self.running[trial.trial_id] = trial.number
+        return Pending(slot, trial, self.ahead.job(book.problem, trial.config), book, ps)
+
     def abandon(self, item: Pending, run_id: int) -> None:
         """The trial told abandoned and its slot given back."""
         if item.compiled is not None:

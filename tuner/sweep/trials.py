@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +39,17 @@ def _gpu_limits():
     from normtune.kernels.device import device_limits
 
     return device_limits(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+
+
+@dataclass
+class Prepared:
+    """A trial before it exists: the template it is created from, its config, source, whether the config is the
+    sampler's, and the proposer's proposal it came from (told once the trial exists)."""
+    template: object  # optuna.trial.FrozenTrial
+    config: BackwardConfig
+    source: str
+    sampled: bool = False
+    ahead: object = None  # proposer.Proposal
 
 
 @dataclass
@@ -70,23 +80,30 @@ class StudyBook:
     """The study of one problem, and the seeds its first slots get."""
 
     def __init__(self, opts: SweepOptions, problem: Problem, sm_count: int, interpret: bool, storage,
-                 claimed_slots: Callable[[str], int] = lambda name: 0):
+                 claimed_slots: Callable[[str], int] = lambda name: 0, costs: Costs | None = None):
+        """`costs` gets the seconds of the space and its seeds (as the sampler's) and of the study's reads and
+        writes (the database's)."""
         import optuna
 
+        costs = costs or Costs()
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
-        self.space = problem_space(problem, sm_count, interpret)
-        self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
-        self.sampling = Sampling(opts.sampler, self.space, opts.seed)
-        self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=self.sampling.sampler,
-                                         direction="minimize", load_if_exists=True)
-        self.seeds = seed_configs(opts, problem, self.space)
-        self.default = self.space.canonical(default_config(problem, self.space.limits))
+        with costs.timed("sampler"):
+            self.space = problem_space(problem, sm_count, interpret)
+            self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
+            self.sampling = Sampling(opts.sampler, self.space, opts.seed)
+            self.seeds = seed_configs(opts, problem, self.space)
+            self.default = self.space.canonical(default_config(problem, self.space.limits))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
         self.proposer = None  # a `Proposer` making this study's proposals ahead, where the sweep has one
+        self.spare: Prepared | None = None  # a proposal prepared for a slot taken meanwhile (`keep_spare`)
         self.seed_base = 0  # slot of the first seed
-        self._resume_seeds(claimed_slots)
-        self._describe()
-        self._discard_waiting()
+        with costs.timed("database"):
+            self.study = optuna.create_study(study_name=self.name, storage=storage, sampler=self.sampling.sampler,
+                                             direction="minimize", load_if_exists=True)
+            attrs = self.study.user_attrs
+            self._resume_seeds(claimed_slots, attrs)
+            self._describe(attrs)
+            self._discard_waiting()
 
     def target(self, trials: int) -> int:
         return trials if self.sampling.size is None else min(trials, self.sampling.size)
@@ -101,25 +118,20 @@ class StudyBook:
         if default:
             ps.default_us = default[0].median_us
 
-    def _describe(self) -> None:
-        """Attributes optuna-dashboard shows: the objective's name and what the study is (set once)."""
-        attrs = self.study.user_attrs
+    def _describe(self, attrs: dict) -> None:
+        """Attributes optuna-dashboard shows: the objective's name and what the study is (set once; `attrs`: the
+        study's user attributes as they were read)."""
         if attrs.get("seed_version") == SEED_VERSION and attrs.get("problem"):
             return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # set_metric_names is marked experimental
-            self.study.set_metric_names([METRIC_NAME])
-        for key, value in (("problem", self.problem.to_dict()), ("gpu_key", self.opts.gpu_key),
-                           ("seed_version", SEED_VERSION), ("seeded", True),
-                           ("pruned_trials", "never measured: status=abandoned (interrupted); configs the space's "
-                                             "constraints reject never become trials")):
-            self.study.set_user_attr(key, value)
+        rows.describe_study(self.storage, self.study, {
+            "problem": self.problem.to_dict(), "gpu_key": self.opts.gpu_key, "seed_version": SEED_VERSION,
+            "seeded": True, "pruned_trials": "never measured: status=abandoned (interrupted); configs the space's "
+                                             "constraints reject never become trials"}, [METRIC_NAME])
 
-    def _resume_seeds(self, claimed_slots: Callable[[str], int]) -> None:
+    def _resume_seeds(self, claimed_slots: Callable[[str], int], attrs: dict) -> None:
         """A study seeded under an older SEED_VERSION gets the seeds it has not measured yet, in the slots after
         those already claimed: new kernel knobs' structural seeds reach resumed studies too. The list and its
         first slot are stored with the study, so that every worker gives each slot the same seed."""
-        attrs = self.study.user_attrs
         if attrs.get("seed_version") == SEED_VERSION:
             if "seed_base" in attrs:
                 self.seed_base = int(attrs["seed_base"])
@@ -141,11 +153,11 @@ class StudyBook:
         """Seeds queued as WAITING trials by normtune before schema 2 are not how trials start any more: each
         is claimed atomically and pruned (its config comes back as a seed of a slot when still unmeasured)."""
         TS = self._optuna.trial.TrialState
-        for t in self.study.get_trials(deepcopy=False, states=(TS.WAITING,)):
+        for t in rows.trials_in_states(self.storage, self.study, (TS.WAITING,)):
             try:
-                if self.storage.set_trial_state_values(rows.trial_id(t), state=TS.RUNNING):
-                    self.storage.set_trial_user_attr(rows.trial_id(t), "status", "abandoned")
-                    self.storage.set_trial_state_values(rows.trial_id(t), state=TS.PRUNED)
+                if self.storage.set_trial_state_values(t.trial_id, state=TS.RUNNING):
+                    self.storage.set_trial_user_attr(t.trial_id, "status", "abandoned")
+                    self.storage.set_trial_state_values(t.trial_id, state=TS.PRUNED)
             except self._optuna.exceptions.UpdateFinishedTrialError:
                 continue
 
@@ -158,16 +170,10 @@ class StudyBook:
         seconds of the sampler and of the database writes; `bind(session, number)` records the slot's trial in
         the transaction that creates it where it can (`NewTrial.bound`)."""
         costs = costs or Costs()
-        index = slot - self.seed_base
-        if 0 <= index < len(self.seeds):
-            template = self.sampling.seed_trial(self.seeds[index])
-            if template is not None:
-                source = "seed" if self.opts.source == "sweep" else self.opts.source
-                with costs.timed("database"):
-                    return self._created(template, self.seeds[index], source, bind)
         if self.sampling.proposes:
-            return self._proposed_trial(costs, bind)
-        for _ in range(INVALID_STREAK_LIMIT):
+            prepared = self.prepare(slot, costs)
+            return None if prepared is None else self.create(prepared, costs, bind)
+        for _ in range(INVALID_STREAK_LIMIT):  # the grid sampler keeps its place in a live trial's attributes
             trial = self.study.ask()
             # A first heartbeat at once: a worker dying before its heartbeat thread's first beat would
             # otherwise leave a RUNNING trial that Optuna never considers stale.
@@ -182,10 +188,30 @@ class StudyBook:
             self.study.tell(trial, state=self._optuna.trial.TrialState.PRUNED)
         return None
 
-    def _proposed_trial(self, costs: Costs, bind=None) -> NewTrial | None:
-        """A RUNNING trial holding the sampler's next config the space accepts, created in one transaction; the
-        configs it rejects on the way are counted in `rejected` and never become trials. The proposal is the
-        `proposer`'s where it has one ready (checked against the same space there), else made here."""
+    def prepare(self, slot: int, costs: Costs) -> "Prepared | None":
+        """What `slot`'s trial will hold, before it exists (only where the sampler `proposes`): its seed's config
+        when it has one, else the sampler's next config the space accepts (a spare one first: prepared for a
+        slot that was taken meanwhile). None when the sampler gave nothing but invalid configs."""
+        index = slot - self.seed_base
+        if 0 <= index < len(self.seeds):
+            template = self.sampling.seed_trial(self.seeds[index])
+            if template is not None:
+                source = "seed" if self.opts.source == "sweep" else self.opts.source
+                return Prepared(template, self.seeds[index], source)
+        if self.spare is not None:
+            prepared, self.spare = self.spare, None
+            return prepared
+        return self._proposal(costs)
+
+    def keep_spare(self, prepared: "Prepared") -> None:
+        """A sampler's proposal whose slot was taken meanwhile: the next sampled slot gets it."""
+        if prepared.sampled:
+            self.spare = prepared
+
+    def _proposal(self, costs: Costs) -> "Prepared | None":
+        """The sampler's next config the space accepts; the configs it rejects on the way are counted in
+        `rejected` and never become trials. The proposer's where it has one ready (checked against the same
+        space there), else made here."""
         optuna = self._optuna
         if self.proposer is not None:
             with costs.timed("sampler"):
@@ -193,17 +219,12 @@ class StudyBook:
             if ahead is not None:
                 self.rejected += ahead.rejected
                 costs.proposals["rejected"] += ahead.rejected
-                costs.proposals["kept"] += 1
-                costs.proposals["ahead"] += 1
                 template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING,
                                                      params=ahead.record["params"],
                                                      distributions=ahead.record["distributions"],
                                                      system_attrs=ahead.record["system_attrs"])
                 config = self.space.canonical(self.space.config(ahead.values))
-                with costs.timed("database"):
-                    created = self._created(template, config, self.opts.source, bind, sampled=True)
-                self.proposer.took(self, ahead)
-                return created
+                return Prepared(template, config, self.opts.source, sampled=True, ahead=ahead)
         for attempt in range(INVALID_STREAK_LIMIT):
             with costs.timed("sampler"):
                 values, record = self.sampling.propose(self.study, retry=attempt > 0)
@@ -213,21 +234,25 @@ class StudyBook:
                 self.rejected += 1
                 costs.proposals["rejected"] += 1
                 continue
-            costs.proposals["kept"] += 1
             template = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
                                                  distributions=record["distributions"],
                                                  system_attrs=record["system_attrs"])
-            with costs.timed("database"):
-                return self._created(template, self.space.canonical(config), self.opts.source, bind, sampled=True)
+            return Prepared(template, self.space.canonical(config), self.opts.source, sampled=True)
         return None
 
-    def _created(self, template, config: BackwardConfig, source: str, bind=None, sampled: bool = False) -> NewTrial:
-        """The trial `template` describes, created in one transaction, with a first heartbeat at once (a worker
+    def create(self, prepared: "Prepared", costs: Costs, bind=None) -> NewTrial:
+        """The trial `prepared` describes, created in one transaction with a first heartbeat at once (a worker
         dying before its heartbeat thread's first beat would otherwise leave a RUNNING trial that Optuna never
-        considers stale)."""
-        trial_id, number, bound = create_running_trial(self.storage, rows.study_id(self.study), template,
-                                                       after=bind)
-        return NewTrial(trial_id, number, config, source, bound, sampled)
+        considers stale); `bind(session, number)` writes in that transaction too (its errors undo the trial)."""
+        with costs.timed("database"):
+            trial_id, number, bound = create_running_trial(self.storage, rows.study_id(self.study),
+                                                           prepared.template, after=bind)
+        if prepared.sampled:
+            costs.proposals["kept"] += 1
+        if prepared.ahead is not None:
+            costs.proposals["ahead"] += 1
+            self.proposer.took(self, prepared.ahead)
+        return NewTrial(trial_id, number, prepared.config, prepared.source, bound, prepared.sampled)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
@@ -277,14 +302,15 @@ class StudyBook:
         """Trials measured (stored) but never told -- their worker died in between -- are told from the store;
         then trials whose worker's heartbeat stopped are failed as stale (their slots are taken over)."""
         TS = self._optuna.trial.TrialState
-        running = self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
-        if running:
-            stored = {m.trial_number: m for m in store.measurements(study_name=self.name)}
-            for t in running:
-                m = stored.get(t.number)
-                if m is not None:
-                    self.tell(NewTrial(rows.trial_id(t), t.number, m.config, m.source), m.status,
-                              m.median_us if m.status == "ok" else None, m.error)
+        running = rows.trials_in_states(self.storage, self.study, (TS.RUNNING,))
+        if not running:  # nothing to tell, nothing stale
+            return
+        stored = {m.trial_number: m for m in store.measurements(study_name=self.name)}
+        for t in running:
+            m = stored.get(t.number)
+            if m is not None:
+                self.tell(NewTrial(t.trial_id, t.number, m.config, m.source), m.status,
+                          m.median_us if m.status == "ok" else None, m.error)
         self._optuna.storages.fail_stale_trials(self.study)
         self._fail_unbeaten(store)
 
@@ -294,14 +320,14 @@ class StudyBook:
         heartbeat, so without this they would stay RUNNING for ever."""
         TS = self._optuna.trial.TrialState
         cutoff = dt.datetime.now() - dt.timedelta(seconds=self.opts.grace_period)  # Optuna stores local times
-        old = [t for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,))
+        old = [t for t in rows.trials_in_states(self.storage, self.study, (TS.RUNNING,))
                if t.datetime_start is not None and t.datetime_start.replace(tzinfo=None) < cutoff]
-        beaten = rows.trials_with_heartbeats(self.storage, [rows.trial_id(t) for t in old])
+        beaten = rows.trials_with_heartbeats(self.storage, [t.trial_id for t in old])
         for t in old:
-            if rows.trial_id(t) in beaten:
+            if t.trial_id in beaten:
                 continue
             try:
-                self.storage.set_trial_state_values(rows.trial_id(t), state=TS.FAIL)
+                self.storage.set_trial_state_values(t.trial_id, state=TS.FAIL)
             except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError) as err:
                 log.debug("trial %s of %s already finished: %s", t.number, self.name, err)
 
