@@ -42,8 +42,8 @@ def test_bad_arguments_are_one_error_line_and_exit_1(script, argv, word, capsys)
 
 
 def test_arguments(script):
-    args = script.parse(["--out", "d", "--sets", "mamba2", "--tokens", "1024,2048", "--compile-dynamic"])
-    assert args.sets == ["mamba2"] and args.tokens == [1024, 2048] and args.compile_dynamic
+    args = script.parse(["--out", "d", "--sets", "mamba2", "--tokens", "1024,2048", "--compile-static"])
+    assert args.sets == ["mamba2"] and args.tokens == [1024, 2048] and args.compile_static
     problems = script.problems(args)
     assert {p.gate_position for p in problems} == {"after"} and {p.M for p in problems} == {1024, 2048}
     assert len(script.problems(script.parse(["--out", "d"]))) > 20

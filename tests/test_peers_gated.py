@@ -88,3 +88,16 @@ def test_fla_kernels_match_the_reference_in_the_interpreter(peer, problem, monke
     monkeypatch.setattr(autotuner.Autotuner, "prune_configs", autotuner.Autotuner.prune_configs)  # undone after
     pg.first_config_autotune()
     _check(peer, problem)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_compiled_module_with_dynamic_rows_compiles_once_per_width_and_matches_the_reference():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    peer = pg.TransformersCompile(dynamic_rows=True)
+    for rows in (8, 24):
+        _check(peer, GatedProblem(rows, 64, "after", 32, dtype="fp32"))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    _check(peer, GatedProblem(40, 64, "after", 32, dtype="fp32"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # no recompile for new rows

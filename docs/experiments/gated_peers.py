@@ -2,7 +2,7 @@
 hidden, each peer checked against the float64 reference first (a wrong peer is reported, not timed).
 
     python3 docs/experiments/gated_peers.py --out DIR [--sets issue,qwen3-next,mamba2] [--peers all]
-                                            [--dtype bf16] [--tokens 2048,8192,32768] [--compile-dynamic]
+                                            [--dtype bf16] [--tokens 2048,8192,32768] [--compile-static]
     python3 docs/experiments/gated_peers.py --out DIR --device cpu --tiny    # CPU check (Triton interpreter)
 
 Peers (`normtune.tuner.measure.peers_gated`): transformers' own module eager (`hf-eager`) and under torch.compile
@@ -10,8 +10,10 @@ Peers (`normtune.tuner.measure.peers_gated`): transformers' own module eager (`h
 (`fla-fn`, groups, both positions), mamba_ssm's `rmsnorm_fn` (`mamba`). The shape sets are
 `normtune.tuner.gated_shapes`' (`issue`: the issue's eight shapes; `qwen3-next`, `mamba2`: model widths at each
 token count). The floor is 3 passes of M×N forward and 5 backward at the device's copy bandwidth; "÷ floor" is
-floor time over measured time (1.0 is the floor). Writes DIR/gated_peers.md and DIR/gated_peers.json.
-`--compile-dynamic` compiles once per width with the rows dynamic (shorter runs; static shapes otherwise).
+floor time over measured time (1.0 is the floor); the summary gives each shape's fastest peer and how many times
+slower transformers' eager module is. Writes DIR/gated_peers.md and DIR/gated_peers.json. `hf-compile` compiles
+once per (width, group, gate position) with the row count dynamic, so that the run stays short; `--compile-static`
+compiles once per shape instead.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def parse(argv):
     p.add_argument("--tokens", default="2048,8192,32768", help="token counts of the model sets")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes of every form instead of the sets")
-    p.add_argument("--compile-dynamic", action="store_true", help="hf-compile: rows dynamic, one compile per width")
+    p.add_argument("--compile-static", action="store_true", help="hf-compile: one compile per shape (static)")
     p.add_argument("--budget", type=float, default=0.1, help="seconds of timed repetitions per measurement")
     args = p.parse_args(argv)
     args.sets = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -100,7 +102,7 @@ def run(args) -> list[dict]:
     peers = {}
     for name in names:
         cls = pg.GATED_PEERS[name]
-        peers[name] = cls(dynamic_rows=args.compile_dynamic) if name == "hf-compile" else cls()
+        peers[name] = cls(dynamic_rows=not args.compile_static) if name == "hf-compile" else cls()
     rows = []
     for problem in problems(args):
         inputs = pg.make_inputs(problem, session.device)
@@ -162,6 +164,25 @@ def markdown(rows: list[dict], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summary(rows: list[dict]) -> str:
+    """Per shape: the fastest peer that passed its check (forward + backward), its ratios to the floor, and
+    transformers' eager module's time over it."""
+    lines = ["| gate | rows × width | group | dtype | best peer | µs | block ÷ floor | backward ÷ floor | "
+             "eager ÷ best |", "|---|---|---|---|---|---|---|---|---|"]
+    shapes = list(dict.fromkeys((r["gate"], r["M"], r["N"], r["group"], r["dtype"]) for r in rows))
+    for shape in shapes:
+        timed = [r for r in rows if (r["gate"], r["M"], r["N"], r["group"], r["dtype"]) == shape and r["block_us"]]
+        if not timed:
+            continue
+        best = min((r for r in timed if r["peer"] != "hf-eager"), key=lambda r: r["block_us"], default=timed[0])
+        eager = next((r["block_us"] for r in timed if r["peer"] == "hf-eager"), None)
+        speedup = f"{eager / best['block_us']:.1f}×" if eager else "n/a"
+        lines.append(f"| {shape[0]} | {shape[1]} × {shape[2]} | {shape[3]} | {shape[4]} | {best['peer']} | "
+                     f"{best['block_us']:.1f} | {_ratio(best['block_floor_us'], best['block_us'])} | "
+                     f"{_ratio(best['backward_floor_us'], best['backward_us'])} | {speedup} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
@@ -177,7 +198,7 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
-    text = markdown(rows, f"Gated RMSNorm peers, {args.dtype}, {device}")
+    text = markdown(rows, f"Gated RMSNorm peers, {args.dtype}, {device}") + "\n## Fastest peer\n\n" + summary(rows)
     (out / "gated_peers.md").write_text(text)
     (out / "gated_peers.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows,
                                                       "seconds": round(time.perf_counter() - start, 1)}, indent=1))
