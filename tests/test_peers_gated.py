@@ -101,3 +101,19 @@ def test_compiled_module_with_dynamic_rows_compiles_once_per_width_and_matches_t
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     _check(peer, GatedProblem(40, 64, "after", 32, dtype="fp32"))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # no recompile for new rows
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_prepare_peer_on_given_tensors():
+    x, z, dy = (torch.randn(6, 32) for _ in range(3))
+    w = torch.rand(32) + 0.5
+    prepared = pg.prepare_peer("hf-eager", x, z, w, dy, gate_position="after", group_size=8, eps=1e-6)
+    problem = GatedProblem(6, 32, "after", 8, "fp32", 1e-6)
+    ref = pg.reference(problem, pg.GatedInputs(x, z, w, dy))
+    assert max(pg.check(problem, prepared, ref).values()) < 1e-5
+    with pytest.raises(pg.PeerUnavailable, match="whole width"):
+        pg.prepare_peer("hf-eager", x, z, w, dy, gate_position="before", group_size=8)
+    with pytest.raises(ValueError, match="rows × width"):
+        pg.prepare_peer("hf-eager", x, z, w[:4], dy, gate_position="after")
+    with pytest.raises(ValueError, match="allowed: hf-eager"):
+        pg.prepare_peer("nope", x, z, w, dy, gate_position="after")

@@ -267,6 +267,27 @@ GATED_PEERS: dict[str, type[GatedPeer]] = {
     cls.name: cls for cls in (TransformersEager, TransformersCompile, FlaGated, FlaFn, MambaSsm)}
 
 
+def prepare_peer(name: str, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, *,
+                 gate_position: str, group_size: int | None = None, eps: float = 1e-6,
+                 activation: str = "silu") -> PreparedGated:
+    """The named peer's calls on given tensors (x, z, dy: rows × width; weight: width), the problem read from
+    their shapes and dtype; raises PeerUnavailable when the peer cannot run it."""
+    if name not in GATED_PEERS:
+        raise ValueError(f"unknown gated peer {name!r} (allowed: {', '.join(GATED_PEERS)})")
+    if x.dim() != 2 or z.shape != x.shape or dy.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"x, z and dy must be rows × width and weight width; got {tuple(x.shape)}, "
+                         f"{tuple(z.shape)}, {tuple(dy.shape)} and {tuple(weight.shape)}")
+    dtype = {v: k for k, v in TORCH_DTYPES.items()}.get(x.dtype)
+    if dtype is None:
+        raise ValueError(f"x has dtype {x.dtype}: use float32, bfloat16 or float16")
+    problem = GatedProblem(x.shape[0], x.shape[1], gate_position, group_size, dtype, eps, activation)
+    peer = GATED_PEERS[name]()
+    why = peer.supports(problem)
+    if why is not None:
+        raise PeerUnavailable(why)
+    return peer.prepare(problem, GatedInputs(x, z, weight, dy))
+
+
 def parse_gated_peers(spec: str) -> list[str]:
     """'all' | comma list of names → names, rejecting unknown ones with the allowed list."""
     spec = spec.strip().lower()
