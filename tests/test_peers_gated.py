@@ -40,6 +40,7 @@ def test_supports_and_parse():
     assert "whole width" in pg.TransformersEager().supports(GatedProblem(4, 8, "before", 4))
     assert pg.FlaFn().supports(GatedProblem(4, 8, "before", 4)) is None
     assert "zero-centred" in pg.TransformersEager().supports(GatedProblem(4, 8, zero_centered=True))
+    assert "silu only" in pg.TransformersEager().supports(GatedProblem(4, 8, "after", activation="sigmoid"))
     assert pg.parse_gated_peers("all") == list(pg.GATED_PEERS)
     with pytest.raises(ValueError, match="allowed: all, hf-eager"):
         pg.parse_gated_peers("hf-eager,nope")
@@ -64,11 +65,12 @@ def _check(peer, problem):
 
 
 PROBLEMS = [GatedProblem(12, 64, "before", dtype="fp32"), GatedProblem(12, 96, "after", 32, dtype="fp32"),
+            GatedProblem(12, 64, "before", dtype="fp32", activation="sigmoid"),
             GatedProblem(8, 64, "after", dtype="bf16"), GatedProblem(8, 64, "before", dtype="bf16")]
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
-@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.label())
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: f"{p.label()} {p.activation}")
 def test_transformers_eager_modules_match_the_reference(problem):
     errors = _check(pg.TransformersEager(), problem)
     if problem.dtype == "fp32":

@@ -164,7 +164,10 @@ class GatedPeer:
 
 def transformers_module(problem: GatedProblem):
     """transformers' own gated norm for the problem's gate position, in the activation dtype, weight set."""
-    if problem.gate_position == "before":
+    if problem.gate_position == "before" and problem.activation == "sigmoid":
+        candidates = (("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearRMSNormGated"),
+                      ("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridRMSNormGated"))
+    elif problem.gate_position == "before":
         candidates = (("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNormGated"),
                       ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5RMSNormGated"))
     else:
@@ -183,7 +186,14 @@ def transformers_module(problem: GatedProblem):
 
 class TransformersEager(GatedPeer):
     name = "hf-eager"
-    description = "transformers' module: Qwen3NextRMSNormGated (before), MambaRMSNormGated (after), eager"
+    description = ("transformers' module, eager: Qwen3NextRMSNormGated (before), KimiLinearRMSNormGated (before, "
+                   "sigmoid gate), MambaRMSNormGated (after)")
+    activations = ("silu", "sigmoid")
+
+    def supports(self, problem):
+        if problem.gate_position == "after" and problem.activation == "sigmoid":
+            return f"{self.name}: transformers' norm after the gate gates with silu only"
+        return super().supports(problem)
 
     def _module(self, problem, inputs):
         module, cls_name = transformers_module(problem)
