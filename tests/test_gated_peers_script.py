@@ -52,7 +52,9 @@ def test_arguments(script):
 def test_cpu_dry_run_checks_then_times_every_peer(script, tmp_path, autotune_restored):
     peers = "hf-eager,fla-gated,mamba" if importlib.util.find_spec("fla") else "hf-eager,mamba"
     assert script.main(["--out", str(tmp_path), "--device", "cpu", "--tiny", "--peers", peers]) == 0
-    rows = json.loads((tmp_path / "gated_peers.json").read_text())["rows"]
+    report = json.loads((tmp_path / "gated_peers.json").read_text())
+    rows = report["rows"]
+    assert report["versions"]["torch"] and "flash-linear-attention" in report["versions"]
     assert "| before | 24 × 64 | 64 | fp32 | hf-eager |" in (tmp_path / "gated_peers.md").read_text()
     eager = [r for r in rows if r["peer"] == "hf-eager"]
     assert len(eager) == 4 and all(r["status"] == "ok" and r["block_us"] > 0 and r["backward_us"] > 0

@@ -104,7 +104,9 @@ def run(args) -> list[dict]:
         cls = pg.GATED_PEERS[name]
         peers[name] = cls(dynamic_rows=not args.compile_static) if name == "hf-compile" else cls()
     rows = []
-    for problem in problems(args):
+    todo = problems(args)
+    for i, problem in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {problem.label()}", file=sys.stderr, flush=True)
         inputs = pg.make_inputs(problem, session.device)
         ref = pg.reference(problem, inputs)
         fwd_bytes, bwd_bytes = pg.floor_bytes(problem)
@@ -183,6 +185,19 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versions() -> dict:
+    """Installed versions of torch, triton and the peers' libraries (None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "transformers", "flash-linear-attention", "fla-core", "mamba-ssm"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def main(argv=None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
@@ -201,6 +216,7 @@ def main(argv=None) -> int:
     text = markdown(rows, f"Gated RMSNorm peers, {args.dtype}, {device}") + "\n## Fastest peer\n\n" + summary(rows)
     (out / "gated_peers.md").write_text(text)
     (out / "gated_peers.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows,
+                                                      "versions": versions(),
                                                       "seconds": round(time.perf_counter() - start, 1)}, indent=1))
     print(text)
     return 0
