@@ -34,11 +34,16 @@ def autotune_restored(monkeypatch):
     (["--out", "x", "--budget", "0"], "--budget"),
     (["--out", "x", "--device", "cpu"], "add --tiny"),
     (["--sets", "issue"], "--out"),
+    (["--out", "x", "--peers", "hf-eager,liger"], "--peers: unknown liger"),
 ])
 def test_bad_arguments_are_one_error_line_and_exit_1(script, argv, word, capsys):
     assert script.main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and word in err and len(err.splitlines()) == 1
+
+
+def test_the_scripts_peer_names_are_the_registry(script):
+    assert list(script.PEERS) == list(pg.GATED_PEERS)
 
 
 def test_arguments(script):

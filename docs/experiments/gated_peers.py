@@ -55,6 +55,10 @@ def parse(argv):
     unknown = [s for s in args.sets if s not in SETS]
     if unknown or not args.sets:
         raise UsageError(f"--sets: unknown {', '.join(unknown) or 'empty list'} (allowed: {', '.join(SETS)})")
+    peers = [s.strip() for s in args.peers.split(",") if s.strip()]
+    bad = [s for s in peers if s not in PEERS]
+    if args.peers.strip() != "all" and (bad or not peers):
+        raise UsageError(f"--peers: unknown {', '.join(bad) or 'empty list'} (allowed: all, {', '.join(PEERS)})")
     try:
         args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
