@@ -42,6 +42,13 @@ def test_bad_arguments_are_one_error_line_and_exit_1(script, argv, word, capsys)
     assert err.startswith("error: ") and word in err and len(err.splitlines()) == 1
 
 
+def test_an_out_path_that_is_a_file_is_one_error_line(script, tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert script.main(["--out", str(tmp_path / "f"), "--device", "cpu", "--tiny"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --out ") and len(err.splitlines()) == 1
+
+
 def test_the_scripts_peer_names_are_the_registry(script):
     assert list(script.PEERS) == list(pg.GATED_PEERS)
 

@@ -211,7 +211,12 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"error: --out {args.out}: cannot make the folder ({err.strerror or err}); give a folder path",
+              file=sys.stderr)
+        return 1
     start = time.perf_counter()
     rows = run(args)
     import torch
