@@ -1,6 +1,6 @@
-"""The checks a public norm call makes of its arguments before anything runs (`functional`, `residual`, `direct`):
-the options, the tensors (dtype, device, shape, strides), an explicit config (resolved to the backward it runs,
-once per signature), and whether y gives x̂ back."""
+"""The checks a public norm call makes of its arguments before anything runs (`functional`, `direct`): the options,
+the tensors (dtype, device, shape, strides), each form's own tensors (`check_form`), an explicit config (resolved
+to the backward it runs, once per signature), and whether y gives x̂ back."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from torch import Tensor
 
 from . import saving
 from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, mapping_to_json
-from .ops import BackwardCall, resolved
+from .forms import RESIDUAL, Form
+from .backward_calls import BackwardCall, resolved
+from .ops import rows_2d
+from .problem import canonical_dtype
 from .select import parsed_config
+
+__all__ = ["check_form", "check_inputs", "check_options", "dtype_eps", "explicit_backward", "output_recovers",
+           "residual_dtype_of", "rows_2d", "rows_view", "stream_eps"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -124,13 +130,6 @@ def check_inputs(x, weight, bias, zero_centered: bool, *, name: str = "x") -> No
         raise ValueError("zero_centered=True needs a weight (w = 1 + weight): pass weight or zero_centered=False")
 
 
-def rows_2d(t: Tensor) -> Tensor:
-    """`t` as rows of its last dimension: a view where the rows allow one, the last dimension made contiguous."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-
-
 def rows_view(t: Tensor, rows: Tensor) -> bool:
     """Whether `rows` (`rows_2d(t)`) is a view of t's own elements, not a copy."""
     if rows is t:
@@ -148,3 +147,50 @@ def output_recovers(x, weight, bias, zero_centered: bool) -> bool:
             zero_centered and weight is None):
         return True
     return saving.recovers(weight, bias, x.dtype, zero_centered)
+
+
+# The residual form (`forms.RESIDUAL`): residual has x's shape and device and x's dtype or float32; the stream h is
+# in residual_dtype (default: the residual's), x's dtype or float32.
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALLOWED = "use x's dtype or torch.float32 (an fp32 residual stream)"
+
+
+def residual_dtype_of(x: Tensor, residual, residual_dtype) -> torch.dtype:
+    """The dtype of h for inputs x and residual (checked: each broken rule raises naming the argument)."""
+    if not isinstance(residual, Tensor):
+        raise TypeError(f"residual must be a torch.Tensor (the residual stream, shaped like x), got "
+                        f"{type(residual).__name__}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}: pass a residual "
+                         "shaped like x")
+    if residual.device != x.device:
+        raise ValueError(f"residual is on {residual.device} but x is on {x.device}: move them to one device")
+    if residual.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"residual has dtype {residual.dtype}: {_ALLOWED}")
+    if residual_dtype is None:
+        return residual.dtype
+    if isinstance(residual_dtype, str) and residual_dtype.lower() in ("fp32", "float32", "bf16", "bfloat16", "fp16",
+                                                                      "float16"):
+        residual_dtype = _TORCH[canonical_dtype(residual_dtype)]
+    if residual_dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"residual_dtype={residual_dtype!r} is not allowed: {_ALLOWED}")
+    return residual_dtype
+
+
+def stream_eps(x: Tensor, residual, residual_dtype) -> float:
+    """RMSNorm's eps=None in the residual form: the eps of h's dtype, the residual stream's (`residual_dtype`, else
+    the residual's), which torch.nn.RMSNorm(eps=None) applied on h would take; not x's (bf16's eps on an fp32
+    stream is 2^16 times fp32's). Arguments that break a rule raise as the call's checks would."""
+    if residual_dtype is None and type(residual) is Tensor:
+        return dtype_eps(x, residual.dtype)
+    if type(residual_dtype) is torch.dtype:
+        return dtype_eps(x, residual_dtype)
+    return dtype_eps(x, residual_dtype_of(x, residual, residual_dtype))
+
+
+def check_form(form: Form, x: Tensor, extras: tuple, stream_dtype) -> torch.dtype | None:
+    """The checks of the form's own tensors (`extras`, after x's checks passed): the dtype of its stream outputs
+    (None for a form without any), each broken rule raising naming the argument."""
+    if form is RESIDUAL:
+        return residual_dtype_of(x, extras[0], stream_dtype)
+    return None

@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from . import composite, forward_calls, saving
-from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, rows_2d
+from .backward_calls import backward_impl
+from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, rows_2d, stream_eps
 from .config import BackwardConfig
-from .ops import backward_impl, contiguous_operand, forward_impl
-from .residual import residual_dtype_of, stream_eps
-from .residual_ops import forward_impl as _residual_forward_impl
+from .forms import PLAIN, RESIDUAL, Form
+from .ops import contiguous_operand, forward_impl
 
 
 def _check_stats(name: str, t, M: int) -> None:
@@ -51,45 +51,33 @@ def _stats_fit(t, M: int) -> bool:
     return isinstance(t, Tensor) and t.shape == (M,) and t.dtype == torch.float32 and t.stride(0) == 1
 
 
-def _residual_forward(x, residual, weight, bias, eps, is_rms: bool, zero_centered: bool, residual_dtype):
-    """((y, h), rstd, mean) of the residual form, y and h in x's shape; planned as `_forward`'s plain calls."""
-    sig = forward_calls.residual_signature(x, residual, weight, bias, eps, residual_dtype, is_rms, zero_centered,
-                                           False)
+def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero_centered: bool, stream_dtype):
+    """(outputs, rstd, mean) of a call of `form`: outputs = (y, *the form's outputs), in x's shape. A call like an
+    earlier one that passed the checks runs that call's plan (`forward_calls`)."""
+    sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered, False)
     plan = forward_calls.lookup(sig)
     if plan is not None:  # inputs like an earlier call's, which passed the checks
-        y, h, rstd, mean = forward_calls.run_residual(plan, x, residual, weight, bias, eps)
-        return (y, h), rstd, mean
-    composite.refuse_wrapped("rms_norm_forward" if is_rms else "layer_norm_forward", x, residual, weight, bias)
+        return forward_calls.run(plan, form, x, extras, weight, bias, eps)
+    composite.refuse_wrapped("rms_norm_forward" if is_rms else "layer_norm_forward", x, *extras, weight, bias)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, "input")
-    h_dtype = residual_dtype_of(x, residual, residual_dtype)
-    x2d, r2d = rows_2d(x), rows_2d(residual)
+    stream = check_form(form, x, extras, stream_dtype)
+    x2d, extras2d = rows_2d(x), tuple(rows_2d(t) for t in extras)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
-    y, h, rstd, mean = _residual_forward_impl(x2d, r2d, w, b, float(eps), is_rms, zero_centered, False, h_dtype)
+    outputs, rstd, mean = forward_impl(form, x2d, extras2d, w, b, float(eps), is_rms, zero_centered, False, stream)
     if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
-        forward_calls.remember_residual(sig, x, x2d, residual, r2d, weight, bias, h_dtype, is_rms, zero_centered,
-                                        False)
-    return (y, h) if x.dim() == 2 else (y.view(x.shape), h.view(x.shape)), rstd, mean
+        forward_calls.remember(sig, form, x, x2d, extras, extras2d, weight, bias, stream, is_rms, zero_centered,
+                               False)
+    return tuple(t if x.dim() == 2 else t.view(x.shape) for t in outputs), rstd, mean
 
 
-def _forward(x, weight, bias, eps, is_rms: bool, zero_centered: bool, residual=None, residual_dtype=None):
+def _form(residual, residual_dtype) -> tuple[Form, tuple]:
+    """The form of a call and its tensors of its own, from its keyword arguments."""
     if residual is not None:
-        return _residual_forward(x, residual, weight, bias, eps, is_rms, zero_centered, residual_dtype)
+        return RESIDUAL, (residual,)
     if residual_dtype is not None:
         raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
-    sig = forward_calls.signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms)
-    plan = forward_calls.lookup(sig)
-    if plan is not None:  # inputs like an earlier call's, which passed the checks
-        return forward_calls.run(plan, x, weight, bias, eps)
-    composite.refuse_wrapped("rms_norm_forward" if is_rms else "layer_norm_forward", x, weight, bias)
-    check_inputs(x, weight, bias, zero_centered)
-    check_options(eps, "input")
-    x2d = rows_2d(x)
-    w, b = contiguous_operand(weight), contiguous_operand(bias)
-    y, rstd, mean = forward_impl(x2d, w, b, float(eps), is_rms, zero_centered, False)
-    if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
-        forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, not is_rms)
-    return (y if x.dim() == 2 else y.view(x.shape)), rstd, mean
+    return PLAIN, ()
 
 
 def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered: bool, from_output: bool) -> None:
@@ -111,12 +99,14 @@ def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centere
         raise ValueError(f"{name} has {shown}: pass the forward's {name}, shape {tuple(grad.shape)} and dtype {want}")
 
 
-def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered: bool, from_output: bool, config,
-              grad_residual=None):
+def _backward(form: Form, grad, saved, grads_out: tuple, weight, bias, rstd, mean, is_rms: bool,
+              zero_centered: bool, from_output: bool, config):
+    """(dx, dw, db) of a call of `form` from the forward's saved rows (x, the form's stream, or y) and the
+    gradients of y and of the form's outputs (`grads_out`): dx is the gradient of the rows normalized."""
     composite.refuse_wrapped("rms_norm_backward" if is_rms else "layer_norm_backward", grad, saved, weight, bias,
-                             rstd, mean, grad_residual)
-    if grad_residual is not None:
-        _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered, from_output)
+                             rstd, mean, *grads_out)
+    if form is RESIDUAL:
+        _check_residual_grads(grad, saved, grads_out[0], weight, bias, zero_centered, from_output)
     else:
         _check_plain_grads(grad, saved, weight, bias, zero_centered, from_output)
     N = saved.shape[-1]
@@ -130,13 +120,18 @@ def _backward(grad, saved, weight, bias, rstd, mean, is_rms: bool, zero_centered
         raise ValueError(saving.refusal("from_output=True"))
     if not uses_mean:
         mean = rstd  # not read
-    grad2d, dh = rows_2d(grad), None if grad_residual is None else rows_2d(grad_residual)
+    grad2d, dh = rows_2d(grad), rows_2d(grads_out[0]) if grads_out else None
     backward = explicit_backward(config, grad2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                  save="output" if from_output else "input",
                                  residual_dtype=None if dh is None else dh.dtype)
     dx, dw, db = backward_impl(grad2d, rows_2d(saved), contiguous_operand(weight), contiguous_operand(bias), rstd,
                                 mean, is_rms, zero_centered, from_output, backward, dh)
     return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
+
+
+def _grads_form(grad_residual) -> tuple[Form, tuple]:
+    """The form of a backward call and the gradients of its outputs, from its keyword arguments."""
+    return (PLAIN, ()) if grad_residual is None else (RESIDUAL, (grad_residual,))
 
 
 def _check_plain_grads(grad, saved, weight, bias, zero_centered: bool, from_output: bool) -> None:
@@ -152,10 +147,9 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | N
                        zero_centered: bool = False):
     """(y, mean, rstd) of LayerNorm over the last dimension, without autograd; with a residual, (y, mean, rstd, h)
     of the norm of h = x + residual."""
-    y, rstd, mean = _forward(x, weight, bias, eps, False, zero_centered, residual, residual_dtype)
-    if residual is not None:
-        return y[0], mean, rstd, y[1]
-    return y, mean, rstd
+    form, extras = _form(residual, residual_dtype)
+    outputs, rstd, mean = _forward(form, x, extras, weight, bias, eps, False, zero_centered, residual_dtype)
+    return outputs[0], mean, rstd, *outputs[1:]
 
 
 def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor | None,
@@ -165,7 +159,8 @@ def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Te
     there is no weight/bias. config: a `BackwardConfig` (or its dict/JSON) forcing the launch; None picks one.
     Residual form: pass h where x goes and `grad_residual` (h's gradient); dx is then grad_residual plus the
     norm's grad_input, in h's dtype."""
-    return _backward(grad, x, weight, bias, rstd, mean, False, zero_centered, from_output, config, grad_residual)
+    form, grads_out = _grads_form(grad_residual)
+    return _backward(form, grad, x, grads_out, weight, bias, rstd, mean, False, zero_centered, from_output, config)
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *,
@@ -175,10 +170,9 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None 
     of h = x + residual. eps=None: the eps of the dtype normalized (x's, or h's), as `rms_norm`."""
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
-    y, rstd, _ = _forward(x, weight, None, eps, True, zero_centered, residual, residual_dtype)
-    if residual is not None:
-        return y[0], rstd, y[1]
-    return y, rstd
+    form, extras = _form(residual, residual_dtype)
+    outputs, rstd, _ = _forward(form, x, extras, weight, None, eps, True, zero_centered, residual_dtype)
+    return outputs[0], rstd, *outputs[1:]
 
 
 def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
@@ -186,6 +180,7 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tens
                       config: BackwardConfig | dict | str | None = None):
     """(dx, dw) of RMSNorm from the forward's x (or y, `from_output=True`) and rstd; dw None without a weight.
     Residual form: pass h where x goes and `grad_residual`; dx is then h's whole gradient (as layer_norm_backward)."""
-    dx, dw, _ = _backward(grad, x, weight, None, rstd, None, True, zero_centered, from_output, config,
-                          grad_residual)
+    form, grads_out = _grads_form(grad_residual)
+    dx, dw, _ = _backward(form, grad, x, grads_out, weight, None, rstd, None, True, zero_centered, from_output,
+                          config)
     return dx, dw

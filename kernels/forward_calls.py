@@ -12,10 +12,10 @@ finite float; anything else takes the checked path). Inputs whose rows need a co
 not contiguous, leading dims that cannot be flattened in place) get no plan, nor do calls whose weight or bias is
 not contiguous (the call copies it; a plan would launch on the strided tensor).
 
-Residual calls (`residual.py`) are planned alike (`residual_signature`, `remember_residual`, `run_residual`): their
-signature adds the residual's shape, strides, dtype, device and alignment, `residual_dtype` as passed and the save
-mode, and both x and the residual must be read in place. Their outputs y and h are allocated in x's shape, on the
-checked path as on the planned one, so that both save tensors of the same shapes for the backward.
+Every form (`forms.py`) is planned alike (`form_signature`, `remember`, `run`): the residual form's signature adds
+the residual's shape, strides, dtype, device and alignment, `residual_dtype` as passed and the save mode, and both
+x and the residual must be read in place. Its outputs y and h are allocated in x's shape, on the checked path as on
+the planned one, so that both save tensors of the same shapes for the backward.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from torch import Tensor
 
 from . import forward as _forward
 from .device import use_triton
+from .forms import PLAIN, Form
 from .launcher import data_ptr
 
 _PLANS: dict[tuple, tuple] = {}
 MAX_PLANS = 4096
 
 _ABSENT = (None,)
-_RESIDUAL = "residual"  # marks a residual call's signature
 
 
 def _operand(t) -> tuple:
@@ -56,19 +56,22 @@ def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mea
         return None
 
 
-def residual_signature(x, residual, weight, bias, eps, residual_dtype, is_rms: bool, zero_centered: bool,
-                       save_output: bool) -> tuple | None:
-    """The signature of a residual call (`signature` plus the residual's shape, strides, dtype, device and
-    alignment, `residual_dtype` as passed and the save mode), or None where it cannot have a plan (as `signature`;
-    also a residual that is not a plain tensor, a `residual_dtype` that is not None, a torch.dtype or a str)."""
-    if type(residual) is not Tensor or not (residual_dtype is None or type(residual_dtype) in (torch.dtype, str)):
-        return None
+def form_signature(form: Form, x, extras: tuple, weight, bias, eps, stream_dtype, is_rms: bool,
+                   zero_centered: bool, save_output: bool) -> tuple | None:
+    """The signature of a call of `form`: the plain `signature`, and for a form with tensors of its own, the form's
+    name, each such tensor's shape, strides, dtype, device and alignment, the stream dtype as passed and the save
+    mode. None where the call cannot have a plan (as `signature`; also a form's tensor that is not a plain tensor,
+    a stream dtype that is not None, a torch.dtype or a str)."""
     sig = signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms and not save_output)
-    if sig is None:
+    if sig is None or form is PLAIN:
+        return sig
+    if any(type(t) is not Tensor for t in extras) or not (stream_dtype is None
+                                                          or type(stream_dtype) in (torch.dtype, str)):
         return None
     try:
-        return sig + (_RESIDUAL, residual.shape, residual.stride(), residual.dtype, residual.device,
-                      data_ptr(residual) & 15, residual_dtype, save_output)
+        return sig + (form.name,) + tuple(part for t in extras for part in (t.shape, t.stride(), t.dtype, t.device,
+                                                                            data_ptr(t) & 15)) \
+            + (stream_dtype, save_output)
     except RuntimeError:
         return None
 
@@ -78,12 +81,17 @@ def lookup(sig: tuple | None) -> tuple | None:
     return _PLANS.get(sig) if sig is not None else None
 
 
-def remember(sig: tuple | None, x: Tensor, x2d: Tensor, weight, bias, is_rms: bool, zero_centered: bool,
-             store_mean: bool) -> None:
-    """Store the plan of a call that passed every check (x2d: x as rows, as the call launched it)."""
+def remember(sig: tuple | None, form: Form, x: Tensor, x2d: Tensor, extras: tuple, extras2d: tuple, weight, bias,
+             stream_dtype, is_rms: bool, zero_centered: bool, save_output: bool) -> None:
+    """Store the plan of a call that passed every check (x2d, extras2d: the rows it launched on)."""
     if sig is None or not use_triton(x):
         return
-    plan = _forward.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+    store_mean = not is_rms and not save_output
+    if form is PLAIN:
+        plan = _forward.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+    else:
+        plan = _forward.residual_call_plan(x, x2d, extras[0], extras2d[0], weight, bias, stream_dtype, is_rms,
+                                           zero_centered, store_mean)
     if plan is None:
         return
     if len(_PLANS) >= MAX_PLANS:  # e.g. a new row count every step: start over rather than grow
@@ -91,28 +99,14 @@ def remember(sig: tuple | None, x: Tensor, x2d: Tensor, weight, bias, is_rms: bo
     _PLANS[sig] = plan
 
 
-def remember_residual(sig: tuple | None, x: Tensor, x2d: Tensor, residual: Tensor, residual2d: Tensor, weight,
-                      bias, h_dtype: torch.dtype, is_rms: bool, zero_centered: bool, save_output: bool) -> None:
-    """`remember` for a residual call that passed every check (x2d, residual2d: the rows it launched on)."""
-    if sig is None or not use_triton(x):
-        return
-    plan = _forward.residual_call_plan(x, x2d, residual, residual2d, weight, bias, h_dtype, is_rms, zero_centered,
-                                       not is_rms and not save_output)
-    if plan is None:
-        return
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[sig] = plan
-
-
-def run(plan: tuple, x: Tensor, weight, bias, eps: float):
-    """(y, rstd, mean) of a planned call: y shaped like x; mean None unless the plan stores it."""
-    return _forward.run_plan(plan, x, weight, bias, eps, x.device)
-
-
-def run_residual(plan: tuple, x: Tensor, residual: Tensor, weight, bias, eps: float):
-    """(y, h, rstd, mean) of a planned residual call: y and h shaped like x; mean None unless the plan stores it."""
-    return _forward.run_residual_plan(plan, x, residual, weight, bias, eps, x.device)
+def run(plan: tuple, form: Form, x: Tensor, extras: tuple, weight, bias, eps: float):
+    """(outputs, rstd, mean) of a planned call: outputs = (y, *the form's outputs), shaped like x; mean None unless
+    the plan stores it."""
+    if form is PLAIN:
+        y, rstd, mean = _forward.run_plan(plan, x, weight, bias, eps, x.device)
+        return (y,), rstd, mean
+    y, h, rstd, mean = _forward.run_residual_plan(plan, x, extras[0], weight, bias, eps, x.device)
+    return (y, h), rstd, mean
 
 
 def clear() -> None:

@@ -25,41 +25,66 @@ import torch
 from torch import Tensor
 
 from . import composite, forward_calls
-from .call_checks import check_inputs, check_options, dtype_eps, explicit_backward, output_recovers, rows_2d
-from .call_checks import rows_view
+from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, output_recovers
+from .call_checks import rows_2d, rows_view, stream_eps
 from .config import BackwardConfig
-from .ops import contiguous_operand, eager_norm, norm_forward
-from .residual import fused_add_norm, stream_eps
+from .forms import PLAIN, RESIDUAL, Form
+from .ops import contiguous_operand, eager_norm
 
 
-def _norm(x, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config) -> Tensor:
+def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config,
+          stream_dtype=None):
+    """y, or (y, *the form's outputs), of a call of `form` (`forms.py`) on x and the form's tensors `extras`,
+    whatever the form: checked (`call_checks`) unless a call with the same signature passed the checks before
+    (`forward_calls`: then that call's plan runs), traced as the form's custom op under torch.compile, else run
+    through `ops.EagerNorm`. save="output" where y would not determine x̂ as precisely as the rows normalized do
+    (saving.py's rule) saves those rows instead; under torch.compile the custom op raises."""
     compiling = torch.compiler.is_compiling()
     # under torch.func's transforms the composite runs, which saves nothing of its own (and the wrapped weights
     # have no memory to read back)
     if save == "output" and not compiling and not composite.transforms_active() \
             and not output_recovers(x, weight, bias, zero_centered):
-        save = "input"  # y would not determine x̂ as precisely as x does (saving.py's rule): save x for this call
-    store_mean = not is_rms and save == "input"
+        save = "input"
+    save_output = save == "output"
     sig = None
-    if config is None and not compiling and (save == "input" or save == "output"):
-        sig = forward_calls.signature(x, weight, bias, eps, is_rms, zero_centered, store_mean)
+    if config is None and not compiling and (save == "input" or save_output):
+        sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered,
+                                           save_output)
         plan = forward_calls.lookup(sig)
         if plan is not None:  # inputs like an earlier call's, which passed the checks
-            return eager_norm(x, weight, bias, eps, is_rms, zero_centered, save == "output", "", plan)
+            return eager_norm(form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output, "", None, plan)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)
-    x2d = rows_2d(x)
-    backward = explicit_backward(config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save)
+    stream = check_form(form, x, extras, stream_dtype)
+    x2d = rows_2d(x) if not form.inputs or compiling or config is not None else None
+    backward = "" if config is None else explicit_backward(
+        config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save, residual_dtype=stream)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
+    args = (float(eps), is_rms, zero_centered, save_output)
     if compiling:
-        y, _, _ = norm_forward(x2d, w, b, float(eps), is_rms, zero_centered, save == "output", backward)
-    else:
-        # x itself where its rows are a view of it, as a planned call passes it: both save the same shapes
-        y = eager_norm(x if rows_view(x, x2d) else x2d, w, b, float(eps), is_rms, zero_centered, save == "output",
-                       backward)
-        if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
-            forward_calls.remember(sig, x, x2d, weight, bias, is_rms, zero_centered, store_mean)
-    return y if y.shape == x.shape else y.view(x.shape)
+        streams = (stream,) * len(form.outputs)
+        traced = getattr(torch.ops.normtune, form.op + "_forward").default  # the form's op (`ops.define_ops`)
+        outputs = [t if t.shape == x.shape else t.view(x.shape)
+                   for t in traced(x2d, *(rows_2d(t) for t in extras), w, b, *args, *streams, backward)[:-2]]
+        return tuple(outputs) if form.outputs else outputs[0]
+    if w is not weight or b is not bias:  # a copied operand gets no plan: the plan would read the strided one
+        sig = None
+    if not form.inputs:
+        # x itself where its rows are a view of it, as a planned call passes it: both save the same shapes (rows
+        # that are a copy get no plan)
+        view = rows_view(x, x2d)
+        y = eager_norm(form, x if view else x2d, extras, w, b, *args, backward, stream, None, sig if view else None)
+        return y if y.shape == x.shape else y.view(x.shape)
+    return eager_norm(form, x, extras, w, b, *args, backward, stream, None, sig)
+
+
+def _form(residual, residual_dtype) -> tuple[Form, tuple]:
+    """The form of a public call and its tensors of its own, from its keyword arguments."""
+    if residual is not None:
+        return RESIDUAL, (residual,)
+    if residual_dtype is not None:
+        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
+    return PLAIN, ()
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
@@ -78,12 +103,9 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     saves x instead; under torch.compile, where the weights cannot be read while tracing, it raises instead.
     config: a `BackwardConfig` (or its dict/JSON) forcing the backward launch; None picks one for the GPU.
     """
-    if residual is not None:
-        return fused_add_norm(x, residual, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save,
-                              config=config, residual_dtype=residual_dtype)
-    if residual_dtype is not None:
-        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
-    return _norm(x, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save, config=config)
+    form, extras = _form(residual, residual_dtype)
+    return _norm(form, x, extras, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save,
+                 config=config, stream_dtype=residual_dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *, residual: Tensor | None = None,
@@ -94,9 +116,6 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, 
     residual h's (the residual stream's, `residual_dtype`)."""
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
-    if residual is not None:
-        return fused_add_norm(x, residual, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
-                              config=config, residual_dtype=residual_dtype)
-    if residual_dtype is not None:
-        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
-    return _norm(x, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save, config=config)
+    form, extras = _form(residual, residual_dtype)
+    return _norm(form, x, extras, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
+                 config=config, stream_dtype=residual_dtype)

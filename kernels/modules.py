@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import check_options, layer_norm, rms_norm
-from .residual import stream_eps
+from .call_checks import stream_eps
 
 
 def _is_int(d) -> bool:

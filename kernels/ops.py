@@ -1,29 +1,30 @@
-"""torch.library custom ops and their autograd: `normtune::norm_forward` and `normtune::norm_backward`.
+"""torch.library custom ops and the autograd Function, one definition for every form (`forms.py`):
+`normtune::norm_forward` / `normtune::norm_backward` (the plain norm) and `normtune::norm_residual_forward` /
+`normtune::norm_residual_backward` (the fused residual form: h = x + residual, y = norm(h); the backward's d is
+h's whole gradient, dh + the norm's grad_input, the gradient of both x and residual).
 
 Registered ops (with fake implementations) let `torch.compile(fullgraph=True)` trace through normtune without
 looking inside the Triton launches. Inputs here are already checked 2-D views (rows may be strided, the last
 dimension is contiguous); `functional.py` does the checking and reshaping. Launch logic lives in `forward.py`
-and `backward.py`; this module only dispatches between the Triton kernels and the pure-PyTorch path.
+and `backward/`; this module only dispatches between the Triton kernels and the pure-PyTorch path. The backward
+saves the rows normalized (x, or the form's stream h; save="input") or y (save="output"), with rstd and mean.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import backward as _backward
 from . import composite
 from . import forward as _forward
 from . import forward_calls
 from . import reference
 from . import saving
-from .config import BackwardConfig, Problem
-from .device import compute_capability, device_limits, device_name, use_triton
-from .select import on_clear, resolve_config
+from .backward_calls import backward_impl
+from .device import use_triton
+from .forms import FORMS, PLAIN, RESIDUAL, Form
 
 
 def empty_placeholder(like: Tensor) -> Tensor:
@@ -36,206 +37,265 @@ def contiguous_operand(t: Optional[Tensor]) -> Optional[Tensor]:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
-@functools.lru_cache(maxsize=4096)
-def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output,
-             residual_dtype=None) -> Problem:
-    """Built (and validated) once per shape and flags (`resolved`); `residual_dtype`: dh's dtype in the residual
-    form (None: no residual)."""
-    return Problem(norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=dtype, weight_dtype=weight_dtype,
-                   has_weight=has_weight, has_bias=has_bias, zero_centered=zero_centered,
-                   save="output" if save_output else "input", residual=residual_dtype is not None,
-                   residual_dtype=residual_dtype)
+def rows_2d(t: Tensor) -> Tensor:
+    """`t` as rows of its last dimension: a view where the rows allow one, the last dimension made contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
-@torch.library.custom_op("normtune::norm_forward", mutates_args=())
-def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, is_rms: bool,
-                 zero_centered: bool, save_output: bool, config: str) -> tuple[Tensor, Tensor, Tensor]:
-    """y, rstd (fp32) and mean (fp32; empty unless LayerNorm saves from the input). `config` is carried to the
-    backward (JSON text, "" for automatic selection)."""
-    weight, bias = contiguous_operand(weight), contiguous_operand(bias)
-    if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
-        raise RuntimeError(saving.refusal("save='output' under torch.compile (normtune::norm_forward)"))
-    y, rstd, mean = forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output)
-    return y, rstd, mean if mean is not None else empty_placeholder(rstd)
-
-
-def forward_impl(x, weight, bias, eps, is_rms, zero_centered, save_output):
-    """(y, rstd, mean); mean is None unless LayerNorm saves from the input (and off the Triton path, a tensor)."""
+# Each form's math (`forms.py`): its forward, what its backward's d gives back to its inputs, and its composite.
+def forward_impl(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output, stream_dtype=None,
+                 outs=None):
+    """(outputs, rstd, mean) of `form` on rows: outputs = (y, *the form's outputs); mean None unless LayerNorm
+    saves from the input (off the Triton path, a tensor). `outs`: rows to write the outputs to (None: allocated
+    here)."""
     store_mean = not is_rms and not save_output
-    impl = _forward.forward if use_triton(x) else reference.forward
-    return impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
+    if form is PLAIN:
+        impl = _forward.forward if use_triton(x) else reference.forward
+        y, rstd, mean = impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
+        return (y,), rstd, mean
+    if form is not RESIDUAL:
+        raise ValueError(f"form {form!r} has no forward: use one of forms.FORMS")
+    (residual,) = extras
+    y, h = outs if outs is not None else (None, None)
+    if use_triton(x):
+        y, h, rstd, mean = _forward.forward_residual(x, residual, weight, bias, eps, h_dtype=stream_dtype,
+                                                     is_rms=is_rms, zero_centered=zero_centered,
+                                                     store_mean=store_mean, y=y, h=h)
+        return (y, h), rstd, mean
+    y_ref, h_ref, rstd, mean = reference.forward_residual(x, residual, weight, bias, eps, h_dtype=stream_dtype,
+                                                          is_rms=is_rms, zero_centered=zero_centered,
+                                                          store_mean=store_mean)
+    return ((y_ref, h_ref) if y is None else (y.copy_(y_ref), h.copy_(h_ref))), rstd, mean
 
 
-@norm_forward.register_fake
-def _(x, weight, bias, eps, is_rms, zero_centered, save_output, config):
-    M = x.shape[0]
-    store_mean = not is_rms and not save_output
-    return (x.new_empty(x.shape), x.new_empty((M,), dtype=torch.float32),
-            x.new_empty((M if store_mean else 0,), dtype=torch.float32))
+def input_grads(form: Form, d: Tensor, input_dtypes: tuple) -> tuple:
+    """The gradients of x and the form's inputs from the backward's d, the gradient of the rows normalized (x, or
+    the residual form's h, which is both x's and the residual's: cast only where their dtype differs)."""
+    if form is PLAIN:
+        return (d,)
+    return tuple(d if d.dtype == dtype else d.to(dtype) for dtype in input_dtypes)
 
 
-@torch.library.custom_op("normtune::norm_backward", mutates_args=())
-def norm_backward(grad: Tensor, saved: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], rstd: Tensor,
-                  mean: Tensor, is_rms: bool, zero_centered: bool, save_output: bool,
-                  config: str) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dw, db); dw/db are empty tensors where there is no weight/bias."""
-    if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
-        raise RuntimeError(saving.refusal("normtune::norm_backward from the output"))
-    dx, dw, db = backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean, is_rms,
-                                zero_centered, save_output, config)
-    return dx, dw if dw is not None else empty_placeholder(grad), db if db is not None else empty_placeholder(grad)
+def _composite_forward(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered, stream_dtype, plan):
+    """The form's forward as differentiable PyTorch ops (under torch.func's transforms)."""
+    if form is PLAIN:
+        return composite.forward(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered)
+    if stream_dtype is None:  # a planned call: the plan's
+        stream_dtype = _forward.residual_plan_h_dtype(plan)
+    return composite.forward_residual(x, extras[0], weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
+                                      h_dtype=stream_dtype)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class BackwardCall:
-    """A backward call resolved: its problem, the config that runs it (validated for the problem on the device;
-    None off the Triton path, where the reference backward runs) and the launch plans made for it (by row
-    strides, `BackwardLaunch`'s memo). One per signature (`resolved`); an eager call with an explicit config
-    carries its own from the forward to the backward, where the custom ops carry the config's JSON text."""
-
-    problem: Problem
-    config: Optional[BackwardConfig]
-    plans: dict
-
-
-# (rows, width, dtypes, flags, config (JSON text, "" to select, or a BackwardConfig), device) of a backward call
-# → its `BackwardCall`. A call's config is resolved (selected or validated) once per key: the per-call host path
-# is then a dict lookup.
-_RESOLVED: dict[tuple, BackwardCall] = {}
-MAX_RESOLVED = 4096
+def _composite_backward(grad_y, grads_out, saved, weight, bias, eps, is_rms, zero_centered, save_output,
+                        stream_dtypes):
+    """(d, dw, db) as differentiable PyTorch ops (create_graph=True): d adds the stream's gradient, if any."""
+    if not grads_out:
+        return composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
+                                  save_output=save_output)
+    dxn, dw, db = composite.backward(grad_y.float(), saved, weight, bias, eps, is_rms=is_rms,
+                                     zero_centered=zero_centered, save_output=save_output)
+    return (grads_out[0].float() + dxn).to(stream_dtypes[0]), dw, db
 
 
-def resolved(rows: Tensor, M: int, N: int, weight, bias, is_rms, zero_centered, save_output, config,
-             residual_dtype=None) -> BackwardCall:
-    """The `BackwardCall` of a backward on M x N gradient rows with `rows`' dtype and device (the gradient, or
-    the forward's input rows, which have its dtype): `config` is JSON text ("" selects one) or a
-    `BackwardConfig`. An explicit config that does not fit raises `ConfigError` naming the field."""
-    index = rows.get_device()  # -1 on CPU, where the interpreter setting decides the path
-    key = (M, N, rows.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
-           zero_centered, save_output, config, index if index >= 0 else use_triton(rows), residual_dtype)
-    hit = _RESOLVED.get(key)
-    if hit is None:
-        problem = _problem(M, N, rows.dtype, weight.dtype if weight is not None else None, weight is not None,
-                           bias is not None, is_rms, zero_centered, save_output, residual_dtype)
-        if use_triton(rows):
-            cfg = resolve_config(problem, config, device_name(rows.device), compute_capability(rows.device),
-                                 device_limits(rows.device) if rows.is_cuda else None)
-        else:
-            cfg = None
-            if config:
-                resolve_config(problem, config, None)  # an explicit config is checked on every path
-        if len(_RESOLVED) >= MAX_RESOLVED:  # e.g. a new row count every step: start over rather than grow
-            _RESOLVED.clear()
-        hit = _RESOLVED[key] = BackwardCall(problem, cfg, {})
-    return hit
-
-
-def clear_resolved() -> None:
-    """Forget resolved calls (`select.clear_caches` calls this when tables or settings change)."""
-    _RESOLVED.clear()
-
-
-on_clear(clear_resolved)
-
-
-def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
-    """(dx, dw, db), dw/db None where there is no weight/bias. `config`: JSON text ("" selects one), or the
-    `BackwardCall` an explicit config resolved to for these rows (`call_checks.explicit_backward`). `dh`: the
-    residual stream's gradient rows (the residual form), added into dx, which then has dh's dtype."""
-    if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
-        grad = grad.contiguous()
-    if dh is not None and dh.stride(-1) != 1:
-        dh = dh.contiguous()
-    if type(config) is BackwardCall:
-        call = config
+# One backward for the custom ops and the Function, whatever the form.
+def _gradients(form: Form, flags: tuple, saved_tensors, grad_y, grads_out, run) -> tuple:
+    """(grads of x and the form's inputs, dw, db) of a backward, or None where y got no gradient (then the
+    stream's gradient passes through as `_passed_through`). `run(grad_y, grads_out, saved, weight, bias, rstd,
+    mean)` runs the kernels' backward, giving (d, dw, db)."""
+    is_rms, zero_centered, save_output, config, eps, input_dtypes, stream_dtypes = flags
+    saved, weight, bias, rstd, mean = saved_tensors
+    if form.outputs:  # an output that got no gradient counts as a zero one
+        if grad_y is None:
+            grad_y = torch.zeros(saved.shape, dtype=input_dtypes[0], device=saved.device)
+        grads_out = tuple(torch.zeros(saved.shape, dtype=dtype, device=saved.device) if g is None else g
+                          for g, dtype in zip(grads_out, stream_dtypes))
+    if composite.needs_graph(grad_y, *grads_out, saved, weight, bias):  # create_graph=True: differentiable
+        d, dw, db = _composite_backward(grad_y, grads_out, saved, weight, bias, eps, is_rms, zero_centered,
+                                        save_output, stream_dtypes)
     else:
-        M, N = grad.shape
-        call = resolved(grad, M, N, weight, bias, is_rms, zero_centered, save_output, config,
-                        None if dh is None else dh.dtype)
-    if call.config is not None:
-        return _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, bias, rstd, mean,
-                                        plans=call.plans, dh=dh).run()
-    return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
-                              from_output=save_output, dh=dh)
+        d, dw, db = run(grad_y, grads_out, saved, weight, bias, rstd, mean)
+    return input_grads(form, d, input_dtypes), dw if weight is not None else None, db if bias is not None else None
 
 
-@norm_backward.register_fake
-def _(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config):
-    dx = grad.new_empty(grad.shape)
-    dw = weight.new_empty(weight.shape) if weight is not None else grad.new_empty((0,))
-    db = bias.new_empty(bias.shape) if bias is not None else grad.new_empty((0,))
-    return dx, dw, db
+def _passed_through(form: Form, flags: tuple, grads_out) -> tuple | None:
+    """The input gradients where y got none: the stream's own (all None where it got none too), read from no
+    saved tensor (the stream may have been changed in place since the forward: its norm was never used). None for
+    a form without a stream (its backward runs only where y got a gradient)."""
+    if not form.outputs:
+        return None
+    if grads_out[0] is None:
+        return (None,) * (1 + len(form.inputs))
+    return input_grads(form, grads_out[0], flags[5])
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, eps, is_rms, zero_centered, save_output, config = inputs
-    y, rstd, mean = output
-    ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
-    ctx.flags = (is_rms, zero_centered, save_output, config, eps)
-    ctx.mark_non_differentiable(rstd, mean)
+def _flags(is_rms, zero_centered, save_output, config, eps, x, extras, stream_dtypes) -> tuple:
+    return (is_rms, zero_centered, save_output, config, eps, (x.dtype, *(e.dtype for e in extras)),
+            tuple(stream_dtypes))
 
 
-def _autograd_backward(ctx, grad_y, _grad_rstd, _grad_mean):
-    saved, weight, bias, rstd, mean = ctx.saved_tensors
-    is_rms, zero_centered, save_output, config, eps = ctx.flags
-    if composite.needs_graph(grad_y, saved, weight, bias):  # create_graph=True: a differentiable backward
-        dx, dw, db = composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
-                                        save_output=save_output)
-    else:
-        dx, dw, db = norm_backward(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
-                                   config)
-    return (dx, dw if weight is not None else None, db if bias is not None else None,
-            None, None, None, None, None)
+# The custom ops: normtune::<form.op>_forward and _backward for each form, one definition.
+def _schemas(form: Form) -> tuple[str, str]:
+    """The forward's and the backward's schema (the names and argument order users' graphs hold)."""
+    extras = "".join(f"Tensor {name}, " for name in form.inputs)
+    dtypes = "".join(f"ScalarType {name}_dtype, " for name in form.outputs)
+    grads = "".join(f"Tensor grad_{name}, " for name in form.outputs)
+    flags = "bool is_rms, bool zero_centered, bool save_output"
+    returns = ", ".join(["Tensor"] * (3 + len(form.outputs)))
+    return (f"(Tensor x, {extras}Tensor? weight, Tensor? bias, float eps, {flags}, {dtypes}str config) -> "
+            f"({returns})",
+            f"(Tensor grad, {grads}Tensor saved, Tensor? weight, Tensor? bias, Tensor rstd, Tensor mean, {flags}, "
+            "str config) -> (Tensor, Tensor, Tensor)")
 
 
-norm_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+def define_ops(form: Form):
+    """Register the form's custom ops (with fake implementations and autograd); returns (forward, backward)."""
+    k, o = len(form.inputs), len(form.outputs)
+    forward_schema, backward_schema = _schemas(form)
+    forward_name, backward_name = f"normtune::{form.op}_forward", f"normtune::{form.op}_backward"
+
+    def forward_op(x, *args):
+        extras, (weight, bias, eps, is_rms, zero_centered, save_output), dtypes = args[:k], args[k:k + 6], args[k + 6:-1]
+        weight, bias = contiguous_operand(weight), contiguous_operand(bias)
+        if save_output and not saving.recovers(weight, bias, x.dtype, zero_centered):
+            raise RuntimeError(saving.refusal(f"save='output' under torch.compile ({forward_name})"))
+        outputs, rstd, mean = forward_impl(form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output,
+                                           dtypes[0] if dtypes else None)
+        return (*outputs, rstd, mean if mean is not None else empty_placeholder(rstd))
+
+    def forward_fake(x, *args):
+        is_rms, save_output, dtypes = args[k + 3], args[k + 5], args[k + 6:-1]
+        M = x.shape[0]
+        store_mean = not is_rms and not save_output
+        return (x.new_empty(x.shape), *(x.new_empty(x.shape, dtype=dtype) for dtype in dtypes),
+                x.new_empty((M,), dtype=torch.float32), x.new_empty((M if store_mean else 0,), dtype=torch.float32))
+
+    def backward_op(grad, *args):
+        grads_out, (saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config) = args[:o], args[o:]
+        if save_output and not saving.recovers(weight, bias, grad.dtype, zero_centered):
+            raise RuntimeError(saving.refusal(f"{backward_name} from the output"))
+        d, dw, db = backward_impl(grad, saved, contiguous_operand(weight), contiguous_operand(bias), rstd, mean,
+                                  is_rms, zero_centered, save_output, config, grads_out[0] if o else None)
+        return d, dw if dw is not None else empty_placeholder(grad), db if db is not None else empty_placeholder(grad)
+
+    def backward_fake(grad, *args):
+        grads_out, weight, bias = args[:o], args[o + 1], args[o + 2]
+        d = (grads_out[0] if o else grad).new_empty(grad.shape)
+        dw = weight.new_empty(weight.shape) if weight is not None else grad.new_empty((0,))
+        db = bias.new_empty(bias.shape) if bias is not None else grad.new_empty((0,))
+        return d, dw, db
+
+    forward = torch.library.custom_op(forward_name, forward_op, mutates_args=(), schema=forward_schema)
+    backward = torch.library.custom_op(backward_name, backward_op, mutates_args=(), schema=backward_schema)
+    forward.register_fake(forward_fake)
+    backward.register_fake(backward_fake)
+
+    def setup_context(ctx, inputs, output):
+        x, extras, (weight, bias, eps, is_rms, zero_centered, save_output) = inputs[0], inputs[1:k + 1], \
+            inputs[k + 1:k + 7]
+        ctx.save_for_backward(output[0] if save_output else (output[1] if o else x), weight, bias, *output[-2:])
+        ctx.flags = _flags(is_rms, zero_centered, save_output, inputs[-1], eps, x, extras, inputs[k + 7:-1])
+        ctx.mark_non_differentiable(*output[-2:])
+
+    def autograd_backward(ctx, grad_y, *grads):
+        grads_out = grads[:o]
+        tail = (None,) * (5 + o)  # eps, the flags, the stream dtypes and config
+        if grad_y is None and o:  # y unused: the stream's gradient passes through, the parameters get none
+            return (*_passed_through(form, ctx.flags, grads_out), None, None, *tail)
+        flags = ctx.flags
+
+        def run(g, gs, saved, weight, bias, rstd, mean):
+            return backward(g, *gs, saved, weight, bias, rstd, mean, *flags[:4])
+
+        grads_in, dw, db = _gradients(form, flags, ctx.saved_tensors, grad_y, grads_out, run)
+        return (*grads_in, dw, db, *tail)
+
+    forward.register_autograd(autograd_backward, setup_context=setup_context)
+    return forward, backward
 
 
+# Each form's (forward, backward) custom ops, registered once.
+OPS = {form: define_ops(form) for form in FORMS}
+norm_forward, norm_backward = OPS[PLAIN]
+norm_residual_forward, norm_residual_backward = OPS[RESIDUAL]
+
+
+# Eager calls: one autograd.Function for every form.
 class EagerNorm(torch.autograd.Function):
-    """The same forward/backward as the custom ops, for eager calls: a plain autograd.Function skips the custom
+    """The custom ops' forward and backward for eager calls, any form: a plain autograd.Function skips the custom
     ops' dispatch layers (their host cost is paid on every layer of every step). torch.compile traces the custom
-    ops instead (`functional.py` picks). Its one output is y: rstd and mean are saved, never returned, which
-    spares autograd the bookkeeping of two more outputs on every call. `config` is what `backward_impl` takes:
-    "" (selected), or the `BackwardCall` of an explicit config, validated once per signature."""
+    ops instead (`functional.py` picks). It returns y, or (y, *the form's outputs) in x's shape; rstd and mean are
+    saved, never returned, which spares autograd the bookkeeping of two more outputs on every call. `config` is
+    what `backward_impl` takes: "" (selected), or the `BackwardCall` of an explicit config, validated once per
+    signature. An output of several that gets no gradient counts as a zero one. Under create_graph=True the
+    backward runs the differentiable composite (`composite.py`) on the rows normalized (save="output" raises).
+
+    x (and the form's inputs) come as the caller passed them (checked): x's rows where they are a view of it, else
+    its rows as a copy. A call with a `forward_calls` plan launches on them in place (stream_dtype None: the
+    plan's); a checked call takes their rows and, given the call's signature `sig`, stores the plan for later
+    calls. Both save tensors of the same shapes (activation checkpointing's recompute compares them with the
+    forward's, and one may be a first call, the other a planned one)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None):
-        """x: rows (2-D), or x as the caller passed it where its rows are a view of it (y then has x's shape).
-        A call with a `forward_calls` plan passes x as the caller did; so does the checked call before it, so that
-        both save tensors of the same shapes (activation checkpointing's recompute compares them with the
-        forward's, and one may be a first call, the other a planned one)."""
-        if plan is None:
-            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            y, rstd, mean = forward_impl(rows, weight, bias, eps, is_rms, zero_centered, save_output)
+    def forward(ctx, form, eps, is_rms, zero_centered, save_output, config, stream_dtype, plan, sig, x, weight,
+                bias, *extras):
+        if plan is not None:
+            outputs, rstd, mean = forward_calls.run(plan, form, x, extras, weight, bias, eps)
+        elif not form.outputs:
+            rows = rows_2d(x)
+            outputs, rstd, mean = forward_impl(form, rows, extras, weight, bias, eps, is_rms, zero_centered,
+                                               save_output)
             if rows is not x:
-                y = y.view(x.shape)
+                outputs = (outputs[0].view(x.shape),)
+            if sig is not None:
+                forward_calls.remember(sig, form, x, rows, extras, (), weight, bias, None, is_rms, zero_centered,
+                                       save_output)
         else:
-            y, rstd, mean = forward_calls.run(plan, x, weight, bias, eps)
-        ctx.save_for_backward(y if save_output else x, weight, bias, rstd, mean)
-        ctx.flags = (is_rms, zero_centered, save_output, config, eps)
-        return y
+            rows, extra_rows = rows_2d(x), tuple(rows_2d(e) for e in extras)
+            # outputs allocated in x's shape, not views of rows: autograd refuses in-place changes of an output
+            # that is a view when a Function returns several
+            outputs = tuple(torch.empty(x.shape, dtype=dtype, device=x.device)
+                            for dtype in (x.dtype,) + (stream_dtype,) * len(form.outputs))
+            _, rstd, mean = forward_impl(form, rows, extra_rows, weight, bias, eps, is_rms, zero_centered,
+                                         save_output, stream_dtype, tuple(t.view(rows.shape) for t in outputs))
+            if sig is not None:
+                forward_calls.remember(sig, form, x, rows, extras, extra_rows, weight, bias, stream_dtype, is_rms,
+                                       zero_centered, save_output)
+        ctx.save_for_backward(outputs[0] if save_output else (outputs[1] if form.outputs else x), weight, bias,
+                              rstd, mean)
+        ctx.form = form
+        ctx.flags = _flags(is_rms, zero_centered, save_output, config, eps, x, extras,
+                           (t.dtype for t in outputs[1:]))
+        if form.outputs:
+            ctx.set_materialize_grads(False)
+            return outputs
+        return outputs[0]
 
     @staticmethod
-    def backward(ctx, grad_y):
-        saved, weight, bias, rstd, mean = ctx.saved_tensors
-        is_rms, zero_centered, save_output, config, eps = ctx.flags
-        if composite.needs_graph(grad_y, saved, weight, bias):  # create_graph=True: a differentiable backward
-            dx, dw, db = composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms,
-                                            zero_centered=zero_centered, save_output=save_output)
-            return dx, dw, db, None, None, None, None, None, None
-        shape = grad_y.shape
-        if len(shape) != 2:  # the forward took x with its leading dims: the kernels take rows
-            grad_y, saved = grad_y.reshape(-1, shape[-1]), saved.reshape(-1, shape[-1])
-        dx, dw, db = backward_impl(grad_y, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output,
-                                    config)
-        return (dx if len(shape) == 2 else dx.view(shape), dw if weight is not None else None,
-                db if bias is not None else None, None, None, None, None, None, None)
+    def backward(ctx, grad_y, *grads_out):
+        form, flags = ctx.form, ctx.flags
+        head = (None,) * 9  # form, eps, the flags, config, stream_dtype, plan, sig
+        if grad_y is None:  # y unused: the stream's gradient passes through, the parameters get none
+            grads_in = _passed_through(form, flags, grads_out)
+            return (*head, grads_in[0], None, None, *grads_in[1:])
+
+        def run(g, gs, saved, weight, bias, rstd, mean):
+            shape = saved.shape
+            if len(shape) != 2:  # the forward took x with its leading dims: the kernels take rows
+                N = shape[-1]
+                g, saved, gs = g.reshape(-1, N), saved.reshape(-1, N), tuple(t.reshape(-1, N) for t in gs)
+            d, dw, db = backward_impl(g, saved, weight, bias, rstd, mean, *flags[:4], gs[0] if gs else None)
+            return (d if len(shape) == 2 else d.view(shape)), dw, db
+
+        grads_in, dw, db = _gradients(form, flags, ctx.saved_tensors, grad_y, grads_out, run)
+        return (*head, grads_in[0], dw, db, *grads_in[1:])
 
 
 def _eager_apply():
-    """`EagerNorm.apply` without its Python wrapper's per-call work (binding default arguments, a generator
-    over all eight arguments): the wrapper's own steps for a Function without transforms, done on the three
-    tensors. None where this torch lacks those entry points (then `EagerNorm.apply` is used)."""
+    """`EagerNorm.apply` without its Python wrapper's per-call work (binding default arguments, a generator over
+    all its arguments): the wrapper's own steps for a Function without transforms, done on the tensors. None
+    where this torch lacks those entry points (then `EagerNorm.apply` is used)."""
     try:
         apply = super(torch.autograd.Function, EagerNorm).apply
         unwrap = torch._C._functorch.unwrap_if_dead
@@ -248,13 +308,17 @@ def _eager_apply():
 _EAGER = _eager_apply()
 
 
-def eager_norm(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan=None) -> Tensor:
-    """y = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`); under torch.func's transforms,
-    the differentiable composite (`composite.forward`), which they can differentiate and batch."""
+def eager_norm(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output, config,
+               stream_dtype=None, plan=None, sig=None):
+    """y, or (y, *the form's outputs), = EagerNorm.apply(...), at less host cost per call (see `_eager_apply`);
+    under torch.func's transforms, the differentiable composite (`composite.py`), which they can differentiate
+    and batch."""
     if _EAGER is None or _EAGER[2]():
         if composite.transforms_active():
-            return composite.forward(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered)
-        return EagerNorm.apply(x, weight, bias, eps, is_rms, zero_centered, save_output, config, plan)
+            return _composite_forward(form, x, extras, weight, bias, eps, is_rms, zero_centered, stream_dtype, plan)
+        return EagerNorm.apply(form, eps, is_rms, zero_centered, save_output, config, stream_dtype, plan, sig, x,
+                               weight, bias, *extras)
     apply, unwrap, _ = _EAGER
-    return apply(unwrap(x), weight if weight is None else unwrap(weight), bias if bias is None else unwrap(bias),
-                 eps, is_rms, zero_centered, save_output, config, plan)
+    return apply(form, eps, is_rms, zero_centered, save_output, config, stream_dtype, plan, sig, unwrap(x),
+                 weight if weight is None else unwrap(weight), bias if bias is None else unwrap(bias),
+                 *(unwrap(e) for e in extras))

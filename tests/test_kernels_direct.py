@@ -81,11 +81,11 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
     """A resolved call remembers its launch plan per (grad, x, dx) row strides, which decide int64 indexing and the
     alignment hint: rows sliced from tensors of other widths (strides 200, 203, 204, 208) each get their own plan and
     compute what contiguous rows compute, and the memo starts over when full."""
-    from normtune.kernels import ops
+    from normtune.kernels import backward_calls
     from normtune.kernels.backward import launch
 
     monkeypatch.setattr(launch, "MAX_PLANS_PER_CALL", 3)
-    ops.clear_resolved()  # only this test's calls: earlier ones may hold memos made under the real limit
+    backward_calls.clear_resolved()  # only this test's calls: earlier ones may hold memos made under the real limit
     inputs = make_norm_inputs((6, N), torch.float32, device, has_bias=True)
     x, w, b, g = inputs["x"], inputs["weight"], inputs["bias"], inputs["grad"]
     _, mean, rstd = layer_norm_forward(x, w, b)
@@ -98,7 +98,7 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
         got = layer_norm_backward(gs, xs, w, b, mean, rstd)
         for out, ref in zip(got, want):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        memos = [call.plans for call in ops._RESOLVED.values() if call.config is not None and call.plans]
+        memos = [call.plans for call in backward_calls._RESOLVED.values() if call.config is not None and call.plans]
     assert memos and all(len(plans) <= 3 for plans in memos)
     assert all(len(key) == 3 for plans in memos for key in plans)
 

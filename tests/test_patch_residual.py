@@ -15,6 +15,7 @@ from torch import nn
 import normtune
 from normtune.kernels import RMSNorm
 from normtune.kernels import forward_calls, patch_residual
+from normtune.kernels.forms import RESIDUAL
 
 from patch_support import TINY, check_same as _check_same, logits_and_grads as _logits_and_grads, \
     tiny_model as _model, token_ids as _ids
@@ -102,7 +103,7 @@ def test_gradient_checkpointing_turns_the_handover_off(plans, device, tolerance,
     forward_calls.clear()  # cold: the checkpointed forward holds the norms' first calls, the recompute planned ones
     if plans == "warm":  # warm: both are planned calls
         _logits_and_grads(model, ids)
-        assert any(len(sig) > 10 and sig[10] == forward_calls._RESIDUAL for sig in forward_calls._PLANS)
+        assert any(len(sig) > 10 and sig[10] == RESIDUAL.name for sig in forward_calls._PLANS)
     for m in (model, reference):
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
         m.train()

@@ -1,4 +1,4 @@
-"""Residual calls planned per signature (`forward_calls.residual_signature`): a repeated `rms_norm`/`layer_norm`
+"""Residual calls planned per signature (`forward_calls.form_signature`): a repeated `rms_norm`/`layer_norm`
 call with `residual=` skips the checks and still computes, bitwise, the y, h and gradients of x, residual, weight
 and bias of the checked first call, in every memory layout, against float64 with every allocation poisoned; a call
 that differs in anything its result depends on gets its own plan; activation checkpointing's recompute saves what
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels import forward_calls, layer_norm, residual, rms_norm, rms_norm_forward
+from normtune.kernels import forward_calls, functional, layer_norm, rms_norm, rms_norm_forward
 
 BF16, FP32 = torch.bfloat16, torch.float32
 N = 37
@@ -111,7 +111,7 @@ def test_planned_residual_calls_match_the_checked_call(norm, save, h_dtype, w_dt
         assert len(forward_calls._PLANS) == int(planned), name
         with monkeypatch.context() as m:
             if planned:
-                m.setattr(residual, "check_inputs", lambda *a, **k: pytest.fail(f"{name}: checked again"))
+                m.setattr(functional, "check_inputs", lambda *a, **k: pytest.fail(f"{name}: checked again"))
             again = _run(norm, x, r, w, b, save, h_dtype, dy, dh)
         for what, got, want in zip(("y", "h", "dx", "dr", "dw", "db"), again, first):
             assert (got is None) == (want is None), (name, what)
@@ -192,7 +192,7 @@ def _variants(base: dict, device) -> dict:
 
 def _selected_config(x, w):
     """The backward config selection picks for the base call, to pass explicitly."""
-    from normtune.kernels.ops import resolved
+    from normtune.kernels.backward_calls import resolved
 
     return resolved(x, x.shape[0], N, w, None, True, False, False, "", x.dtype).config
 
@@ -322,6 +322,6 @@ def test_a_residual_dtype_given_by_name_is_planned(device, monkeypatch):
     base = _base(device)
     first = _outputs(base | {"residual_dtype": "fp32"})
     assert len(forward_calls._PLANS) == 1 and first[1].dtype == FP32
-    monkeypatch.setattr(residual, "check_inputs", lambda *a, **k: pytest.fail("checked again"))
+    monkeypatch.setattr(functional, "check_inputs", lambda *a, **k: pytest.fail("checked again"))
     for got, want in zip(_outputs(base | {"residual_dtype": "fp32"}), first):
         assert torch.equal(got, want)

@@ -134,7 +134,7 @@ def test_planned_inputs_under_a_transform_and_kernels_outside(device):
     _close(got.reshape(1), want.reshape(1))
     xg = x.clone().requires_grad_()
     assert type(rms_norm(xg, w).grad_fn).__name__ == "EagerNormBackward"
-    assert type(rms_norm(xg, w, residual=r)[0].grad_fn).__name__ == "EagerFusedAddBackward"
+    assert type(rms_norm(xg, w, residual=r)[0].grad_fn).__name__ == "EagerNormBackward"  # one Function, any form
 
 
 def test_functions_without_autograd_name_the_transform(device):

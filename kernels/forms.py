@@ -1,0 +1,41 @@
+"""The forms of a norm call: which tensors it takes beside x, weight and bias, and which it returns beside y.
+
+One public path (`functional._norm`), one custom-op family (`ops.define_ops`), one autograd Function
+(`ops.EagerNorm`) and one direct path (`direct._forward`, `direct._backward`) take a `Form` and run any of them;
+the Triton kernels take it as a compile-time argument (HAS_RESIDUAL). A form is a value, so a new one adds its
+value here, its math (`ops.forward_impl`, `ops.input_grads`, `composite`, `reference`, the kernels) and its checks
+(`call_checks`), not a second set of modules.
+
+    PLAIN     y = norm(x)
+    RESIDUAL  h = x + residual (in the residual stream's dtype), y = norm(h); returns (y, h)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """A norm call's form.
+
+    inputs: the names of the tensors it takes after x, each shaped like x (their gradients come back after x's).
+    outputs: the names of the tensors it returns after y, each shaped like x and in the form's stream dtype (a
+        custom-op argument `<name>_dtype`); the first one is the tensor the norm normalizes (x where there is none).
+    op: the stem of its custom ops' names, `normtune::<op>_forward` and `normtune::<op>_backward` (users see these
+        in traced graphs, so a form's op names never change).
+    """
+
+    name: str
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    op: str = "norm"
+
+    def __repr__(self) -> str:
+        return f"Form({self.name})"
+
+
+PLAIN = Form("plain")
+RESIDUAL = Form("residual", inputs=("residual",), outputs=("h",), op="norm_residual")
+
+FORMS = (PLAIN, RESIDUAL)
