@@ -26,7 +26,7 @@ def num(x: float | None, digits: int = 1) -> str:
 
 
 def ratio(numerator: float | None, denominator: float | None, digits: int = 2) -> str:
-    """'1.23×', or MISSING when either side is missing or zero."""
+    """numerator / denominator with `digits` decimals and a times sign, or MISSING when either side is missing or zero."""
     if not numerator or not denominator:
         return MISSING
     return num(numerator / denominator, digits) + "×"

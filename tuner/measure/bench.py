@@ -39,8 +39,8 @@ from .views import kernel_sum
 
 OURS = "normtune"
 # A timing whose p90 is this many times its p10 was disturbed (another process, a clock change): it is taken
-# once more and the steadier of the two kept, for every implementation alike, with a note saying so. (H100, run
-# 122: one LayerNorm 4096x4096 timing had p10 45.6 µs, median 65.9, p90 411.6; steady runs give 46-47.)
+# once more and the steadier of the two kept, for every implementation alike, with a note saying so (a disturbed
+# timing's median lands far above its steady runs': docs/perf-notes.md, "Why the tuner measures as it does").
 DISTURBED_SPREAD = 1.5
 PDL_NOTE = ("pdl: kernel_2 starts before kernel_1 ends and waits inside its own kernel time; the kernel-sum "
             "view counts the time both run at once only once")

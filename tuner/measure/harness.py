@@ -3,7 +3,7 @@ and `MeasureSession`, the per-device setup (copy bandwidth, L2 flush buffer, spi
 built once and shared by sweep, emit, validate and bench.
 
 Protocol for every timed repetition (ours and peers alike):
-    flush L2 (write a buffer of >= 2x the device's L2) → spin the GPU for a while (so the host has queued every
+    flush L2 (write a buffer of at least twice the device's L2) → spin the GPU for a while (so the host has queued every
     launch of the repetition before the timed region starts: host launch overhead never shows up as device time)
     → event → kernel_1 → event → kernel_2 → event.
 The forward is run once, untimed. Repetitions continue until `min_reps` are done and either `max_reps` or the time
@@ -60,8 +60,7 @@ class Timing:
 # Presets of the commands; every interpreter run uses "interpret" (its figures only need to exist).
 TIMING = {
     "sweep": Timing(warmup=1, max_reps=60, budget_s=0.1),
-    # 11 host rounds: with 5, normtune's and quack's LayerNorm forward (a median 0.92 of quack's on the H100
-    # host) still swapped places at 4 of 15 shapes on the noise of single rounds.
+    # 11 host rounds: with 5, close host-time comparisons still swapped places on the noise of single rounds.
     "bench": Timing(budget_s=0.5, host_reps=11),
     "validate": Timing(max_reps=100, budget_s=0.25),
     "compare": Timing(max_reps=100, budget_s=0.25),

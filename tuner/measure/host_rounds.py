@@ -1,10 +1,9 @@
 """Host µs per call of every implementation of one bench case, measured in interleaved rounds.
 
-A GPU host's CPU drifts: one `torch.empty` cost 3.3–8.7 µs from one minute to the next on the H100 host, and a
-slow stretch of a few seconds is enough to make whichever implementation it lands on look slower. Measured one
-implementation after another (the bench's order), that drift decides close comparisons: normtune's direct
-LayerNorm forward cost a median 0.87 of the lower of quack's and Liger's over the 15 seed shapes (H100), yet
-lost at 4 of them, by up to 1.87×, on single-shape spikes.
+A GPU host's CPU drifts: the same host call costs several times more from one minute to the next, and a slow
+stretch of a few seconds is enough to make whichever implementation it lands on look slower. Measured one
+implementation after another (the bench's order), that drift decides close comparisons: an implementation
+cheaper on the median over the shapes still loses single shapes on such spikes.
 
 So the host view of a case is taken after every implementation of it has been prepared: each round times every
 call once (`calls` back-to-back calls behind a spin, `views.host_us_per_call`), and the round's order is rotated

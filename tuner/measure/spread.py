@@ -59,5 +59,5 @@ class Ratio:
 
 
 def slower_beyond_spread(a: Timing, b: Timing, threshold: float = 0.0) -> bool:
-    """A is slower than B by more than `threshold` (0.03 = 3 %) and beyond the spread of both."""
+    """A is slower than B by more than `threshold` (a fraction: 0.03 allows three hundredths) and beyond the spread of both."""
     return a.median > b.median * (1.0 + threshold) and a.p10 > b.p90

@@ -25,7 +25,7 @@ from .notes import split_and_floor_notes
 from .provenance import command_text
 
 HEATMAP_PAIRS = (("k1_block_row", "k1_num_warps"), ("k2_block_m", "k2_block_n"), ("k1_programs_per_sm", "k2_block_m"))
-REGRET_LIMIT = 1.10  # regret worth a second look: the table loses more than 10 % to the fastest candidate
+REGRET_LIMIT = 1.10  # regret worth a second look: the table's time exceeds the fastest candidate's by more than this ratio
 
 
 def family_title(family) -> str:

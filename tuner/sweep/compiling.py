@@ -49,7 +49,7 @@ COMPILERS_PER_GPU = 16
 def default_compile_workers(gpus: int, cpus: int | None = None) -> int:
     """The host's compile processes for a sweep on `gpus` GPUs: COMPILERS_PER_GPU each, within the host's cores
     less two per GPU (its sweep worker and its measuring process). A shared budget that did not grow with the
-    GPUs made every added GPU wait on the compilers (2 GPUs of one host: 17 s of a 64 s sweep)."""
+    GPUs made every added GPU wait on the compilers."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, min(COMPILERS_PER_GPU * gpus, cpus - 2 * gpus))
 
@@ -67,7 +67,7 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
                   tick: Callable[[], None] = lambda: None, enough: Callable[[], bool] = lambda: False):
     """(status, seconds, error) of a compile-ahead job; None when `abandoned()` turns true while waiting. A broken
     pool, a compile past `timeout_s` or `enough()` turning true yields ("ok", None, None): the measuring process
-    compiles it itself. `tick` is called, and `enough` asked, every 50 ms of the wait."""
+    compiles it itself. `tick` is called, and `enough` asked, at every poll of the wait."""
     deadline = time.monotonic() + timeout_s
     if not future.done() and enough():
         return "ok", None, None

@@ -15,21 +15,9 @@ if TYPE_CHECKING:  # the command builds its options before it imports torch (the
 SAMPLERS = ("tpe", "random", "grid")
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
-# Version of the seeds (`tuner/seeds.py`): 2 added the structural strategies for wide rows.
-# 3: kernel family v2 strategies (row_split, columns strategy, fused reduction); 4: column_accumulators;
-# 5: many narrow rows (three programs per SM, fused reduction); 6-8: wide rows, kernel_2 with PDL on
-# 32-column blocks (6 and 7 also seeded split tiles on 8 warps, dropped in 8: they ran slower, e.g. H100
-# LayerNorm 2048x16384 split 2 2x8192 122.6 µs on 8 warps, 104 on 16); 9: row splits of 3, 5, 6, 7 that cut
-# rows such as 5120 or 12288 into power-of-two slices, and the dual strategy for few rows; 10: dual without
-# prefetch, and the fitting splits only on slices of >= 4096 columns, on tiles of 16384-32768 elements; 11: dual
-# and columns with fewer warps and no eviction hint on few rows (<= 512); 12: the same seeds, dual and columns
-# first on few rows, so that a time-budgeted sweep's first round reaches them (H200, run 203: six RMSNorm studies
-# of 256-384 rows stopped after FIRST_ROUND seeds, all of the rows strategy); 13: every split-row seed also with
-# its exchange pipelined (pipelined_split), three stages deep where that fits shared memory; 14: the default (the
-# first seed) gives 16-bit RMSNorm rows of 8193-16384 columns prefetch with recompute, and its row_split
-# neighbours skip odd splits of slices under 4096 columns, as `strategies` does; 15: the default gives 16-bit
-# LayerNorm rows of 8193-16384 columns the row split in 4 with the pipelined exchange; 16: the default gives fp32
-# rows of 8193-16384 columns from 512 rows 3-4 slices of 2 x 4096 tiles with prefetch and dw/db per column.
+# Version of the seeds (`tuner/seeds.py`), stored on every study: a study seeded under an older version gets
+# the seeds it lacks (`trials.py`). Raise it whenever what the seeds return changes; what each version changed
+# is in docs/history/seed-versions.md.
 SEED_VERSION = 16
 MEASURED = ("ok", "incorrect", "compile_error", "out_of_resources", "timeout", "error")
 # The objective as optuna-dashboard labels it.

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the session (torch) is made by the caller
     from ..measure.harness import MeasureSession
 
 ROUNDS = 5  # interleaved rounds per head-to-head (each round is itself a median over cold-L2 repetitions)
-THRESHOLD = 0.03  # compare: NEW may be up to 3 % slower than OLD before the gate fails
+THRESHOLD = 0.03  # compare: NEW may be slower than OLD by up to this fraction before the gate fails
 
 
 def head_to_head(session: MeasureSession, problem: Problem, configs: dict[str, BackwardConfig], *,

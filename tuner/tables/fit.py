@@ -10,8 +10,8 @@ Fitting, per problem family (norm, dtypes, flags):
    beyond the measured spread on any of them (`spread.slower_beyond_spread`). A config that would have won but
    loses to the default is recorded under the family's "dropped". A config that beats the default by no more
    than DEFAULT_TIE on every problem gives way to the default itself (where the group shares one): a knob
-   leaves its analytic value only where that was measured to pay (H100 LayerNorm: kernel_2 num_stages=2 won
-   4096x3072 by 0.2 µs, inside the spread, and then ran 20000x3000 5 % slower than the default). A bucket is
+   leaves its analytic value only where that was measured to pay, since a win inside the spread on the fitted
+   problems can turn into a loss on the unseen ones (docs/perf-notes.md, "Why the tuner fits as it does"). A bucket is
    split on M (at most into three M ranges) only when a split lowers the mean regret by more than SPLIT_GAIN:
    rules that generalize beat rules that memorize. An M range ends at the geometric midpoint between its largest
    fitted M and the next range's smallest (`m_boundary`), or where the two ranges' configs' measured times cross
@@ -19,11 +19,9 @@ Fitting, per problem family (norm, dtypes, flags):
    leaves taller rows to the next wider width's rules (`top_boundary`).
 4. With an incumbent table (`emit --keep`, `incumbent.py`), a group keeps its config unless the new winner is
    faster beyond the spread somewhere in it; no config is chosen that is slower beyond the spread than the
-   incumbent's on a problem where both were timed (what `normtune compare` fails a table for: H200 LayerNorm
-   14336 columns, a columns rule won 512 and 1024 rows and ran 2048 rows 4.5 % slower than the incumbent); and
-   an M split that leaves a group with its incumbent's config pays no SPLIT_GAIN for it: the new winner takes
-   only the rows where it pays (H100 RMSNorm 65536 columns: a re-fit won 1024 rows by 4 %, lost 256 by 2.5 %
-   inside the spread, and the unseen 64 and 128 rows by 12 and 6 %).
+   incumbent's on a problem where both were timed (what `normtune compare` fails a table for); and an M split
+   that leaves a group with its incumbent's config pays no SPLIT_GAIN for it: the new winner takes only the rows
+   where it pays, rather than the whole group on a win in some rows and a loss inside the spread in others.
 """
 
 from __future__ import annotations
@@ -39,9 +37,9 @@ from normtune.kernels.limits import DeviceLimits
 from ..render import geomean
 from ..measure.spread import Timing, slower_beyond_spread
 
-SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than 1%
+SPLIT_GAIN = 0.01  # a split on M must lower the group's mean regret by more than this fraction
 MAX_GROUPS = 3
-DEFAULT_TIE = 0.01  # a rule keeps the analytic default unless a config beats it by more than 1% somewhere
+DEFAULT_TIE = 0.01  # a rule keeps the analytic default unless a config beats it by more than this fraction somewhere
 
 Data = dict[Problem, dict[BackwardConfig, Timing]]
 
@@ -253,12 +251,11 @@ def m_boundary(lower: list[Problem], upper: list[Problem], lower_config: Backwar
     """The largest M the lower group's rule serves. Where both groups' configs were timed on the two nearest
     fitted problems (the lower group's largest M and the upper group's smallest), it is the M where their times
     cross (`m_crossover`); otherwise the geometric midpoint of the two M values, so that an unseen M takes the
-    rule fitted nearest to it on a log scale (at N = 32768 the H100 table had 2048 rows take the rule fitted at
-    4096 rather than at 1024, and ran 1.3x slower than the default there). A columns or dual rule stops at the
-    rows those strategies accept, and never past the midpoint: a few-row config's time is tied to its tiling of
-    the rows it was fitted on, which a line through two fitted problems does not see (H200 RMSNorm, 14336
-    columns: the dual config fitted on 128 rows against the rows rule crosses at 288 rows on that line, yet ran
-    257 rows 6 % slower than the rows rule)."""
+    rule fitted nearest to it on a log scale (a boundary at the arithmetic midpoint hands the rows just below it
+    to the rule fitted farther away). A columns or dual rule stops at the rows those strategies accept, and
+    never past the midpoint: a few-row config's time is tied to its tiling of the rows it was fitted on, which a
+    line through two fitted problems does not see, so the crossing on that line can lie past where it still
+    wins."""
     p_lo, p_hi = max(lower, key=lambda p: p.M), min(upper, key=lambda p: p.M)
     below, above = p_lo.M, p_hi.M
     cross = (m_crossover(data, p_lo, p_hi, lower_config, upper_config)
@@ -275,8 +272,8 @@ def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: 
     upper rule's): log(time_a / time_b) interpolated linearly in log M between the two problems. Where `a` was
     not timed at p_hi because its strategy sweeps every row (columns and dual accept at most MAX_COLUMNS_ROWS
     rows), its time there is extrapolated as growing linearly in M, what a serial sweep over the rows costs at
-    least (H200 LayerNorm, 3584 columns: dual 12.6 against 13.6 µs at 512 rows, fitted up to the midpoint at
-    1448, ran 1000 rows 10 % slower than the rows rule). None when either time is missing, or when `a` is not
+    least (fitted up to the geometric midpoint instead, such a rule runs rows past its crossing slower than the
+    rows rule). None when either time is missing, or when `a` is not
     faster at p_lo or not slower at p_hi (the two did not cross in between)."""
     lo, hi = data.get(p_lo, {}), data.get(p_hi, {})
     if a not in lo or b not in lo or b not in hi:
@@ -296,8 +293,8 @@ def m_crossover(data: Data, p_lo: Problem, p_hi: Problem, a: BackwardConfig, b: 
 def top_boundary(by_n: dict[int, list[Problem]], ns: list[int], i: int) -> int | None:
     """The largest M the top rule of the bucket at ns[i] serves: every M (None), unless the bucket was fitted on
     few rows only (at most MAX_COLUMNS_ROWS) and the next wider bucket on more; then the log midpoint between the
-    two, and taller problems fall through to the wider bucket's rules (H100: a 14336-column bucket fitted on 128
-    and 512 rows ran 1024 and 2048 rows 10 and 17 % slower than the 16384-column rules it displaced)."""
+    two, and taller problems fall through to the wider bucket's rules (a rule fitted on few rows does not know
+    how taller ones run, and the wider bucket's rules were fitted on them)."""
     top = max(p.M for p in by_n[ns[i]])
     if i == len(ns) - 1 or top > MAX_COLUMNS_ROWS:
         return None
@@ -307,8 +304,8 @@ def top_boundary(by_n: dict[int, list[Problem]], ns: list[int], i: int) -> int |
 
 def n_boundary(n: int, next_n: int) -> int:
     """The widest N the rules fitted at `n` columns serve: the geometric midpoint between `n` and the next fitted
-    N, so that an unseen N takes the rules fitted nearest to it on a log scale (H100: 2500x5376 took the rule
-    fitted at 6144 columns and ran slower than the default), but never past the power of two `n` rounds up to:
+    N, so that an unseen N takes the rules fitted nearest to it on a log scale, but never past the power of two
+    `n` rounds up to:
     the rules' tiles cover that many columns, and a wider N re-tiles them (past 16384 columns, out of one pass)."""
     return max(n, min(math.isqrt(n * next_n), next_power_of_two(n)))
 

@@ -1,10 +1,9 @@
 """The incumbent table of `normtune emit --keep`: the table a new emission replaces, whose rules stay where the new
 measurements do not beat them beyond the spread.
 
-Why: a re-fit on fresh measurements moves every rule whose winner changed by noise. H100 RMSNorm rows of 65536
-columns: the rule fitted on 256-1024 rows switched kernel_2 from 128x32 with programmatic dependent launch to
-128x16 without it on a re-measurement inside the spread, and the unseen 128x65536 went from 38.3 to 41.6 µs. With
-an incumbent, a rule changes only where the measurements say it pays.
+Why: a re-fit on fresh measurements moves every rule whose winner changed by noise, and a switch made inside
+the spread on the fitted rows can run unseen rows slower (docs/perf-notes.md, "Why the tuner fits as it does").
+With an incumbent, a rule changes only where the measurements say it pays.
 
 Reproducibility: the new table records the incumbent's rules (`record`), so re-emitting it from its recorded
 runs (`emit --runs-of`) rebuilds the same incumbent (`from_record`) even after the old file is overwritten.

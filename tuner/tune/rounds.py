@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ..sweep.options import FIRST_ROUND
 
-STALL_GAIN = 0.01  # a best that moved by no more than 1 % over a step has stalled
+STALL_GAIN = 0.01  # a best that moved by no more than this fraction over a step has stalled
 COVER = 4  # the first round's trials per problem
 
 
