@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from .config import ITEMSIZE, BackwardConfig, Problem
 from .heuristics import wide_fp32_rows
+from .limits import DeviceLimits
 from .strategies import default_config
 
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
 # row; fp32 rows hold twice the bytes. A config sized to a bf16 row carries over only where `carried_over` says.
-# H200 held-out, analytic default against the best of an unseeded sweep: fp16 200x5120 13.5 against 10.0 µs,
-# fp32 96x4096 10.0 against 6.9.
+# Why a stand-in's rules beat the analytic default there: docs/kernel-figures.md ("Stand-in dtypes").
 STAND_IN_DTYPES = {"fp16": "bf16", "fp32": "bf16"}
 
 
@@ -30,17 +30,15 @@ def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tup
       again after the row reductions for either dtype (`widen_again`; sm_90 compile, RMSNorm 2048x16384 on a
       1x16384 recompute tile: 128 registers and no stack in bf16 and in fp16);
     - twice the element size (fp32): a split row in twice the slices, each of the same bytes, without recompute,
-      that `adapt` then fits to the row. H200, fp32 2048x32768 on the bf16 rule's split-in-4 config as it was:
-      593.7 µs (LayerNorm) against the default's 355.7; in 8 slices (H100) 340.0 against 473.0. A whole row held
-      in registers does not split well: H100 RMSNorm fp32 4096x12288 in 2 slices 275.2 µs against 252.4.
-      Where twice the slices would pass ROW_SPLITS' largest, the largest split takes what it can and the tile
-      holds fewer rows for the rest (a rule in 8 slices of 4x4096 runs fp32 in 8 slices of 2x4096): the best
-      configs of unseeded fp32 sweeps of 2048x32768 split in 8, on 2x4096 (LayerNorm) and 1x4096 (RMSNorm) tiles
-      (H100 held-out validation, run 271: 297 µs against the analytic default's 459 for RMSNorm).
+      that `adapt` then fits to the row (the config as it was runs slower than the analytic default; a whole row
+      held in registers does not split well). Where twice the slices would pass ROW_SPLITS' largest, the largest
+      split takes what it can and the tile holds fewer rows for the rest (a rule in 8 slices of 4x4096 runs fp32
+      in 8 slices of 2x4096), the form the best configs of unseeded fp32 sweeps of 2048x32768 have.
     - fp32 rows of 8193-16384 columns from 512 rows (`heuristics.wide_fp32_rows`): none; the analytic default
       splits them in slices of 4096 columns on 2-row tiles, level with or faster than the bf16 LayerNorm rules
-      carried in 8 slices of 4 x 2048 on every shape timed (H200, 512-16384 rows of 9216-16384 columns: 1.01-1.24x,
-      within the spread at 512 and 1024 x 16384; docs/experiments/fp32_wide_rows.py).
+      carried in 8 slices of 4 x 2048 on every shape timed (docs/experiments/fp32_wide_rows.py).
+
+    The measurements behind each case: docs/kernel-figures.md ("Stand-in dtypes").
     """
     dtype = problem.dtype
     factor = ITEMSIZE[dtype] // ITEMSIZE[stand_in]
@@ -51,9 +49,11 @@ def carried_over(config: BackwardConfig, stand_in: str, problem: Problem) -> tup
     return config.strategy.carry_over(config, problem, stand_in, factor)
 
 
-def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None) -> BackwardConfig:
+def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None,
+          limits: DeviceLimits | None = None) -> BackwardConfig:
     """Make a rule's config valid for `problem` (its strategy's `adapt`: single pass takes block_col =
     next_pow2(N), two-pass past MAX_SINGLE_PASS; knobs that cannot apply are dropped); if it still cannot run,
     the analytic default. With `sm_count`, a problem too short to fill a quarter of the rule's grid with row tiles
-    gets smaller row tiles; above a quarter the fitted tile is kept."""
-    return config.strategy.adapt(config, problem, sm_count) or default_config(problem)
+    gets smaller row tiles; above a quarter the fitted tile is kept. `limits`: the device's (None: the reference
+    device's), which the adapted config is validated for (once: the selection finds it validated)."""
+    return config.strategy.adapt(config, problem, sm_count, limits) or default_config(problem, limits)

@@ -21,7 +21,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from .limits import REFERENCE, DeviceLimits
-from .problem import Problem
+from .problem import ConfigError, Problem
 
 if TYPE_CHECKING:  # the strategies validate through `checked`: the config's type is theirs
     from .strategies.configs import BackwardConfig
@@ -71,6 +71,16 @@ def checked(problem: Problem, config: BackwardConfig, limits: DeviceLimits | Non
             _CHECKED.clear()
         _CHECKED[key] = _CHECKED[(problem, hit, lim)] = hit  # the portable form is its own portable form
     return hit
+
+
+def fits(problem: Problem, config: BackwardConfig, limits: DeviceLimits | None = None) -> bool:
+    """Whether `config` validates for `problem` on the device of `limits` (`checked`: a config the caller then
+    runs is not validated again when the selection or the launch plan asks about it)."""
+    try:
+        checked(problem, config, limits)
+    except ConfigError:
+        return False
+    return True
 
 
 def clear_checked() -> None:

@@ -120,7 +120,7 @@ _GPU_KEYS = (
     (r"\bL40\b", "l40"),
     (r"RTX PRO 6000", "rtx-pro-6000"),
     (r"RTX 6000 Ada", "rtx6000-ada"),
-    (r"\bRTX (\d{4})\b", r"rtx\1"),  # GeForce RTX 3090, 4090, 5090 …
+    (r"\bRTX (\d{4})\b", r"rtx\1"),  # GeForce RTX and a four-digit model number
 )
 # Device names of AMD GPUs (ROCm's torch reports them through torch.cuda).
 _AMD_NAME = re.compile(r"\b(AMD|Instinct|Radeon|MI\d{3}[A-Z]?)\b|^gfx\d", re.IGNORECASE)

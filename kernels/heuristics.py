@@ -1,7 +1,7 @@
 """Launch arithmetic, free of Triton: register and shared-memory limits, the persistent grid and warp rules. The
 strategies (`strategies/`), the runtime, the tuner's search space and the no-GPU report read these from here.
 
-Figures in comments are from the H100/H200 sweeps (bf16, cold L2; docs/perf-notes.md).
+The measurements behind the limits and slack here: docs/kernel-figures.md.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from .problem import ITEMSIZE
 if TYPE_CHECKING:
     from .problem import Problem
 
-# An H100/H200 SM has 64K 32-bit registers and at most 255 per thread, so a program of W warps gets at most
-# min(255, 65536 / (32 W)). The estimate below overcounts (temporaries die early), and mild spilling still runs:
-# on an H200, a single-pass 1x16384 LayerNorm tile on 16 warps (estimate 160 vs 128 available) was the fastest
-# config for 2048x16384, while the same tile with prefetch (estimate 192) ran 4-10x slower. So configs are pruned
-# only past 1.3x the hardware limit, on every warp count (up to 8 warps the 255 cap used to leave no slack; the one
-# shipped config this admits is the H100 LayerNorm N = 32768 kernel_2, a 128x16 tile on one warp, within 1 % of
-# the best 4-warp kernel_2 there). docs/experiments/data/register_spills_h100.jsonl has the
-# compiler's counts next to the estimate for wide tiles: the estimate still prunes some configs that run well
-# (H100 RMSNorm 4096x32768, split 4, 4x8192 on 16 warps with prefetch: estimate 224, 138 values spilled, 329 µs
-# against 349 without prefetch).
+# The reference device's SM has 64K 32-bit registers and at most 255 per thread, so a program of W warps gets at
+# most min(255, 65536 / (32 W)). The estimate below overcounts (temporaries die early), and mild spilling still
+# runs: a tile estimated above the registers available can be the fastest config of its shape, while the same tile
+# with prefetch (estimated further above) is much slower. So configs are pruned only past REGISTER_SLACK times the
+# hardware limit, on every warp count (up to 8 warps the 255 cap used to leave no slack). The estimate still
+# prunes some configs that run well; the measurements and the compiler's counts next to the estimate:
+# docs/kernel-figures.md ("Register estimate").
 # These figures are the reference device's (`limits.REFERENCE`); every function below that depends on the GPU takes
 # a `limits` (`limits.DeviceLimits`, read from the device) and uses the reference's only without one.
 REGISTER_FILE = REFERENCE.registers_per_sm

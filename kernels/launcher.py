@@ -1,11 +1,11 @@
 """Launching a Triton kernel without `JITFunction.run`'s per-call work.
 
 `kernel[grid](*args, **constexprs)` binds every argument, specializes each one (integer values, pointer
-alignment), hashes the result into a cache key and looks the compiled kernel up, on every call: about 15-30 µs of
-CPU time per launch on a GPU host, paid on every layer of every step. A `Launcher` does that once per
+alignment), hashes the result into a cache key and looks the compiled kernel up, on every call: CPU time per
+launch on a GPU host (docs/kernel-figures.md), paid on every layer of every step. A `Launcher` does that once per
 *specialization key* — a cheap tuple the caller derives from what the specialization depends on (the integer
 arguments, the alignment of pointers it did not allocate itself), per current device — and afterwards calls the
-compiled kernel's own launcher directly (a few µs): same binary, same stream (the current stream of the current
+compiled kernel's own launcher directly (a fraction of that time): same binary, same stream (the current stream of the current
 device, as `JITFunction.run` uses), same launch options (warps, PDL), profiler launch hooks honoured. Where the
 compiled kernel's launcher object is Triton's CUDA launcher in a form this module knows (no scratch memory, no
 sanitizer) and no hook is set, its C function is called straight, skipping the Python wrapper around it

@@ -59,7 +59,7 @@ def explain(problem: Problem, device_name: str | None = None, capability: tuple[
     choice = choose_table(device_name, capability, config_file)
     if warn:
         warn_once(choice.warning)
-    match = choice.table.match(problem) if choice.table is not None else None
+    match = choice.table.match(problem, limits) if choice.table is not None else None
     if match is not None and match.config is not None:
         config, lacking = on_device(match.config, problem, limits)
     else:

@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .adapt import STAND_IN_DTYPES, adapt, carried_over, holds_rows  # noqa: F401 - re-exported for table users
+from .capabilities import checked
 from .config import BackwardConfig, ConfigError, Problem, ProblemFamily
 from .heuristics import next_power_of_two
+from .limits import DeviceLimits
 from .device import gpu_key
 
 SCHEMA_VERSION = 1
@@ -119,15 +121,14 @@ class Table:
         """False for a row width that is not a multiple of ALIGNED_WIDTH when every fitted width was one: the
         rules were never measured on such rows, and do not carry over to them reliably. bf16 rows of 3000 columns
         move in 16-byte vectors as the fitted ones do (the kernels assume the multiple of 8: `alignment_hint`), yet
-        the H200 rule of the nearest multiple of 16 ran LayerNorm 20000x3000 at 137.4 µs against the analytic
-        default's 116.2 (H100: 140.1 against 145.9; `docs/experiments/unaligned_rows.py`)."""
+        the rule of the nearest multiple of 16 can run slower than the analytic default there
+        (`docs/experiments/unaligned_rows.py`; docs/kernel-figures.md, "Unaligned widths")."""
         return problem.N % ALIGNED_WIDTH == 0 or self.family_key(problem.family) not in self.aligned_only
 
-    def match(self, problem: Problem) -> "RuleMatch":
+    def match(self, problem: Problem, limits: DeviceLimits | None = None) -> "RuleMatch":
         """Which rule answers `problem` and with what config (None: no rule applies — no family of this norm and
-        dtype, or outside the box of shapes the family was fitted on: the table does not extrapolate; H100:
-        RMSNorm rules fitted from N=1024 up ran 262144x256 at 215 vs 178 µs for the analytic default, 524288x128
-        at 293 vs 228)."""
+        dtype, or outside the box of shapes the family was fitted on: the table does not extrapolate, as rules
+        carried past their box ran slower than the analytic default; docs/kernel-figures.md, "Outside the box")."""
         key = self.family_key(problem.family)
         if key is None:
             return RuleMatch(None, False, None)
@@ -148,7 +149,7 @@ class Table:
             if config is None:
                 return RuleMatch(key, False, box, index, rule, past, None, f"{why} → the analytic default")
         return RuleMatch(key, key == problem.family.key, box, index, rule, past,
-                         adapt(config, problem, self.sm_count))
+                         adapt(config, problem, self.sm_count, limits))
 
     def lookup(self, problem: Problem) -> BackwardConfig | None:
         """The table's config adapted to `problem`, or None when no rule applies (see `match`)."""
@@ -318,10 +319,10 @@ def parse_table(data: Any, path: str = "<table>") -> Table:
             try:
                 cfg = BackwardConfig.from_dict(r.get("config"))
                 # The rule's config must run the shapes it was fitted on (without them, its own bounds); other
-                # shapes in its bounds get it through `adapt` (a 3-slice split of 12288 runs 14188 in 4 slices).
+                # shapes in its bounds get it through `adapt` (a 3-slice split of 12288 takes 14188 in 4 slices).
                 shapes = fitted_shapes([r]) or [(m_max or 1, n_max or next_power_of_two(cfg.kernel_1.block_col))]
                 for m, n in shapes:
-                    cfg.validate(family.problem(m, n))
+                    checked(family.problem(m, n), cfg)
             except (ConfigError, TypeError) as err:
                 _fail(path, f"{where}: {err}")
             rules.append(Rule(n_max, m_max, cfg, tuple(map(str, fitted_on))))

@@ -7,14 +7,19 @@ registered strategy's `validate`.
 
 from __future__ import annotations
 
+import ast
 import collections
+from pathlib import Path
 
 import pytest
 import torch
 
 from normtune.kernels import BackwardConfig, Kernel2Config, direct, kernel_1_config, layer_norm, rms_norm
 from normtune.kernels import forward_calls
-from normtune.kernels.select import clear_caches
+from normtune.kernels import Problem
+from normtune.kernels.limits import STAND_INS
+from normtune.kernels.select import clear_caches, explain
+from normtune.kernels.tables import load_table
 from normtune.kernels.strategies import STRATEGIES
 
 N = 200
@@ -166,3 +171,68 @@ def test_compiled_call(validations, device, make_norm_inputs):
     compiled = torch.compile(lambda x, w, b: layer_norm(x, w, b, config=SMALL), fullgraph=True,
                              backend="aot_eager")
     assert _first_and_repeated(validations, lambda: compiled(x, w, b).backward(inputs["grad"])) == (1, 0)
+
+
+TABLE = str(Path(__file__).resolve().parents[1] / "configs" / "h100.json")
+
+
+def _table_problem(M: int, N: int) -> Problem:
+    return Problem(norm="rms_norm", M=M, N=N, dtype="bf16", weight_dtype="bf16", has_weight=True, has_bias=False)
+
+
+def test_a_table_hit_validates_its_config_once_on_a_first_call(validations, device, monkeypatch):
+    """config=None on a problem a table rule answers, its config adapted to the shape: the rule's fitting, the
+    selection and the launch plan share one validation (before: two, the fitting validated outside
+    `capabilities.checked`), and later calls validate nothing."""
+    monkeypatch.setenv("NORMTUNE_CONFIG", TABLE)
+    clear_caches()
+    load_table(TABLE)  # reading the table checks each rule on its fitted shapes: not this call's validation
+    x = torch.randn(64, 1024, device=device).to(torch.bfloat16).requires_grad_()
+    w = (1 + 0.1 * torch.randn(1024, device=device)).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(64, 1024, device=device).to(torch.bfloat16)
+    explanation = explain(_table_problem(64, 1024), "h100")
+    assert explanation.match is not None and explanation.match.config is not None  # a table hit, adapted
+    assert explanation.config != explanation.match.rule.config
+    clear_caches()
+    load_table(TABLE)
+    first, later = _first_and_repeated(validations, lambda: rms_norm(x, w).backward(g))
+    assert (first, later) == (1, 0)
+
+
+def test_a_table_hit_on_a_device_validates_once(validations):
+    """On a device with its own limits the rule's config is fitted and validated for that device, once: the
+    selection's check of it on the device finds it validated (before: once for the reference device, once for
+    the device)."""
+    load_table(TABLE)
+    validations.reset()
+    explanation = explain(_table_problem(64, 1024), "h100", config_file=TABLE, limits=STAND_INS["h200"])
+    assert explanation.match.config is not None and not explanation.fallbacks
+    assert validations.count() == 1
+
+
+def _validation_calls(path: Path):
+    """(line, enclosing function, call) of every `.validate(...)` / `.is_valid(...)` call of a module."""
+    def walk(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute) \
+                    and child.func.attr in ("validate", "is_valid"):
+                yield child.lineno, function, ast.unparse(child)
+            yield from walk(child, inner)
+
+    yield from walk(ast.parse(path.read_text()), None)
+
+
+def test_every_validation_of_a_config_goes_through_checked():
+    """docs/architecture.md: the runtime validates a backward config only through `capabilities.checked` (or
+    `capabilities.fits`, which asks it). Allowed elsewhere: `BackwardConfig.validate`/`is_valid` themselves
+    (strategies/configs.py) and a strategy's `validate` checking the parts of the config it was given."""
+    kernels = Path(__file__).resolve().parents[1] / "kernels"
+    found = []
+    for path in sorted(kernels.rglob("*.py")):
+        rel = path.relative_to(kernels).as_posix()
+        if rel in ("capabilities.py", "strategies/configs.py"):
+            continue
+        found += [f"kernels/{rel}:{line}: {call}" for line, function, call in _validation_calls(path)
+                  if function != "validate"]
+    assert not found, "validate through capabilities.checked / fits:\n" + "\n".join(found)

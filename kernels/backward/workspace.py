@@ -3,8 +3,9 @@
 kernel_1's fp32 partial rows (read back by kernel_2 or the fused reduction), the split-row exchange and the
 columns strategy's row sums live only from kernel_1's start to the last read of the same backward, on one
 stream: the next backward on that stream starts after it ends. So one buffer per (device, stream) serves every
-call, and the views a launch needs are made once per set of shapes. On a GPU host one `torch.empty` costs about
-6 µs of CPU time and a view about 3 (H100 host); a LayerNorm backward with a bias needed two of each per call.
+call, and the views a launch needs are made once per set of shapes. On a GPU host each `torch.empty` and each view
+costs CPU time on the call's path (docs/kernel-figures.md); a LayerNorm backward with a bias needed two of each
+per call.
 
 Not kept: anything while the stream is being captured into a CUDA graph (the graph's own pool serves those, so
 that a replay never shares memory with calls outside it), and sets of scratch past `MAX_SCRATCH_BYTES` (they are

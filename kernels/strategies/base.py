@@ -184,8 +184,10 @@ class Strategy(ABC):
         size (`adapt.carried_over`), or None and why it does not carry over."""
         return None, f"its config holds whole {stand_in} rows in registers"
 
-    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
-        """A table rule's config made valid for another problem (`kernels/adapt.py`); None: the default."""
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
+              limits: DeviceLimits | None = None) -> BackwardConfig | None:
+        """A table rule's config made valid for another problem on the device of `limits` (`kernels/adapt.py`;
+        validated through `capabilities.fits`); None: the default."""
         return None
 
     # ---- the search space (`tuner/space.py`)

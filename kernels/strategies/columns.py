@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
+from ..capabilities import fits
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two
 from ..knobs import Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits
@@ -110,12 +111,13 @@ class Columns(Strategy):
                                           Kernel2Config()))
         return out
 
-    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
+              limits: DeviceLimits | None = None) -> BackwardConfig | None:
         """A column slice sweeps every row: any N, up to MAX_COLUMNS_ROWS rows."""
         k1 = config.kernel_1
         cand = BackwardConfig(dataclasses.replace(k1, block_col=min(k1.block_col, next_power_of_two(problem.N))),
                               config.kernel_2)
-        return cand if problem.M <= MAX_COLUMNS_ROWS and cand.is_valid(problem) else None
+        return cand if problem.M <= MAX_COLUMNS_ROWS and fits(problem, cand, limits) else None
 
 
 COLUMNS = Columns()

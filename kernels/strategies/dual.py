@@ -107,12 +107,13 @@ class Dual(Strategy):
                         break
         return out
 
-    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
+              limits: DeviceLimits | None = None) -> BackwardConfig | None:
         """Its column programs sweep every row: up to MAX_COLUMNS_ROWS rows, the row tile fitted as the rows
         strategy's whole rows are."""
         if problem.M > MAX_COLUMNS_ROWS:
             return None
-        return fit_row_tile(config.kernel_1, config.kernel_2, problem, sm_count)
+        return fit_row_tile(config.kernel_1, config.kernel_2, problem, sm_count, limits=limits)
 
 
 DUAL = Dual()

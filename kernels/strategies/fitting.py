@@ -5,18 +5,21 @@ that validate."""
 from __future__ import annotations
 
 import dataclasses
+
+from ..capabilities import fits
 from ..heuristics import MAX_SINGLE_PASS, next_power_of_two
 from ..knobs import Kernel1Config, Kernel2Config
+from ..limits import DeviceLimits
 from ..problem import Problem
 from .configs import BackwardConfig
 
 
 def fit_row_tile(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_count: int | None, *,
-                 whole_rows: bool = True) -> BackwardConfig | None:
+                 whole_rows: bool = True, limits: DeviceLimits | None = None) -> BackwardConfig | None:
     """A row tile fitted to `problem`: with `sm_count`, smaller row tiles for a problem too short to fill a quarter
     of the rule's grid; whole rows (single pass) take block_col = next_pow2(N) on a tile no larger than the
-    rule's (None past MAX_SINGLE_PASS); then the rule's warps, or the fewest that validate. None: nothing
-    validates."""
+    rule's (None past MAX_SINGLE_PASS); then the rule's warps, or the fewest that validate on the device of
+    `limits` (`capabilities.fits`). None: nothing validates."""
     n_pow2 = next_power_of_two(problem.N)
     if sm_count:
         want = max(1, round(k1.programs_per_sm * sm_count) // 4)
@@ -33,6 +36,6 @@ def fit_row_tile(k1: Kernel1Config, k2: Kernel2Config, problem: Problem, sm_coun
         k2 = dataclasses.replace(k2, block_n=n_pow2)
     for warps in (k1.num_warps, 16, 8, 4, 2, 1):
         cand = BackwardConfig(dataclasses.replace(k1, num_warps=warps), k2)
-        if cand.is_valid(problem):
+        if fits(problem, cand, limits):
             return cand
     return None

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Mapping
 
 from ..heuristics import (MAX_SINGLE_PASS, ROW_SPLITS, max_warps, next_power_of_two, num_groups, row_block_col,
                           slice_width)
+from ..capabilities import fits
 from ..knobs import Kernel1Config, Kernel2Config, check_booleans, knob
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem, check_choice, is_power_of_two
@@ -351,23 +352,25 @@ class Rows(Strategy):
         return out
 
     # ---- a table rule's config on another problem (`kernels/adapt.py`)
-    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+    def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
+              limits: DeviceLimits | None = None) -> BackwardConfig | None:
         """A split row keeps the rule's split if its slices still fit the rule's tile, else the next split that
         keeps that tile, else the rule's split on wider tiles, else no split; then `fit_rows`."""
         k1 = config.kernel_1
         if k1.row_split > 1:  # the row's slices must stay >= 256 columns and fit one pass
-            fits = [s for s in ROW_SPLITS if s >= k1.row_split and row_block_col(problem.N, s) <= k1.block_col]
-            for split in fits[:1] + [k1.row_split]:
+            kept = [s for s in ROW_SPLITS if s >= k1.row_split and row_block_col(problem.N, s) <= k1.block_col]
+            for split in kept[:1] + [k1.row_split]:
                 width = row_block_col(problem.N, split)
                 if slice_width(problem.N, split) >= 256 and width <= MAX_SINGLE_PASS:
                     cand = BackwardConfig(dataclasses.replace(k1, block_col=width, row_split=split), config.kernel_2)
-                    if cand.is_valid(problem):
+                    if fits(problem, cand, limits):
                         return cand
             k1 = dataclasses.replace(k1, row_split=1, pipelined_split=False)  # nothing to exchange: the plain loop
-        return fit_rows(k1, config.kernel_2, problem, sm_count)
+        return fit_rows(k1, config.kernel_2, problem, sm_count, limits)
 
 
-def fit_rows(k1: RowsConfig, k2: Kernel2Config, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
+def fit_rows(k1: RowsConfig, k2: Kernel2Config, problem: Problem, sm_count: int | None,
+             limits: DeviceLimits | None = None) -> BackwardConfig | None:
     """A rows-strategy kernel_1 (whole rows or two-pass) fitted to `problem`: single pass takes block_col =
     next_pow2(N) (two-pass past MAX_SINGLE_PASS, back to single pass where the chunk covers the row), then
     `fit_row_tile`."""
@@ -377,7 +380,7 @@ def fit_rows(k1: RowsConfig, k2: Kernel2Config, problem: Problem, sm_count: int 
                                  recompute=False, column_accumulators=False)
     elif k1.two_pass and k1.block_col >= n_pow2 and n_pow2 <= MAX_SINGLE_PASS:
         k1 = dataclasses.replace(k1, two_pass=False, block_col=n_pow2)
-    return fit_row_tile(k1, k2, problem, sm_count, whole_rows=not k1.two_pass)
+    return fit_row_tile(k1, k2, problem, sm_count, whole_rows=not k1.two_pass, limits=limits)
 
 
 def own_flags(k1: RowsConfig) -> str:
