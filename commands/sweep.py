@@ -25,7 +25,7 @@ def sweep(
     trials: Annotated[int, Opt(help="Finished trials each problem should end with (re-running adds only the "
                                     "difference)")] = 40,
     time_budget: Annotated[Optional[float], Opt(help="Stop between trials after this many seconds")] = None,
-    sampler: Annotated[str, Opt(help="tpe | random | grid")] = "tpe",
+    sampler: Annotated[str, Opt(help="tpe | random | grid | local (the best's neighbours first, then tpe)")] = "tpe",
     devices: Annotated[Optional[str], Opt(help="Comma list of CUDA devices (0,1,…): one worker per GPU, sharing "
                                                "only the database")] = None,
     compile_workers: Annotated[Optional[int], Opt(help=(

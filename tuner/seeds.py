@@ -39,15 +39,23 @@ def seeds(space) -> list[BackwardConfig]:
     base = space.canonical(default_config(space.problem, space.limits))
     few = space.problem.M <= MAX_COLUMNS_ROWS  # few rows: the row-sweeping strategies first (a budgeted sweep
     out = [base] + sorted(space.strategies(), key=lambda c: few and not c.strategy.sweeps_rows)  # reaches them)
-    d = space.domains(base.kernel_1.strategy)
-    params = space.params(base)
+    return list(dict.fromkeys(out + neighbours(space, base)))
+
+
+def neighbours(space, config: BackwardConfig) -> list[BackwardConfig]:
+    """`config`'s one-step neighbours the space allows, canonical, in knob order: each of its strategy's knobs
+    moved to the adjacent domain value, where the strategy takes it (`Strategy.neighbour`); moved to another
+    strategy, the shared knobs kept and that strategy's own at their first values."""
+    d = space.domains(config.kernel_1.strategy)
+    params = space.params(config)
+    out: list[BackwardConfig] = []
     for key, dom in d.items():
         cur = params.get(key)
         if cur not in dom:
             continue
         i = dom.index(cur)
         for j in (i - 1, i + 1):
-            if 0 <= j < len(dom) and base.strategy.neighbour(key, dom[j], base.kernel_1, space.problem):
+            if 0 <= j < len(dom) and config.strategy.neighbour(key, dom[j], config.kernel_1, space.problem):
                 moved = {**params, key: dom[j]}
                 if key == "k1.strategy":
                     moved = {**{k: v[0] for k, v in space.domains(dom[j]).items()}, **params, key: dom[j]}

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # the command builds its options before it imports torch (the
 
     from ..measure.harness import Timing
 
-SAMPLERS = ("tpe", "random", "grid")
+SAMPLERS = ("tpe", "random", "grid", "local")  # local: TPE after a pattern search around the best (`sampling`)
 # Trials every problem gets before any is searched deeper (the default config and its first neighbours).
 FIRST_ROUND = 12
 # Version of the seeds (`tuner/seeds.py`), stored on every study: a study seeded under an older version gets
@@ -85,7 +85,7 @@ class SweepOptions:
         """Whether the worker's TPE proposals come from a `proposer.Proposer` (on a GPU, where proposing in the
         worker's thread would keep the GPU waiting; the interpreter's measurements take far longer)."""
         on = (not self.interpret) if self.propose_ahead is None else self.propose_ahead
-        return on and self.sampler == "tpe"
+        return on and self.sampler in ("tpe", "local")
 
     def held_ahead(self, processes: int) -> int:
         """Trials a worker holds ahead of the one measuring (claimed, created, compiling): `lookahead` when

@@ -1,5 +1,11 @@
 """How a trial gets its config: Optuna's sampler (TPE, random or grid) over the space's declared domains, or a
-seed config (the default and its neighbours) given to the trial as it is created."""
+seed config (the default and its neighbours) given to the trial as it is created.
+
+The "local" kind is TPE with a pattern search first: while the best config measured so far has a one-step
+neighbour (`seeds.neighbours`) that no trial of the study holds, that neighbour is the next proposal; once the
+best's neighbourhood is measured (or a proposal is rejected), TPE proposes. The structured space rewards moving
+one knob at a time from the best (a tile, a stage count, the reduction's block), which TPE's independent draws
+reach slowly."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ class Sampling:
         self.kind, self.space = kind, space
         self._last = None  # (study, its trials as read, the relative search space) of the last proposal
         self._grid = list(space) if kind == "grid" else None
+        self._local = kind == "local"
         if kind == "random":
             self.sampler = optuna.samplers.RandomSampler(seed=seed)
         elif kind == "grid":
@@ -66,6 +73,11 @@ class Sampling:
             view, relative_space = last[1].again(), last[2]
         else:
             view, relative_space = _OneRead(study, liars), None
+        if self._local and not retry:
+            near = self._unmeasured_neighbour(view)
+            if near is not None:
+                self._last = None  # a retry after it is TPE's, on a fresh read
+                return self.space.params(near), self._template(near)
         if self._retries is not None:
             self._retries.begin(retrying)
         frozen = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params={}, distributions={})
@@ -97,6 +109,33 @@ class Sampling:
             fixed = inapplicable(key, values)
             values[key] = draw(key) if fixed is None else fixed(dom)
         return values, {"params": params, "distributions": dists, "system_attrs": view._storage.system_attrs}
+
+    def _unmeasured_neighbour(self, view) -> BackwardConfig | None:
+        """The first one-step neighbour of the study's best finished trial that no trial holds (finished, running
+        or proposed ahead); None when there is none, or no trial has finished yet."""
+        import optuna
+
+        from ..seeds import neighbours
+
+        every = view.every_trial()
+        done = [t for t in every if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None]
+        if not done:
+            return None
+        best = min(done, key=lambda t: (t.value, t.number))
+        held = {trial_config(self.space, t.params) for t in every if t.params}
+        return next((c for c in neighbours(self.space, trial_config(self.space, best.params)) if c not in held), None)
+
+    def _template(self, config: BackwardConfig) -> dict:
+        """A proposal's record for `config`: the params a trial of it draws, with the distributions TPE's own
+        proposals use (`propose`), so the sampler learns from it as from its own."""
+        from optuna.distributions import CategoricalDistribution
+
+        d = self.space.domains()
+        params = self.space.params(config)
+        first = ("k1.strategy",) + config.strategy.decided_first
+        used = {k: v for k, v in params.items() if k in first or inapplicable(k, params) is None}
+        return {"params": used, "distributions": {k: CategoricalDistribution(list(d[k])) for k in used},
+                "system_attrs": {}}
 
     def suggest(self, trial) -> BackwardConfig:
         """The config of an asked trial, suggested knob by knob (conditional knobs fixed where they do not apply)."""
@@ -201,7 +240,7 @@ class _OneRead:
 
     def __init__(self, study, liars: tuple = ()):
         self._study = study
-        self._trials = None
+        self._trials = self._every = None
         self._liars = list(liars)
         self._storage = _Recording(study._storage)
 
@@ -210,10 +249,19 @@ class _OneRead:
         self._storage = _Recording(self._study._storage)
         return self
 
-    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
+    def _read(self) -> None:
         if self._trials is None:
-            self._trials = considered(self._study._get_trials(deepcopy=False, states=None, use_cache=False))
-            self._trials += self._liars
+            self._every = self._study._get_trials(deepcopy=False, states=None, use_cache=False) + self._liars
+            self._trials = considered(self._every[:len(self._every) - len(self._liars)]) + self._liars
+
+    def every_trial(self) -> list:
+        """Every trial of the study and the proposals made ahead, not copied (the window `considered` keeps is
+        what the sampler reads)."""
+        self._read()
+        return self._every
+
+    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False):
+        self._read()
         trials = self._trials if states is None else [t for t in self._trials if t.state in tuple(states)]
         return [copy.deepcopy(t) for t in trials] if deepcopy else list(trials)
 

@@ -14,6 +14,10 @@ from normtune.kernels.config import Problem
 # sweep's processes take seconds to start before any trial is measured.
 CLOSING_S = 1.0
 MIN_SWEEP_S = 2.0
+# The fitting sweeps' sampler: each problem's best config's one-step neighbours before TPE's own proposals (a
+# problem given few trials still ends at a local optimum of its best seed). The held-out reference stays TPE alone,
+# unseeded: independent of what the fit searched.
+SAMPLER = "local"
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,7 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
                         devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
                         extra_seeds=dict(extra_seeds or {}), heartbeat_interval=ctx.heartbeats[0],
-                        grace_period=ctx.heartbeats[1])
+                        grace_period=ctx.heartbeats[1], sampler=SAMPLER if seeded else "tpe")
     result = run(opts, on_event=ctx.on_sweep_event)
     if result.exit_code == 1:
         from .context import TuneError

@@ -1,0 +1,98 @@
+"""The "local" sampler (`tuner/sweep/sampling.py`): while the study's best config has a one-step neighbour
+(`seeds.neighbours`) that no trial holds, that neighbour is the next proposal, recorded as TPE's own proposals are;
+once the best's neighbourhood is measured, or after a rejected proposal, TPE proposes."""
+
+from __future__ import annotations
+
+import optuna
+
+from normtune.kernels.config import Problem, default_config
+from normtune.tuner.seeds import neighbours
+from normtune.tuner.space import Space
+from normtune.tuner.sweep.options import SweepOptions
+from normtune.tuner.sweep.sampling import Sampling, trial_config
+
+PROBLEM = Problem("rms_norm", 4096, 4096, "bf16")
+
+
+def _study(space, sampling):
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    return optuna.create_study(sampler=sampling.sampler)
+
+
+def _tell(study, sampling, config, value):
+    record = sampling._template(config)
+    study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=value,
+                                              params=record["params"], distributions=record["distributions"]))
+
+
+def test_the_best_configs_unmeasured_neighbours_come_first_in_knob_order():
+    space = Space(PROBLEM, 132)
+    sampling = Sampling("local", space, seed=0)
+    study = _study(space, sampling)
+    base = space.canonical(default_config(PROBLEM, space.limits))
+    around = neighbours(space, base)
+    assert len(around) >= 4
+    _tell(study, sampling, base, 10.0)
+    _tell(study, sampling, around[0], 12.0)  # measured, worse: the best stays the default
+    params, record = sampling.propose(study)
+    assert space.config(params) == around[1]
+    assert trial_config(space, record["params"]) == around[1]  # the recorded params rebuild the same config
+    # a better neighbour moves the search: the next proposal is one of its own neighbours, never a measured one
+    _tell(study, sampling, around[1], 8.0)
+    params, _ = sampling.propose(study)
+    proposed = space.config(params)
+    assert proposed in neighbours(space, around[1])
+    assert proposed not in (base, around[0], around[1])
+
+
+def test_proposals_made_ahead_count_as_held():
+    space = Space(PROBLEM, 132)
+    sampling = Sampling("local", space, seed=0)
+    study = _study(space, sampling)
+    base = space.canonical(default_config(PROBLEM, space.limits))
+    around = neighbours(space, base)
+    _tell(study, sampling, base, 10.0)
+    record = sampling._template(around[0])
+    liar = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
+                                     distributions=record["distributions"])
+    params, _ = sampling.propose(study, liars=(liar,))
+    assert space.config(params) == around[1]
+
+
+def test_a_measured_neighbourhood_or_a_retry_goes_to_tpe():
+    space = Space(PROBLEM, 132)
+    sampling = Sampling("local", space, seed=0)
+    study = _study(space, sampling)
+    base = space.canonical(default_config(PROBLEM, space.limits))
+    _tell(study, sampling, base, 1.0)
+    for i, config in enumerate(neighbours(space, base)):
+        _tell(study, sampling, config, 2.0 + i)
+    assert sampling._unmeasured_neighbour(_read(study)) is None
+    params, record = sampling.propose(study)  # TPE's proposal: a config of the space's domains
+    assert set(record["params"]) <= set(space.domains())
+    retried, _ = sampling.propose(study, retry=True)  # a retry never repeats the local proposal
+    assert set(retried) == set(space.params(space.config(retried)))
+
+
+def _read(study):
+    from normtune.tuner.sweep.sampling import _OneRead
+
+    return _OneRead(study)
+
+
+def test_local_is_a_sampler_the_options_accept_and_it_proposes_ahead():
+    import pytest
+
+    assert SweepOptions(gpu_key="h100", problems=[PROBLEM], trials=4, sampler="local", interpret=False).proposes_ahead
+    with pytest.raises(ValueError, match="--sampler 'nearby'"):
+        SweepOptions(gpu_key="h100", problems=[PROBLEM], trials=4, sampler="nearby")
+
+
+def test_the_tunes_fitting_sweeps_search_locally_and_its_reference_does_not():
+    import inspect
+
+    from normtune.tuner.tune import sweeping
+
+    assert sweeping.SAMPLER == "local"
+    assert 'sampler=SAMPLER if seeded else "tpe"' in inspect.getsource(sweeping.sweep)
