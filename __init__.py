@@ -13,7 +13,7 @@ __all__ = ["patch"]
 
 def __getattr__(name: str):
     if name == "patch":
-        from .kernels.patch import patch
+        from .kernels.patching.patch import patch
 
         return patch
     raise AttributeError(f"module 'normtune' has no attribute {name!r}")

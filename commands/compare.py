@@ -38,7 +38,7 @@ def compare(
     from rich.console import Console
 
     from normtune.kernels.config import NORMS
-    from normtune.kernels.tables import load_table
+    from normtune.kernels.select.tables import load_table
     from normtune.tuner.tables import compare as C
     from normtune.tuner.measure.harness import TIMING, MeasureSession
 

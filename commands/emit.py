@@ -36,7 +36,7 @@ def _names(text: str | None, option: str) -> tuple[str, ...] | None:
 
 def _read_runs_of(runs: str | None, runs_of: Path | None) -> dict | None:
     """The JSON of the table --runs-of names (read once: its runs and its incumbent both come from it)."""
-    from normtune.kernels.tables import TableError, read_json
+    from normtune.kernels.select.tables import TableError, read_json
 
     if runs is not None and runs_of is not None:
         raise CLIError("--runs and --runs-of both name the runs to fit on: give one of them")
@@ -67,7 +67,7 @@ def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, ki
 
 def _incumbent(keep: Path | None, runs_of: Path | None, recorded: dict | None):
     """The incumbent table: --keep's file, else the one the --runs-of table recorded (re-emission), else None."""
-    from normtune.kernels.tables import TableError, read_table
+    from normtune.kernels.select.tables import TableError, read_table
     from normtune.tuner.tables import incumbent
 
     try:
@@ -146,7 +146,7 @@ def emit(
         run_checked(refuse, f"--keep {keep or runs_of}: its incumbent was tuned on {incumbent.gpu_key}, this table is "
                             f"for {key}: keep a {key} table (or emit without --keep)")
     if user:
-        from normtune.kernels.table_chain import user_table_path
+        from normtune.kernels.select.table_chain import user_table_path
 
         path = user_table_path(key)
     else:

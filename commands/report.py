@@ -30,7 +30,7 @@ def report(
     if db == DEFAULT_DB and not Path("results.db").exists():
         run_checked(refuse, "results.db not found here: run from the repository root or pass --db sqlite:///PATH")
     if table is not None:  # a broken table is said before anything is read or written
-        from normtune.kernels.tables import read_table
+        from normtune.kernels.select.tables import read_table
 
         run_checked(read_table, str(table))
     store = run_checked(read_only_store, db)

@@ -84,7 +84,7 @@ def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
 
 
 def _outputs(out: Path | None, report: Path | None, key: str, interpret: bool) -> tuple[Path, Path]:
-    from normtune.kernels.table_chain import user_table_path
+    from normtune.kernels.select.table_chain import user_table_path
 
     if out is None:
         if interpret:
@@ -120,7 +120,7 @@ def _incumbent(info, as_new_gpu: bool):
     """The table the runtime would use here now (none as a new GPU, none for interpreter timings)."""
     if as_new_gpu:
         return None
-    from normtune.kernels.table_chain import choose_table
+    from normtune.kernels.select.table_chain import choose_table
 
     cc = tuple(int(x) for x in info.compute_capability.split(".")) if info.compute_capability else None
     table = choose_table(None if info.interpret else info.name, cc).table
@@ -188,7 +188,7 @@ def tune(
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
     if as_new_gpu:
-        from normtune.kernels.table_chain import ENV_VAR, HIDE_VAR
+        from normtune.kernels.select.table_chain import ENV_VAR, HIDE_VAR
 
         if os.environ.get(ENV_VAR):
             run_checked(refuse, f"--as-new-gpu: ${ENV_VAR} names a table ({os.environ[ENV_VAR]}) that would stand in "

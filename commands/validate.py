@@ -30,8 +30,8 @@ def _validation_problems(shapes: str | None, shapes_from: Path | None, tokens: s
 
 
 def _table_for_device(table: Path | None, info):
-    from normtune.kernels.table_chain import table_for
-    from normtune.kernels.tables import load_table
+    from normtune.kernels.select.table_chain import table_for
+    from normtune.kernels.select.tables import load_table
 
     if table is not None:
         return load_table(str(table))

@@ -96,7 +96,7 @@ def where(
     none did) and the config, as JSON. Reads files only."""
     problem = run_checked(_problem, shape, norm, dtype, weight_dtype, bias, zero_centered, save)
     problem = run_checked(with_residual, [problem], residual, residual_dtype)[0]
-    from normtune.kernels.select import explain  # imports torch: after the options are checked
+    from normtune.kernels.select.select import explain  # imports torch: after the options are checked
 
     if config_file is not None and not config_file.is_file():
         run_checked(refuse, f"--config-file {config_file}: no such file; give a table emitted by `normtune emit`")

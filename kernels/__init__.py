@@ -32,11 +32,11 @@ if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
         kernel_1_config,
     )
     from .strategies import default_config
-    from .functional import layer_norm, rms_norm
-    from .direct import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
-    from .modules import FusedAddLayerNorm, FusedAddRMSNorm, LayerNorm, RMSNorm
-    from .patch import PatchReport, patch
-    from .select import select_config
+    from .api.functional import layer_norm, rms_norm
+    from .api.direct import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
+    from .api.modules import FusedAddLayerNorm, FusedAddRMSNorm, LayerNorm, RMSNorm
+    from .patching.patch import PatchReport, patch
+    from .select.select import select_config
 
 __all__ = [
     "BackwardConfig", "ConfigError", "FusedAddLayerNorm", "FusedAddRMSNorm", "Kernel1Config", "Kernel2Config",

@@ -112,7 +112,7 @@ def _relative_error_fixture():
 def reference_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                    grad: torch.Tensor | None = None, *, is_rms: bool, zero_centered: bool = False) -> dict:
     """The norm over the last dimension and its gradients, by torch autograd on float64 copies of the inputs
-    (independent of `normtune.kernels.reference`). Returns y, rstd, mean, x̂ (float64; rstd and mean over the
+    (independent of `normtune.kernels.api.reference`). Returns y, rstd, mean, x̂ (float64; rstd and mean over the
     leading dims) and,
     given `grad`, dx, dw, db (None where there is no weight/bias) and `scale`, the error floors for them."""
     N = x.shape[-1]

@@ -149,7 +149,7 @@ def test_compare_against_the_analytic_default(tmp_path):
     dry = runner.invoke(app, ["compare", "default", table, "--dry-run", *args])
     assert dry.exit_code == 0, dry.output
     from normtune.kernels.config import Problem
-    from normtune.kernels.tables import load_table
+    from normtune.kernels.select.tables import load_table
 
     problem = Problem("rms_norm", 64, 256, "bf16")
     assert f"| rms_norm 64×256 bf16 | `{default_config(problem)}` | `{config_for(load_table(table), problem)}` |" \

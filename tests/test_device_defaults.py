@@ -16,7 +16,7 @@ import torch
 from normtune.kernels import device as kernel_device
 from normtune.kernels import limits as L
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
-from normtune.kernels.tables import parse_table
+from normtune.kernels.select.tables import parse_table
 from normtune.tuner import gpu_info as D
 from normtune.tuner.measure import bench as B
 from normtune.tuner.measure import harness as measure

@@ -18,8 +18,8 @@ from normtune.kernels.backward import launch
 from normtune.kernels.capabilities import fallbacks, portable
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, hardware_registers, staged_shared_bytes
-from normtune.kernels.select import clear_caches, explain
-from normtune.kernels.table_chain import choose_table, table_for
+from normtune.kernels.select.select import clear_caches, explain
+from normtune.kernels.select.table_chain import choose_table, table_for
 from normtune.tuner.space import Space
 
 KiB = 1024

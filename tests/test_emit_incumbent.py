@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel2Config, ProblemFamily, default_config, kernel_1_config
-from normtune.kernels.tables import parse_table
+from normtune.kernels.select.tables import parse_table
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult

@@ -1,6 +1,6 @@
 """Emitting heuristic tables (`normtune.tuner.tables.emit`) from stored measurements, and the runtime side that reads them
-(`normtune.kernels.tables`, `normtune.kernels.select`): determinism, rule fitting, lookup for any shape, the
-table-for-this-GPU chain with its one-time warnings, refusal of malformed tables, the `emit` CLI, and the
+(`normtune.kernels.select.tables`, `normtune.kernels.select.select`): determinism, rule fitting, lookup for any
+shape, the table-for-this-GPU chain with its one-time warnings, refusal of malformed tables, the `emit` CLI, and the
 committed tables.
 
 Fitting is tested on hand-made measurements replayed from a SQLite store (no kernel runs); the CLI test runs a
@@ -23,13 +23,13 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels import table_chain, tables
+from normtune.kernels.select import table_chain, tables
 from normtune.kernels.config import (MAX_N, BackwardConfig, Kernel1Config, Kernel2Config, Problem, ProblemFamily,
                                      default_config, kernel_1_config)
 from normtune.kernels.device import gpu_key, interpret_mode
-from normtune.kernels.select import clear_caches, select_config
-from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
-from normtune.kernels.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
+from normtune.kernels.select.select import clear_caches, select_config
+from normtune.kernels.select.table_chain import ENV_VAR, HOME_VAR, table_for
+from normtune.kernels.select.tables import SCHEMA_VERSION, TableError, adapt, load_table, parse_table
 from normtune.tuner.tables import emit, fit
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_config
-from normtune.kernels.table_chain import HOME_VAR
-from normtune.kernels.tables import read_table
+from normtune.kernels.select.table_chain import HOME_VAR
+from normtune.kernels.select.tables import read_table
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.store.database import Store

@@ -1,4 +1,4 @@
-"""A form is a parameter (`kernels/forms.py`): the plain norm and the fused residual form run through one public
+"""A form is a parameter (`kernels/api/forms.py`): the plain norm and the fused residual form run through one public
 path, one custom-op family, one autograd Function and one direct path, and their custom ops keep the names and
 schemas users' traced graphs hold."""
 
@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from normtune.kernels import FusedAddRMSNorm, layer_norm, layer_norm_forward, ops, rms_norm, rms_norm_backward
+from normtune.kernels import FusedAddRMSNorm, layer_norm, layer_norm_forward, rms_norm, rms_norm_backward
+
+from normtune.kernels.api import ops
 from normtune.kernels import rms_norm_forward
-from normtune.kernels.forms import FORMS, PLAIN, RESIDUAL, Form
+from normtune.kernels.api.forms import FORMS, PLAIN, RESIDUAL, Form
 
 N = 40
 SCHEMAS = {
@@ -55,7 +57,7 @@ def test_both_forms_run_through_one_path(monkeypatch, device):
         return real(form, *args, **kwargs)
 
     monkeypatch.setattr(ops, "forward_impl", spy)
-    from normtune.kernels import direct
+    from normtune.kernels.api import direct
     monkeypatch.setattr(direct, "forward_impl", spy)
     x, xr, r = (torch.randn(3, N, device=device, requires_grad=True) for _ in range(3))
     w = torch.ones(N, device=device, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Forward calls planned per input signature (`kernels/forward_calls.py`): a repeated call skips the checks and
+"""Forward calls planned per input signature (`kernels/api/forward_calls.py`): a repeated call skips the checks and
 the planning and still computes, bitwise, what the first call computed — through the functions without autograd
 and through the autograd API (its gradients too) — in every memory layout; inputs that break a rule are still
 refused after a planned call; the plans are bounded."""
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normtune.kernels import direct, forward_calls, functional, layer_norm, layer_norm_forward, reference, rms_norm
+from normtune.kernels import layer_norm, layer_norm_forward, rms_norm
+
+from normtune.kernels.api import direct, forward_calls, functional, reference
 from normtune.kernels import rms_norm_forward
 
 N = 200

@@ -190,3 +190,23 @@ def test_the_tune_sits_on_top_of_the_tuner():
     rooms = _rooms(_graph()[0])
     users = sorted(name for name, targets in rooms.items() if "normtune.tuner.tune" in targets)
     assert users == ["normtune.commands.tune"], users
+
+
+# kernels/ by seam, bottom to top: the values, the strategies and the kernels (the package's own modules,
+# strategies/, backward/), then select/ (which config runs), api/ (the call path: functions, modules, ops), and
+# patching/ (`normtune.patch`). A room imports only rooms below it; the package's `__init__` re-exports from all.
+KERNEL_LAYERS = {f"{PACKAGE}.kernels.select": 1, f"{PACKAGE}.kernels.api": 2, f"{PACKAGE}.kernels.patching": 3}
+
+
+def test_the_kernels_subpackages_are_layered():
+    rooms = _rooms(_graph()[0], f"{PACKAGE}.kernels")
+    assert set(KERNEL_LAYERS) <= set(rooms)
+    wrong = []
+    for name, targets in rooms.items():
+        if name == f"{PACKAGE}.kernels" or not name.startswith(f"{PACKAGE}.kernels."):
+            continue  # the package's __init__, and everything above kernels/, may import any room
+        level = KERNEL_LAYERS.get(name, 0)
+        wrong += [f"{name} imports {t}" for t in sorted(targets) if KERNEL_LAYERS.get(t, 0) >= level > 0
+                  or (level == 0 and t in KERNEL_LAYERS)]
+    assert not wrong, wrong
+    assert not [c for c in _cycles(rooms) if set(c) & set(KERNEL_LAYERS)]

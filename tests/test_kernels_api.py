@@ -20,7 +20,7 @@ from normtune.kernels import (
     select_config,
 )
 from normtune.kernels import backward as backward_module
-from normtune.kernels import reference as reference_module
+from normtune.kernels.api import reference as reference_module
 from normtune.kernels.config import MAX_N
 from normtune.kernels.device import device_name, use_triton
 
@@ -30,7 +30,7 @@ SMALL = BackwardConfig(kernel_1_config(block_row=2, block_col=256, num_warps=2),
 
 
 def test_kernels_run_not_the_pytorch_fallback(device, monkeypatch, make_norm_inputs):
-    """On CPU the suite must exercise the Triton kernels (interpreter), not `kernels/reference.py`."""
+    """On CPU the suite must exercise the Triton kernels (interpreter), not `kernels/api/reference.py`."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("the pure-PyTorch fallback ran: the tests would not be testing the kernels")
@@ -48,7 +48,7 @@ def test_kernels_run_not_the_pytorch_fallback(device, monkeypatch, make_norm_inp
 def test_eager_call_without_the_fast_apply_gives_the_same_bits(device, monkeypatch, make_norm_inputs):
     """`ops.eager_norm` skips `Function.apply`'s Python wrapper; where that is unavailable (or functorch transforms
     are active) it calls `EagerNorm.apply`. Both give the same y and gradients, and y is the only output."""
-    from normtune.kernels import ops
+    from normtune.kernels.api import ops
 
     inputs = make_norm_inputs((5, N), torch.bfloat16, device, has_bias=True)
     results = []
@@ -332,8 +332,8 @@ def test_module_checks_its_arguments_at_construction(make, error, needles):
 def test_modules_and_functions_check_eps_and_save_in_one_place(monkeypatch, device):
     """The modules (when built) and the functions (at each call) apply one rule for eps and save:
     `functional.check_options`, so that the two can never disagree."""
-    import normtune.kernels.functional as functional
-    import normtune.kernels.modules as modules
+    import normtune.kernels.api.functional as functional
+    import normtune.kernels.api.modules as modules
 
     seen = []
     rule = functional.check_options
@@ -377,7 +377,7 @@ def _shipped_table_json() -> dict:
 def test_table_with_a_badly_typed_field_is_refused_at_load(tmp_path, section, field, value):
     import json
 
-    from normtune.kernels.tables import TableError, read_table
+    from normtune.kernels.select.tables import TableError, read_table
 
     data = _shipped_table_json()
     (data[section] if section else data)[field] = value
@@ -391,7 +391,7 @@ def test_table_with_a_badly_typed_field_is_refused_at_load(tmp_path, section, fi
 
 
 def test_read_table_names_the_file_for_bad_json_and_missing_files(tmp_path):
-    from normtune.kernels.tables import TableError, read_table
+    from normtune.kernels.select.tables import TableError, read_table
 
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
@@ -404,7 +404,7 @@ def test_read_table_names_the_file_for_bad_json_and_missing_files(tmp_path):
 def test_read_table_reads_the_shipped_table_afresh(tmp_path):
     import json
 
-    from normtune.kernels.tables import read_table
+    from normtune.kernels.select.tables import read_table
 
     path = tmp_path / "h100.json"
     path.write_text(json.dumps(_shipped_table_json()))
@@ -505,7 +505,7 @@ def test_opcheck(is_rms, has_weight, has_bias, zero_centered, save_output, dtype
 
 
 def test_table_label_is_repository_relative(tmp_path, monkeypatch):
-    from normtune.kernels.tables import read_table, shipped_tables
+    from normtune.kernels.select.tables import read_table, shipped_tables
 
     assert sorted(t.label for t in shipped_tables()) == ["configs/h100.json", "configs/h200.json"]
     monkeypatch.chdir(tmp_path)

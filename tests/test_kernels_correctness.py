@@ -23,7 +23,7 @@ from normtune.kernels.backward import TORCH_DTYPES, BackwardLaunch
 from normtune.kernels.config import NUM_WARPS
 from normtune.kernels.heuristics import next_power_of_two
 from normtune.kernels.forward import forward
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 # (norm, has_weight, has_bias, zero_centered): every combination the API accepts (rms_norm has no bias,
 # zero-centering needs a weight).

@@ -1,4 +1,4 @@
-"""The functions without autograd (`normtune.kernels.direct`): the same results as the autograd path, bit for
+"""The functions without autograd (`normtune.kernels.api.direct`): the same results as the autograd path, bit for
 bit, no graph recorded, the shapes and options of the functional API, and bad input named."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
     """A resolved call remembers its launch plan per (grad, x, dx) row strides, which decide int64 indexing and the
     alignment hint: rows sliced from tensors of other widths (strides 200, 203, 204, 208) each get their own plan and
     compute what contiguous rows compute, and the memo starts over when full."""
-    from normtune.kernels import backward_calls
+    from normtune.kernels.api import backward_calls
     from normtune.kernels.backward import launch
 
     monkeypatch.setattr(launch, "MAX_PLANS_PER_CALL", 3)

@@ -1,5 +1,5 @@
 """Tuning for one model: `--shapes-from` (a Hugging Face config.json read as plain JSON, `tuner/model_shapes.py`),
-the user table in the lookup chain (`kernels/table_chain.py`), `normtune emit --user` and `normtune where`.
+the user table in the lookup chain (`kernels/select/table_chain.py`), `normtune emit --user` and `normtune where`.
 
 Configs are small hand-written dicts with the keys the real models' configs carry; the one sweep is an interpreted
 sweep of a tiny Gemma-3-like model, one trial per problem.
@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 from normtune.cli import app
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.device import interpret_mode
-from normtune.kernels.select import clear_caches, explain, select_config
-from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, choose_table, table_for, user_dir
-from normtune.kernels.tables import TableError, load_table, parse_table
+from normtune.kernels.select.select import clear_caches, explain, select_config
+from normtune.kernels.select.table_chain import ENV_VAR, HOME_VAR, choose_table, table_for, user_dir
+from normtune.kernels.select.tables import TableError, load_table, parse_table
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
 from normtune.tuner.model_shapes import model_shapes, parse_tokens

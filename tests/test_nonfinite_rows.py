@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels import BackwardConfig, Kernel2Config, forward_calls, kernel_1_config, layer_norm, rms_norm
-from normtune.kernels import reference
+from normtune.kernels import BackwardConfig, Kernel2Config, kernel_1_config, layer_norm, rms_norm
+
+from normtune.kernels.api import forward_calls
+from normtune.kernels.api import reference
 from normtune.kernels.heuristics import row_block_col
 
 M = 5

@@ -476,7 +476,7 @@ def test_activation_checkpointing_recomputes_what_the_forward_saved(save, device
     signature takes the checked path and later ones the planned path (`forward_calls`): both save x (or y) with
     the caller's leading dims, so a layer whose forward ran a norm's first call recomputes it as a planned one.
     Plans are cleared first, so the first step's forward holds first calls."""
-    from normtune.kernels import forward_calls
+    from normtune.kernels.api import forward_calls
 
     model = _tiny_causal_lm("llama", torch.float32, device)
     reference = copy.deepcopy(model)

@@ -14,8 +14,9 @@ from torch import nn
 
 import normtune
 from normtune.kernels import RMSNorm
-from normtune.kernels import forward_calls, patch_residual
-from normtune.kernels.forms import RESIDUAL
+from normtune.kernels.api import forward_calls
+from normtune.kernels.patching import patch_residual
+from normtune.kernels.api.forms import RESIDUAL
 
 from patch_support import TINY, check_same as _check_same, logits_and_grads as _logits_and_grads, \
     tiny_model as _model, token_ids as _ids

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normtune.kernels import forward_calls, layer_norm, layer_norm_backward, layer_norm_forward, rms_norm
+from normtune.kernels import layer_norm, layer_norm_backward, layer_norm_forward, rms_norm
+
+from normtune.kernels.api import forward_calls
 from normtune.kernels import rms_norm_backward, rms_norm_forward
-from normtune.kernels.modules import LayerNorm, RMSNorm
+from normtune.kernels.api.modules import LayerNorm, RMSNorm
 
 N = 40
 
@@ -377,7 +379,7 @@ def test_save_output_keeps_y_where_it_determines_the_input(norm, device):
 def test_save_output_check_is_cached_per_weight_version(device, monkeypatch):
     """The weights are read once per data version (on a GPU, a read of the device), not on every call; an in-place
     update (an optimizer step) is seen."""
-    from normtune.kernels import saving
+    from normtune.kernels.api import saving
 
     saving.clear()
     calls = []
@@ -432,7 +434,7 @@ def test_save_output_under_compile_refuses_weights_that_lose_the_input(device):
 def test_save_output_reads_back_once_per_weight_update_for_all_layers(device, monkeypatch):
     """After an optimizer-like in-place update of every layer, the first layer's check serves them all: one
     read-back per step, not one per layer; and a layer whose update broke the rule still saves x."""
-    from normtune.kernels import saving
+    from normtune.kernels.api import saving
 
     saving.clear()
     reads = []

@@ -11,9 +11,8 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from normtune.kernels import (BackwardConfig, Kernel2Config, Problem, forward_calls, kernel_1_config, layer_norm,
-                              rms_norm)
-from normtune.kernels import saving
+from normtune.kernels import BackwardConfig, Kernel2Config, Problem, kernel_1_config, layer_norm, rms_norm
+from normtune.kernels.api import forward_calls, saving
 from normtune.kernels.backward import workspace
 from normtune.kernels.config import NUM_WARPS
 from normtune.kernels.heuristics import next_power_of_two, row_block_col

@@ -436,7 +436,7 @@ def test_a_table_without_residual_families_answers_them_with_the_plain_rules():
     """A residual problem reads its own family where the table has one (the H100 table has bf16-stream ones), the
     residual family of another stream dtype where only that one is tuned (an fp32 stream on the H100: the same
     knobs run it), and the plain family's rules where the table has no residual family (the H200 table)."""
-    from normtune.kernels.tables import shipped_tables
+    from normtune.kernels.select.tables import shipped_tables
 
     tables = shipped_tables()
     tables = list(tables.values()) if isinstance(tables, dict) else list(tables)

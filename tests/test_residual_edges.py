@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels import FusedAddLayerNorm, FusedAddRMSNorm, forward_calls, layer_norm, rms_norm
+from normtune.kernels import FusedAddLayerNorm, FusedAddRMSNorm, layer_norm, rms_norm
+
+from normtune.kernels.api import forward_calls
 from normtune.kernels import rms_norm_forward
 
 BF16, FP32 = torch.bfloat16, torch.float32

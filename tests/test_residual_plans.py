@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtune.kernels import forward_calls, functional, layer_norm, rms_norm, rms_norm_forward
+from normtune.kernels import layer_norm, rms_norm, rms_norm_forward
+
+from normtune.kernels.api import forward_calls, functional
 
 BF16, FP32 = torch.bfloat16, torch.float32
 N = 37
@@ -192,7 +194,7 @@ def _variants(base: dict, device) -> dict:
 
 def _selected_config(x, w):
     """The backward config selection picks for the base call, to pass explicitly."""
-    from normtune.kernels.backward_calls import resolved
+    from normtune.kernels.api.backward_calls import resolved
 
     return resolved(x, x.shape[0], N, w, None, True, False, False, "", x.dtype).config
 
@@ -297,7 +299,8 @@ def test_checkpoint_recompute_saves_what_the_forward_saved(save, plans, device):
 
 def test_direct_residual_forward_plans(device, monkeypatch):
     """The function without autograd: a repeated residual call runs the first's plan, bitwise, without checks."""
-    from normtune.kernels import direct, layer_norm_forward
+    from normtune.kernels import layer_norm_forward
+    from normtune.kernels.api import direct
 
     x = (torch.randn(2, 3, N) + 0.5).to(device=device, dtype=BF16)
     r = torch.randn(2, 3, N).to(device=device, dtype=FP32)

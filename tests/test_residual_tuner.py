@@ -105,7 +105,7 @@ def test_interpreted_sweep_and_emit_keep_the_residual_family(tmp_path):
     from typer.testing import CliRunner
 
     from normtune.cli import app
-    from normtune.kernels.tables import load_table
+    from normtune.kernels.select.tables import load_table
 
     url = f"sqlite:///{tmp_path / 'r.db'}"
     runner = CliRunner()

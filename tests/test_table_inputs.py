@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.select import clear_caches
-from normtune.kernels.table_chain import ENV_VAR, HOME_VAR, table_for
-from normtune.kernels.tables import TableError, read_table
+from normtune.kernels.select.select import clear_caches
+from normtune.kernels.select.table_chain import ENV_VAR, HOME_VAR, table_for
+from normtune.kernels.select.tables import TableError, read_table
 
 CONFIGS = Path(str(resources.files("normtune.configs")))
 RMS_KEY = "rms_norm/bf16/wbf16/nobias/save-input"

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, jvp, vmap
 
-from normtune.kernels import FusedAddRMSNorm, RMSNorm, forward_calls, layer_norm, layer_norm_forward, rms_norm
+from normtune.kernels import FusedAddRMSNorm, RMSNorm, layer_norm, layer_norm_forward, rms_norm
+
+from normtune.kernels.api import forward_calls
 from normtune.kernels import rms_norm_backward, rms_norm_forward
 
 B, M, N = 3, 4, 16

@@ -22,7 +22,7 @@ from sweep_support import INTERPRETER_ONLY, kill_group, run_sweep, start_sweep, 
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.device import INTERPRET_SM_COUNT
-from normtune.kernels.tables import parse_table, read_table, shipped_tables
+from normtune.kernels.select.tables import parse_table, read_table, shipped_tables
 from normtune.tuner.shapes import HELDOUT
 from normtune.tuner.store.database import Store
 from normtune.tuner.sweep.options import study_name

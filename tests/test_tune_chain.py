@@ -1,4 +1,4 @@
-"""$NORMTUNE_HIDE_TABLES (`kernels/table_chain.py`): the lookup chain without the user and shipped tables, as
+"""$NORMTUNE_HIDE_TABLES (`kernels/select/table_chain.py`): the lookup chain without the user and shipped tables, as
 `normtune tune --as-new-gpu` runs it, so that a GPU with a shipped table can be tuned as if nobody had."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from normtune.kernels.config import Problem, default_config
-from normtune.kernels.select import clear_caches, explain, select_config
-from normtune.kernels.table_chain import ENV_VAR, HIDE_VAR, HOME_VAR, choose_table, tables_hidden, user_dir
+from normtune.kernels.select.select import clear_caches, explain, select_config
+from normtune.kernels.select.table_chain import ENV_VAR, HIDE_VAR, HOME_VAR, choose_table, tables_hidden, user_dir
 
 H100_NAME = "NVIDIA H100 80GB HBM3"
 PROBLEM = Problem("rms_norm", 4096, 8192, "bf16")

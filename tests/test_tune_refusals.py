@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from normtune.cli import app
-from normtune.kernels.select import clear_caches
-from normtune.kernels.table_chain import ENV_VAR, HIDE_VAR, HOME_VAR
+from normtune.kernels.select.select import clear_caches
+from normtune.kernels.select.table_chain import ENV_VAR, HIDE_VAR, HOME_VAR
 
 
 @pytest.fixture(autouse=True)

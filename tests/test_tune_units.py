@@ -14,7 +14,7 @@ import pytest
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.device import INTERPRET_SM_COUNT
-from normtune.kernels.tables import parse_table, shipped_tables
+from normtune.kernels.select.tables import parse_table, shipped_tables
 from normtune.tuner.measure.spread import Ratio, Timing
 from normtune.tuner.shapes import HELDOUT
 from normtune.tuner.space import Space
@@ -154,8 +154,8 @@ def test_as_new_gpu_hides_the_tables_before_the_tune_starts_a_process(monkeypatc
     from typer.testing import CliRunner
 
     from normtune.cli import app
-    from normtune.kernels.select import clear_caches
-    from normtune.kernels.table_chain import HIDE_VAR, choose_table
+    from normtune.kernels.select.select import clear_caches
+    from normtune.kernels.select.table_chain import HIDE_VAR, choose_table
     from normtune.tuner.tune import runner
 
     monkeypatch.setenv(HIDE_VAR, "0")  # restored after the test; the command sets it for its whole run

@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from normtune.kernels import BackwardConfig, Kernel2Config, direct, kernel_1_config, layer_norm, rms_norm
-from normtune.kernels import forward_calls
+from normtune.kernels import BackwardConfig, Kernel2Config, kernel_1_config, layer_norm, rms_norm
+
+from normtune.kernels.api import direct
+from normtune.kernels.api import forward_calls
 from normtune.kernels import Problem
 from normtune.kernels.limits import STAND_INS
-from normtune.kernels.select import clear_caches, explain
-from normtune.kernels.tables import load_table
+from normtune.kernels.select.select import clear_caches, explain
+from normtune.kernels.select.tables import load_table
 from normtune.kernels.strategies import STRATEGIES
 
 N = 200

@@ -50,7 +50,9 @@ def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("normtune/__init__.py", "normtune/configs/h100.json", "normtune/configs/h200.json",
                      "normtune/configs/__init__.py", "normtune/cli.py", "normtune/kernels/__init__.py",
-                     "normtune/kernels/tables.py", "normtune/tuner/__init__.py", "normtune/tuner/store/database.py",
+                     "normtune/kernels/select/tables.py", "normtune/kernels/api/ops.py",
+                     "normtune/kernels/patching/patch.py", "normtune/tuner/__init__.py",
+                     "normtune/tuner/store/database.py",
                      "normtune/commands/common.py"):
         assert required in names, required
     dist_info = {n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")}
@@ -96,7 +98,7 @@ def test_installed_wheel_finds_its_tables(wheel, tmp_path):
     """Unpacked on sys.path ahead of the checkout: the package data is read from the wheel's files."""
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import normtune.kernels.tables as t, normtune.cli as c; "
+    code = ("import normtune.kernels.select.tables as t, normtune.cli as c; "
             "paths = [x.path for x in t.shipped_tables()]; "
             "print(t.__file__); print(c.__file__); print('\\n'.join(paths)); "
             "print(sorted(x.gpu_name for x in t.shipped_tables()))")

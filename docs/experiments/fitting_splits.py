@@ -13,7 +13,7 @@ import sys
 
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import row_block_col
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 from normtune.tuner.space import fitting_split
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,6 @@
 """fp32 rows of 8193-16384 columns, on a GPU: what the runtime runs today against split rows of 2-row tiles.
 
-fp32 has no family in the shipped tables, so a problem reads the bf16 rules (`kernels/adapt.py`). At 16384 columns
+fp32 has no family in the shipped tables, so a problem reads the bf16 rules (`select/adapt.py`). At 16384 columns
 the RMSNorm rules hold whole bf16 rows in registers, which does not carry over: fp32 runs the analytic default, a
 1 x 16384 tile on 16 warps without prefetch. The LayerNorm rule splits bf16 rows in 4 slices of 4 x 4096 tiles, so
 fp32 runs it in 8 slices of 4 x 2048. The unseeded 40-trial reference sweeps of the fp32 validations (runs 250-254)
@@ -26,7 +26,7 @@ import sys
 
 from normtune.kernels.config import ROW_SPLITS, BackwardConfig, Kernel2Config, kernel_1_config
 from normtune.kernels.heuristics import WIDE_FP32_SLICE, row_block_col
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import run  # noqa: E402

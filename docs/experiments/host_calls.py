@@ -22,7 +22,8 @@ import os
 import torch
 
 import normtune
-from normtune.kernels import direct, launcher, layer_norm, rms_norm
+from normtune.kernels import launcher, layer_norm, rms_norm
+from normtune.kernels.api import direct
 from normtune.kernels.config import Problem
 from normtune.tuner.measure.peers import NormtuneAPI, PeerUnavailable, make_peer
 from normtune.tuner.measure.views import host_us_per_call

@@ -16,7 +16,7 @@ import os
 import sys
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import run  # noqa: E402

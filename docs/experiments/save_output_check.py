@@ -1,4 +1,4 @@
-"""What save="output"'s weight check (kernels/saving.py) costs in a training loop on a GPU.
+"""What save="output"'s weight check (kernels/api/saving.py) costs in a training loop on a GPU.
 
 A stack of L blocks (normtune LayerNorm or RMSNorm, then a bf16 Linear) trains for a number of steps. With an
 optimizer step (every norm's weight changes, so save="output" reads the check results back once per step, at the
@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from normtune.kernels.modules import LayerNorm, RMSNorm
+from normtune.kernels.api.modules import LayerNorm, RMSNorm
 
 
 def _model(norm: str, layers: int, cols: int, save: str) -> torch.nn.Module:

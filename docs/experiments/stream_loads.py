@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from normtune.kernels.heuristics import num_groups
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.measure.views import kernel_sum

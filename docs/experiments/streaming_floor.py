@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import MeasureSession, Timing
 from normtune.tuner.measure.views import kernel_sum

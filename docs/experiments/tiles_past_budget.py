@@ -16,7 +16,7 @@ import sys
 
 import normtune.kernels.config as config_module
 from normtune.kernels.config import BackwardConfig, Problem
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import run  # noqa: E402

@@ -18,11 +18,11 @@ import json
 import os
 import sys
 
-from normtune.kernels import direct
-from normtune.kernels.adapt import adapt
+from normtune.kernels.api import direct
+from normtune.kernels.select.adapt import adapt
 from normtune.kernels.config import BackwardConfig, default_config
-from normtune.kernels.select import select_config
-from normtune.kernels.table_chain import table_for
+from normtune.kernels.select.select import select_config
+from normtune.kernels.select.table_chain import table_for
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import run  # noqa: E402

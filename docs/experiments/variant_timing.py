@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from normtune.kernels.config import BackwardConfig, Problem
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure.harness import L2Flusher, MeasureSession, Timing, time_kernels
 

@@ -14,7 +14,7 @@ import sys
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import MAX_SINGLE_PASS, max_warps, row_block_col, slice_width
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from variant_timing import run  # noqa: E402

@@ -11,11 +11,11 @@ from typing import Optional
 
 from torch import Tensor
 
-from . import backward as _backward
+from .. import backward as _backward
 from . import reference
-from .config import BackwardConfig, Problem
-from .device import compute_capability, device_limits, device_name, use_triton
-from .select import on_clear, resolve_config
+from ..config import BackwardConfig, Problem
+from ..device import compute_capability, device_limits, device_name, use_triton
+from ..select.select import on_clear, resolve_config
 
 
 @functools.lru_cache(maxsize=4096)

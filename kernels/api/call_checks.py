@@ -11,12 +11,12 @@ import torch
 from torch import Tensor
 
 from . import saving
-from .config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, mapping_to_json
+from ..config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, mapping_to_json
 from .forms import RESIDUAL, Form
 from .backward_calls import BackwardCall, resolved
 from .ops import rows_2d
-from .problem import canonical_dtype
-from .select import parsed_config
+from ..problem import canonical_dtype
+from ..select.select import parsed_config
 
 __all__ = ["check_form", "check_inputs", "check_options", "dtype_eps", "explicit_backward", "output_recovers",
            "residual_dtype_of", "rows_2d", "rows_view", "stream_eps"]

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import composite, forward_calls, saving
 from .backward_calls import backward_impl
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, rows_2d, stream_eps
-from .config import BackwardConfig
+from ..config import BackwardConfig
 from .forms import PLAIN, RESIDUAL, Form
 from .ops import contiguous_operand, forward_impl
 

@@ -25,10 +25,10 @@ import math
 import torch
 from torch import Tensor
 
-from . import forward as _forward
-from .device import use_triton
+from .. import forward as _forward
+from ..device import use_triton
 from .forms import PLAIN, Form
-from .launcher import data_ptr
+from ..launcher import data_ptr
 
 _PLANS: dict[tuple, tuple] = {}
 MAX_PLANS = 4096

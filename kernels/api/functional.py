@@ -27,7 +27,7 @@ from torch import Tensor
 from . import composite, forward_calls
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, output_recovers
 from .call_checks import rows_2d, rows_view, stream_eps
-from .config import BackwardConfig
+from ..config import BackwardConfig
 from .forms import PLAIN, RESIDUAL, Form
 from .ops import contiguous_operand, eager_norm
 

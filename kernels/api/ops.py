@@ -18,12 +18,12 @@ import torch
 from torch import Tensor
 
 from . import composite
-from . import forward as _forward
+from .. import forward as _forward
 from . import forward_calls
 from . import reference
 from . import saving
 from .backward_calls import backward_impl
-from .device import use_triton
+from ..device import use_triton
 from .forms import FORMS, PLAIN, RESIDUAL, Form
 
 

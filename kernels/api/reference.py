@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import RECOVER_LIMITS, canonical_dtype
+from ..config import RECOVER_LIMITS, canonical_dtype
 
 
 def effective_weight(weight: torch.Tensor | None, zero_centered: bool) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .launcher import data_ptr
+from ..launcher import data_ptr
 
 # key (storage address, layout, dtypes, flags) → (data versions, weak storages, result) of the last check
 _CACHE: dict[tuple, tuple] = {}

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .config import MAX_N, SAVE_MODES, BackwardConfig
-from .modules import LayerNorm, RMSNorm
+from ..config import MAX_N, SAVE_MODES, BackwardConfig
+from ..api.modules import LayerNorm, RMSNorm
 
 # Relative error allowed between a probed module and a formula. The probe runs in fp32 against a float64
 # reference, so a true match is ~1e-7 off; an offset, a wrong eps or a low-precision cast inside is ~1e-3 or more.

@@ -17,7 +17,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from .modules import LayerNorm, RMSNorm
+from ..api.modules import LayerNorm, RMSNorm
 from .patch_forms import FORMS, bind_call, skeleton
 
 

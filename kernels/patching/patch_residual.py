@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .functional import layer_norm, rms_norm
-from .modules import LayerNorm, RMSNorm
+from ..api.functional import layer_norm, rms_norm
+from ..api.modules import LayerNorm, RMSNorm
 from .patch_forms import bind_call, skeleton
 from .patch_probe import choose_form
 

@@ -5,10 +5,10 @@ the problem, or say why none carries over; `tables.Table.match` applies them.
 
 from __future__ import annotations
 
-from .config import ITEMSIZE, BackwardConfig, Problem
-from .heuristics import wide_fp32_rows
-from .limits import DeviceLimits
-from .strategies import default_config
+from ..config import ITEMSIZE, BackwardConfig, Problem
+from ..heuristics import wide_fp32_rows
+from ..limits import DeviceLimits
+from ..strategies import default_config
 
 # A dtype the table has no family of borrows the rules of this one (same norm, closest flags), adapted and validated
 # for the problem like any rule's config: fp16 has bf16's element size, so the same tiles, registers and bytes per
@@ -55,5 +55,10 @@ def adapt(config: BackwardConfig, problem: Problem, sm_count: int | None = None,
     next_pow2(N), two-pass past MAX_SINGLE_PASS; knobs that cannot apply are dropped); if it still cannot run,
     the analytic default. With `sm_count`, a problem too short to fill a quarter of the rule's grid with row tiles
     gets smaller row tiles; above a quarter the fitted tile is kept. `limits`: the device's (None: the reference
-    device's), which the adapted config is validated for (once: the selection finds it validated)."""
-    return config.strategy.adapt(config, problem, sm_count, limits) or default_config(problem, limits)
+    device's), which the adapted config is validated for (once: the selection finds it validated). A rule that
+    fits no form on that device is adapted for the reference device, so that the selection (`select.on_device`)
+    says what the device lacks and why the analytic default runs instead."""
+    fitted = config.strategy.adapt(config, problem, sm_count, limits)
+    if fitted is None and limits is not None:
+        fitted = config.strategy.adapt(config, problem, sm_count)
+    return fitted or default_config(problem)

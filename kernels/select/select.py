@@ -7,10 +7,10 @@ import functools
 from dataclasses import dataclass
 
 from . import table_chain, tables
-from .capabilities import checked, clear_checked, fallbacks
-from .config import BackwardConfig, Problem
-from .limits import DeviceLimits
-from .strategies import default_config
+from ..capabilities import checked, clear_checked, fallbacks
+from ..config import BackwardConfig, Problem
+from ..limits import DeviceLimits
+from ..strategies import default_config
 from .table_chain import Step, choose_table, warn_once
 from .tables import RuleMatch, Table
 

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .device import gpu_key, vendor_of
+from ..device import gpu_key, vendor_of
 from .tables import Table, TableError, load_table, shipped_tables
 
 ENV_VAR = "NORMTUNE_CONFIG"

@@ -101,7 +101,7 @@ class Strategy(ABC):
     `fallbacks`, `portable`; the search space (`tuner/space.py`) → `offered`, `narrow_domains`, `variants`,
     `enumerated`, `sampled`, `config`, `params`, `canonical`, `why_not`, `largest_tile`; the seeds
     (`tuner/seeds.py`) → `default`, `seeds`, `neighbour`, `expand_seeds`; a table's rule on other problems
-    (`kernels/adapt.py`) → `adapt`, `holds_rows`, `whole_rows`, `walks_twice`, `carry_over`.
+    (`kernels/select/adapt.py`) → `adapt`, `holds_rows`, `whole_rows`, `walks_twice`, `carry_over`.
     """
 
     name: str = ""
@@ -186,7 +186,7 @@ class Strategy(ABC):
 
     def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
               limits: DeviceLimits | None = None) -> BackwardConfig | None:
-        """A table rule's config made valid for another problem on the device of `limits` (`kernels/adapt.py`;
+        """A table rule's config made valid for another problem on the device of `limits` (`select/adapt.py`;
         validated through `capabilities.fits`); None: the default."""
         return None
 

@@ -351,7 +351,7 @@ class Rows(Strategy):
                     column_accumulators=True), kernel_2))
         return out
 
-    # ---- a table rule's config on another problem (`kernels/adapt.py`)
+    # ---- a table rule's config on another problem (`kernels/select/adapt.py`)
     def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
               limits: DeviceLimits | None = None) -> BackwardConfig | None:
         """A split row keeps the rule's split if its slices still fit the rule's tile, else the next split that

@@ -28,7 +28,7 @@ import torch
 
 from normtune.kernels.config import ConfigError, BackwardConfig, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
-from normtune.kernels.select import select_config
+from normtune.kernels.select.select import select_config
 
 from .cases import relative_error
 from ..gpu_info import DeviceInfo, measured_limits, peer_versions, tool_versions

@@ -17,7 +17,7 @@ import torch
 
 from normtune.kernels import backward as kbackward
 from normtune.kernels import forward as kforward
-from normtune.kernels import reference
+from normtune.kernels.api import reference
 from normtune.kernels.config import BackwardConfig, Problem
 
 from ..gpu_info import TORCH_DTYPES

@@ -234,7 +234,7 @@ class NormtuneAPI:
     name = "normtune"
 
     def prepare(self, problem: Problem, x, weight, bias, grad, config: BackwardConfig | None) -> PreparedPeer:
-        from normtune.kernels.functional import layer_norm, rms_norm
+        from normtune.kernels.api.functional import layer_norm, rms_norm
 
         xs, ws, bs = _leaves(x, weight, bias)
         kw = dict(zero_centered=problem.zero_centered, save=problem.save, config=config)
@@ -249,7 +249,7 @@ class NormtuneAPI:
     def prepare_direct(self, problem: Problem, x, weight, bias, grad, config: BackwardConfig | None) -> PreparedPeer:
         """normtune's functions without autograd (`normtune.kernels.direct`), for the host-µs comparison with a
         peer that is called that way (quack's LayerNorm)."""
-        from normtune.kernels import direct
+        from normtune.kernels.api import direct
 
         zc, out = problem.zero_centered, problem.save == "output"
         if problem.norm == "layer_norm":

@@ -248,7 +248,7 @@ class Normtune(ResidualPeer):
         return None
 
     def prepare(self, problem, inputs):
-        from normtune.kernels.functional import layer_norm, rms_norm
+        from normtune.kernels.api.functional import layer_norm, rms_norm
 
         leaves = _leaves(inputs)
         x, r, w, b = leaves

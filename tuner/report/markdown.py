@@ -12,7 +12,7 @@ from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.problem import ProblemFamily
-from normtune.kernels.tables import parse_table, read_json
+from normtune.kernels.select.tables import parse_table, read_json
 
 from ..measure.bench import OURS, summary
 from ..tables.emit import build_table

@@ -362,7 +362,7 @@ def user_database_url(make: bool = True) -> str:
     the user tables live in ($NORMTUNE_HOME, else $XDG_CONFIG_HOME/normtune, else ~/.config/normtune), made where
     missing unless `make` is false. Never a file of the repository: its committed results.db is written only when
     named."""
-    from normtune.kernels.table_chain import user_dir
+    from normtune.kernels.select.table_chain import user_dir
 
     folder = user_dir()
     try:

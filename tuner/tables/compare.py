@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
-from normtune.kernels.select import on_device
+from normtune.kernels.select.select import on_device
 
 from ..render import MISSING, geomean, interval, markdown_table, num
 from ..measure.spread import Ratio, Timing, slower_beyond_spread

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
-from normtune.kernels.tables import SCHEMA_VERSION, Table, parse_table
+from normtune.kernels.select.tables import SCHEMA_VERSION, Table, parse_table
 
 from ..gpu_info import run_limits
 from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold

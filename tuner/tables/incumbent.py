@@ -12,7 +12,7 @@ runs (`emit --runs-of`) rebuilds the same incumbent (`from_record`) even after t
 from __future__ import annotations
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem
-from normtune.kernels.tables import SCHEMA_VERSION, Table, TableError, parse_table
+from normtune.kernels.select.tables import SCHEMA_VERSION, Table, TableError, parse_table
 
 
 def record(table: Table) -> dict:

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
-from normtune.kernels.tables import adapt
+from normtune.kernels.select.tables import adapt
 
 from .emit import TOP_K, Selection, collect, select_inputs
 from .fit import Data, default_in

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from normtune.kernels.config import BackwardConfig, Problem, default_config
-from normtune.kernels.tables import parse_table
+from normtune.kernels.select.tables import parse_table
 
 from ..measure.spread import Timing
 from ..render import geomean

@@ -179,7 +179,7 @@ def emit_latest(ctx, seconds: float | None) -> int | None:
     if emissions and emissions[-1]["inputs"] == found.fingerprint and emissions[-1]["remeasured"]:
         return len(emissions) - 1
     _phase(ctx, f"emit table {len(emissions) + 1}")
-    from normtune.kernels.tables import parse_table
+    from normtune.kernels.select.tables import parse_table
 
     keep = parse_table(emissions[-1]["table"], "<tune table>") if emissions else ctx.incumbent
     deadline = ctx.clock.deadline(seconds)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from normtune.kernels.tables import parse_table
+from normtune.kernels.select.tables import parse_table
 
 from ..measure.spread import Timing
 from ..space import Space

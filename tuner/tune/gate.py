@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily, default_config
-from normtune.kernels.tables import TableError, parse_table
+from normtune.kernels.select.tables import TableError, parse_table
 
 from ..measure.spread import Ratio, Timing, slower_beyond_spread
 from ..tables.compare import THRESHOLD, config_for

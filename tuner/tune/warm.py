@@ -11,7 +11,8 @@ import hashlib
 from pathlib import Path
 
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem, ProblemFamily
-from normtune.kernels.tables import Table, TableError, adapt, carried_over, holds_rows, read_table, shipped_tables
+from normtune.kernels.select.tables import (Table, TableError, adapt, carried_over, holds_rows, read_table,
+                                            shipped_tables)
 
 
 def shipped_keys() -> list[str]:
@@ -76,7 +77,7 @@ def worth_measuring(config: BackwardConfig, space) -> BackwardConfig | None:
 def seeds(table: Table, problems: list[Problem], limits, sm_count: int | None) -> dict[str, list[dict]]:
     """Problem key → [the table's config for it, on this device, as the search space measures it] (problems it
     gives nothing the space takes are left out)."""
-    from normtune.kernels.select import on_device
+    from normtune.kernels.select.select import on_device
 
     from ..space import Space
 

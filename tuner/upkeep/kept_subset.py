@@ -23,7 +23,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from normtune.kernels.tables import TableError, read_json
+from normtune.kernels.select.tables import TableError, read_json
 
 from ..tables.emit import recorded_runs
 from ..store.models import KNOB_COLUMNS, config_from_columns
