@@ -76,7 +76,7 @@ def test_wheel_metadata(wheel):
     (info,) = {n.split("/")[0] for n in z.namelist() if ".dist-info/" in n}
     entry_points = configparser.ConfigParser()
     entry_points.read_string(z.read(f"{info}/entry_points.txt").decode())
-    assert dict(entry_points["console_scripts"]) == {"normtune": "normtune.cli:app"}
+    assert dict(entry_points["console_scripts"]) == {"normtune": "normtune.cli:main"}
     assert z.read(f"{info}/top_level.txt").decode().split() == ["normtune"]
     metadata = z.read(f"{info}/METADATA").decode()
     requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]

@@ -1,0 +1,54 @@
+"""The console script (`cli.main`) ends the process as soon as the command is done (`cli.end`, no interpreter
+teardown), with the command's exit code and all of its output, and exits the usual way while something the
+command started still runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(body: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", body, *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_output_and_exit_code_of_a_command_come_through():
+    done = _script("import sys; sys.argv[0] = 'normtune'; from normtune.cli import main; main()", "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("normtune ")
+    refused = _script("import sys; sys.argv[0] = 'normtune'; from normtune.cli import main; main()", "--no-such")
+    assert refused.returncode == 2
+    assert "--no-such" in refused.stderr
+
+
+def test_a_message_exit_prints_it_and_exits_1():
+    done = _script("from normtune.cli import end; print('written', flush=False); end('error: the message')")
+    assert done.returncode == 1
+    assert done.stdout == "written\n"
+    assert done.stderr.strip() == "error: the message"
+
+
+def test_a_running_thread_or_child_process_is_waited_for():
+    thread = _script("import threading, time\n"
+                     "def late():\n    time.sleep(0.5); print('thread finished', flush=True)\n"
+                     "threading.Thread(target=late).start()\n"
+                     "from normtune.cli import end; end(3)")
+    assert thread.returncode == 3
+    assert "thread finished" in thread.stdout
+    child = _script("import multiprocessing as mp, time\n"
+                    "def late():\n    time.sleep(0.5); print('child finished', flush=True)\n"
+                    "if __name__ == '__main__':\n"
+                    "    mp.set_start_method('fork'); mp.Process(target=late).start()\n"
+                    "    from normtune.cli import end; end(0)")
+    assert child.returncode == 0
+    assert "child finished" in child.stdout
+
+
+def test_the_console_script_is_main():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'normtune = "normtune.cli:main"' in text
