@@ -9,7 +9,7 @@ views (see `views.py`):
   kernel_1 is inside kernel_2's own time, so this view counts it; the GPU-time view spans the overlapped pair.
 - `host_us` / `forward_host_us`: CPU time of one backward / forward call through each implementation's public
   API (normtune's `layer_norm`/`rms_norm` with autograd, like the peers'); for normtune also
-  `host_direct_us` / `forward_host_direct_us`, its functions without autograd (`kernels/direct.py`): the call
+  `host_direct_us` / `forward_host_direct_us`, its functions without autograd (`kernels/api/direct.py`): the call
   to set beside a peer timed without autograd (`autograd` false on its row: quack's LayerNorm). Every
   implementation of a case is host-timed in the same interleaved rounds, once all are prepared (`host_rounds.py`).
 Rows are plain dicts (one per problem x implementation) so writers and the store stay simple.

@@ -5,7 +5,7 @@ tokens. What a table has never seen, and where a rule fitted on those would brea
 hidden sizes that are not powers of two, few rows (M ≤ 256: a grid too short to fill the GPU), very wide rows
 (32768 and 65536 columns: two-pass only), very tall and narrow problems (a huge kernel_2 partial buffer
 relative to the work), and activations in fp32 and fp16 (tables are tuned in bf16: those read the bf16 rules
-where a config carries over, `kernels/adapt.py`, else the analytic default).
+where a config carries over, `kernels/select/adapt.py`, else the analytic default).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Warm start (`--from`): another table's rules as each problem's first seeds, measured like every seed, never
 trusted. A problem takes the config of the rule whose bounds hold its shape (inside the table's fitted box or not:
-a seed only has to be worth timing), adapted to the shape and the dtype as the runtime would (`kernels/adapt.py`),
-then to this device (its portable form, checked against its limits: `select.on_device`); the sweep puts it in the
+a seed only has to be worth timing), adapted to the shape and the dtype as the runtime would
+(`kernels/select/adapt.py`), then to this device (its portable form, checked against its limits: `select.on_device`); the sweep puts it in the
 study's first slots, ahead of the analytic default and the structural seeds (`tuner/seeds.py`)."""
 
 from __future__ import annotations
