@@ -9,6 +9,9 @@ the residual stream's, which may be fp32 with 16-bit x) before it is normalized;
 is exactly the norm of the h returned, as an add followed by the norm would give. 4 passes of M×N (x, residual
 read; h, y written) instead of an add's 3 and the norm's 2.
 
+Gated form (HAS_GATE, RMSNorm): a = act(z) (silu, or sigmoid with GATE_SIGMOID), in fp32. After the gate
+(GATE_AFTER) the row normalized is x·a, never rounded; before it, y = w·x̂·a. One pass of x and z read, y written.
+
 The forward is not what normtune tunes; it uses one analytic launch: a block of rows per program, the whole row
 in registers up to 8192 columns, chunked passes beyond (mean, then variance around the mean, then the output,
 so that a large mean never cancels catastrophically). Rows whose values pass 2^50 are scaled by 1/max|x| before
@@ -25,7 +28,7 @@ import triton.language as tl
 
 import functools
 
-from .backward.common import assume_multiple, effective_weight
+from .backward.common import assume_multiple, effective_weight, gate_activation
 from .heuristics import alignment_hint, cdiv, needs_int64, next_power_of_two
 from .launcher import Launcher, data_ptr
 
@@ -63,11 +66,24 @@ def _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
+def _gate(x, z_rows, cols, mask, HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, SIGMOID: tl.constexpr):
+    """(the row to normalize, a): x·a after the gate, else x; a = act(z) at `cols` (HAS_GATE; else x, unused)."""
+    if HAS_GATE:
+        a, _ = gate_activation(tl.load(z_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32), SIGMOID)
+        if GATE_AFTER:
+            x = x * a
+    else:
+        a = x
+    return x, a
+
+
+@triton.jit
 def _forward_kernel(
     X, stride_x,  # input rows; stride_x: elements between consecutive rows
     Y, stride_y,  # output rows
     R, stride_r,  # residual rows (HAS_RESIDUAL; else never read)
     H, stride_h,  # h = x + residual rows, in the residual stream's dtype (HAS_RESIDUAL; else never written)
+    Z, stride_z,  # gate rows (HAS_GATE; else never read)
     W, B,  # weight and bias, N elements each (ignored when absent)
     RSTD, MEAN,  # per-row fp32 r and μ (MEAN written only when STORE_MEAN)
     M, N, eps,
@@ -76,9 +92,11 @@ def _forward_kernel(
     BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr, SINGLE_PASS: tl.constexpr, INT64: tl.constexpr,
     HINT: tl.constexpr = 1,  # N and the row strides are multiples of this (`assume_multiple`)
     HAS_RESIDUAL: tl.constexpr = False,
+    HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False,
 ):
     N, stride_x, stride_y = assume_multiple(N, HINT), assume_multiple(stride_x, HINT), assume_multiple(stride_y, HINT)
     stride_r, stride_h = assume_multiple(stride_r, HINT), assume_multiple(stride_h, HINT)
+    stride_z = assume_multiple(stride_z, HINT)
     rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
     if INT64:
@@ -89,11 +107,13 @@ def _forward_kernel(
     y_rows = Y + rows_off[:, None] * stride_y
     r_rows = R + rows_off[:, None] * stride_r
     h_rows = H + rows_off[:, None] * stride_h
+    z_rows = Z + rows_off[:, None] * stride_z
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_COL)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL)
+        x, a = _gate(x, z_rows, cols, mask, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
         if IS_RMS:
             mean = tl.zeros((BLOCK_ROW,), tl.float32)
             xc = x
@@ -105,6 +125,8 @@ def _forward_kernel(
         rstd = _rstd(tl.sum(xs * xs, axis=1), scale, N, eps)
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         y = xc * rstd[:, None] * w[None, :]
+        if HAS_GATE and not GATE_AFTER:
+            y = y * a
         if HAS_BIAS:
             y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -119,6 +141,7 @@ def _forward_kernel(
             cols = c0 + chunk
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = _load_input(x_rows, r_rows, h_rows, cols, mask, HAS_RESIDUAL)
+            x, a = _gate(x, z_rows, cols, mask, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
             acc += x
             amax = tl.maximum(amax, tl.abs(x))
         if not IS_RMS:
@@ -132,6 +155,7 @@ def _forward_kernel(
             cols = c0 + chunk
             mask = row_mask[:, None] & (cols < N)[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x, a = _gate(x, z_rows, cols, mask, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
             xs = tl.where(mask, x - mean[:, None], 0.0) * scale[:, None]
             acc += xs * xs
         rstd = _rstd(tl.sum(acc, axis=1), scale, N, eps)
@@ -140,8 +164,11 @@ def _forward_kernel(
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x, a = _gate(x, z_rows, cols, mask, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
             w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
             y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+            if HAS_GATE and not GATE_AFTER:
+                y = y * a
             if HAS_BIAS:
                 y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -196,7 +223,8 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
         key += (y_stride, data_ptr(y) & 15, data_ptr(rstd) & 15, data_ptr(mu) & 15)
     launch, grid = _planned(key, M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
                             zero_centered, store_mean)
-    launch(grid, (x2d, x_stride, y, y_stride, x2d, x_stride, y, y_stride, w, b, rstd, mu, M, N, eps), key)
+    launch(grid, (x2d, x_stride, y, y_stride, x2d, x_stride, y, y_stride, x2d, x_stride, w, b, rstd, mu, M, N, eps),
+           key)
     return y, rstd, mean
 
 
@@ -227,9 +255,34 @@ def forward_residual(x2d: torch.Tensor, residual2d: torch.Tensor, weight: torch.
     key += (strides, residual2d.dtype, h.dtype) + tuple(data_ptr(t) & 15 for t in (y, residual2d, h, rstd, mu))
     launch, grid = _planned(key, M, N, strides[0], strides[1], weight is not None, bias is not None, is_rms,
                             zero_centered, store_mean, strides[2:])
-    launch(grid, (x2d, strides[0], y, strides[1], residual2d, strides[2], h, strides[3], w, b, rstd, mu, M, N, eps),
-           key)
+    launch(grid, (x2d, strides[0], y, strides[1], residual2d, strides[2], h, strides[3], x2d, strides[0], w, b, rstd,
+                  mu, M, N, eps), key)
     return y, h, rstd, mean
+
+
+def forward_gated(x2d: torch.Tensor, z2d: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate_after: bool,
+                  sigmoid: bool, zero_centered: bool, y: torch.Tensor | None = None,
+                  rstd: torch.Tensor | None = None):
+    """The gated RMSNorm on 2-D views of equal shape (rows may be strided, last dims contiguous): y = w·x̂·act(z)
+    (gate before) or y = w·norm(x·act(z)) (`gate_after`), act = silu or sigmoid. Returns (y, rstd); y and rstd
+    may be passed in."""
+    M, N = x2d.shape
+    device = x2d.device
+    if y is None:
+        y = torch.empty(M, N, dtype=x2d.dtype, device=device)
+    if rstd is None:
+        rstd = torch.empty(M, dtype=torch.float32, device=device)
+    if M == 0:
+        return y, rstd
+    strides = (x2d.stride(0), y.stride(0), z2d.stride(0))
+    w = rstd if weight is None else weight  # placeholder pointer for an absent weight: never dereferenced
+    key = _launch_key(x2d, strides[0], w, rstd, weight is None, True, True, zero_centered, False)
+    key += ("gate", gate_after, sigmoid, strides, z2d.dtype) + tuple(data_ptr(t) & 15 for t in (y, z2d, rstd))
+    launch, grid = _planned(key, M, N, strides[0], strides[1], weight is not None, False, True, zero_centered,
+                            False, (), (gate_after, sigmoid, strides[2]))
+    launch(grid, (x2d, strides[0], y, strides[1], x2d, strides[0], y, strides[1], z2d, strides[2], w, rstd, rstd,
+                  rstd, M, N, eps), key)
+    return y, rstd
 
 
 def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, store_mean) -> tuple:
@@ -241,17 +294,20 @@ def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, 
 
 
 def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
-             is_rms: bool, zero_centered: bool, store_mean: bool, residual_strides: tuple = ()) -> tuple:
+             is_rms: bool, zero_centered: bool, store_mean: bool, residual_strides: tuple = (),
+             gate: tuple | None = None) -> tuple:
     """(launcher, grid) of a launcher key, derived once. `residual_strides`: the residual's and h's row strides
-    (the residual form; empty without one)."""
+    (the residual form; empty without one). `gate`: (gate after the norm's input, sigmoid, z's row stride) of the
+    gated form (None without one)."""
     planned = _CALLS.get(key)
     if planned is None:
         if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
             _CALLS.clear()
-        int64 = needs_int64(M, N, x_stride, y_stride, *residual_strides)
-        hint = alignment_hint(N, x_stride, y_stride, *residual_strides)
+        more = residual_strides + ((gate[2],) if gate is not None else ())
+        int64 = needs_int64(M, N, x_stride, y_stride, *more)
+        hint = alignment_hint(N, x_stride, y_stride, *more)
         launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint,
-                                      bool(residual_strides))
+                                      bool(residual_strides), None if gate is None else gate[:2])
         planned = _CALLS[key] = (launch, cdiv(M, block_row))
     return planned
 
@@ -281,7 +337,7 @@ def run_plan(plan: tuple, x: torch.Tensor, weight, bias, eps: float, device: tor
     y = torch.empty_like(x) if contiguous else torch.empty(M, N, dtype=x.dtype, device=device)
     rstd = torch.empty(M, dtype=torch.float32, device=device)
     mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
-    launch(grid, (x, x_stride, y, N, x, x_stride, y, N, rstd if weight is None else weight,
+    launch(grid, (x, x_stride, y, N, x, x_stride, y, N, x, x_stride, rstd if weight is None else weight,
                   rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
     return (y if view_shape is None else y.view(view_shape)), rstd, mean
 
@@ -315,7 +371,7 @@ def run_residual_plan(plan: tuple, x: torch.Tensor, residual: torch.Tensor, weig
     h = torch.empty(shape, dtype=h_dtype, device=device)
     rstd = torch.empty(M, dtype=torch.float32, device=device)
     mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
-    launch(grid, (x, x_stride, y, N, residual, r_stride, h, N, rstd if weight is None else weight,
+    launch(grid, (x, x_stride, y, N, residual, r_stride, h, N, x, x_stride, rstd if weight is None else weight,
                   rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
     return y, h, rstd, mean
 
@@ -327,10 +383,14 @@ def residual_plan_h_dtype(plan: tuple) -> torch.dtype:
 
 @functools.lru_cache(maxsize=1024)
 def _launcher(N: int, is_rms: bool, has_weight: bool, has_bias: bool, zero_centered: bool, store_mean: bool,
-              int64: bool, hint: int = 1, has_residual: bool = False) -> tuple[Launcher, int]:
-    """The forward's launcher for one row width, set of flags and alignment hint, and its rows per program."""
+              int64: bool, hint: int = 1, has_residual: bool = False,
+              gate: tuple | None = None) -> tuple[Launcher, int]:
+    """The forward's launcher for one row width, set of flags and alignment hint, and its rows per program.
+    `gate`: (after, sigmoid) of the gated form, None without one."""
     block_row, block_col, single, num_warps = forward_launch_params(N)
+    after, sigmoid = gate if gate is not None else (False, False)
     return Launcher(_forward_kernel, dict(
         IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
         STORE_MEAN=store_mean, BLOCK_ROW=block_row, BLOCK_COL=block_col, SINGLE_PASS=single, INT64=int64,
-        HINT=hint, HAS_RESIDUAL=has_residual, num_warps=num_warps)), block_row
+        HINT=hint, HAS_RESIDUAL=has_residual, HAS_GATE=gate is not None, GATE_AFTER=after, GATE_SIGMOID=sigmoid,
+        num_warps=num_warps)), block_row

@@ -12,6 +12,9 @@ from typing import Any, Mapping
 # Norm kinds and saving modes, as spelled in configs, tables and the CLI.
 NORMS = ("layer_norm", "rms_norm")
 SAVE_MODES = ("input", "output")
+# The gated form's gate positions (the gate multiplies the norm's output, or its input) and activations.
+GATE_POSITIONS = ("before", "after")
+GATE_ACTIVATIONS = ("silu", "sigmoid")
 # Canonical dtype names; `canonical_dtype` maps torch dtypes and common aliases onto them.
 DTYPES = ("fp32", "bf16", "fp16")
 _DTYPE_ALIASES = {
@@ -81,6 +84,9 @@ class Problem:
     grad_input's): `dtype` (the default) or fp32 (an fp32 residual stream with 16-bit activations); None when
     `residual` is False. A problem without a residual keeps the fields out of its dict, key and family key, so
     that stored problems and tables from before the residual form read and write unchanged.
+    `gate`: the gated RMSNorm, "before" (y = w·x̂·act(z)) or "after" (y = w·norm(x·act(z))), with z shaped like
+    x and in its dtype; `gate_activation` "silu" (the default with a gate) or "sigmoid"; both None without a gate
+    (kept out of the dict and keys, as the residual's fields). RMSNorm only, saving its input, without a residual.
     """
 
     norm: str
@@ -94,11 +100,14 @@ class Problem:
     save: str = "input"
     residual: bool = False
     residual_dtype: str | None = None
+    gate: str | None = None
+    gate_activation: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("norm", self.norm, NORMS)
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "residual_dtype", _residual_dtype(self.residual, self.residual_dtype, self.dtype))
+        object.__setattr__(self, "gate_activation", _gate_activation(self.gate, self.gate_activation))
         wd = self.dtype if self.weight_dtype is None else canonical_dtype(self.weight_dtype)
         object.__setattr__(self, "weight_dtype", wd)
         if self.has_bias is None:
@@ -118,6 +127,8 @@ class Problem:
                 f"weight_dtype={self.weight_dtype!r} with dtype={self.dtype!r}: the weight must be fp32 or the "
                 "activation dtype"
             )
+        if self.gate is not None:
+            _check_gated(self.norm, self.save, self.residual)
 
     @property
     def itemsize(self) -> int:
@@ -127,7 +138,8 @@ class Problem:
     def family(self) -> "ProblemFamily":
         """The problem without its shape: what a heuristic table's rule set is keyed by."""
         return ProblemFamily(self.norm, self.dtype, self.weight_dtype, self.has_weight, bool(self.has_bias),
-                             self.zero_centered, self.save, self.residual, self.residual_dtype)
+                             self.zero_centered, self.save, self.residual, self.residual_dtype, self.gate,
+                             self.gate_activation)
 
     @property
     def key(self) -> str:
@@ -145,6 +157,8 @@ class Problem:
         data = dataclasses.asdict(self)
         if not self.residual:  # as before the residual form: stored problems keep their JSON
             del data["residual"], data["residual_dtype"]
+        if self.gate is None:  # likewise before the gated form
+            del data["gate"], data["gate_activation"]
         return data
 
     @classmethod
@@ -165,9 +179,12 @@ class ProblemFamily:
     save: str
     residual: bool = False
     residual_dtype: str | None = None
+    gate: str | None = None
+    gate_activation: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "residual_dtype", _residual_dtype(self.residual, self.residual_dtype, self.dtype))
+        object.__setattr__(self, "gate_activation", _gate_activation(self.gate, self.gate_activation))
 
     @property
     def key(self) -> str:
@@ -178,6 +195,8 @@ class ProblemFamily:
         parts.append(f"save-{self.save}")
         if self.residual:
             parts.append(f"res-{self.residual_dtype}")
+        if self.gate is not None:
+            parts.append(f"gate-{self.gate}-{self.gate_activation}")
         return "/".join(parts)
 
     @classmethod
@@ -189,22 +208,25 @@ class ProblemFamily:
             zc = "zc" in rest
             save = next(p for p in rest if p.startswith("save-"))[5:]
             res = [p[4:] for p in rest if p.startswith("res-")]
-            if len(res) > 1 or set(rest) - {"zc", f"save-{save}"} - {f"res-{r}" for r in res}:
+            gates = [p for p in rest if p.startswith("gate-")]
+            if len(res) > 1 or len(gates) > 1 or set(rest) - {"zc", f"save-{save}", *gates} - {f"res-{r}" for r in res}:
                 raise ValueError
             residual_dtype = canonical_dtype(res[0]) if res else None
+            gate, activation = gates[0].split("-")[1:] if gates else (None, None)
         except (ValueError, StopIteration, TypeError):
             raise ConfigError(f"malformed problem family key {key!r}: expected e.g. "
                               "'rms_norm/bf16/wbf16/nobias/save-input' (a residual family ends in '/res-bf16' or "
-                              "'/res-fp32')") from None
+                              "'/res-fp32', a gated one in e.g. '/gate-before-silu')") from None
         has_weight = w != "noweight"
         fam = cls(norm, canonical_dtype(dtype), canonical_dtype(w[1:]) if has_weight else canonical_dtype(dtype),
-                  has_weight, b == "bias", zc, save, residual_dtype is not None, residual_dtype)
+                  has_weight, b == "bias", zc, save, residual_dtype is not None, residual_dtype, gate, activation)
         fam.problem(1, 1)  # validates the combination
         return fam
 
     def problem(self, M: int, N: int) -> Problem:
         return Problem(self.norm, M, N, self.dtype, self.weight_dtype, self.has_weight, self.has_bias,
-                       self.zero_centered, self.save, self.residual, self.residual_dtype)
+                       self.zero_centered, self.save, self.residual, self.residual_dtype, self.gate,
+                       self.gate_activation)
 
 
 def _residual_dtype(residual: Any, residual_dtype: Any, dtype: str) -> str | None:
@@ -220,3 +242,27 @@ def _residual_dtype(residual: Any, residual_dtype: Any, dtype: str) -> str | Non
         raise ConfigError(f"residual_dtype={rd!r} with dtype={dtype!r}: the residual stream must be fp32 or the "
                           "activation dtype")
     return rd
+
+
+def _gate_activation(gate: Any, activation: Any) -> str | None:
+    """The canonical gate_activation of a problem or family: None without a gate, else "silu" (the default) or
+    "sigmoid"."""
+    if gate is None:
+        if activation is not None:
+            raise ConfigError(f"gate_activation={activation!r} needs a gate: pass gate='before' or 'after'")
+        return None
+    check_choice("gate", gate, GATE_POSITIONS)
+    activation = "silu" if activation is None else activation
+    check_choice("gate_activation", activation, GATE_ACTIVATIONS)
+    return activation
+
+
+def _check_gated(norm: str, save: str, residual: bool) -> None:
+    """The gated form's rules: RMSNorm, saving its input (y does not give x̂ back where the gate is 0), no
+    residual."""
+    if norm != "rms_norm":
+        raise ConfigError(f"gate with norm={norm!r}: the gated form is an RMSNorm; use norm='rms_norm'")
+    if save != "input":
+        raise ConfigError(f"gate with save={save!r}: the gated form saves its input; use save='input'")
+    if residual:
+        raise ConfigError("gate with residual=True: the gated form has no residual stream; use residual=False")

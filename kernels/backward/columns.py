@@ -10,19 +10,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (assume_multiple, effective_weight, grad_input, load_rows, normalized, recovery_bias,
-                     scaled_normalized, store_column_sums, store_rows)
+from .common import (assume_multiple, effective_weight, gate_grads, gated, grad_input, load_gate, load_rows, normalized,
+                     recovery_bias, scaled_normalized, store_column_sums, store_gate_grad, store_rows)
 
 
 @triton.jit
 def row_sums(
-    G, stride_g, S, stride_s, W, B, RSTD, MEAN, C1, C2, M, N,
+    G, stride_g, S, stride_s, Z, stride_z, W, B, RSTD, MEAN, C1, C2, M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
-    INT64: tl.constexpr, HINT: tl.constexpr = 1,
+    INT64: tl.constexpr, HINT: tl.constexpr = 1, HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False,
+    GATE_SIGMOID: tl.constexpr = False,
 ):
-    """c1 = mean(x̂·w·g) and c2 = mean(w·g) of BLOCK_ROW rows per program, over column chunks of BLOCK_COL."""
+    """c1 = mean(x̂·w·g) and c2 = mean(w·g) of BLOCK_ROW rows per program, over column chunks of BLOCK_COL (with
+    a gate, of the gradient and rows the norm sees: `common.gated`)."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
+    stride_z = assume_multiple(stride_z, HINT)
     rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     chunk = tl.arange(0, BLOCK_COL)
     acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
@@ -34,8 +37,8 @@ def row_sums(
                                 "evict_last", INT64)
         w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
         b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)
-        g = g.to(tl.float32)
-        s = s.to(tl.float32)
+        z = load_gate(Z, stride_z, rows, M, cols, col_mask, HAS_GATE, "evict_last", INT64)
+        g, s, a, da = gated(g.to(tl.float32), s.to(tl.float32), z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
         xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
         acc_c1 += scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g
         acc_c2 += w[None, :] * g
@@ -46,17 +49,20 @@ def row_sums(
 
 @triton.jit
 def kernel_1_columns(
-    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, C1, C2, DW, DB, M, N,
+    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, Z, stride_z, DZ, stride_dz, W, B, RSTD, MEAN, C1, C2, DW,
+    DB, M, N,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
-    HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False,
+    HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
+    GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False,
 ):
     """Program p: columns [p·BLOCK_COL, (p+1)·BLOCK_COL) of every row, BLOCK_ROW rows at a time in row order;
     writes grad_input there (plus dh, HAS_DRES: the residual form) and the columns' final dw/db (fixed order:
-    reruns are bitwise identical)."""
+    reruns are bitwise identical). HAS_GATE: reads z and writes dz there too (`common.gated`)."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
     stride_dx, stride_dh = assume_multiple(stride_dx, HINT), assume_multiple(stride_dh, HINT)
+    stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
     cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
@@ -80,11 +86,17 @@ def kernel_1_columns(
         c1 = tl.load(C1 + rows, mask=row_mask, other=0.0)
         c2 = tl.load(C2 + rows, mask=row_mask, other=0.0)
         g = g.to(tl.float32)
-        xhat = normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        s = s.to(tl.float32)
+        z = load_gate(Z, stride_z, rows, M, cols, col_mask, HAS_GATE, EVICTION, INT64)
+        g_norm, s_norm, a, da = gated(g, s, z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
+        xhat = normalized(s_norm, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
         if HAS_WEIGHT:
-            acc_dw += g * xhat
+            acc_dw += g_norm * xhat
         if HAS_BIAS:
-            acc_db += g
-        store_rows(DX, stride_dx, DH, stride_dh, grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS), rows, M, cols,
-                   col_mask, HAS_DRES, EVICTION, INT64)
+            acc_db += g_norm
+        dx = grad_input(w[None, :] * g_norm, xhat, c1, c2, r, IS_RMS)
+        if HAS_GATE:
+            dx, dz = gate_grads(dx, g, s, xhat, w, a, da, GATE_AFTER)
+            store_gate_grad(DZ, stride_dz, dz, rows, M, cols, col_mask, HAS_GATE, EVICTION, INT64)
+        store_rows(DX, stride_dx, DH, stride_dh, dx, rows, M, cols, col_mask, HAS_DRES, EVICTION, INT64)
     store_column_sums(DW, DB, acc_dw, acc_db, cols, col_mask, HAS_WEIGHT, HAS_BIAS)

@@ -10,6 +10,11 @@ Math (per row, fp32; x̂ normalized input, r = rstd, g = grad_output, w effectiv
     dw = Σ_rows g·x̂,  db = Σ_rows g
 Residual form (HAS_DRES): the normalized row was h = x + residual, and the residual stream's gradient dh arrives
 beside g. grad_input is then dh + dx: the gradient of both x and residual, written once, in dh's dtype.
+Gated form (HAS_GATE, RMSNorm from the input; a = act(z), a' its derivative, act = silu or sigmoid):
+    after  (GATE_AFTER): the row normalized is s = x·a, y = w·s·r. The norm's math above runs on (g, s), and
+           its grad_input ds gives dx = ds·a, dz = ds·x·a'.
+    before: y = w·(x·r)·a. The norm's math runs on (g·a, x): dx is its grad_input, dz = g·w·x̂·a'.
+    dw = Σ_rows g'·x̂ with g' the gradient the norm sees (g, or g·a). dx and dz are written in the same pass.
 
 x̂ comes from the input (x̂ = (x−μ)·r, or x·r for RMSNorm) or, when the forward saved its output, from
 y: x̂ = (y − b)/w. Where y cannot determine x̂ (w = 0, or |b| ≥ |w|·2^(p−1) for p mantissa bits), that column's
@@ -149,6 +154,79 @@ def load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_
     if not IS_RMS and not FROM_OUTPUT:
         mu = tl.load(MEAN + rows, mask=row_mask, other=0.0)
     return g, s, r, mu
+
+
+@triton.jit
+def load_gate(Z, stride_z, rows, M, cols, col_mask, HAS_GATE: tl.constexpr, EVICTION: tl.constexpr,
+              INT64: tl.constexpr):
+    """The raw gate tile z of `rows` (HAS_GATE; else a 0 that is never used); rows past M load nothing."""
+    if HAS_GATE:
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        if INT64:
+            rows = rows.to(tl.int64)
+        z = tl.load(Z + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICTION)
+    else:
+        z = 0.0
+    return z
+
+
+@triton.jit
+def gate_activation(z, SIGMOID: tl.constexpr):
+    """(act(z), act'(z)) in fp32: silu z·σ(z), σ(z)·(1 + z·(1 − σ(z))), or (SIGMOID) σ(z),
+    σ(z)·(1 − σ(z))."""
+    sig = 1.0 / (1.0 + tl.exp(-z))
+    if SIGMOID:
+        a = sig
+        da = sig * (1.0 - sig)
+    else:
+        a = z * sig
+        da = sig * (1.0 + z * (1.0 - sig))
+    return a, da
+
+
+@triton.jit
+def gated(g, s, z_raw, HAS_GATE: tl.constexpr, GATE_AFTER: tl.constexpr, SIGMOID: tl.constexpr):
+    """(g', s', a, a'): the fp32 gradient and rows the norm's math runs on (g and x·a after the gate, g·a and x
+    before it), with the gate's activation and its derivative. Without a gate: (g, s) as they are (a, a' unused)."""
+    if HAS_GATE:
+        a, da = gate_activation(z_raw.to(tl.float32), SIGMOID)
+        if GATE_AFTER:
+            s_norm = s * a
+            g_norm = g
+        else:
+            s_norm = s
+            g_norm = g * a
+    else:
+        s_norm = s
+        g_norm = g
+        a = g
+        da = g
+    return g_norm, s_norm, a, da
+
+
+@triton.jit
+def gate_grads(ds, g, x, xhat, w, a, da, GATE_AFTER: tl.constexpr):
+    """(dx, dz) of the gated form from the norm's grad_input `ds` (of the rows it normalized), the raw gradient g,
+    the input x, x̂ and w (see the module doc)."""
+    if GATE_AFTER:
+        dx = ds * a
+        dz = ds * x * da
+    else:
+        dx = ds
+        dz = g * w[None, :] * xhat * da
+    return dx, dz
+
+
+@triton.jit
+def store_gate_grad(DZ, stride_dz, dz, rows, M, cols, col_mask, HAS_GATE: tl.constexpr, EVICTION: tl.constexpr,
+                    INT64: tl.constexpr):
+    """The gate's gradient dz of `rows`, in DZ's dtype (HAS_GATE; else nothing)."""
+    if HAS_GATE:
+        mask = (rows < M)[:, None] & col_mask[None, :]
+        if INT64:
+            rows = rows.to(tl.int64)
+        tl.store(DZ + rows[:, None] * stride_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask,
+                 eviction_policy=EVICTION)
 
 
 @triton.jit

@@ -3,7 +3,8 @@ scratch shapes — built once by the config's strategy (`Strategy.plan`: `strate
 `BackwardLaunch`, which allocates one call's outputs, binds its tensors to the plan's launches and launches.
 
 Residual problems (`Problem.residual`) pass the residual stream's gradient dh to kernel_1 (HAS_DRES), which adds
-it into grad_input where it writes it; grad_input is then in dh's dtype. Every strategy and knob takes it alike.
+it into grad_input where it writes it; grad_input is then in dh's dtype. Gated problems (`Problem.gate`) pass the
+gate z, and kernel_1 writes its gradient dz beside grad_input (HAS_GATE). Every strategy and knob takes them alike.
 """
 
 from __future__ import annotations
@@ -82,15 +83,18 @@ class BackwardLaunch:
     def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor,
                  mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None,
-                 dh: torch.Tensor | None = None):
+                 dh: torch.Tensor | None = None, z: torch.Tensor | None = None, dz: torch.Tensor | None = None):
         """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by the row strides of
         grad, saved, dx and dh (which decide int64 indexing and the alignment hint; the runtime keeps one memo per
         resolved call, so that a call does not hash the problem and config again). `dh`: the residual stream's
-        gradient rows, which a residual problem needs (grad_input = dh + the norm's dx, in dh's dtype)."""
+        gradient rows, which a residual problem needs (grad_input = dh + the norm's dx, in dh's dtype). `z`: the
+        gate rows, which a gated problem needs; its gradient goes to `dz` (allocated here where not given: `.dz`)."""
         M, N = problem.M, problem.N
         device = grad.device
         if problem.residual != (dh is not None):
             raise ValueError("dh (the residual stream's gradient) is needed exactly when the problem has a residual")
+        if (problem.gate is not None) != (z is not None):
+            raise ValueError("z (the gate) is needed exactly when the problem has a gate")
         g_stride, s_stride = grad.stride(0), saved.stride(0)
         dh_arg, dh_stride = (grad, g_stride) if dh is None else (dh, dh.stride(0))
         if dx is None:  # allocated here: contiguous and aligned
@@ -100,6 +104,14 @@ class BackwardLaunch:
             dx_stride, dx_align = dx.stride(0), dx.data_ptr() & 15
         self.dx = dx
         strides = (g_stride, s_stride, dx_stride) if dh is None else (g_stride, s_stride, dx_stride, dh_stride)
+        if z is None:
+            z_arg, z_stride, dz_arg, dz_stride = grad, g_stride, dx, dx_stride
+        else:
+            if dz is None:
+                dz = torch.empty(M, N, dtype=z.dtype, device=device)
+            z_arg, z_stride, dz_arg, dz_stride = z, z.stride(0), dz, dz.stride(0)
+            strides += (z_stride, dz_stride)
+        self.dz = dz
         pl = plans.get(strides) if plans is not None else None
         if pl is None:
             pl = plan(problem, config, device, needs_int64(M, N, *strides), alignment_hint(N, *strides))
@@ -124,6 +136,8 @@ class BackwardLaunch:
                      mean_arg.data_ptr() & 15)
         if dh is not None:
             self._key += (dh_stride, dh.data_ptr() & 15)
+        if z is not None:
+            self._key += (z_stride, dz_stride, z.data_ptr() & 15, dz.data_ptr() & 15)
         if M == 0:
             self._args_1 = self._args_2 = ()
             self.partial_dw = self.partial_db = None
@@ -131,7 +145,8 @@ class BackwardLaunch:
         # The plan's fp32 scratch (partial rows, a split row's exchange, per-row sums): the stream's, not
         # allocated per call (`workspace.scratch`).
         self._args_1, self._args_2, self.partial_dw, self.partial_db = pl.bind(
-            grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, weight_arg, bias_arg, rstd, mean_arg,
+            grad, g_stride, saved, s_stride, dx, dx_stride, dh_arg, dh_stride, z_arg, z_stride, dz_arg, dz_stride,
+            weight_arg, bias_arg, rstd, mean_arg,
             rstd if dw is None else dw, rstd if db is None else db,
             scratch(device, pl.scratch) if pl.scratch else (), sync_counters(device) if pl.waits else None)
 

@@ -35,7 +35,7 @@ class Target:
 class Operands(NamedTuple):
     """The arguments every kernel_1 takes first, in this order (`Plan.bind` takes them first). Absent
     tensors hold a placeholder pointer the kernels never dereference (rstd); without a residual, dh's place holds
-    grad and its stride."""
+    grad and its stride; without a gate, z's holds grad and dz's dx, with their strides."""
 
     grad: Any
     g_stride: int
@@ -45,6 +45,10 @@ class Operands(NamedTuple):
     dx_stride: int
     dh: Any
     dh_stride: int
+    z: Any
+    z_stride: int
+    dz: Any
+    dz_stride: int
     weight: Any
     bias: Any
     rstd: Any
@@ -83,8 +87,8 @@ class Plan:
     pdl: bool = False  # kernel_2 launches with programmatic dependent launch
     reads_mean: bool = False  # the kernels read the saved mean (LayerNorm from its input); else rstd holds its place
 
-    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
-             work: tuple, counters: tuple | None) -> tuple:
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
+             bias, rstd, mean, dw, db, work: tuple, counters: tuple | None) -> tuple:
         """(stage_1's arguments, stage_2's arguments, partial_dw, partial_db) for one call: the `Operands`, then
         dw/db (rstd where absent), `work` the scratch tensors of `scratch`, `counters` the sync counters where
         `waits`. Placeholder dtypes in place of the tensors give the arguments a compile ahead specializes on
@@ -98,10 +102,11 @@ def reads_mean(p: Problem) -> bool:
 
 
 def flags(p: Problem, hint: int) -> dict:
-    """The problem's compile-time flags, as every backward kernel takes them."""
+    """The problem's compile-time flags, as every backward kernel that reads rows takes them (the gate's too)."""
     return dict(IS_RMS=p.norm == "rms_norm", HAS_WEIGHT=p.has_weight, HAS_BIAS=bool(p.has_bias),
                 ZERO_CENTERED=p.zero_centered, FROM_OUTPUT=p.save == "output", RECOVER_LIMIT=RECOVER_LIMITS[p.dtype],
-                HINT=hint)
+                HINT=hint, HAS_GATE=p.gate is not None, GATE_AFTER=p.gate == "after",
+                GATE_SIGMOID=p.gate_activation == "sigmoid")
 
 
 def k1_flags(p: Problem, hint: int) -> dict:
@@ -112,11 +117,11 @@ def k1_flags(p: Problem, hint: int) -> dict:
 def placeholders(p: Problem) -> tuple[Operands, Any, Any]:
     """(operands, dw, db) as dtypes (aligned pointers, as a launch's buffers are) and the strides of contiguous
     rows, for compiling without data: the same specialization as a launch on them. A residual problem's saved
-    input (h), grad_input and dh are in the residual dtype."""
+    input (h), grad_input and dh are in the residual dtype; a gated problem's z and dz in the activation dtype."""
     act, wdt, f32 = TORCH_DTYPES[p.dtype], TORCH_DTYPES[p.weight_dtype], torch.float32
     res = TORCH_DTYPES[p.residual_dtype] if p.residual else act
     saved = res if p.save == "input" else act
-    ops = Operands(act, p.N, saved, p.N, res, p.N, res, p.N, wdt if p.has_weight else f32,
+    ops = Operands(act, p.N, saved, p.N, res, p.N, res, p.N, act, p.N, res, p.N, wdt if p.has_weight else f32,
                    wdt if p.has_bias else f32, f32, f32)
     return ops, wdt if p.has_weight else f32, wdt if p.has_bias else f32
 

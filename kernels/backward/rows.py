@@ -18,14 +18,18 @@ from .common import (
     arrive_and_wait_in_loop,
     assume_multiple,
     effective_weight,
+    gate_grads,
+    gated,
     grad_input,
     leave_and_reset,
     load_after_wait,
+    load_gate,
     load_rows,
     load_weight_raw,
     normalized,
     recovery_bias,
     scaled_normalized,
+    store_gate_grad,
     store_rows,
     unprovable_zero,
     weight_from_raw,
@@ -84,6 +88,7 @@ def kernel_1_single_pass(
     S, stride_s,  # saved activation rows: x (save="input") or y (save="output")
     DX, stride_dx,  # grad_input rows
     DH, stride_dh,  # residual-stream gradient rows, added into grad_input (HAS_DRES; else never read)
+    Z, stride_z, DZ, stride_dz,  # gate rows and their gradient's (HAS_GATE; else never read or written)
     W, B,  # weight (raw: w' when zero-centered) and bias; B is read only to recover x̂ from y
     RSTD, MEAN,  # per-row fp32 r and μ (μ only for LayerNorm saving from the input)
     PARTIAL_DW, PARTIAL_DB,  # [groups, N] fp32: group g's sum of g·x̂ (and of g) over its rows
@@ -105,6 +110,9 @@ def kernel_1_single_pass(
     PIPELINED: tl.constexpr = False,  # ROW_SPLIT: the exchange waits through inline assembly (pipelined loop)
     HINT: tl.constexpr = 1,  # N, SLICE and the row strides are multiples of this (`assume_multiple`)
     HAS_DRES: tl.constexpr = False,  # residual form: grad_input = dh + the norm's dx
+    HAS_GATE: tl.constexpr = False,  # gated form (common.py): writes dz beside grad_input
+    GATE_AFTER: tl.constexpr = False,  # the gate multiplies x before the norm (else its output)
+    GATE_SIGMOID: tl.constexpr = False,  # the gate's activation is sigmoid (else silu)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -112,6 +120,7 @@ def kernel_1_single_pass(
     stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
                                      assume_multiple(stride_dx, HINT))
     stride_dh = assume_multiple(stride_dh, HINT)
+    stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     group = pid // ROW_SPLIT
@@ -150,27 +159,29 @@ def kernel_1_single_pass(
         else:
             g, s, r, mu = load_rows(G, stride_g, S, stride_s, RSTD, MEAN, rows, M, cols, col_mask, IS_RMS,
                                     FROM_OUTPUT, EVICTION, INT64)
+        z_raw = load_gate(Z, stride_z, rows, M, cols, col_mask, HAS_GATE, EVICTION, INT64)
         if RELOAD_WEIGHT:
             w_raw = load_weight_raw(W, cols, col_mask, HAS_WEIGHT)
             w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, False, 0)
         g_raw, s_raw = g, s
         g = g_raw.to(tl.float32)
         s = s_raw.to(tl.float32)
-        xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+        g_norm, s_norm, a, da = gated(g, s, z_raw, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
+        xhat = normalized(s_norm, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
         if PHASE != 1:
             # dw/db do not depend on the row terms: accumulate before the reductions so g is dead across them.
             if COLUMN_ACC:
                 if HAS_WEIGHT:
-                    acc_dw += tl.sum(g * xhat, axis=0)
+                    acc_dw += tl.sum(g_norm * xhat, axis=0)
                 if HAS_BIAS:
-                    acc_db += tl.sum(g, axis=0)
+                    acc_db += tl.sum(g_norm, axis=0)
             else:
                 if HAS_WEIGHT:
-                    acc_dw += g * xhat
+                    acc_dw += g_norm * xhat
                 if HAS_BIAS:
-                    acc_db += g
-        wg = w[None, :] * g
-        c1 = tl.sum(scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g, axis=1)
+                    acc_db += g_norm
+        wg = w[None, :] * g_norm
+        c1 = tl.sum(scaled_normalized(xhat, s_norm, w, b, FROM_OUTPUT, HAS_BIAS) * g_norm, axis=1)
         c2 = tl.sum(wg, axis=1)
         if ROW_SPLIT > 1:
             c1, c2 = _exchange_row_sums(SUMS, COUNTERS, group, part, (tile - group) // groups, c1, c2, ROW_SPLIT,
@@ -184,11 +195,19 @@ def kernel_1_single_pass(
                 zero = unprovable_zero(M)
                 if RELOAD_WEIGHT:
                     w = weight_from_raw(w_raw, col_mask, HAS_WEIGHT, ZERO_CENTERED, True, zero)
-                xhat = normalized(widen_again(s_raw, zero), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
-                                  RECOVER_LIMIT)
-                wg = w[None, :] * widen_again(g_raw, zero)
-            store_rows(DX, stride_dx, DH, stride_dh, grad_input(wg, xhat, c1, c2, r, IS_RMS), rows, M, cols,
-                       col_mask, HAS_DRES, EVICTION, INT64)
+                g = widen_again(g_raw, zero)
+                s = widen_again(s_raw, zero)
+                if HAS_GATE:
+                    g_norm, s_norm, a, da = gated(g, s, widen_again(z_raw, zero), HAS_GATE, GATE_AFTER, GATE_SIGMOID)
+                else:
+                    g_norm, s_norm = g, s
+                xhat = normalized(s_norm, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
+                wg = w[None, :] * g_norm
+            dx = grad_input(wg, xhat, c1, c2, r, IS_RMS)
+            if HAS_GATE:
+                dx, dz = gate_grads(dx, g, s, xhat, w, a, da, GATE_AFTER)
+                store_gate_grad(DZ, stride_dz, dz, rows, M, cols, col_mask, HAS_GATE, EVICTION, INT64)
+            store_rows(DX, stride_dx, DH, stride_dh, dx, rows, M, cols, col_mask, HAS_DRES, EVICTION, INT64)
     if PHASE != 1:
         partial = group * N + cols
         if not COLUMN_ACC:
@@ -228,8 +247,21 @@ def _load_chunk(g_rows, s_rows, d_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT
 
 
 @triton.jit
+def _load_gate_chunk(z_rows, c0, chunk, N, row_mask, HAS_GATE: tl.constexpr, EVICTION: tl.constexpr):
+    """The raw gate chunk at columns c0.. (HAS_GATE; else a 0 that is never used); past N loads nothing."""
+    if HAS_GATE:
+        cols = c0 + chunk
+        z = tl.load(z_rows + cols[None, :], mask=row_mask[:, None] & (cols < N)[None, :], other=0.0,
+                    eviction_policy=EVICTION)
+    else:
+        z = 0.0
+    return z
+
+
+@triton.jit
 def kernel_1_two_pass(
-    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, W, B, RSTD, MEAN, PARTIAL_DW, PARTIAL_DB, DW, DB,
+    G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, Z, stride_z, DZ, stride_dz, W, B, RSTD, MEAN,
+    PARTIAL_DW, PARTIAL_DB, DW, DB,
     SUMS, COUNTERS, DONE, BARRIER, M, N, SLICE,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr,
@@ -238,20 +270,23 @@ def kernel_1_two_pass(
     INT64: tl.constexpr, PDL: tl.constexpr, ROW_SPLIT: tl.constexpr, SLOTS: tl.constexpr, PHASE: tl.constexpr,
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False, HINT: tl.constexpr = 1,
-    HAS_DRES: tl.constexpr = False,
+    HAS_DRES: tl.constexpr = False, HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False,
+    GATE_SIGMOID: tl.constexpr = False,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
     ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows
     to the partial row directly). Rows wider than BLOCK_COL: pass 1 reduces c1 (and c2) over column chunks, pass 2 re-reads the chunks (served by L2 when the programs' tiles fit there;
     pass 1 loads with evict_last to keep them), writes dx, and adds the tile's g·x̂ and g to the program's
     partial row (read-modify-write: the partial row is this program's alone). PREFETCH loads chunk j+1 before
-    computing j. HAS_DRES: pass 2 reads dh with each chunk and writes grad_input = dh + dx."""
+    computing j. HAS_DRES: pass 2 reads dh with each chunk and writes grad_input = dh + dx. HAS_GATE: both passes
+    read z with each chunk (not prefetched), pass 2 writes dz beside dx."""
     if PDL:
         gdc_launch_dependents()
     N = assume_multiple(N, HINT)
     stride_g, stride_s, stride_dx = (assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT),
                                      assume_multiple(stride_dx, HINT))
     stride_dh = assume_multiple(stride_dh, HINT)
+    stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     chunk = tl.arange(0, BLOCK_COL)
@@ -266,6 +301,7 @@ def kernel_1_two_pass(
         g_rows = G + rows[:, None] * stride_g
         s_rows = S + rows[:, None] * stride_s
         d_rows = DH + rows[:, None] * stride_dh
+        z_rows = Z + rows[:, None] * stride_z
         r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         mu = r
         if not IS_RMS and not FROM_OUTPUT:
@@ -287,6 +323,8 @@ def kernel_1_two_pass(
                                             ZERO_CENTERED, NEED_BIAS, False, "evict_last")
             s = s.to(tl.float32)
             g = g.to(tl.float32)
+            z = _load_gate_chunk(z_rows, c0, chunk, N, row_mask, HAS_GATE, "evict_last")
+            g, s, _, _ = gated(g, s, z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
             xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
             acc_c1 += scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g
             if not IS_RMS:
@@ -317,16 +355,21 @@ def kernel_1_two_pass(
                 g, s, d, w, b = _load_chunk(g_rows, s_rows, d_rows, W, B, c0, chunk, N, row_mask, HAS_WEIGHT,
                                             ZERO_CENTERED, NEED_BIAS, HAS_DRES, EVICTION)
             g = g.to(tl.float32)
-            xhat = normalized(s.to(tl.float32), w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS,
-                              RECOVER_LIMIT)
+            s = s.to(tl.float32)
+            z = _load_gate_chunk(z_rows, c0, chunk, N, row_mask, HAS_GATE, EVICTION)
+            g_norm, s_norm, a, da = gated(g, s, z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
+            xhat = normalized(s_norm, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
             if HAS_WEIGHT:
-                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g * xhat, axis=0), mask=col_mask)
+                tl.store(PARTIAL_DW + partial_row + cols, prev_dw + tl.sum(g_norm * xhat, axis=0), mask=col_mask)
             if HAS_BIAS:
-                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g, axis=0), mask=col_mask)
-            dx = grad_input(w[None, :] * g, xhat, c1, c2, r, IS_RMS)
+                tl.store(PARTIAL_DB + partial_row + cols, prev_db + tl.sum(g_norm, axis=0), mask=col_mask)
+            dx = grad_input(w[None, :] * g_norm, xhat, c1, c2, r, IS_RMS)
+            mask = row_mask[:, None] & col_mask[None, :]
+            if HAS_GATE:
+                dx, dz = gate_grads(dx, g, s, xhat, w, a, da, GATE_AFTER)
+                tl.store(DZ + rows[:, None] * stride_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
             if HAS_DRES:
                 dx += d.to(tl.float32)
-            mask = row_mask[:, None] & col_mask[None, :]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.
         tl.debug_barrier()

@@ -14,13 +14,13 @@ from .configs import BackwardConfig
 
 @dataclasses.dataclass(frozen=True)
 class ColumnsPlan(Plan):
-    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
-             work: tuple, counters: tuple | None) -> tuple:
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
+             bias, rstd, mean, dw, db, work: tuple, counters: tuple | None) -> tuple:
         c0, c1 = work  # the per-row sums
         M, N = self.problem.M, self.problem.N
-        sums = (grad, g_stride, saved, s_stride, weight, bias, rstd, mean, c0, c1, M, N)
-        k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, c0, c1, dw, db,
-              M, N)
+        sums = (grad, g_stride, saved, s_stride, z, z_stride, weight, bias, rstd, mean, c0, c1, M, N)
+        k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight, bias,
+              rstd, mean, c0, c1, dw, db, M, N)
         return (sums, k1), (), None, None
 
 

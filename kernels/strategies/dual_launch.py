@@ -16,10 +16,10 @@ from .configs import BackwardConfig
 class DualPlan(Plan):
     row_programs: int = 0  # the programs that write grad_input; the column programs follow them
 
-    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
-             work: tuple, counters: tuple | None) -> tuple:
-        return ((grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
-                 self.problem.M, self.problem.N, self.row_programs),), (), None, None
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
+             bias, rstd, mean, dw, db, work: tuple, counters: tuple | None) -> tuple:
+        return ((grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
+                 bias, rstd, mean, dw, db, self.problem.M, self.problem.N, self.row_programs),), (), None, None
 
 
 def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int) -> DualPlan:

@@ -21,8 +21,8 @@ class RowsPlan(Plan):
     slice: int = 0  # columns of a row_split slice (kernel_1's last argument)
     phases: int = 1  # kernel_1's launches (the interpreter runs a split row's exchange as two)
 
-    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, dw, db,
-             work: tuple, counters: tuple | None) -> tuple:
+    def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
+             bias, rstd, mean, dw, db, work: tuple, counters: tuple | None) -> tuple:
         partial_dw, partial_db, exchange = work
         if counters is None:  # nothing waits: placeholders the kernel never dereferences
             group_a = group_b = global_counters = rstd
@@ -31,8 +31,9 @@ class RowsPlan(Plan):
         pdw = rstd if partial_dw is None else partial_dw
         pdb = rstd if partial_db is None else partial_db
         p = self.problem
-        k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, weight, bias, rstd, mean, pdw, pdb, dw, db,
-              rstd if exchange is None else exchange, group_a, group_b, global_counters, p.M, p.N, self.slice)
+        k1 = (grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight, bias,
+              rstd, mean, pdw, pdb, dw, db, rstd if exchange is None else exchange, group_a, group_b, global_counters,
+              p.M, p.N, self.slice)
         args_1 = (k1, k1) if self.phases == 2 else (k1,)
         if self.stage_2:
             return args_1, ((pdw, pdb, dw, db, self.partial_rows, p.N),), partial_dw, partial_db

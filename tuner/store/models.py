@@ -345,15 +345,16 @@ def check_value(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))}")
 
 
-# Problem fields without a column of their own: the residual form is read from the family key (whose
-# '/res-<dtype>' part only residual problems have), so databases written before it read as residual=False.
-RESIDUAL_FIELDS = ("residual", "residual_dtype")
+# Problem fields without a column of their own: the residual and gated forms are read from the family key (its
+# '/res-…' and '/gate-…' parts), so databases written before them read as plain problems.
+RESIDUAL_FIELDS = ("residual", "residual_dtype", "gate", "gate_activation")
 
 
 def problem_from_row(row: ProblemModel) -> Problem:
-    family = ProblemFamily.from_key(row.family_key) if "/res-" in row.family_key else None
-    return Problem(row.norm, row.M, row.N, row.dtype, row.weight_dtype, row.has_weight, row.has_bias,
-                   row.zero_centered, row.save, family is not None, family.residual_dtype if family else None)
+    family = ProblemFamily.from_key(row.family_key) if "/res-" in row.family_key or "/gate-" in row.family_key \
+        else ProblemFamily(row.norm, row.dtype, row.weight_dtype, row.has_weight, row.has_bias, row.zero_centered,
+                           row.save)
+    return family.problem(row.M, row.N)
 
 
 def run_record(row: RunModel) -> RunRecord:
