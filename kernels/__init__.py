@@ -2,6 +2,7 @@
 
     from normtune.kernels import layer_norm, rms_norm, LayerNorm, RMSNorm, BackwardConfig, patch
     y, h = rms_norm(x, w, residual=r)                 # fused residual form (also FusedAddRMSNorm, FusedAddLayerNorm)
+    y = rms_norm(x, w, gate=z, gate_position="after")  # gated RMSNorm of hybrid models (also GatedRMSNorm)
     from normtune.kernels import layer_norm_forward, layer_norm_backward  # no autograd: for your own Function
 """
 
@@ -34,13 +35,13 @@ if __name__ == "normtune.kernels" or not _stand_for_normtune_kernels(__name__):
     from .strategies import default_config
     from .api.functional import layer_norm, rms_norm
     from .api.direct import layer_norm_backward, layer_norm_forward, rms_norm_backward, rms_norm_forward
-    from .api.modules import FusedAddLayerNorm, FusedAddRMSNorm, LayerNorm, RMSNorm
+    from .api.modules import FusedAddLayerNorm, FusedAddRMSNorm, GatedRMSNorm, LayerNorm, RMSNorm
     from .patching.patch import PatchReport, patch
     from .select.select import select_config
 
 __all__ = [
-    "BackwardConfig", "ConfigError", "FusedAddLayerNorm", "FusedAddRMSNorm", "Kernel1Config", "Kernel2Config",
-    "LayerNorm", "PatchReport", "Problem",
+    "BackwardConfig", "ConfigError", "FusedAddLayerNorm", "FusedAddRMSNorm", "GatedRMSNorm", "Kernel1Config",
+    "Kernel2Config", "LayerNorm", "PatchReport", "Problem",
     "ProblemFamily", "RMSNorm", "default_config", "layer_norm", "layer_norm_backward", "layer_norm_forward", "patch",
     "kernel_1_config", "rms_norm", "rms_norm_backward", "rms_norm_forward", "select_config",
 ]

@@ -10,7 +10,7 @@ from normtune.kernels import FusedAddRMSNorm, layer_norm, layer_norm_forward, rm
 
 from normtune.kernels.api import ops
 from normtune.kernels import rms_norm_forward
-from normtune.kernels.api.forms import FORMS, PLAIN, RESIDUAL, Form
+from normtune.kernels.api.forms import FORMS, GATED, PLAIN, RESIDUAL, Form
 
 N = 40
 SCHEMAS = {
@@ -25,12 +25,19 @@ SCHEMAS = {
     "norm_residual_backward": "normtune::norm_residual_backward(Tensor grad, Tensor grad_h, Tensor saved, "
                               "Tensor? weight, Tensor? bias, Tensor rstd, Tensor mean, bool is_rms, "
                               "bool zero_centered, bool save_output, str config) -> (Tensor, Tensor, Tensor)",
+    "norm_gated_forward": "normtune::norm_gated_forward(Tensor x, Tensor z, Tensor? weight, Tensor? bias, float eps, "
+                          "bool is_rms, bool zero_centered, bool save_output, bool gate_after, bool gate_sigmoid, "
+                          "int group_size, str config) -> (Tensor, Tensor, Tensor)",
+    "norm_gated_backward": "normtune::norm_gated_backward(Tensor grad, Tensor saved, Tensor z, Tensor? weight, "
+                           "Tensor? bias, Tensor rstd, Tensor mean, bool is_rms, bool zero_centered, bool save_output, "
+                           "bool gate_after, bool gate_sigmoid, int group_size, str config) -> "
+                           "(Tensor, Tensor, Tensor, Tensor)",
 }
 
 
 def test_each_forms_custom_ops_keep_their_names_and_schemas():
     """One definition (`ops.define_ops`) registers every form's ops, with the schemas they always had."""
-    assert FORMS == (PLAIN, RESIDUAL)
+    assert FORMS == (PLAIN, RESIDUAL, GATED)
     for form in FORMS:
         for stem in ("forward", "backward"):
             name = f"{form.op}_{stem}"

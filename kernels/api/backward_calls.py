@@ -20,13 +20,14 @@ from ..select.select import on_clear, resolve_config
 
 @functools.lru_cache(maxsize=4096)
 def _problem(M, N, dtype, weight_dtype, has_weight, has_bias, is_rms, zero_centered, save_output,
-             residual_dtype=None) -> Problem:
+             residual_dtype=None, gate=None) -> Problem:
     """Built (and validated) once per shape and flags (`resolved`); `residual_dtype`: dh's dtype in the residual
-    form (None: no residual)."""
+    form (None: no residual); `gate`: (gate, gate_activation) of the gated form (None: no gate)."""
     return Problem(norm="rms_norm" if is_rms else "layer_norm", M=M, N=N, dtype=dtype, weight_dtype=weight_dtype,
                    has_weight=has_weight, has_bias=has_bias, zero_centered=zero_centered,
                    save="output" if save_output else "input", residual=residual_dtype is not None,
-                   residual_dtype=residual_dtype)
+                   residual_dtype=residual_dtype, gate=gate[0] if gate else None,
+                   gate_activation=gate[1] if gate else None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,17 +50,18 @@ MAX_RESOLVED = 4096
 
 
 def resolved(rows: Tensor, M: int, N: int, weight, bias, is_rms, zero_centered, save_output, config,
-             residual_dtype=None) -> BackwardCall:
+             residual_dtype=None, gate=None) -> BackwardCall:
     """The `BackwardCall` of a backward on M x N gradient rows with `rows`' dtype and device (the gradient, or
     the forward's input rows, which have its dtype): `config` is JSON text ("" selects one) or a
-    `BackwardConfig`. An explicit config that does not fit raises `ConfigError` naming the field."""
+    `BackwardConfig`. An explicit config that does not fit raises `ConfigError` naming the field. `gate`: the
+    gated form's (gate, gate_activation), None without one."""
     index = rows.get_device()  # -1 on CPU, where the interpreter setting decides the path
     key = (M, N, rows.dtype, weight.dtype if weight is not None else None, bias is not None, is_rms,
-           zero_centered, save_output, config, index if index >= 0 else use_triton(rows), residual_dtype)
+           zero_centered, save_output, config, index if index >= 0 else use_triton(rows), residual_dtype, gate)
     hit = _RESOLVED.get(key)
     if hit is None:
         problem = _problem(M, N, rows.dtype, weight.dtype if weight is not None else None, weight is not None,
-                           bias is not None, is_rms, zero_centered, save_output, residual_dtype)
+                           bias is not None, is_rms, zero_centered, save_output, residual_dtype, gate)
         if use_triton(rows):
             cfg = resolve_config(problem, config, device_name(rows.device), compute_capability(rows.device),
                                  device_limits(rows.device) if rows.is_cuda else None)
@@ -81,22 +83,33 @@ def clear_resolved() -> None:
 on_clear(clear_resolved)
 
 
-def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None):
+def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, save_output, config, dh=None,
+                  gate=None):
     """(dx, dw, db), dw/db None where there is no weight/bias. `config`: JSON text ("" selects one), or the
     `BackwardCall` an explicit config resolved to for these rows (`call_checks.explicit_backward`). `dh`: the
-    residual stream's gradient rows (the residual form), added into dx, which then has dh's dtype."""
+    residual stream's gradient rows (the residual form), added into dx, which then has dh's dtype. `gate`: the
+    gated form's (z rows, gate after, sigmoid); then (dx, dw, db, dz)."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
     if dh is not None and dh.stride(-1) != 1:
         dh = dh.contiguous()
+    z = None
+    if gate is not None:
+        z, after, sigmoid = gate
+        z = z if z.stride(-1) == 1 else z.contiguous()
+        gate = ("after" if after else "before"), ("sigmoid" if sigmoid else "silu")
     if type(config) is BackwardCall:
         call = config
     else:
         M, N = grad.shape
         call = resolved(grad, M, N, weight, bias, is_rms, zero_centered, save_output, config,
-                        None if dh is None else dh.dtype)
+                        None if dh is None else dh.dtype, gate)
     if call.config is not None:
-        return _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, bias, rstd, mean,
-                                        plans=call.plans, dh=dh).run()
+        launch = _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, bias, rstd, mean,
+                                          plans=call.plans, dh=dh, z=z)
+        return launch.run() if z is None else (*launch.run(), launch.dz)
+    if z is not None:
+        return reference.backward_gated(grad, saved, z, weight, rstd, gate_after=gate[0] == "after",
+                                        sigmoid=gate[1] == "sigmoid", zero_centered=zero_centered)
     return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
                               from_output=save_output, dh=dh)

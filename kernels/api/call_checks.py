@@ -12,13 +12,14 @@ from torch import Tensor
 
 from . import saving
 from ..config import MAX_N, SAVE_MODES, BackwardConfig, ConfigError, mapping_to_json
-from .forms import RESIDUAL, Form
+from .forms import GATED, RESIDUAL, Form
 from .backward_calls import BackwardCall, resolved
 from .ops import rows_2d
-from ..problem import canonical_dtype
+from ..problem import GATE_ACTIVATIONS, GATE_POSITIONS, canonical_dtype
 from ..select.select import parsed_config
 
-__all__ = ["check_form", "check_inputs", "check_options", "dtype_eps", "explicit_backward", "output_recovers",
+__all__ = ["check_form", "check_gate", "check_inputs", "gate_options", "gate_problem",
+           "check_options", "dtype_eps", "explicit_backward", "output_recovers",
            "residual_dtype_of", "rows_2d", "rows_view", "stream_eps"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -79,7 +80,8 @@ def _explicit_config(config: BackwardConfig | dict | str) -> BackwardConfig:
 
 
 def explicit_backward(config: BackwardConfig | dict | str | None, rows: Tensor, weight, bias, *, is_rms: bool,
-                      zero_centered: bool, save: str, residual_dtype: torch.dtype | None = None) -> BackwardCall | str:
+                      zero_centered: bool, save: str, residual_dtype: torch.dtype | None = None,
+                      gate: tuple[str, str] | None = None) -> BackwardCall | str:
     """What the backward takes for the call's `config=`: "" (None: selected per problem); the `BackwardCall` of
     an explicit config, checked against the problem of `rows` (the backward's rows: x, or y when save="output",
     as 2-D rows; with `residual_dtype`, the residual form's) and the weight and bias, once per signature; or,
@@ -95,7 +97,8 @@ def explicit_backward(config: BackwardConfig | dict | str | None, rows: Tensor, 
     config = _explicit_config(config)
     M, N = rows.shape
     try:
-        return resolved(rows, M, N, weight, bias, is_rms, zero_centered, save == "output", config, residual_dtype)
+        return resolved(rows, M, N, weight, bias, is_rms, zero_centered, save == "output", config, residual_dtype,
+                        gate)
     except ConfigError as err:
         raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
 
@@ -193,4 +196,51 @@ def check_form(form: Form, x: Tensor, extras: tuple, stream_dtype) -> torch.dtyp
     (None for a form without any), each broken rule raising naming the argument."""
     if form is RESIDUAL:
         return residual_dtype_of(x, extras[0], stream_dtype)
+    if form is GATED:
+        check_gate(x, extras[0])
     return None
+
+
+# The gated form (`forms.GATED`): gate has x's shape, dtype and device; its options are checked before anything runs.
+def check_gate(x: Tensor, gate, name: str = "gate") -> None:
+    if not isinstance(gate, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (the gate z, shaped like x), got {type(gate).__name__}")
+    if gate.shape != x.shape:
+        raise ValueError(f"{name} has shape {tuple(gate.shape)} but x has {tuple(x.shape)}: pass a gate shaped like x")
+    if gate.device != x.device:
+        raise ValueError(f"{name} is on {gate.device} but x is on {x.device}: move them to one device")
+    if gate.dtype != x.dtype:
+        raise TypeError(f"{name} has dtype {gate.dtype} but x has {x.dtype}: pass the gate in x's dtype")
+
+
+def gate_options(x, gate_position, gate_activation, group_size, *, save: str = "input", residual=None) -> tuple:
+    """The gated form's `opts` (`forms.GATED`: gate after, sigmoid, group size) from a call's arguments; each broken
+    rule raises naming the argument. Rules of x itself are `check_inputs`' (x's width is 0 here if x breaks one)."""
+    if residual is not None:
+        raise ValueError("gate with residual: the gated form has no residual stream; pass residual=None")
+    if gate_position not in GATE_POSITIONS:
+        raise ValueError(f"gate_position={gate_position!r} is not allowed: use 'before' (y = w·norm(x)·act(gate)) "
+                         "or 'after' (y = w·norm(x·act(gate)))")
+    if gate_activation not in GATE_ACTIVATIONS:
+        raise ValueError(f"gate_activation={gate_activation!r} is not allowed: use 'silu' or 'sigmoid'")
+    if save != "input":
+        raise ValueError(f"save={save!r} with a gate: the gated form saves its input; use save='input'")
+    N = x.shape[-1] if isinstance(x, Tensor) and x.dim() else 0
+    if group_size is not None:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+            raise ValueError(f"group_size={group_size!r} must be a positive integer dividing x's width (or None: "
+                             "the whole width)")
+        if N and N % group_size:
+            raise ValueError(f"group_size={group_size} does not divide x's width {N}: pass a divisor of "
+                             "x.shape[-1] (or None: the whole width)")
+        if N and group_size != N:
+            raise ValueError(f"group_size={group_size} is narrower than x's width {N}: statistics per group of "
+                             "columns are not supported yet; use group_size=None (the whole width)")
+    return gate_position == "after", gate_activation == "sigmoid", N
+
+
+def gate_problem(opts: tuple) -> tuple[str, str] | None:
+    """(gate, gate_activation) as a `Problem` names them, from the gated form's `opts` (None: no gate)."""
+    if not opts:
+        return None
+    return ("after" if opts[0] else "before"), ("sigmoid" if opts[1] else "silu")

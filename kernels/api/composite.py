@@ -5,6 +5,8 @@ Triton kernels compute first-order gradients only, so a backward that must itsel
 instead. Same math as `backward/common.py`, in fp32, with x̂ recomputed from x (not read from the saved rstd, which
 is a constant to autograd), so second and higher order gradients are exact.
 
+`backward_gated` and `forward_gated`: the same for the gated form.
+
 `forward` and `forward_residual`: the whole norm (and the residual add) for calls under torch.func's transforms
 (`torch.func.grad`, `torch.vmap`, `jvp`, `jacrev`, ...). The kernels read raw memory, which the transforms' wrapped
 tensors do not have, and an autograd.Function that launches them has no batching rule; these ops have torch's
@@ -101,3 +103,41 @@ def backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None
     dw = (g * xhat).reshape(-1, N).sum(0).to(weight.dtype) if weight is not None else None
     db = g.reshape(-1, N).sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db
+
+
+def _gate(z: Tensor, sigmoid: bool) -> tuple[Tensor, Tensor]:
+    """(act(z), act'(z)) in fp32, differentiable."""
+    sig = torch.sigmoid(z.float())
+    if sigmoid:
+        return sig, sig * (1.0 - sig)
+    zf = z.float()
+    return zf * sig, sig * (1.0 + zf * (1.0 - sig))
+
+
+def forward_gated(x: Tensor, z: Tensor, weight: Tensor | None, eps: float, *, zero_centered: bool, gate_after: bool,
+                  sigmoid: bool) -> Tensor:
+    """The gated RMSNorm's y in x's dtype (`forms.GATED`), differentiable in x, z and weight."""
+    a, _ = _gate(z, sigmoid)
+    s = x.float() * a if gate_after else x.float()
+    y = forward(s, weight, None, eps, is_rms=True, zero_centered=zero_centered).float()
+    return (y if gate_after else y * a).to(x.dtype)
+
+
+def backward_gated(grad: Tensor, x: Tensor, z: Tensor, weight: Tensor | None, eps: float, *, zero_centered: bool,
+                   gate_after: bool, sigmoid: bool):
+    """(dx, dw, None, dz) of the gated form (`backward/common.py`'s math, fp32, x̂ recomputed from x), in the
+    dtypes the kernels return; differentiable in grad, x, z and weight."""
+    N = x.shape[-1]
+    g, xf = grad.float(), x.float()
+    a, da = _gate(z, sigmoid)
+    s, gn = (xf * a, g) if gate_after else (xf, g * a)
+    rstd = torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)
+    xhat = s * rstd
+    w = None
+    if weight is not None:
+        w = weight.float() + 1.0 if zero_centered else weight.float()
+    wg = gn * w if w is not None else gn
+    ds = (wg - xhat * (xhat * wg).mean(-1, keepdim=True)) * rstd
+    dx, dz = (ds * a, ds * xf * da) if gate_after else (ds, g * (w if w is not None else 1.0) * xhat * da)
+    dw = (gn * xhat).reshape(-1, N).sum(0).to(weight.dtype) if weight is not None else None
+    return dx.to(grad.dtype), dw, None, dz.to(z.dtype)

@@ -21,6 +21,12 @@ dtype, the gradient of both x and residual:
 
     y, rstd, h = rms_norm_forward(x, weight, residual=r)
     dx, dw = rms_norm_backward(grad, h, weight, rstd, grad_residual=dh)
+
+The gated form (`rms_norm(..., gate=z)`): the RMSNorm functions take `gate=` and its options; the backward takes
+the forward's x and gate and also returns the gate's gradient:
+
+    y, rstd = rms_norm_forward(x, weight, gate=z, gate_position="after")
+    dx, dw, dz = rms_norm_backward(grad, x, weight, rstd, gate=z, gate_position="after")
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from torch import Tensor
 from . import composite, forward_calls, saving
 from .backward_calls import backward_impl
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, rows_2d, stream_eps
+from .call_checks import check_gate, gate_options, gate_problem
 from ..config import BackwardConfig
-from .forms import PLAIN, RESIDUAL, Form
+from .forms import GATED, PLAIN, RESIDUAL, Form
 from .ops import contiguous_operand, forward_impl
 
 
@@ -51,7 +58,8 @@ def _stats_fit(t, M: int) -> bool:
     return isinstance(t, Tensor) and t.shape == (M,) and t.dtype == torch.float32 and t.stride(0) == 1
 
 
-def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero_centered: bool, stream_dtype):
+def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero_centered: bool, stream_dtype,
+             opts: tuple = ()):
     """(outputs, rstd, mean) of a call of `form`: outputs = (y, *the form's outputs), in x's shape. A call like an
     earlier one that passed the checks runs that call's plan (`forward_calls`)."""
     sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered, False)
@@ -64,7 +72,8 @@ def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero
     stream = check_form(form, x, extras, stream_dtype)
     x2d, extras2d = rows_2d(x), tuple(rows_2d(t) for t in extras)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
-    outputs, rstd, mean = forward_impl(form, x2d, extras2d, w, b, float(eps), is_rms, zero_centered, False, stream)
+    outputs, rstd, mean = forward_impl(form, x2d, extras2d, w, b, float(eps), is_rms, zero_centered, False, stream,
+                                       opts=opts)
     if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
         forward_calls.remember(sig, form, x, x2d, extras, extras2d, weight, bias, stream, is_rms, zero_centered,
                                False)
@@ -100,15 +109,18 @@ def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centere
 
 
 def _backward(form: Form, grad, saved, grads_out: tuple, weight, bias, rstd, mean, is_rms: bool,
-              zero_centered: bool, from_output: bool, config):
-    """(dx, dw, db) of a call of `form` from the forward's saved rows (x, the form's stream, or y) and the
-    gradients of y and of the form's outputs (`grads_out`): dx is the gradient of the rows normalized."""
+              zero_centered: bool, from_output: bool, config, saved_extras: tuple = (), opts: tuple = ()):
+    """(dx, dw, db, *the saved inputs' gradients) of a call of `form` from the forward's saved rows (x, the form's
+    stream, or y), the inputs it read (`saved_extras`: the gate) and the gradients of y and of the form's outputs
+    (`grads_out`): dx is the gradient of the rows normalized."""
     composite.refuse_wrapped("rms_norm_backward" if is_rms else "layer_norm_backward", grad, saved, weight, bias,
-                             rstd, mean, *grads_out)
+                             rstd, mean, *grads_out, *saved_extras)
     if form is RESIDUAL:
         _check_residual_grads(grad, saved, grads_out[0], weight, bias, zero_centered, from_output)
     else:
         _check_plain_grads(grad, saved, weight, bias, zero_centered, from_output)
+        if form is GATED:
+            check_gate(saved, saved_extras[0])
     N = saved.shape[-1]
     M = saved.numel() // N
     uses_mean = not is_rms and not from_output
@@ -123,10 +135,12 @@ def _backward(form: Form, grad, saved, grads_out: tuple, weight, bias, rstd, mea
     grad2d, dh = rows_2d(grad), rows_2d(grads_out[0]) if grads_out else None
     backward = explicit_backward(config, grad2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                  save="output" if from_output else "input",
-                                 residual_dtype=None if dh is None else dh.dtype)
-    dx, dw, db = backward_impl(grad2d, rows_2d(saved), contiguous_operand(weight), contiguous_operand(bias), rstd,
-                                mean, is_rms, zero_centered, from_output, backward, dh)
-    return (dx if saved.dim() == 2 else dx.view(saved.shape)), dw, db
+                                 residual_dtype=None if dh is None else dh.dtype, gate=gate_problem(opts))
+    gate = (rows_2d(saved_extras[0]), opts[0], opts[1]) if saved_extras else None
+    dx, dw, db, *own = backward_impl(grad2d, rows_2d(saved), contiguous_operand(weight), contiguous_operand(bias),
+                                     rstd, mean, is_rms, zero_centered, from_output, backward, dh, gate)
+    shaped = (lambda t: t) if saved.dim() == 2 else (lambda t: t.view(saved.shape))  # noqa: E731
+    return shaped(dx), dw, db, *(shaped(t) for t in own)
 
 
 def _grads_form(grad_residual) -> tuple[Form, tuple]:
@@ -165,9 +179,17 @@ def layer_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, bias: Te
 
 def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *,
                      residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
-                     zero_centered: bool = False):
+                     zero_centered: bool = False, gate: Tensor | None = None, gate_position: str = "before",
+                     group_size: int | None = None, gate_activation: str = "silu"):
     """(y, rstd) of RMSNorm over the last dimension, without autograd; with a residual, (y, rstd, h) of the norm
-    of h = x + residual. eps=None: the eps of the dtype normalized (x's, or h's), as `rms_norm`."""
+    of h = x + residual. eps=None: the eps of the dtype normalized (x's, or h's), as `rms_norm`. gate: the gated
+    form, with its options as `rms_norm` takes them; (y, rstd)."""
+    if gate is not None:
+        opts = gate_options(x, gate_position, gate_activation, group_size, residual=residual)
+        if eps is None:
+            eps = dtype_eps(x, getattr(x, "dtype", None))
+        outputs, rstd, _ = _forward(GATED, x, (gate,), weight, None, eps, True, zero_centered, None, opts)
+        return outputs[0], rstd
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
     form, extras = _form(residual, residual_dtype)
@@ -177,9 +199,17 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None 
 
 def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
                       grad_residual: Tensor | None = None, zero_centered: bool = False, from_output: bool = False,
-                      config: BackwardConfig | dict | str | None = None):
+                      config: BackwardConfig | dict | str | None = None, gate: Tensor | None = None,
+                      gate_position: str = "before", group_size: int | None = None, gate_activation: str = "silu"):
     """(dx, dw) of RMSNorm from the forward's x (or y, `from_output=True`) and rstd; dw None without a weight.
-    Residual form: pass h where x goes and `grad_residual`; dx is then h's whole gradient (as layer_norm_backward)."""
+    Residual form: pass h where x goes and `grad_residual`; dx is then h's whole gradient (as layer_norm_backward).
+    Gated form: pass the forward's gate and its options; returns (dx, dw, dz)."""
+    if gate is not None:
+        opts = gate_options(x, gate_position, gate_activation, group_size,
+                            save="output" if from_output else "input", residual=grad_residual)
+        dx, dw, _, dz = _backward(GATED, grad, x, (), weight, None, rstd, None, True, zero_centered, False, config,
+                                  (gate,), opts)
+        return dx, dw, dz
     form, grads_out = _grads_form(grad_residual)
     dx, dw, _ = _backward(form, grad, x, grads_out, weight, None, rstd, None, True, zero_centered, from_output,
                           config)

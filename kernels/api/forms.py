@@ -8,6 +8,8 @@ value here, its math (`ops.forward_impl`, `ops.input_grads`, `composite`, `refer
 
     PLAIN     y = norm(x)
     RESIDUAL  h = x + residual (in the residual stream's dtype), y = norm(h); returns (y, h)
+    GATED     RMSNorm with a gate z shaped like x, a = act(z) (silu or sigmoid): y = w·x̂·a (the gate before: after
+              the norm) or y = w·norm(x·a) (the gate after); returns y, and the backward gives z its own gradient
 """
 
 from __future__ import annotations
@@ -24,12 +26,18 @@ class Form:
         custom-op argument `<name>_dtype`); the first one is the tensor the norm normalizes (x where there is none).
     op: the stem of its custom ops' names, `normtune::<op>_forward` and `normtune::<op>_backward` (users see these
         in traced graphs, so a form's op names never change).
+    saved: the inputs the backward reads beside the rows normalized (saved by the forward), each of which gets a
+        gradient of its own (the other inputs get x's, as the residual does).
+    options: the schema of the form's own non-tensor arguments ("bool gate_after", ...), which its ops take after
+        the flags (and the stream dtypes) and the calls carry as a tuple of values (`opts`).
     """
 
     name: str
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     op: str = "norm"
+    saved: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"Form({self.name})"
@@ -37,5 +45,8 @@ class Form:
 
 PLAIN = Form("plain")
 RESIDUAL = Form("residual", inputs=("residual",), outputs=("h",), op="norm_residual")
+# opts: (the gate is after the norm's input, the activation is sigmoid, the columns of one group of statistics)
+GATED = Form("gated", inputs=("z",), op="norm_gated", saved=("z",),
+             options=("bool gate_after", "bool gate_sigmoid", "int group_size"))
 
-FORMS = (PLAIN, RESIDUAL)
+FORMS = (PLAIN, RESIDUAL, GATED)

@@ -62,6 +62,8 @@ def form_signature(form: Form, x, extras: tuple, weight, bias, eps, stream_dtype
     name, each such tensor's shape, strides, dtype, device and alignment, the stream dtype as passed and the save
     mode. None where the call cannot have a plan (as `signature`; also a form's tensor that is not a plain tensor,
     a stream dtype that is not None, a torch.dtype or a str)."""
+    if form.saved:  # a form whose backward reads inputs of its own (the gate) is not planned
+        return None
     sig = signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms and not save_output)
     if sig is None or form is PLAIN:
         return sig

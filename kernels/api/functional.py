@@ -26,19 +26,20 @@ from torch import Tensor
 
 from . import composite, forward_calls
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, output_recovers
-from .call_checks import rows_2d, rows_view, stream_eps
+from .call_checks import gate_options, gate_problem, rows_2d, rows_view, stream_eps
 from ..config import BackwardConfig
-from .forms import PLAIN, RESIDUAL, Form
+from .forms import GATED, PLAIN, RESIDUAL, Form
 from .ops import contiguous_operand, eager_norm
 
 
 def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero_centered: bool, save: str, config,
-          stream_dtype=None):
+          stream_dtype=None, opts=()):
     """y, or (y, *the form's outputs), of a call of `form` (`forms.py`) on x and the form's tensors `extras`,
     whatever the form: checked (`call_checks`) unless a call with the same signature passed the checks before
     (`forward_calls`: then that call's plan runs), traced as the form's custom op under torch.compile, else run
     through `ops.EagerNorm`. save="output" where y would not determine x̂ as precisely as the rows normalized do
-    (saving.py's rule) saves those rows instead; under torch.compile the custom op raises."""
+    (saving.py's rule) saves those rows instead; under torch.compile the custom op raises. `opts`: the form's
+    options (`Form.options`), checked."""
     compiling = torch.compiler.is_compiling()
     # under torch.func's transforms the composite runs, which saves nothing of its own (and the wrapped weights
     # have no memory to read back)
@@ -58,14 +59,15 @@ def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero
     stream = check_form(form, x, extras, stream_dtype)
     x2d = rows_2d(x) if not form.inputs or compiling or config is not None else None
     backward = "" if config is None else explicit_backward(
-        config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save, residual_dtype=stream)
+        config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save, residual_dtype=stream,
+        gate=gate_problem(opts))
     w, b = contiguous_operand(weight), contiguous_operand(bias)
     args = (float(eps), is_rms, zero_centered, save_output)
     if compiling:
         streams = (stream,) * len(form.outputs)
         traced = getattr(torch.ops.normtune, form.op + "_forward").default  # the form's op (`ops.define_ops`)
         outputs = [t if t.shape == x.shape else t.view(x.shape)
-                   for t in traced(x2d, *(rows_2d(t) for t in extras), w, b, *args, *streams, backward)[:-2]]
+                   for t in traced(x2d, *(rows_2d(t) for t in extras), w, b, *args, *streams, *opts, backward)[:-2]]
         return tuple(outputs) if form.outputs else outputs[0]
     if w is not weight or b is not bias:  # a copied operand gets no plan: the plan would read the strided one
         sig = None
@@ -75,7 +77,7 @@ def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero
         view = rows_view(x, x2d)
         y = eager_norm(form, x if view else x2d, extras, w, b, *args, backward, stream, None, sig if view else None)
         return y if y.shape == x.shape else y.view(x.shape)
-    return eager_norm(form, x, extras, w, b, *args, backward, stream, None, sig)
+    return eager_norm(form, x, extras, w, b, *args, backward, stream, None, sig, opts)
 
 
 def _form(residual, residual_dtype) -> tuple[Form, tuple]:
@@ -90,7 +92,8 @@ def _form(residual, residual_dtype) -> tuple[Form, tuple]:
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
                residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
                zero_centered: bool = False, save: str = "input",
-               config: BackwardConfig | dict | str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+               config: BackwardConfig | dict | str | None = None,
+               gate: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """LayerNorm over the last dimension: y = (x − μ)·r·w + b, r = (var(x) + eps)^-½.
 
     residual: the fused residual form: h = x + residual (in `residual_dtype`, default residual's dtype: x's or
@@ -102,7 +105,10 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     (some column with |w| below the dtype's smallest normal number or |b| > |w|; see `saving.py`), the call
     saves x instead; under torch.compile, where the weights cannot be read while tracing, it raises instead.
     config: a `BackwardConfig` (or its dict/JSON) forcing the backward launch; None picks one for the GPU.
+    gate: refused (the gated form is an RMSNorm: `rms_norm(..., gate=z)`).
     """
+    if gate is not None:
+        raise ValueError("gate with layer_norm: the gated form is an RMSNorm; use rms_norm(x, weight, gate=z)")
     form, extras = _form(residual, residual_dtype)
     return _norm(form, x, extras, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save,
                  config=config, stream_dtype=residual_dtype)
@@ -110,10 +116,23 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, *, residual: Tensor | None = None,
              residual_dtype: torch.dtype | None = None, zero_centered: bool = False, save: str = "input",
-             config: BackwardConfig | dict | str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+             config: BackwardConfig | dict | str | None = None, gate: Tensor | None = None,
+             gate_position: str = "before", group_size: int | None = None,
+             gate_activation: str = "silu") -> Tensor | tuple[Tensor, Tensor]:
     """RMSNorm over the last dimension: y = x·r·w, r = (mean(x²) + eps)^-½. Arguments as `layer_norm` (with a
     residual: (y, h)). eps=None: torch.finfo's eps of the dtype normalized, as torch's rms_norm: x's, or with a
-    residual h's (the residual stream's, `residual_dtype`)."""
+    residual h's (the residual stream's, `residual_dtype`).
+
+    gate: the gated form, a = act(gate) (gate_activation "silu" or "sigmoid"), gate shaped like x in its dtype:
+    gate_position="before" (Qwen3-Next's) y = w·norm(x)·a, "after" (Mamba-2's) y = w·norm(x·a); returns y and
+    differentiates gate too. group_size: the columns one set of statistics covers: None or the whole width (groups
+    narrower than the width are refused for now). save must be "input"."""
+    if gate is not None:
+        opts = gate_options(x, gate_position, gate_activation, group_size, save=save, residual=residual)
+        if eps is None:
+            eps = dtype_eps(x, getattr(x, "dtype", None))
+        return _norm(GATED, x, (gate,), weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
+                     config=config, opts=opts)
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
     form, extras = _form(residual, residual_dtype)

@@ -1,6 +1,7 @@
 """`nn.Module` drop-ins for `torch.nn.LayerNorm` and `torch.nn.RMSNorm` (same constructor arguments and
 parameter names, so state dicts load either way), plus normtune's `zero_centered`, `save` and `config`; and
-their fused residual forms `FusedAddLayerNorm` / `FusedAddRMSNorm`: forward(x, residual) -> (y, h)."""
+their fused residual forms `FusedAddLayerNorm` / `FusedAddRMSNorm`: forward(x, residual) -> (y, h); and the gated
+RMSNorm of hybrid models, `GatedRMSNorm`: forward(x, gate) -> y."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .functional import check_options, layer_norm, rms_norm
-from .call_checks import stream_eps
+from .call_checks import gate_options, stream_eps
 
 
 def _is_int(d) -> bool:
@@ -144,3 +145,31 @@ class FusedAddRMSNorm(RMSNorm):
                         residual_dtype=self.residual_dtype, zero_centered=self.zero_centered, save=self.save,
                         config=self.config)
         return _shaped(y, h, x)
+
+
+class GatedRMSNorm(RMSNorm):
+    """The gated RMSNorm (`rms_norm(..., gate=...)`): forward(x, gate) = w·norm(x)·act(gate) with
+    gate_position="before" (Qwen3-Next's, Qwen3.5's), or w·norm(x·act(gate)) with "after" (Mamba-2's and its
+    descendants'); activation "silu" or "sigmoid". group_size: None or the whole width (narrower groups are refused
+    for now). eps=None means torch.finfo(x.dtype).eps, as `RMSNorm`."""
+
+    def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
+                 dtype=None, *, gate_position: str = "before", group_size: int | None = None,
+                 activation: str = "silu", zero_centered: bool = False, config=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype, zero_centered=zero_centered,
+                         config=config)
+        # the call's checks, now (a meta tensor of the layer's width stands for x)
+        gate_options(torch.empty(0, math.prod(self.normalized_shape), device="meta"), gate_position, activation,
+                     group_size)
+        self.gate_position, self.group_size, self.activation = gate_position, group_size, activation
+
+    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        y = rms_norm(self._rows(x), self._flat(self.weight), eps, gate=self._rows(gate),
+                     gate_position=self.gate_position, group_size=self.group_size, gate_activation=self.activation,
+                     zero_centered=self.zero_centered, config=self.config)
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        extra = f", group_size={self.group_size}" if self.group_size is not None else ""
+        return f"{super().extra_repr()}, gate_position={self.gate_position!r}, activation={self.activation!r}{extra}"

@@ -1,7 +1,8 @@
 """Pure-PyTorch forward and backward, computed in fp32 with the same saving semantics as the Triton kernels.
 
 Used for CPU tensors outside the interpreter, and by the tuner as the correctness gate's reference. The math is
-the one in `backward/common.py`'s docstring, written with whole-tensor torch ops.
+the one in `backward/common.py`'s docstring, written with whole-tensor torch ops. `gated_float64` is the gated
+form's float64 reference: torch's autograd through the forward's formula, not the backward's math.
 """
 
 from __future__ import annotations
@@ -91,3 +92,57 @@ def backward(grad: torch.Tensor, saved: torch.Tensor, weight, bias, rstd, mean, 
     if dh is not None:
         return (dx + dh.float()).to(dh.dtype), dw, db
     return dx.to(grad.dtype), dw, db
+
+
+def gate_activation(z: torch.Tensor, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(z), act'(z)) in z's dtype: silu or sigmoid (`backward/common.py`'s `gate_activation`)."""
+    sig = torch.sigmoid(z)
+    if sigmoid:
+        return sig, sig * (1.0 - sig)
+    return z * sig, sig * (1.0 + z * (1.0 - sig))
+
+
+def forward_gated(x2d: torch.Tensor, z2d: torch.Tensor, weight, eps: float, *, gate_after: bool, sigmoid: bool,
+                  zero_centered: bool):
+    """Returns (y, rstd) as `forward.forward_gated` does (in fp32, y in x's dtype)."""
+    a, _ = gate_activation(z2d.float(), sigmoid)
+    x = x2d.float() * a if gate_after else x2d
+    y, rstd, _ = forward(x, weight, None, eps, is_rms=True, zero_centered=zero_centered, store_mean=False)
+    if not gate_after:
+        y = y.float() * a
+    return y.to(x2d.dtype), rstd
+
+
+def backward_gated(grad: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight, rstd, *, gate_after: bool,
+                   sigmoid: bool, zero_centered: bool):
+    """Returns (dx, dw, None, dz) as the kernels do (`backward/common.py`'s gated form), in fp32 math."""
+    g, xf = grad.float(), x.float()
+    a, da = gate_activation(z.float(), sigmoid)
+    s, gn = (xf * a, g) if gate_after else (xf, g * a)
+    xhat = s * rstd[:, None]
+    w = effective_weight(weight, zero_centered)
+    wg = gn * w if w is not None else gn
+    ds = (wg - xhat * (xhat * wg).mean(dim=1, keepdim=True)) * rstd[:, None]
+    if gate_after:
+        dx, dz = ds * a, ds * xf * da
+    else:
+        dx, dz = ds, g * (w if w is not None else 1.0) * xhat * da
+    dw = (gn * xhat).sum(dim=0).to(weight.dtype) if weight is not None else None
+    return dx.to(grad.dtype), dw, None, dz.to(z.dtype)
+
+
+def gated_float64(x: torch.Tensor, z: torch.Tensor, weight, grad: torch.Tensor, eps: float, *, gate_after: bool,
+                  sigmoid: bool, zero_centered: bool) -> dict:
+    """The gated RMSNorm in float64 over the last dimension: {"y", "dx", "dz", "dw"} (dw None without a weight),
+    the gradients from torch's autograd of y·grad."""
+    x64, z64 = (t.detach().double().requires_grad_() for t in (x, z))
+    w64 = weight.detach().double().requires_grad_() if weight is not None else None
+    a = torch.sigmoid(z64) if sigmoid else torch.nn.functional.silu(z64)
+    s = x64 * a if gate_after else x64
+    y = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)
+    if w64 is not None:
+        y = y * (w64 + 1.0 if zero_centered else w64)
+    if not gate_after:
+        y = y * a
+    (y * grad.double()).sum().backward()
+    return {"y": y.detach(), "dx": x64.grad, "dz": z64.grad, "dw": None if w64 is None else w64.grad}
