@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normtune.kernels import GatedRMSNorm, layer_norm, rms_norm, rms_norm_backward, rms_norm_forward
+from normtune.kernels import (BackwardConfig, GatedRMSNorm, Kernel2Config, kernel_1_config, layer_norm, rms_norm,
+                              rms_norm_backward, rms_norm_forward)
 from normtune.kernels.api import reference
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -26,9 +27,9 @@ def _inputs(M, N, device, dtype=BF16, *, weight_dtype=None, zc=False):
             cast(torch.randn(M, N), dtype))
 
 
-def _ref(x, z, w, dy, gate, act, zc=False):
+def _ref(x, z, w, dy, gate, act, zc=False, group=None):
     return reference.gated_float64(x, z, w, dy, EPS, gate_after=gate == "after", sigmoid=act == "sigmoid",
-                                   zero_centered=zc)
+                                   zero_centered=zc, group=group)
 
 
 def _close(out, ref, tol, what):
@@ -145,13 +146,13 @@ def test_double_backward_runs_the_composite(device):
     (lambda x, z, w: rms_norm(x, w, gate=z[:, :-1]), ValueError, "gate has shape"),
     (lambda x, z, w: rms_norm(x, w, gate=z.float()), TypeError, "gate has dtype"),
     (lambda x, z, w: rms_norm(x, w, gate=z, group_size=7), ValueError, "group_size=7 does not divide"),
-    (lambda x, z, w: rms_norm(x, w, gate=z, group_size=8), ValueError, "group_size=8 is narrower"),
+    (lambda x, z, w: rms_norm(x, w, gate=z, group_size=0), ValueError, "group_size=0 must be a positive integer"),
     (lambda x, z, w: rms_norm(x, w, gate=z, gate_position="middle"), ValueError, "gate_position='middle'"),
     (lambda x, z, w: rms_norm(x, w, gate=z, gate_activation="gelu"), ValueError, "gate_activation='gelu'"),
     (lambda x, z, w: rms_norm(x, w, gate=z, save="output"), ValueError, "save='output' with a gate"),
     (lambda x, z, w: rms_norm(x, w, gate=z, residual=z), ValueError, "gate with residual"),
     (lambda x, z, w: layer_norm(x, w, gate=z), ValueError, "gate with layer_norm"),
-    (lambda x, z, w: GatedRMSNorm(16, group_size=4), ValueError, "group_size=4 is narrower"),
+    (lambda x, z, w: GatedRMSNorm(16, group_size=5), ValueError, "group_size=5 does not divide"),
 ])
 def test_bad_input_raises_one_line_naming_the_argument(call, exc, needle, device):
     x, z, w, _ = _inputs(2, 16, device)
@@ -173,3 +174,53 @@ def test_torch_func_transforms_run_the_composite(device):
         _close(a, b, 1e-5, "torch.func.grad")
     batched = torch.vmap(lambda x, z: rms_norm(x, w, EPS, gate=z))(x[None], z[None])
     _close(batched[0], rms_norm(x, w, EPS, gate=z), 1e-6, "vmap")
+
+
+# ------------------------------------------------------------------------------------------------------- groups
+
+@pytest.mark.parametrize("gate,act,dtype", [("after", "silu", BF16), ("before", "sigmoid", FP32)])
+def test_groups_normalize_each_group_of_columns(gate, act, dtype, device):
+    """group_size < width (Mamba-2's n_groups > 1): autograd, an explicit config (sized for a group's columns),
+    the functions without autograd, the module, against float64 per group."""
+    M, N, group = 5, 24, 8
+    x, z, w, dy = _inputs(M, N, device, dtype, weight_dtype=FP32)
+    ref = _ref(x, z, w, dy, gate, act, group=group)
+    kw = dict(gate_position=gate, gate_activation=act, group_size=group)
+    config = BackwardConfig(kernel_1_config(strategy="rows", block_row=2, block_col=8, num_warps=1),
+                            Kernel2Config(block_m=4, block_n=8, num_warps=1))
+    for cfg in (None, config):
+        xl, zl, wl = (t.detach().requires_grad_() for t in (x, z, w))
+        y = rms_norm(xl, wl, EPS, gate=zl, config=cfg, **kw)
+        y.backward(dy)
+        _check({"y": y, "dx": xl.grad, "dz": zl.grad, "dw": wl.grad}, ref, TOL[dtype])
+    y2, rstd = rms_norm_forward(x, w, EPS, gate=z, **kw)
+    assert rstd.shape == (M * N // group,) and torch.equal(y2, y)
+    dx, dw, dz = rms_norm_backward(dy, x, w, rstd, gate=z, **kw)
+    _check({"y": y2, "dx": dx, "dz": dz, "dw": dw}, ref, TOL[dtype])
+    m = GatedRMSNorm(N, eps=EPS, device=device, dtype=dtype, gate_position=gate, group_size=group, activation=act)
+    assert "group_size=8" in repr(m)
+    torch.testing.assert_close(m(x, z), rms_norm(x, m.weight, EPS, gate=z, **kw), rtol=0, atol=0)
+
+
+def test_groups_under_compile_and_double_backward(device):
+    torch._dynamo.reset()
+    kw = dict(gate_position="after", group_size=4)
+    x, z, w, dy = _inputs(3, 16, device, FP32)
+    compiled = torch.compile(lambda x, z, w: rms_norm(x, w, EPS, gate=z, **kw), fullgraph=True, backend="aot_eager")
+    xl, zl, wl = (t.detach().requires_grad_() for t in (x, z, w))
+    compiled(xl, zl, wl).backward(dy)
+    ref = _ref(x, z, w, dy, "after", "silu", group=4)
+    _check({"y": compiled(x, z, w), "dx": xl.grad, "dz": zl.grad, "dw": wl.grad}, ref, TOL[FP32])
+    got, want = [], []
+    for out, cast in ((got, lambda t: t), (want, lambda t: t.double())):
+        xl, zl, wl = (cast(t).detach().requires_grad_() for t in (x, z, w))
+        if out is got:
+            y = rms_norm(xl, wl, EPS, gate=zl, **kw)
+        else:
+            s = (xl * torch.nn.functional.silu(zl)).unflatten(-1, (4, 4))
+            y = (s * torch.rsqrt((s * s).mean(-1, keepdim=True) + EPS)).flatten(-2) * wl
+        (gx,) = torch.autograd.grad((y * y).sum(), (xl,), create_graph=True)
+        gx.square().sum().backward()
+        out += [gx, xl.grad, zl.grad, wl.grad]
+    for a, b in zip(got, want):
+        _close(a, b, 1e-4, "double backward per group")

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .. import backward as _backward
@@ -88,22 +89,26 @@ def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, 
     """(dx, dw, db), dw/db None where there is no weight/bias. `config`: JSON text ("" selects one), or the
     `BackwardCall` an explicit config resolved to for these rows (`call_checks.explicit_backward`). `dh`: the
     residual stream's gradient rows (the residual form), added into dx, which then has dh's dtype. `gate`: the
-    gated form's (z rows, gate after, sigmoid); then (dx, dw, db, dz)."""
+    gated form's (z rows, gate after, sigmoid, group size); then (dx, dw, db, dz). Groups narrower than the row run
+    the backward of each group's columns (a view of the rows: every row read once), with the group's rstd
+    (`rstd` holds them group by group, each M long)."""
     if grad.stride(-1) != 1:  # e.g. the expanded gradient of a sum(): give the kernels contiguous columns
         grad = grad.contiguous()
     if dh is not None and dh.stride(-1) != 1:
         dh = dh.contiguous()
-    z = None
+    z, M, N = None, *grad.shape
+    group = N
     if gate is not None:
-        z, after, sigmoid = gate
+        z, after, sigmoid, group = gate
         z = z if z.stride(-1) == 1 else z.contiguous()
         gate = ("after" if after else "before"), ("sigmoid" if sigmoid else "silu")
     if type(config) is BackwardCall:
         call = config
     else:
-        M, N = grad.shape
-        call = resolved(grad, M, N, weight, bias, is_rms, zero_centered, save_output, config,
+        call = resolved(grad, M, group, weight, bias, is_rms, zero_centered, save_output, config,
                         None if dh is None else dh.dtype, gate)
+    if group != N:
+        return _groups(call, grad, saved, weight, rstd, z, group, zero_centered, gate)
     if call.config is not None:
         launch = _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, bias, rstd, mean,
                                           plans=call.plans, dh=dh, z=z)
@@ -113,3 +118,29 @@ def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, 
                                         sigmoid=gate[1] == "sigmoid", zero_centered=zero_centered)
     return reference.backward(grad, saved, weight, bias, rstd, mean, is_rms=is_rms, zero_centered=zero_centered,
                               from_output=save_output, dh=dh)
+
+
+def _groups(call: BackwardCall, grad, saved, weight, rstd, z, group: int, zero_centered: bool, gate: tuple):
+    """(dx, dw, None, dz) of the gated form with statistics per group of `group` columns: each group's columns are
+    a problem of their own (`call.problem`, `group` wide), written into the outputs' columns in place."""
+    M, N = grad.shape
+    dx = torch.empty(M, N, dtype=grad.dtype, device=grad.device)
+    dz = torch.empty(M, N, dtype=z.dtype, device=grad.device)
+    dw = torch.empty(N, dtype=weight.dtype, device=grad.device) if weight is not None else None
+    stats = rstd.view(N // group, M)
+    for g, start in enumerate(range(0, N, group)):
+        cols = slice(start, start + group)
+        w = weight[cols] if weight is not None else None
+        if call.config is not None:
+            launch = _backward.BackwardLaunch(call.problem, call.config, grad[:, cols], saved[:, cols], w, None,
+                                              stats[g], None, plans=call.plans, z=z[:, cols], dx=dx[:, cols],
+                                              dz=dz[:, cols])
+            _, dw_g, _ = launch.run()
+        else:
+            dx_g, dw_g, _, dz_g = reference.backward_gated(grad[:, cols], saved[:, cols], z[:, cols], w, stats[g],
+                                                           gate_after=gate[0] == "after",
+                                                           sigmoid=gate[1] == "sigmoid", zero_centered=zero_centered)
+            dx[:, cols], dz[:, cols] = dx_g, dz_g
+        if dw is not None:
+            dw[cols] = dw_g
+    return dx, dw, None, dz

@@ -81,7 +81,7 @@ def _explicit_config(config: BackwardConfig | dict | str) -> BackwardConfig:
 
 def explicit_backward(config: BackwardConfig | dict | str | None, rows: Tensor, weight, bias, *, is_rms: bool,
                       zero_centered: bool, save: str, residual_dtype: torch.dtype | None = None,
-                      gate: tuple[str, str] | None = None) -> BackwardCall | str:
+                      gate: tuple[str, str] | None = None, group: int | None = None) -> BackwardCall | str:
     """What the backward takes for the call's `config=`: "" (None: selected per problem); the `BackwardCall` of
     an explicit config, checked against the problem of `rows` (the backward's rows: x, or y when save="output",
     as 2-D rows; with `residual_dtype`, the residual form's) and the weight and bias, once per signature; or,
@@ -96,9 +96,9 @@ def explicit_backward(config: BackwardConfig | dict | str | None, rows: Tensor, 
             return config if isinstance(config, str) else mapping_to_json(config)
     config = _explicit_config(config)
     M, N = rows.shape
-    try:
-        return resolved(rows, M, N, weight, bias, is_rms, zero_centered, save == "output", config, residual_dtype,
-                        gate)
+    try:  # a gated call's groups are problems of `group` columns each
+        return resolved(rows, M, group or N, weight, bias, is_rms, zero_centered, save == "output", config,
+                        residual_dtype, gate)
     except ConfigError as err:
         raise ValueError(f"config does not fit this input ({M}x{N}): {err}") from None
 
@@ -233,10 +233,7 @@ def gate_options(x, gate_position, gate_activation, group_size, *, save: str = "
         if N and N % group_size:
             raise ValueError(f"group_size={group_size} does not divide x's width {N}: pass a divisor of "
                              "x.shape[-1] (or None: the whole width)")
-        if N and group_size != N:
-            raise ValueError(f"group_size={group_size} is narrower than x's width {N}: statistics per group of "
-                             "columns are not supported yet; use group_size=None (the whole width)")
-    return gate_position == "after", gate_activation == "sigmoid", N
+    return gate_position == "after", gate_activation == "sigmoid", N if group_size is None else group_size
 
 
 def gate_problem(opts: tuple) -> tuple[str, str] | None:

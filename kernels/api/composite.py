@@ -114,30 +114,40 @@ def _gate(z: Tensor, sigmoid: bool) -> tuple[Tensor, Tensor]:
     return zf * sig, sig * (1.0 + zf * (1.0 - sig))
 
 
+def _group_mean(t: Tensor, groups: int) -> Tensor:
+    """The mean of each group of the last dimension's columns, repeated over the group's columns."""
+    return t.unflatten(-1, (groups, -1)).mean(-1).repeat_interleave(t.shape[-1] // groups, dim=-1)
+
+
 def forward_gated(x: Tensor, z: Tensor, weight: Tensor | None, eps: float, *, zero_centered: bool, gate_after: bool,
-                  sigmoid: bool) -> Tensor:
-    """The gated RMSNorm's y in x's dtype (`forms.GATED`), differentiable in x, z and weight."""
+                  sigmoid: bool, group: int | None = None) -> Tensor:
+    """The gated RMSNorm's y in x's dtype (`forms.GATED`; statistics per `group` columns, None: the whole row),
+    differentiable in x, z and weight."""
+    groups = x.shape[-1] // (group or x.shape[-1])
     a, _ = _gate(z, sigmoid)
     s = x.float() * a if gate_after else x.float()
-    y = forward(s, weight, None, eps, is_rms=True, zero_centered=zero_centered).float()
+    y = s * torch.rsqrt(_group_mean(s * s, groups) + eps)
+    if weight is not None:
+        y = y * (weight.float() + 1.0 if zero_centered else weight.float())
     return (y if gate_after else y * a).to(x.dtype)
 
 
 def backward_gated(grad: Tensor, x: Tensor, z: Tensor, weight: Tensor | None, eps: float, *, zero_centered: bool,
-                   gate_after: bool, sigmoid: bool):
-    """(dx, dw, None, dz) of the gated form (`backward/common.py`'s math, fp32, x̂ recomputed from x), in the
-    dtypes the kernels return; differentiable in grad, x, z and weight."""
+                   gate_after: bool, sigmoid: bool, group: int | None = None):
+    """(dx, dw, None, dz) of the gated form (`backward/common.py`'s math per group of `group` columns, fp32, x̂
+    recomputed from x), in the dtypes the kernels return; differentiable in grad, x, z and weight."""
     N = x.shape[-1]
+    groups = N // (group or N)
     g, xf = grad.float(), x.float()
     a, da = _gate(z, sigmoid)
     s, gn = (xf * a, g) if gate_after else (xf, g * a)
-    rstd = torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)
+    rstd = torch.rsqrt(_group_mean(s * s, groups) + eps)
     xhat = s * rstd
     w = None
     if weight is not None:
         w = weight.float() + 1.0 if zero_centered else weight.float()
     wg = gn * w if w is not None else gn
-    ds = (wg - xhat * (xhat * wg).mean(-1, keepdim=True)) * rstd
+    ds = (wg - xhat * _group_mean(xhat * wg, groups)) * rstd
     dx, dz = (ds * a, ds * xf * da) if gate_after else (ds, g * (w if w is not None else 1.0) * xhat * da)
     dw = (gn * xhat).reshape(-1, N).sum(0).to(weight.dtype) if weight is not None else None
     return dx.to(grad.dtype), dw, None, dz.to(z.dtype)

@@ -122,7 +122,7 @@ def _backward(form: Form, grad, saved, grads_out: tuple, weight, bias, rstd, mea
         if form is GATED:
             check_gate(saved, saved_extras[0])
     N = saved.shape[-1]
-    M = saved.numel() // N
+    M = saved.numel() // N * (N // opts[2] if opts else 1)  # the gated form's statistics: one per row and group
     uses_mean = not is_rms and not from_output
     if not (_stats_fit(rstd, M) and (not uses_mean or _stats_fit(mean, M))):  # fast path; the checks name the rule
         _check_stats("rstd", rstd, M)
@@ -135,8 +135,9 @@ def _backward(form: Form, grad, saved, grads_out: tuple, weight, bias, rstd, mea
     grad2d, dh = rows_2d(grad), rows_2d(grads_out[0]) if grads_out else None
     backward = explicit_backward(config, grad2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered,
                                  save="output" if from_output else "input",
-                                 residual_dtype=None if dh is None else dh.dtype, gate=gate_problem(opts))
-    gate = (rows_2d(saved_extras[0]), opts[0], opts[1]) if saved_extras else None
+                                 residual_dtype=None if dh is None else dh.dtype, gate=gate_problem(opts),
+                                 group=opts[2] if opts else None)
+    gate = (rows_2d(saved_extras[0]), *opts) if saved_extras else None
     dx, dw, db, *own = backward_impl(grad2d, rows_2d(saved), contiguous_operand(weight), contiguous_operand(bias),
                                      rstd, mean, is_rms, zero_centered, from_output, backward, dh, gate)
     shaped = (lambda t: t) if saved.dim() == 2 else (lambda t: t.view(saved.shape))  # noqa: E731
@@ -183,7 +184,8 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None 
                      group_size: int | None = None, gate_activation: str = "silu"):
     """(y, rstd) of RMSNorm over the last dimension, without autograd; with a residual, (y, rstd, h) of the norm
     of h = x + residual. eps=None: the eps of the dtype normalized (x's, or h's), as `rms_norm`. gate: the gated
-    form, with its options as `rms_norm` takes them; (y, rstd)."""
+    form, with its options as `rms_norm` takes them; (y, rstd), rstd one per row and group of columns, group by
+    group (width // group_size groups of rows each)."""
     if gate is not None:
         opts = gate_options(x, gate_position, gate_activation, group_size, residual=residual)
         if eps is None:

@@ -60,7 +60,7 @@ def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero
     x2d = rows_2d(x) if not form.inputs or compiling or config is not None else None
     backward = "" if config is None else explicit_backward(
         config, x2d, weight, bias, is_rms=is_rms, zero_centered=zero_centered, save=save, residual_dtype=stream,
-        gate=gate_problem(opts))
+        gate=gate_problem(opts), group=opts[2] if opts else None)
     w, b = contiguous_operand(weight), contiguous_operand(bias)
     args = (float(eps), is_rms, zero_centered, save_output)
     if compiling:
@@ -125,8 +125,9 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, 
 
     gate: the gated form, a = act(gate) (gate_activation "silu" or "sigmoid"), gate shaped like x in its dtype:
     gate_position="before" (Qwen3-Next's) y = w·norm(x)·a, "after" (Mamba-2's) y = w·norm(x·a); returns y and
-    differentiates gate too. group_size: the columns one set of statistics covers: None or the whole width (groups
-    narrower than the width are refused for now). save must be "input"."""
+    differentiates gate too. group_size: the columns one set of statistics covers, a divisor of the width (None: the
+    whole width; narrower: Mamba-2's n_groups > 1, each group of columns normalized on its own, its weight the
+    group's columns of `weight`). save must be "input"."""
     if gate is not None:
         opts = gate_options(x, gate_position, gate_activation, group_size, save=save, residual=residual)
         if eps is None:

@@ -150,8 +150,8 @@ class FusedAddRMSNorm(RMSNorm):
 class GatedRMSNorm(RMSNorm):
     """The gated RMSNorm (`rms_norm(..., gate=...)`): forward(x, gate) = w·norm(x)·act(gate) with
     gate_position="before" (Qwen3-Next's, Qwen3.5's), or w·norm(x·act(gate)) with "after" (Mamba-2's and its
-    descendants'); activation "silu" or "sigmoid". group_size: None or the whole width (narrower groups are refused
-    for now). eps=None means torch.finfo(x.dtype).eps, as `RMSNorm`."""
+    descendants'); activation "silu" or "sigmoid". group_size: the columns one set of statistics covers (a divisor
+    of the width; None: the whole width). eps=None means torch.finfo(x.dtype).eps, as `RMSNorm`."""
 
     def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
                  dtype=None, *, gate_position: str = "before", group_size: int | None = None,

@@ -54,10 +54,7 @@ def forward_impl(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered
     here). `opts`: the form's options (`Form.options`)."""
     store_mean = not is_rms and not save_output
     if form is GATED:
-        gate_after, sigmoid, _ = opts
-        impl = _forward.forward_gated if use_triton(x) else reference.forward_gated
-        y, rstd = impl(x, extras[0], weight, eps, gate_after=gate_after, sigmoid=sigmoid, zero_centered=zero_centered)
-        return (y,), rstd, None
+        return _forward_gated(x, extras[0], weight, eps, zero_centered, *opts)
     if form is PLAIN:
         impl = _forward.forward if use_triton(x) else reference.forward
         y, rstd, mean = impl(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered, store_mean=store_mean)
@@ -77,6 +74,28 @@ def forward_impl(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered
     return ((y_ref, h_ref) if y is None else (y.copy_(y_ref), h.copy_(h_ref))), rstd, mean
 
 
+def _forward_gated(x, z, weight, eps, zero_centered, gate_after, sigmoid, group):
+    """((y,), rstd, None) of the gated form on rows; statistics per group of `group` columns (the whole row, or
+    each group's columns run as rows of their own, a view: rstd holds the groups' one after another)."""
+    M, N = x.shape
+    triton = use_triton(x)
+    impl = _forward.forward_gated if triton else reference.forward_gated
+    flags = dict(gate_after=gate_after, sigmoid=sigmoid, zero_centered=zero_centered)
+    if group == N:
+        y, rstd = impl(x, z, weight, eps, **flags)
+        return (y,), rstd, None
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(N // group, M, dtype=torch.float32, device=x.device)
+    for g, start in enumerate(range(0, N, group)):
+        cols = slice(start, start + group)
+        w = weight[cols] if weight is not None else None
+        if triton:
+            impl(x[:, cols], z[:, cols], w, eps, y=y[:, cols], rstd=rstd[g], **flags)
+        else:
+            y[:, cols], rstd[g] = impl(x[:, cols], z[:, cols], w, eps, **flags)
+    return (y,), rstd.view(-1), None
+
+
 def input_grads(form: Form, d: Tensor, input_dtypes: tuple, own: tuple = ()) -> tuple:
     """The gradients of x and the form's inputs from the backward's d, the gradient of the rows normalized (x, or
     the residual form's h, which is both x's and the residual's: cast only where their dtype differs), and `own`,
@@ -90,14 +109,14 @@ def input_grads(form: Form, d: Tensor, input_dtypes: tuple, own: tuple = ()) -> 
 
 def _gate(saved_extras: tuple, opts: tuple):
     """`backward_impl`'s gate: (z rows, gate after, sigmoid), or None for a form without a gate."""
-    return (saved_extras[0], opts[0], opts[1]) if saved_extras else None
+    return (saved_extras[0], *opts) if saved_extras else None
 
 
 def _composite_forward(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered, stream_dtype, plan, opts=()):
     """The form's forward as differentiable PyTorch ops (under torch.func's transforms)."""
     if form is GATED:
         return composite.forward_gated(x, extras[0], weight, eps, zero_centered=zero_centered, gate_after=opts[0],
-                                       sigmoid=opts[1])
+                                       sigmoid=opts[1], group=opts[2])
     if form is PLAIN:
         return composite.forward(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered)
     if stream_dtype is None:  # a planned call: the plan's
@@ -114,7 +133,7 @@ def _composite_backward(grad_y, grads_out, saved, weight, bias, eps, is_rms, zer
         if save_output:
             raise RuntimeError(composite.SAVE_OUTPUT_MESSAGE.format(norm="rms_norm"))
         return composite.backward_gated(grad_y, saved, saved_extras[0], weight, eps, zero_centered=zero_centered,
-                                        gate_after=opts[0], sigmoid=opts[1])
+                                        gate_after=opts[0], sigmoid=opts[1], group=opts[2])
     if not grads_out:
         return composite.backward(grad_y, saved, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
                                   save_output=save_output)
@@ -196,7 +215,7 @@ def define_ops(form: Form):
 
     def forward_fake(x, *args):
         is_rms, save_output, dtypes = args[k + 3], args[k + 5], args[k + 6:k + 6 + o]
-        M = x.shape[0]
+        M = x.shape[0] * (x.shape[1] // args[-2] if form is GATED else 1)  # gated: rstd per group
         store_mean = not is_rms and not save_output
         return (x.new_empty(x.shape), *(x.new_empty(x.shape, dtype=dtype) for dtype in dtypes),
                 x.new_empty((M,), dtype=torch.float32), x.new_empty((M if store_mean else 0,), dtype=torch.float32))

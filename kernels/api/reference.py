@@ -132,14 +132,16 @@ def backward_gated(grad: torch.Tensor, x: torch.Tensor, z: torch.Tensor, weight,
 
 
 def gated_float64(x: torch.Tensor, z: torch.Tensor, weight, grad: torch.Tensor, eps: float, *, gate_after: bool,
-                  sigmoid: bool, zero_centered: bool) -> dict:
-    """The gated RMSNorm in float64 over the last dimension: {"y", "dx", "dz", "dw"} (dw None without a weight),
-    the gradients from torch's autograd of y·grad."""
+                  sigmoid: bool, zero_centered: bool, group: int | None = None) -> dict:
+    """The gated RMSNorm in float64 over the last dimension, statistics per `group` columns (None: the whole
+    row): {"y", "dx", "dz", "dw"} (dw None without a weight), the gradients from torch's autograd of y·grad."""
     x64, z64 = (t.detach().double().requires_grad_() for t in (x, z))
     w64 = weight.detach().double().requires_grad_() if weight is not None else None
     a = torch.sigmoid(z64) if sigmoid else torch.nn.functional.silu(z64)
     s = x64 * a if gate_after else x64
-    y = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps)
+    N = s.shape[-1]
+    sg = s.unflatten(-1, (N // (group or N), -1))
+    y = (sg * torch.rsqrt((sg * sg).mean(-1, keepdim=True) + eps)).flatten(-2)
     if w64 is not None:
         y = y * (w64 + 1.0 if zero_centered else w64)
     if not gate_after:
