@@ -217,11 +217,19 @@ def test_hand_written_norms_match_after_patch(tolerance, assert_close):
     assert model[4].zero_centered and model[4].bias is not None
 
 
-class GatedRMSNorm(HandRMSNorm):
-    """Mamba-style: the caller passes a gate, which a replacement taking only the input would not accept."""
+class TanhGatedRMSNorm(HandRMSNorm):
+    """A gated look-alike with other math (a tanh gate): no gated form fits it (the gated ones are
+    test_patch_gated.py's)."""
 
     def forward(self, x, gate=None):
-        return super().forward(x if gate is None else x * nn.functional.silu(gate))
+        return super().forward(x if gate is None else x * torch.tanh(gate))
+
+
+class ResidualTakingRMSNorm(HandRMSNorm):
+    """The caller passes a residual, which a replacement taking only the input would not accept."""
+
+    def forward(self, x, residual=None):
+        return super().forward(x if residual is None else x + residual)
 
 
 class ChannelsFirstLayerNorm(nn.LayerNorm):
@@ -247,7 +255,8 @@ def _wrapped() -> nn.Module:
 # (id, module, substrings of the refusal)
 REFUSED = [
     ("offset", lambda: HandRMSNorm(N, offset=0.01), ["matches none of", "closest: RMSNorm"]),
-    ("gated", lambda: GatedRMSNorm(N), ["forward takes more than the input (gate)"]),
+    ("gated-other-math", lambda: TanhGatedRMSNorm(N), ["matches no gated RMSNorm", "closest: gated RMSNorm"]),
+    ("residual", lambda: ResidualTakingRMSNorm(N), ["forward takes more than the input (residual)"]),
     ("other-eps", lambda: HandRMSNorm(N, inner_eps=1e-3), ["matches none of", "eps=1e-06"]),
     ("channels-first", lambda: ChannelsFirstLayerNorm(N), ["its forward failed on a probe input"]),
     ("too-wide", lambda: nn.LayerNorm((1024, 512)), ["524288 values per row", "maximum 262144"]),

@@ -151,7 +151,8 @@ class GatedRMSNorm(RMSNorm):
     """The gated RMSNorm (`rms_norm(..., gate=...)`): forward(x, gate) = w·norm(x)·act(gate) with
     gate_position="before" (Qwen3-Next's, Qwen3.5's), or w·norm(x·act(gate)) with "after" (Mamba-2's and its
     descendants'); activation "silu" or "sigmoid". group_size: the columns one set of statistics covers (a divisor
-    of the width; None: the whole width). eps=None means torch.finfo(x.dtype).eps, as `RMSNorm`."""
+    of the width; None: the whole width). eps=None means torch.finfo(x.dtype).eps, as `RMSNorm`. gate=None: the
+    norm alone (per group), as transformers' gated norms take it."""
 
     def __init__(self, normalized_shape, eps: float | None = 1e-6, elementwise_affine: bool = True, device=None,
                  dtype=None, *, gate_position: str = "before", group_size: int | None = None,
@@ -163,8 +164,16 @@ class GatedRMSNorm(RMSNorm):
                      group_size)
         self.gate_position, self.group_size, self.activation = gate_position, group_size, activation
 
-    def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+    def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        if gate is None:
+            rows, width = self._rows(x), math.prod(self.normalized_shape)
+            group = self.group_size or width
+            if group == width:
+                return super().forward(x)
+            y = rms_norm(rows.unflatten(-1, (width // group, group)), None, eps).flatten(-2)
+            w = self._flat(self.weight)
+            return (y if w is None else y * (w + 1 if self.zero_centered else w).to(y.dtype)).view(x.shape)
         y = rms_norm(self._rows(x), self._flat(self.weight), eps, gate=self._rows(gate),
                      gate_position=self.gate_position, group_size=self.group_size, gate_activation=self.activation,
                      zero_centered=self.zero_centered, config=self.config)

@@ -9,7 +9,8 @@ weights instead of the user's (which are never touched), is run on a random fp32
 ~sqrt(eps), where eps matters), and its output must match RMSNorm, LayerNorm or their zero-centered forms over the
 last dimension within `PROBE_TOLERANCE`. The same probe checks a torch LayerNorm/RMSNorm subclass that overrides
 `forward` (Nemotron's weight + 1 LayerNorm is a zero-centered one). Norms without a weight (weightless RMSNorms,
-L2 norms) are left alone.
+L2 norms) are left alone. The gated RMSNorms of hybrid models (a forward taking the input and a gate) become
+`GatedRMSNorm`s where a probe of the same kind says which gated form they compute (`patch_gated.py`).
 
 What is kept: the Parameter objects themselves (optimizer state, tied weights and checkpoints keep working), the
 names the state dict stores them under, their device and dtype, and train/eval mode. A module reachable under
@@ -18,7 +19,7 @@ several names is replaced by one module everywhere.
 What is refused, naming the module, the reason and the fix (a ValueError; with strict=False the module is left as
 it is and listed in the report's `skipped` instead): a norm-like module whose output matches no formula (an offset,
 a different eps, another reduction such as channels-first), a forward that fails on the probe input or takes more
-than the input (the gated RMSNorms of Mamba-style models), weights on the meta device (the probe needs values),
+than the input and is not a gated RMSNorm, weights on the meta device (the probe needs values),
 weights outside float32/bfloat16/float16, more than normtune's maximum of values per row, forward/backward hooks
 or an instance-level forward (they would not carry over).
 """
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from ..config import MAX_N, SAVE_MODES, BackwardConfig
 from ..api.modules import LayerNorm, RMSNorm
+from .patch_gated import GatedPlan, build, classify, takes_a_gate
 
 # Relative error allowed between a probed module and a formula. The probe runs in fp32 against a float64
 # reference, so a true match is ~1e-7 off; an offset, a wrong eps or a low-precision cast inside is ~1e-3 or more.
@@ -128,7 +130,7 @@ def patch(model: nn.Module, *, layer_norm: bool = True, rms_norm: bool = True, s
             if id(child) not in decisions:
                 decisions[id(child)] = _classify(child, wanted)
             decision = decisions[id(child)]
-            if isinstance(decision, _Plan):
+            if isinstance(decision, (_Plan, GatedPlan)):
                 edges.append((parent, attr, child))
 
     report = PatchReport()
@@ -192,6 +194,11 @@ def _classify(module: nn.Module, wanted: dict[str, bool]) -> _Plan | str | None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         return f"its {eps_name} ({eps!r}) is not a positive finite number"
     weight, bias = module._parameters["weight"], module._parameters.get("bias")
+    if bias is None and takes_a_gate(module):  # a gated RMSNorm (`patch_gated.py`)
+        if not wanted["rms_norm"]:
+            return None
+        gated = classify(module, eps_name, PROBE_TOLERANCE)
+        return gated if isinstance(gated, str) else (_unsupported(module, gated) or gated)
     if bias is not None and bias.shape != weight.shape:
         return f"its bias has shape {tuple(bias.shape)}, not its weight's {tuple(weight.shape)}"
     shape = tuple(weight.shape)
@@ -316,6 +323,8 @@ def _error(y: Tensor, ref: Tensor) -> float:
 def _build(module: nn.Module, plan: _Plan, save: str, config: BackwardConfig | None) -> nn.Module:
     """The normtune module holding `module`'s own Parameter objects (built on the meta device: nothing is
     allocated, then the originals are assigned)."""
+    if isinstance(plan, GatedPlan):
+        return build(module, plan, config)
     weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
     options = {"eps": plan.eps, "elementwise_affine": weight is not None, "device": "meta",
                "zero_centered": plan.zero_centered, "save": save, "config": config}
