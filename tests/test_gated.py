@@ -13,9 +13,9 @@ from normtune.kernels import (BackwardConfig, GatedRMSNorm, Kernel2Config, kerne
                               rms_norm_backward, rms_norm_forward)
 from normtune.kernels.api import reference
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 EPS = 1e-6
-TOL = {BF16: 2e-2, FP32: 1e-5}
+TOL = {BF16: 2e-2, FP32: 1e-5, FP16: 5e-3}
 GATES = [("before", "silu"), ("after", "silu"), ("before", "sigmoid"), ("after", "sigmoid")]
 
 
@@ -45,9 +45,9 @@ def _check(outs: dict, ref: dict, tol: float):
 
 
 @pytest.mark.parametrize("gate,act", GATES)
-@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("dtype", [BF16, FP32, FP16])
 def test_api_gradients_match_float64(gate, act, dtype, device):
-    """bf16 with fp32 weights, fp32 with zero-centred ones; N not a power of two."""
+    """16-bit with fp32 weights, fp32 with zero-centred ones; N not a power of two."""
     zc = dtype == FP32
     x, z, w, dy = _inputs(5, 40, device, dtype, weight_dtype=FP32, zc=zc)
     xl, zl, wl = (t.detach().requires_grad_() for t in (x, z, w))

@@ -21,9 +21,9 @@ from normtune.kernels.forward import forward_gated
 from normtune.tuner.space import Space
 from normtune.tuner.store.models import problem_from_row
 
-BF16, FP32 = torch.bfloat16, torch.float32
+BF16, FP32, FP16 = torch.bfloat16, torch.float32, torch.float16
 EPS = 1e-6
-TOL = {BF16: 2e-2, FP32: 1e-5}
+TOL = {BF16: 2e-2, FP32: 1e-5, FP16: 5e-3}
 GATES = [("before", "silu"), ("after", "silu"), ("before", "sigmoid"), ("after", "sigmoid")]
 K2 = Kernel2Config(block_m=4, block_n=64, num_warps=2)
 
@@ -113,7 +113,7 @@ def test_forward_kernel(M, N, gate, act, device):
 
 @pytest.mark.parametrize("label,N,config", STRATEGY_CASES, ids=[c[0] for c in STRATEGY_CASES])
 @pytest.mark.parametrize("gate,act,dtype", [("before", "silu", BF16), ("after", "sigmoid", FP32),
-                                            ("after", "silu", BF16)])
+                                            ("after", "silu", BF16), ("before", "sigmoid", FP16)])
 def test_every_strategy_matches_float64_and_reruns_bitwise(label, N, config, gate, act, dtype, device):
     x, z, w, dy = _inputs(5, N, device, dtype)
     first = _kernels(x, z, w, dy, gate, act, config)
