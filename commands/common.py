@@ -43,7 +43,8 @@ Norms = Annotated[Optional[str], typer.Option("--norm", help="Comma list: layer_
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32 [default: bf16; "
                                                               "with --shapes-from, the model's]")]
 Shapes = Annotated[Optional[str], typer.Option(
-    "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... "
+    "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... ; gated RMSNorm "
+                     "problems: qwen3-next | mamba2 | gated-issue | gated-tiny "
                      "[default: seed on a GPU, tiny with --interpret]")]
 ShapesFrom = Annotated[Optional[Path], typer.Option(
     "--shapes-from", help="A model's Hugging Face config.json (or its folder), instead of --shapes: the widths of "
@@ -221,7 +222,7 @@ def problems_option(shapes: str | None, shapes_from: Path | None, tokens: str | 
 
 
 def with_residual(problems: list, residual: bool, residual_dtype: str | None) -> list:
-    """`problems` in the fused residual form (--residual, --residual-dtype), or as they are."""
+    """`problems` in the fused residual form (--residual, --residual-dtype), or as they are (gated ones always)."""
     if residual_dtype is not None and not residual:
         raise CLIError(f"--residual-dtype {residual_dtype}: it names the residual stream's dtype; add --residual")
     if not residual:
@@ -230,8 +231,9 @@ def with_residual(problems: list, residual: bool, residual_dtype: str | None) ->
 
     from normtune.kernels.config import ConfigError
     rd = parse_dtype(residual_dtype, "--residual-dtype") if residual_dtype is not None else None
-    try:
-        return [dataclasses.replace(p, residual=True, residual_dtype=rd) for p in problems]
+    try:  # a gated norm has no residual stream: gated problems stay as they are
+        return [p if p.gate is not None else dataclasses.replace(p, residual=True, residual_dtype=rd)
+                for p in problems]
     except ConfigError as err:
         raise CLIError(f"--residual-dtype {residual_dtype}: {err}") from None
 
@@ -249,8 +251,11 @@ def _plain_problems(shapes: str | None, shapes_from: Path | None, tokens: str | 
         if tokens is not None:
             raise CLIError(f"--tokens {tokens}: token counts go with --shapes-from CONFIG.json (a model's norms); "
                            "add it, or give MxN shapes with --shapes")
-        return problems_for(norms or list(NORMS), dt or "bf16", wdt, parse_shapes_option(shapes, interpret),
-                            bias=bias, zero_centered=bool(zero_centered), save=save), None
+        gated, shapes = gated_presets(shapes, dt or "bf16", wdt, norms, zero_centered, save)
+        plain = [] if gated and shapes is None else problems_for(
+            norms or list(NORMS), dt or "bf16", wdt, parse_shapes_option(shapes, interpret), bias=bias,
+            zero_centered=bool(zero_centered), save=save)
+        return plain + gated, None
     if shapes is not None:
         raise CLIError(f"--shapes {shapes} and --shapes-from {shapes_from} both name the shapes: give one of them")
     try:
@@ -259,10 +264,51 @@ def _plain_problems(shapes: str | None, shapes_from: Path | None, tokens: str | 
         raise CLIError(f"--tokens {err}") from None
     try:
         model = MS.model_shapes(shapes_from)
-        return model.problems(counts, norms=norms, dtype=dt, weight_dtype=wdt, bias=bias, zero_centered=zero_centered,
-                              save=save), model
+        plain = model.problems(counts, norms=norms, dtype=dt, weight_dtype=wdt, bias=bias,
+                               zero_centered=zero_centered, save=save)
+        gated = []
+        if norms is None or "rms_norm" in norms:  # the hybrid model's gated norms, their own families
+            from normtune.tuner.gated_shapes import config_problems
+
+            found = config_problems(MS.read_config(shapes_from), counts, dt or model.activation_dtype(),
+                                    str(shapes_from))
+            gated = _gated_options(found, wdt, zero_centered, save, f"--shapes-from {shapes_from}")
+        return plain + gated, model
     except ValueError as err:
         raise CLIError(f"--shapes-from {one_line(err)}") from None
+
+
+def gated_presets(spec: str | None, dtype: str, weight_dtype: str | None, norms: list[str] | None,
+                  zero_centered: bool | None, save: str) -> tuple[list, str | None]:
+    """The gated presets' problems in a --shapes list (qwen3-next, mamba2, ...: `gated_shapes.GATED_PRESETS`), and
+    what is left of the list for the plain problems (None when nothing)."""
+    from normtune.tuner.gated_shapes import GATED_PRESETS, preset_problems
+
+    items = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    names = [s for s in items if s in GATED_PRESETS]
+    if not names:
+        return [], spec
+    if norms is not None and "rms_norm" not in norms:
+        raise CLIError(f"--shapes {spec}: {', '.join(names)} are gated RMSNorm problems; add rms_norm to --norm")
+    found = [p for name in names for p in preset_problems(name, dtype)]
+    rest = [s for s in items if s not in GATED_PRESETS]
+    return _gated_options(found, weight_dtype, zero_centered, save, f"--shapes {spec}"), ",".join(rest) or None
+
+
+def _gated_options(problems: list, weight_dtype: str | None, zero_centered: bool | None, save: str,
+                   option: str) -> list:
+    """Gated problems with --weight-dtype and --zero-centered; --save output refused (the gated form saves x)."""
+    import dataclasses
+
+    from normtune.kernels.config import ConfigError
+
+    if save != "input" and problems:
+        raise CLIError(f"{option} with --save {save}: the gated form saves its input; drop --save")
+    try:
+        return list(dict.fromkeys(dataclasses.replace(p, weight_dtype=weight_dtype or p.weight_dtype,
+                                                      zero_centered=bool(zero_centered)) for p in problems))
+    except ConfigError as err:
+        raise CLIError(f"{option}: {err}") from None
 
 
 def problems_for(norms: list[str], dtype: str, weight_dtype: str | None, shapes, *, bias: bool | None,

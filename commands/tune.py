@@ -11,11 +11,11 @@ import typer
 from typer import Option as Opt
 
 from .common import (CLIError, Device, Gpu, Interpret, Norms, ShapesFrom, Tokens, WritingStorage,
-                     check_writable_file, compile_processes, device_info, parse_dtype, parse_list, parse_shapes_option,
-                     positive_seconds, problems_for, problems_option, refuse, run_checked, use_interpreter, user_db,
-                     with_residual)
+                     check_writable_file, compile_processes, device_info, gated_presets, parse_dtype, parse_list,
+                     parse_shapes_option, positive_seconds, problems_for, problems_option, refuse, run_checked,
+                     use_interpreter, user_db, with_residual)
 
-FORMS = ("plain", "residual")
+FORMS = ("plain", "residual", "gated")
 
 
 def _devices(text: str | None) -> list[int] | None:
@@ -48,20 +48,22 @@ def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
 
 def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
     """The plan's problems: every norm x shape x dtype in each form, or the model's norms (their residual form on
-    the hidden size); those of the held-out preset left out (with a note). Returns (problems, notes)."""
+    the hidden size); the gated form's from the gated presets in --shapes (qwen3-next, mamba2, ...) or the
+    model's gated norms; those of the held-out preset left out (with a note). Returns (problems, notes)."""
     from normtune.kernels.config import NORMS
     from normtune.tuner.tune.plan import without_heldout_preset
 
     kinds = parse_list(forms, FORMS, "--forms")
     dtypes = [parse_dtype(d) for d in dtype.split(",") if d.strip()] if dtype else [None]
-    notes, plain = [], []
+    notes, plain, gated = [], [], []
     if shapes_from is not None:
         if shapes is not None:
             raise CLIError(f"--shapes {shapes} and --shapes-from {shapes_from} both name the shapes: give one of them")
         hidden = None
         for dt in dtypes:
             found, model = problems_option(None, shapes_from, tokens, norm, dt, None, interpret=interpret)
-            plain += found
+            plain += [p for p in found if p.gate is None]
+            gated += [p for p in found if p.gate is not None]
             hidden = model.norms[0].N
             notes.append(f"--shapes-from {model.describe()}")
         residual = [p for p in plain if p.N == hidden and p.has_weight]
@@ -69,13 +71,18 @@ def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
         if tokens is not None:
             raise CLIError(f"--tokens {tokens}: token counts go with --shapes-from CONFIG.json")
         norms = parse_list(norm, NORMS, "--norm") if norm is not None else list(NORMS)
-        shape_list = _shape_sets(shapes, interpret)
+        rest = shapes
+        for dt in dtypes:
+            found, rest = gated_presets(shapes, dt or "bf16", None, norms if norm is not None else None, None,
+                                        "input")
+            gated += found
+        shape_list = [] if gated and rest is None else _shape_sets(rest, interpret)
         for dt in dtypes:
             plain += problems_for(norms, dt or "bf16", None, shape_list, bias=None, zero_centered=False,
                                   save="input")
         residual = plain
     problems = (plain if "plain" in kinds else []) + (with_residual(residual, True, None) if "residual" in kinds
-                                                      else [])
+                                                      else []) + (gated if "gated" in kinds else [])
     problems, dropped = without_heldout_preset(list(dict.fromkeys(problems)))
     if dropped:
         notes.append(f"left out {len(dropped)} problems of the held-out preset's shapes (kept for measuring the "
@@ -130,15 +137,17 @@ def _incumbent(info, as_new_gpu: bool):
 def tune(
     gpu: Gpu = "auto",
     shapes: Annotated[Optional[str], Opt("--shapes", help=(
-        "Comma list of shape sets: seed, llm, span, tiny, FILE (one MxN per line), MxN; never heldout "
-        "[default: seed,llm,span; tiny with --interpret]"))] = None,
+        "Comma list of shape sets: seed, llm, span, tiny, FILE (one MxN per line), MxN; gated RMSNorm sets: "
+        "qwen3-next, mamba2, gated-issue, gated-tiny; never heldout [default: seed,llm,span; tiny with --interpret]"
+    ))] = None,
     shapes_from: ShapesFrom = None,
     tokens: Tokens = None,
     norm: Norms = None,
     dtype: Annotated[Optional[str], Opt("--dtype", help=(
         "Comma list of activation dtypes: bf16, fp16, fp32 [default: bf16; with --shapes-from, the model's]"))] = None,
-    forms: Annotated[str, Opt(help="Comma list: plain (the norm alone), residual (the fused residual add)")] =
-    "plain,residual",
+    forms: Annotated[str, Opt(help="Comma list: plain (the norm alone), residual (the fused residual add), gated "
+                                   "(the gated RMSNorm of --shapes' gated sets or a hybrid model's config)")] =
+    "plain,residual,gated",
     trials: Annotated[int, Opt(help="The most sweep trials one problem gets")] = 40,
     heldout: Annotated[int, Opt("--heldout", help="Held-out shapes generated per problem family")] = 4,
     reference_trials: Annotated[int, Opt(help="Trials of the unseeded reference sweep per held-out shape")] = 8,

@@ -12,12 +12,20 @@ Two forms, y = w · rmsnorm(x) · act(z) ("before": the norm before the gate) an
   `mamba_rms_norm` is true.
 
 The model dimensions of the shape sets, and where each comes from, are in docs/gated-shapes.md.
+
+A `GatedProblem` is a call as a model makes it (rows × width in groups, for the peers and the bench); the tuner's
+problem is what normtune's kernels run for it (`GatedProblem.problem`): the runtime runs a call's groups one by
+one, each as a problem of `group_size` columns on a view of the same rows, so a call of M rows × N columns in
+groups of g is tuned, selected and timed as the `Problem` of M rows × g columns with the gate. The presets of
+`--shapes` (`GATED_PRESETS`) and `--shapes-from` a hybrid model's config give those problems.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from normtune.kernels.config import Problem
 
 from .model_shapes import read_config
 
@@ -60,6 +68,12 @@ class GatedProblem:
     @property
     def elements(self) -> int:
         return self.M * self.N
+
+    @property
+    def problem(self) -> Problem:
+        """The kernel problem a call runs (each group: M rows of `group` columns), as the tuner plans it."""
+        return Problem("rms_norm", self.M, self.group, self.dtype, gate=self.gate_position,
+                       gate_activation=self.activation, zero_centered=self.zero_centered)
 
     def label(self) -> str:
         group = "" if self.group == self.N else f" g{self.group}"
@@ -133,6 +147,22 @@ GATED_SETS = {
 }
 
 
+# The `--shapes` presets of gated problems, by set name.
+GATED_PRESETS = {"qwen3-next": "qwen3-next", "mamba2": "mamba2", "gated-issue": "issue", "gated-tiny": "tiny"}
+
+
+def kernel_problems(calls) -> list[Problem]:
+    """The kernel problems of gated calls (`GatedProblem.problem`), in order, without repeats."""
+    return list(dict.fromkeys(c.problem for c in calls))
+
+
+def preset_problems(name: str, dtype: str = "bf16") -> list[Problem]:
+    """The kernel problems of a gated `--shapes` preset (`GATED_PRESETS`)."""
+    if name not in GATED_PRESETS:
+        raise ValueError(f"unknown gated preset {name!r} (allowed: {', '.join(GATED_PRESETS)})")
+    return kernel_problems(gated_set([GATED_PRESETS[name]], dtype))
+
+
 def gated_set(names, dtype: str = "bf16") -> list[GatedProblem]:
     """The union of named sets (issue, qwen3-next, mamba2, tiny), in order, without repeats."""
     out = []
@@ -198,6 +228,11 @@ def gated_norms(config: dict, source: str = "config") -> list[GatedModel]:
         if norm is not None:
             out.append(norm)
     return out
+
+
+def config_problems(config: dict, tokens, dtype: str, source: str = "config") -> list[Problem]:
+    """The kernel problems of a config's gated norms at each token count; [] for a model without one."""
+    return kernel_problems(p for n in gated_norms(config, source) for p in n.problems(tokens, dtype))
 
 
 def gated_problems_from_config(path: str | Path, tokens=GATED_TOKENS, dtype: str = "bf16") -> list[GatedProblem]:

@@ -2,8 +2,9 @@
 
 Inputs are random (never zeros: they hide unwritten outputs) and the forward runs once with normtune's Triton
 kernel, so that every implementation differentiates the same saved tensors. A residual problem's forward is the
-fused residual form (h = x + residual, y = norm(h)); its backward takes the stream's gradient dh too. The gate
-compares (dx, dw, db) with the fp32 PyTorch reference on the same inputs, in float64: the reference is computed
+fused residual form (h = x + residual, y = norm(h)); its backward takes the stream's gradient dh too. A gated
+problem's forward is the gated RMSNorm with a random gate z; its backward reads z and writes z's gradient dz,
+which the gate checks beside dx and dw. The gate compares (dx, dw, db) with the fp32 PyTorch reference on the same inputs, in float64: the reference is computed
 once per `Case` (`Case.gate_reference`, reused by every config measured on it) and each check is one pass on the
 device with one read back to the host.
 """
@@ -33,7 +34,8 @@ EPS = 1e-5
 @dataclass
 class Case:
     """Inputs of one backward: the forward has run, `saved` is x (h, for a residual problem) or y according to
-    problem.save; `dh` is the residual stream's gradient (residual problems only)."""
+    problem.save; `dh` is the residual stream's gradient (residual problems only); `z` is the gate (gated problems
+    only)."""
 
     problem: Problem
     x: torch.Tensor
@@ -44,6 +46,7 @@ class Case:
     rstd: torch.Tensor
     mean: torch.Tensor
     dh: torch.Tensor | None = None
+    z: torch.Tensor | None = None
     _gate_reference: "Reference | None" = field(default=None, repr=False, compare=False)
 
     def gate_reference(self) -> "Reference":
@@ -55,10 +58,14 @@ class Case:
 
     def launch(self, config: BackwardConfig) -> kbackward.BackwardLaunch:
         return kbackward.BackwardLaunch(self.problem, config, self.grad, self.saved, self.weight, self.bias,
-                                        self.rstd, self.mean, dh=self.dh)
+                                        self.rstd, self.mean, dh=self.dh, z=self.z)
 
     def reference(self):
         p = self.problem
+        if p.gate is not None:  # (dx, dw, None, dz)
+            return reference.backward_gated(self.grad, self.saved, self.z, self.weight, self.rstd,
+                                            gate_after=p.gate == "after", sigmoid=p.gate_activation == "sigmoid",
+                                            zero_centered=p.zero_centered)
         return reference.backward(self.grad, self.saved, self.weight, self.bias, self.rstd, self.mean,
                                   is_rms=p.norm == "rms_norm", zero_centered=p.zero_centered,
                                   from_output=p.save == "output", dh=self.dh)
@@ -82,7 +89,14 @@ def make_case(problem: Problem, device: torch.device | str, seed: int = 0) -> Ca
     grad = randn(M, N).to(dt)
     is_rms = problem.norm == "rms_norm"
     store_mean = not is_rms and problem.save == "input"
-    if problem.residual:
+    z = dh = None
+    if problem.gate is not None:
+        z = randn(M, N).to(dt)
+        y, rstd = kforward.forward_gated(x, z, weight, EPS, gate_after=problem.gate == "after",
+                                         sigmoid=problem.gate_activation == "sigmoid",
+                                         zero_centered=problem.zero_centered)
+        mean = None
+    elif problem.residual:
         hdt = TORCH_DTYPES[problem.residual_dtype]
         residual = randn(M, N).to(hdt)
         y, x, rstd, mean = kforward.forward_residual(x, residual, weight, bias, EPS, h_dtype=hdt, is_rms=is_rms,
@@ -91,9 +105,8 @@ def make_case(problem: Problem, device: torch.device | str, seed: int = 0) -> Ca
     else:
         y, rstd, mean = kforward.forward(x, weight, bias, EPS, is_rms=is_rms, zero_centered=problem.zero_centered,
                                          store_mean=store_mean)
-        dh = None
     saved = y if problem.save == "output" else x
-    return Case(problem, x, weight, bias, grad, saved, rstd, mean, dh)
+    return Case(problem, x, weight, bias, grad, saved, rstd, mean, dh, z)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,11 +118,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-OUTPUTS = ("dx", "dw", "db")
+OUTPUTS = ("dx", "dw", "db", "dz")  # dz: the gate's gradient (gated problems only)
 
 
 class Reference:
-    """(dx, dw, db) of the reference, prepared once for the gate: each present output in float64 with its norm,
+    """(dx, dw, db) of the reference (and dz, for a gated problem), prepared once for the gate: each present output in float64 with its norm,
     on the reference's device. `errors` computes a trial's relative errors (as `relative_error` does) on the
     device and reads them back at once."""
 

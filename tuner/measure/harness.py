@@ -228,11 +228,11 @@ def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gb
         launch = case.launch(config)
         # Poison the outputs: an element the kernels fail to write stays NaN and fails the gate.
         launch.dx.fill_(math.nan)
-        for out in (launch.dw, launch.db):
+        for out in (launch.dw, launch.db, launch.dz):
             if out is not None:
                 out.fill_(math.nan)
         t0 = time.perf_counter()
-        got = launch.run()
+        got = launch.run() + ((launch.dz,) if launch.dz is not None else ())  # a gated problem's dz is checked too
         if not interpret:
             torch.cuda.synchronize(device)
         compile_s = time.perf_counter() - t0

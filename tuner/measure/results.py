@@ -42,7 +42,10 @@ class Stats:
 def floor_bytes(problem: Problem) -> int:
     """The memory floor's bytes: read grad and the saved activation, write grad_input (3·M·N·itemsize). The
     residual form makes it 4 passes: read grad, the saved h (or y) and the stream's gradient dh, write grad_input
-    (h's gradient), the last three in the residual dtype (y in the activation dtype)."""
+    (h's gradient), the last three in the residual dtype (y in the activation dtype). The gated form makes it 5
+    passes: read grad, x and the gate z, write dx and dz."""
+    if problem.gate is not None:
+        return 5 * problem.M * problem.N * problem.itemsize
     if problem.residual:
         res = problem.residual_itemsize
         saved = res if problem.save == "input" else problem.itemsize
@@ -52,7 +55,9 @@ def floor_bytes(problem: Problem) -> int:
 
 def forward_floor_bytes(problem: Problem) -> int:
     """The forward's memory floor: read x, write y (2 passes); the residual form also reads the residual and
-    writes h (4 passes, those two in the residual dtype)."""
+    writes h (4 passes, those two in the residual dtype); the gated form also reads z (3 passes)."""
+    if problem.gate is not None:
+        return 3 * problem.M * problem.N * problem.itemsize
     passes = 2 * problem.itemsize + (2 * problem.residual_itemsize if problem.residual else 0)
     return problem.M * problem.N * passes
 

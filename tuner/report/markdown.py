@@ -36,6 +36,8 @@ def family_title(family) -> str:
         extras.append("zero-centered")
     if getattr(family, "residual", False):
         extras.append(f"fused residual add, {family.residual_dtype} stream")
+    if getattr(family, "gate", None) is not None:
+        extras.append(f"the norm {family.gate} a {family.gate_activation} gate")
     extras.append(f"saves the {family.save}")
     return f"{family.norm} {family.dtype} ({', '.join(extras)})"
 

@@ -15,7 +15,8 @@ def _problems(count: int) -> str:
 
 def _name(s: ProblemSummary) -> str:
     p = s.problem
-    return f"{p.norm} {p.dtype}{' + residual add' if p.residual else ''} {p.M}×{p.N}"
+    gate = f", the norm {p.gate} a {p.gate_activation} gate," if p.gate is not None else ""
+    return f"{p.norm} {p.dtype}{' + residual add' if p.residual else ''}{gate} {p.M}×{p.N}"
 
 
 def split_and_floor_notes(summaries: list[ProblemSummary]) -> list[str]:

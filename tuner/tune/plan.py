@@ -19,7 +19,7 @@ from ..sweep.options import study_name
 # The held-out preset: shapes kept for measuring a finished table (`normtune validate`, `normtune compare`). A tune
 # never sweeps, fits or validates on them.
 HELDOUT_PRESET = frozenset(HELDOUT)
-FORMS = ("plain", "residual")
+FORMS = ("plain", "residual", "gated")
 JOURNAL_PREFIX = "normtune-tune"
 
 

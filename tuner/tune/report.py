@@ -45,7 +45,8 @@ def _time_to_table(pictures: Pictures, pts: list[dict], interpret: bool, gpu: st
 def _heldout(pictures: Pictures, rows) -> str:
     from matplotlib.figure import Figure
 
-    labels = [f"{r.problem.norm[:3]}{' res' if r.problem.residual else ''} {r.problem.M}×{r.problem.N}" for r in rows]
+    labels = [f"{r.problem.norm[:3]}{' res' if r.problem.residual else ''}{' gate' if r.problem.gate else ''} "
+              f"{r.problem.M}×{r.problem.N}" for r in rows]
     table = [r.regret.value if r.regret else float("nan") for r in rows]
     default = [r.times["default"].median / r.fastest().median if r.times.get("default") and r.fastest()
                else float("nan") for r in rows]
