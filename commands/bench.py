@@ -22,7 +22,8 @@ def bench(
     tokens: Tokens = None,
     peers: Annotated[str, typer.Option(help="all | none | comma list of torch, compile, liger, liger-cutedsl, "
                                             "quack (with --residual: torch, compile, quack, quack-w16, liger, "
-                                            "liger-cutedsl)")] = "all",
+                                            "liger-cutedsl; with --gated: hf-eager, hf-compile, fla-gated, fla-fn, "
+                                            "mamba)")] = "all",
     config: Annotated[str, typer.Option(help="normtune's config: default | table | a JSON file | JSON text")]
     = "table",
     weight_dtype: WeightDtype = None,
@@ -35,15 +36,35 @@ def bench(
     device: Device = 0,
     residual: Residual = False,
     residual_dtype: ResidualDtype = None,
+    gated: Annotated[bool, typer.Option("--gated", help=(
+        "The gated RMSNorm as hybrid models call it, against fla, transformers (eager, compiled) and mamba_ssm: "
+        "--shapes qwen3-next, mamba2, gated-issue, gated-tiny, or --shapes-from a hybrid model's config "
+        "(gated.json/.md)"))] = False,
 ):
     """Time normtune's backward and its peers side by side (cold L2) and write a report: GPU time with the host
     hidden, the kernels' summed device time (profiler), and host µs per backward and forward call. With
     --residual: the residual block (h = x + r, y = norm(h)) through normtune's API and the peers with the fused
-    form, forward + backward with gradients into y and h, and its backward alone (residual.json/.md)."""
+    form, forward + backward with gradients into y and h, and its backward alone (residual.json/.md). With --gated:
+    the gated RMSNorm's calls, the same three views (gated.json/.md)."""
     run_checked(use_interpreter, interpret)
     import dataclasses
 
     from rich.console import Console
+
+    if gated:
+        from normtune.tuner.measure.harness import TIMING
+
+        from .bench_gated import check_gated_options, gated_calls, run_gated
+
+        if norm is not None or weight_dtype is not None or residual_dtype is not None:
+            run_checked(refuse, "--gated: the gated calls are RMSNorms with the weight in the activation dtype; drop "
+                                "--norm, --weight-dtype and --residual-dtype")
+        calls = run_checked(gated_calls, shapes, shapes_from, tokens, dtype, interpret)
+        peer_names = run_checked(check_gated_options, peers, config, residual, db)
+        run_checked(positive_seconds, budget, "--budget")
+        info = run_checked(device_info, gpu, interpret, device)
+        return run_gated(Console(stderr=True), info, calls, peer_names, config, cold,
+                         dataclasses.replace(TIMING["bench"], budget_s=budget), out)
 
     from normtune.tuner.measure import bench as B
     from normtune.tuner.measure import bench_output

@@ -273,6 +273,31 @@ class MambaSsm(FlaFn):
     module, package = "mamba_ssm.ops.triton.layernorm_gated", "mamba-ssm"
 
 
+class Normtune(GatedPeer):
+    """normtune through its public function, as a user calls it (config None: the runtime's choice)."""
+
+    name = "normtune"
+    description = "normtune rms_norm(x, w, eps, gate=z, gate_position=..., group_size=..., gate_activation=...)"
+    activations = ("silu", "sigmoid")
+    grouped_before = True
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def supports(self, problem):
+        return None
+
+    def prepare(self, problem, inputs):
+        from normtune.kernels.api.functional import rms_norm
+
+        x, z, w = _leaves(inputs)
+        group = None if problem.group == problem.N else problem.group
+        return autograd_gated(lambda: rms_norm(x, w, problem.eps, gate=z, gate_position=problem.gate_position,
+                                               group_size=group, gate_activation=problem.activation,
+                                               zero_centered=problem.zero_centered, config=self.config),
+                              (x, z, w), inputs.dy)
+
+
 GATED_PEERS: dict[str, type[GatedPeer]] = {
     cls.name: cls for cls in (TransformersEager, TransformersCompile, FlaGated, FlaFn, MambaSsm)}
 

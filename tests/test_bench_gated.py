@@ -1,0 +1,111 @@
+"""`normtune bench --gated`: gated RMSNorm calls for normtune and the gated peers on the same inputs, values
+checked against float64 before anything is timed (transformers' eager module runs on CPU; the GPU-only peers are
+a one-line "unavailable" in the interpreter), the summary, the files, and the command's one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from normtune.cli import app
+from normtune.kernels.device import interpret_mode
+from normtune.tuner.gated_shapes import GatedProblem
+from normtune.tuner.gpu_info import detect
+from normtune.tuner.measure import bench_gated as BG
+from normtune.tuner.measure import peers_gated as pg
+from normtune.tuner.measure.harness import MeasureSession
+from normtune.tuner.measure.results import Stats
+
+needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="runs normtune's kernels on CPU: set "
+                                                                    "TRITON_INTERPRET=1")
+runner = CliRunner()
+CALL = GatedProblem(8, 64, "after", 32, "fp32", eps=1e-5)  # two groups of 32 columns
+
+
+class _Timing:
+    """A session that times nothing (the interpreter's timings are wall-clock and slow)."""
+
+    def __init__(self):
+        self.session = MeasureSession("cpu")
+        self.calls = 0
+
+    def time_callable(self, fn):
+        self.calls += 1
+        fn()
+        return Stats(10.0 + self.calls, 9.0, 12.0, 1)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+@needs_interpreter
+def test_bench_rows_summary_and_files(tmp_path):
+    pytest.importorskip("transformers")
+    opts = BG.GatedBenchOptions(calls=[CALL], peers=["hf-eager", "fla-fn"])
+    report = BG.run_gated_bench(opts, detect(interpret=True), session=_Timing())
+    rows = {r["impl"]: r for r in report.rows}
+    assert list(rows) == ["normtune", "hf-eager", "fla-fn"]
+    assert rows["normtune"]["status"] == "ok" and rows["hf-eager"]["status"] == "ok", rows
+    assert rows["fla-fn"]["status"] == "unavailable" and "interpreter" in rows["fla-fn"]["error"]
+    for impl in ("normtune", "hf-eager"):
+        r = rows[impl]
+        assert r["block_us"] and r["backward_us"] and r["forward_us"], r
+        assert set(r["errors"]) == {"y", "dx", "dz", "dw"} and max(r["errors"].values()) < 1e-4, r["errors"]
+    (line,) = BG.summary(report.rows)
+    assert line["group"] == 32 and line["best_peer_block"] == "hf-eager"
+    assert line["block_speedup"] == pytest.approx(rows["hf-eager"]["block_us"] / rows["normtune"]["block_us"])
+    paths = BG.write_all(report, tmp_path)
+    data = json.loads(paths[0].read_text())
+    assert data["summary"][0]["gate"] == "after" and len(data["rows"]) == 3
+    text = paths[1].read_text()
+    assert "| after | 8 × 64 | 32 | fp32 |" in text and "fla-fn: unavailable" in text
+    assert "interpreter wall-clock" in text
+
+
+def test_a_wrong_implementation_is_reported_not_timed():
+    pytest.importorskip("transformers")
+
+    class Wrong(pg.TransformersEager):
+        def prepare(self, problem, inputs):
+            prepared = super().prepare(problem, inputs)
+            good = prepared.block
+            prepared.block = lambda: tuple(g * 1.5 for g in good())
+            return prepared
+
+    inputs = pg.make_inputs(CALL, "cpu")
+    session = _Timing()
+    out = BG._time_impl(session, Wrong(), CALL, inputs, pg.reference(CALL, inputs))
+    assert out["status"] == "error" and "wrong values" in out["error"] and "dz" in out["error"]
+    assert session.calls == 0
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--shapes", "4x64"], ["--shapes 4x64 with --gated", "qwen3-next"]),
+    (["--shapes", "gated-tiny", "--residual"], ["--gated with --residual"]),
+    (["--shapes", "gated-tiny", "--peers", "hf-eager,apex"], ["unknown gated peer", "apex"]),
+    (["--shapes", "gated-tiny", "--config", "default"], ["--config default", "--gated"]),
+    (["--shapes", "gated-tiny", "--db", "sqlite:///x.db"], ["--db with --gated"]),
+    (["--shapes", "gated-tiny", "--norm", "layer_norm"], ["--gated", "drop --norm"]),
+    (["--tokens", "8"], ["--tokens 8", "--shapes-from"]),
+])
+def test_command_refusals_are_one_line(args, needles, tmp_path):
+    result = runner.invoke(app, ["bench", "--interpret", "--gated", "--out", str(tmp_path), *args])
+    assert result.exit_code == 1, result.output
+    text = result.stderr if result.stderr is not None else result.output
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_calls_of_a_hybrid_config_keep_their_groups(tmp_path):
+    from normtune.commands.bench_gated import gated_calls
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mamba2", "hidden_size": 64, "expand": 2, "n_groups": 2,
+                                  "num_heads": 8, "head_dim": 16}))
+    (call,) = gated_calls(None, config, "16", None, True)
+    assert (call.M, call.N, call.group, call.gate_position) == (16, 128, 64, "after")
+    assert call.problem.N == 64  # what the tuner plans for it: each group's columns
