@@ -57,7 +57,9 @@ def sweep(
                                        bias=bias, zero_centered=zero_centered, save=save, residual=residual,
                                        residual_dtype=residual_dtype)
         if model is not None:
-            console.print(f"--shapes-from {model.describe()}: {len(found)} problems", markup=False)
+            gated = sum(p.gate is not None for p in found)
+            console.print(f"--shapes-from {model.describe()}: {len(found)} problems"
+                          + (f", {gated} of them gated RMSNorms" if gated else ""), markup=False)
         return found
 
     opts = run_checked(S.SweepOptions, gpu_key=gpu, problems=problems, trials=trials, time_budget_s=time_budget,

@@ -65,7 +65,10 @@ def _problems(shapes, shapes_from, tokens, norm, dtype, forms, interpret):
             plain += [p for p in found if p.gate is None]
             gated += [p for p in found if p.gate is not None]
             hidden = model.norms[0].N
-            notes.append(f"--shapes-from {model.describe()}")
+            gated_here = [p for p in found if p.gate is not None]
+            notes.append(f"--shapes-from {model.describe()}" + (
+                f"; gated RMSNorm (the norm {gated_here[0].gate} the gate) {', '.join(sorted({str(p.N) for p in gated_here}))}"
+                " wide" if gated_here else ""))
         residual = [p for p in plain if p.N == hidden and p.has_weight]
     else:
         if tokens is not None:

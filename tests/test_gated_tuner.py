@@ -79,7 +79,7 @@ def test_cli_problems_of_the_gated_presets_and_a_hybrid_config(tmp_path):
         problems_option("qwen3-next", None, None, None, None, None, interpret=True, save="output")
 
 
-def test_tune_plans_the_gated_families():
+def test_tune_plans_the_gated_families(tmp_path):
     from normtune.commands.tune import _problems
     from normtune.tuner.tune.plan import Plan
 
@@ -89,6 +89,11 @@ def test_tune_plans_the_gated_families():
     assert len({p.family.key for p in plan.problems}) == 4  # 2 positions x 2 dtypes
     mixed, _ = _problems("gated-tiny,64x256", None, None, "rms_norm", None, "plain,gated", True)
     assert [p.gate for p in mixed] == [None, "before", "after", "after"]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HYBRID))
+    model, notes = _problems(None, config, "8", None, None, "plain,residual,gated", True)
+    assert [p.gate for p in model] == [None, None, "after"] and model[1].residual
+    assert "gated RMSNorm (the norm after the gate) 32 wide" in notes[0]
     plain_only, _ = _problems("gated-tiny,64x256", None, None, "rms_norm", None, "plain,residual", True)
     assert [p.key for p in plain_only] == ["rms_norm/bf16/wbf16/nobias/save-input/64x256",
                                            "rms_norm/bf16/wbf16/nobias/save-input/res-bf16/64x256"]
