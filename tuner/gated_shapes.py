@@ -26,12 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from normtune.kernels.config import Problem
+from normtune.kernels.problem import DTYPES, GATE_ACTIVATIONS as ACTIVATIONS, GATE_POSITIONS
 
 from .model_shapes import read_config
-
-GATE_POSITIONS = ("before", "after")
-ACTIVATIONS = ("silu", "sigmoid")
-DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
