@@ -218,10 +218,10 @@ def forward(x2d: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
     b = rstd if bias is None else bias
     mu = mean if store_mean else rstd
-    key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
+    key = launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
     if given:
         key += (y_stride, data_ptr(y) & 15, data_ptr(rstd) & 15, data_ptr(mu) & 15)
-    launch, grid = _planned(key, M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
+    launch, grid = planned(key, M, N, x_stride, y_stride, weight is not None, bias is not None, is_rms,
                             zero_centered, store_mean)
     launch(grid, (x2d, x_stride, y, y_stride, x2d, x_stride, y, y_stride, x2d, x_stride, w, b, rstd, mu, M, N, eps),
            key)
@@ -251,9 +251,9 @@ def forward_residual(x2d: torch.Tensor, residual2d: torch.Tensor, weight: torch.
     w = rstd if weight is None else weight  # placeholder pointers for absent tensors: never dereferenced
     b = rstd if bias is None else bias
     mu = mean if store_mean else rstd
-    key = _launch_key(x2d, strides[0], w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
+    key = launch_key(x2d, strides[0], w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
     key += (strides, residual2d.dtype, h.dtype) + tuple(data_ptr(t) & 15 for t in (y, residual2d, h, rstd, mu))
-    launch, grid = _planned(key, M, N, strides[0], strides[1], weight is not None, bias is not None, is_rms,
+    launch, grid = planned(key, M, N, strides[0], strides[1], weight is not None, bias is not None, is_rms,
                             zero_centered, store_mean, strides[2:])
     launch(grid, (x2d, strides[0], y, strides[1], residual2d, strides[2], h, strides[3], x2d, strides[0], w, b, rstd,
                   mu, M, N, eps), key)
@@ -276,16 +276,16 @@ def forward_gated(x2d: torch.Tensor, z2d: torch.Tensor, weight: torch.Tensor | N
         return y, rstd
     strides = (x2d.stride(0), y.stride(0), z2d.stride(0))
     w = rstd if weight is None else weight  # placeholder pointer for an absent weight: never dereferenced
-    key = _launch_key(x2d, strides[0], w, rstd, weight is None, True, True, zero_centered, False)
+    key = launch_key(x2d, strides[0], w, rstd, weight is None, True, True, zero_centered, False)
     key += ("gate", gate_after, sigmoid, strides, z2d.dtype) + tuple(data_ptr(t) & 15 for t in (y, z2d, rstd))
-    launch, grid = _planned(key, M, N, strides[0], strides[1], weight is not None, False, True, zero_centered,
+    launch, grid = planned(key, M, N, strides[0], strides[1], weight is not None, False, True, zero_centered,
                             False, (), (gate_after, sigmoid, strides[2]))
     launch(grid, (x2d, strides[0], y, strides[1], x2d, strides[0], y, strides[1], z2d, strides[2], w, rstd, rstd,
                   rstd, M, N, eps), key)
     return y, rstd
 
 
-def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, store_mean) -> tuple:
+def launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, store_mean) -> tuple:
     """The launcher key of a forward on x2d whose outputs are allocated here (Triton specializes on dtypes and
     16-byte alignment: buffers allocated here are aligned, y is contiguous)."""
     M, N = x2d.shape
@@ -293,7 +293,7 @@ def _launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, 
             data_ptr(x2d) & 15, data_ptr(w) & 15, data_ptr(b) & 15)
 
 
-def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
+def planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
              is_rms: bool, zero_centered: bool, store_mean: bool, residual_strides: tuple = (),
              gate: tuple | None = None) -> tuple:
     """(launcher, grid) of a launcher key, derived once. `residual_strides`: the residual's and h's row strides
@@ -310,75 +310,6 @@ def _planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weigh
                                       bool(residual_strides), None if gate is None else gate[:2])
         planned = _CALLS[key] = (launch, cdiv(M, block_row))
     return planned
-
-
-def call_plan(x: torch.Tensor, x2d: torch.Tensor, weight, bias, is_rms: bool, zero_centered: bool,
-              store_mean: bool) -> tuple | None:
-    """What a later forward on inputs like these (same shape, strides, dtypes, device, alignment) needs to allocate
-    its outputs and launch without deriving anything again (`run_plan`): None where `x2d` is a copy of `x`, or
-    there are no rows. Outputs: like x where x is contiguous, else (rows, width) viewed as x's shape."""
-    M, N = x2d.shape
-    if M == 0 or data_ptr(x2d) != data_ptr(x):
-        return None
-    x_stride = x2d.stride(0)
-    rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs
-    w = rstd if weight is None else weight
-    b = rstd if bias is None else bias
-    key = _launch_key(x2d, x_stride, w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
-    launch, grid = _planned(key, M, N, x_stride, N, weight is not None, bias is not None, is_rms, zero_centered,
-                            store_mean)
-    contiguous = x.is_contiguous()
-    return launch, grid, key, M, N, x_stride, contiguous, None if contiguous or x.dim() == 2 else x.shape, store_mean
-
-
-def run_plan(plan: tuple, x: torch.Tensor, weight, bias, eps: float, device: torch.device):
-    """(y, rstd, mean) of a forward on inputs that match `plan` (see `call_plan`); mean None unless stored."""
-    launch, grid, key, M, N, x_stride, contiguous, view_shape, store_mean = plan
-    y = torch.empty_like(x) if contiguous else torch.empty(M, N, dtype=x.dtype, device=device)
-    rstd = torch.empty(M, dtype=torch.float32, device=device)
-    mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
-    launch(grid, (x, x_stride, y, N, x, x_stride, y, N, x, x_stride, rstd if weight is None else weight,
-                  rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
-    return (y if view_shape is None else y.view(view_shape)), rstd, mean
-
-
-def residual_call_plan(x: torch.Tensor, x2d: torch.Tensor, residual: torch.Tensor, residual2d: torch.Tensor,
-                       weight, bias, h_dtype: torch.dtype, is_rms: bool, zero_centered: bool,
-                       store_mean: bool) -> tuple | None:
-    """`call_plan` of the residual form: None where `x2d` or `residual2d` is a copy, or there are no rows. Outputs
-    (y and h) are allocated contiguous in x's shape."""
-    M, N = x2d.shape
-    if M == 0 or data_ptr(x2d) != data_ptr(x) or data_ptr(residual2d) != data_ptr(residual):
-        return None
-    strides = (x2d.stride(0), N, residual2d.stride(0), N)
-    rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs
-    w = rstd if weight is None else weight
-    b = rstd if bias is None else bias
-    key = _launch_key(x2d, strides[0], w, b, weight is None, bias is None, is_rms, zero_centered, store_mean)
-    key += (strides, residual2d.dtype, h_dtype, 0, data_ptr(residual2d) & 15, 0, 0, 0)
-    launch, grid = _planned(key, M, N, strides[0], N, weight is not None, bias is not None, is_rms, zero_centered,
-                            store_mean, strides[2:])
-    return launch, grid, key, M, N, strides[0], strides[2], h_dtype, store_mean
-
-
-def run_residual_plan(plan: tuple, x: torch.Tensor, residual: torch.Tensor, weight, bias, eps: float,
-                      device: torch.device):
-    """(y, h, rstd, mean) of a residual forward on inputs that match `plan` (`residual_call_plan`): y and h in
-    x's shape; mean None unless stored."""
-    launch, grid, key, M, N, x_stride, r_stride, h_dtype, store_mean = plan
-    shape = x.shape
-    y = torch.empty(shape, dtype=x.dtype, device=device)
-    h = torch.empty(shape, dtype=h_dtype, device=device)
-    rstd = torch.empty(M, dtype=torch.float32, device=device)
-    mean = torch.empty(M, dtype=torch.float32, device=device) if store_mean else None
-    launch(grid, (x, x_stride, y, N, residual, r_stride, h, N, x, x_stride, rstd if weight is None else weight,
-                  rstd if bias is None else bias, rstd, mean if store_mean else rstd, M, N, eps), key)
-    return y, h, rstd, mean
-
-
-def residual_plan_h_dtype(plan: tuple) -> torch.dtype:
-    """The dtype of h that a residual plan (`residual_call_plan`) writes."""
-    return plan[7]
 
 
 @functools.lru_cache(maxsize=1024)

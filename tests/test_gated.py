@@ -224,3 +224,37 @@ def test_groups_under_compile_and_double_backward(device):
         out += [gx, xl.grad, zl.grad, wl.grad]
     for a, b in zip(got, want):
         _close(a, b, 1e-4, "double backward per group")
+
+
+def test_a_call_like_an_earlier_one_runs_its_plan(device, monkeypatch):
+    """The whole-width gated call is planned per signature (forward_calls): a second call like the first launches
+    without the checks or forward_impl and gives bitwise the same results; a gate with other strides, and a call
+    with groups, take the checked path."""
+    from normtune.kernels.api import direct, forward_calls, ops
+
+    forward_calls.clear()
+    x, z, w, dy = _inputs(4, 24, device)
+    kw = dict(gate_position="after", gate_activation="sigmoid")
+    runs, seen = [], []
+    real = ops.forward_impl
+    for call in range(2):
+        if call:  # from the second call on, forward_impl counts its calls
+            for module in (ops, direct):
+                monkeypatch.setattr(module, "forward_impl", lambda *a, **k: seen.append(1) or real(*a, **k))
+        xl, zl, wl = (t.detach().requires_grad_() for t in (x, z, w))
+        y = rms_norm(xl, wl, EPS, gate=zl, **kw)
+        y.backward(dy)
+        runs.append([y, xl.grad, zl.grad, wl.grad])
+    assert not seen, "the second call must run the plan"
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    _check({"y": runs[1][0], "dx": runs[1][1], "dz": runs[1][2], "dw": runs[1][3]}, _ref(x, z, w, dy, "after",
+                                                                                          "sigmoid"), TOL[BF16])
+    wide = torch.zeros(4, 48, device=device, dtype=BF16)
+    wide[:, 8:32] = z
+    torch.testing.assert_close(rms_norm(x, w, EPS, gate=wide[:, 8:32], **kw), runs[0][0], rtol=0, atol=0)
+    assert len(seen) == 1
+    y2, _ = rms_norm_forward(x, w, EPS, gate=z, **kw)
+    assert torch.equal(y2, runs[0][0]) and len(seen) == 1  # the direct function reads the same plan
+    rms_norm(x, w, EPS, gate=z, group_size=8, **kw)
+    rms_norm(x, w, EPS, gate=z, group_size=8, **kw)
+    assert len(seen) == 3, "grouped calls are not planned"

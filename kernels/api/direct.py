@@ -62,7 +62,8 @@ def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero
              opts: tuple = ()):
     """(outputs, rstd, mean) of a call of `form`: outputs = (y, *the form's outputs), in x's shape. A call like an
     earlier one that passed the checks runs that call's plan (`forward_calls`)."""
-    sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered, False)
+    sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered, False,
+                                       opts)
     plan = forward_calls.lookup(sig)
     if plan is not None:  # inputs like an earlier call's, which passed the checks
         return forward_calls.run(plan, form, x, extras, weight, bias, eps)
@@ -76,7 +77,7 @@ def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero
                                        opts=opts)
     if w is weight and b is bias:  # a copied operand gets no plan: the plan would read the strided one
         forward_calls.remember(sig, form, x, x2d, extras, extras2d, weight, bias, stream, is_rms, zero_centered,
-                               False)
+                               False, opts)
     return tuple(t if x.dim() == 2 else t.view(x.shape) for t in outputs), rstd, mean
 
 

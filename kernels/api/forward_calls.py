@@ -4,7 +4,7 @@ A forward call checks its inputs (`functional.check_inputs`, `check_options`), f
 launch (`forward.forward`). The second call on inputs with the same *signature* — x's shape, strides, dtype,
 device and 16-byte alignment, the same of weight and bias (and their types and strides), and the flags — would
 repeat all of it and reach the same answers. So the first call stores a plan under that signature (`remember`), and
-later calls only look the signature up (`lookup`) and run the plan (`forward.run_plan`: allocate, launch).
+later calls only look the signature up (`lookup`) and run the plan (`forward_plans.run_plan`: allocate, launch).
 
 Why no check is skipped wrongly: only signatures whose call passed every check are stored, and every attribute the
 checks read is part of the signature. eps is a runtime argument, so a fast call checks it itself (a positive
@@ -25,9 +25,9 @@ import math
 import torch
 from torch import Tensor
 
-from .. import forward as _forward
+from .. import forward_plans as _plans
 from ..device import use_triton
-from .forms import PLAIN, Form
+from .forms import GATED, PLAIN, Form
 from ..launcher import data_ptr
 
 _PLANS: dict[tuple, tuple] = {}
@@ -57,13 +57,11 @@ def signature(x, weight, bias, eps, is_rms: bool, zero_centered: bool, store_mea
 
 
 def form_signature(form: Form, x, extras: tuple, weight, bias, eps, stream_dtype, is_rms: bool,
-                   zero_centered: bool, save_output: bool) -> tuple | None:
+                   zero_centered: bool, save_output: bool, opts: tuple = ()) -> tuple | None:
     """The signature of a call of `form`: the plain `signature`, and for a form with tensors of its own, the form's
-    name, each such tensor's shape, strides, dtype, device and alignment, the stream dtype as passed and the save
-    mode. None where the call cannot have a plan (as `signature`; also a form's tensor that is not a plain tensor,
-    a stream dtype that is not None, a torch.dtype or a str)."""
-    if form.saved:  # a form whose backward reads inputs of its own (the gate) is not planned
-        return None
+    name, each such tensor's shape, strides, dtype, device and alignment, the stream dtype as passed, the save
+    mode and the form's options (`opts`, checked). None where the call cannot have a plan (as `signature`; also a
+    form's tensor that is not a plain tensor, a stream dtype that is not None, a torch.dtype or a str)."""
     sig = signature(x, weight, bias, eps, is_rms, zero_centered, not is_rms and not save_output)
     if sig is None or form is PLAIN:
         return sig
@@ -73,7 +71,7 @@ def form_signature(form: Form, x, extras: tuple, weight, bias, eps, stream_dtype
     try:
         return sig + (form.name,) + tuple(part for t in extras for part in (t.shape, t.stride(), t.dtype, t.device,
                                                                             data_ptr(t) & 15)) \
-            + (stream_dtype, save_output)
+            + (stream_dtype, save_output, *opts)
     except RuntimeError:
         return None
 
@@ -84,15 +82,20 @@ def lookup(sig: tuple | None) -> tuple | None:
 
 
 def remember(sig: tuple | None, form: Form, x: Tensor, x2d: Tensor, extras: tuple, extras2d: tuple, weight, bias,
-             stream_dtype, is_rms: bool, zero_centered: bool, save_output: bool) -> None:
-    """Store the plan of a call that passed every check (x2d, extras2d: the rows it launched on)."""
+             stream_dtype, is_rms: bool, zero_centered: bool, save_output: bool, opts: tuple = ()) -> None:
+    """Store the plan of a call that passed every check (x2d, extras2d: the rows it launched on; the gated form's
+    over the whole width only)."""
     if sig is None or not use_triton(x):
         return
     store_mean = not is_rms and not save_output
     if form is PLAIN:
-        plan = _forward.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+        plan = _plans.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
+    elif form is GATED:
+        gate_after, sigmoid, group = opts
+        plan = None if group != x2d.shape[1] else _plans.gated_call_plan(x, x2d, extras[0], extras2d[0], weight,
+                                                                          gate_after, sigmoid, zero_centered)
     else:
-        plan = _forward.residual_call_plan(x, x2d, extras[0], extras2d[0], weight, bias, stream_dtype, is_rms,
+        plan = _plans.residual_call_plan(x, x2d, extras[0], extras2d[0], weight, bias, stream_dtype, is_rms,
                                            zero_centered, store_mean)
     if plan is None:
         return
@@ -105,9 +108,12 @@ def run(plan: tuple, form: Form, x: Tensor, extras: tuple, weight, bias, eps: fl
     """(outputs, rstd, mean) of a planned call: outputs = (y, *the form's outputs), shaped like x; mean None unless
     the plan stores it."""
     if form is PLAIN:
-        y, rstd, mean = _forward.run_plan(plan, x, weight, bias, eps, x.device)
+        y, rstd, mean = _plans.run_plan(plan, x, weight, bias, eps, x.device)
         return (y,), rstd, mean
-    y, h, rstd, mean = _forward.run_residual_plan(plan, x, extras[0], weight, bias, eps, x.device)
+    if form is GATED:
+        y, rstd = _plans.run_gated_plan(plan, x, extras[0], weight, eps, x.device)
+        return (y,), rstd, None
+    y, h, rstd, mean = _plans.run_residual_plan(plan, x, extras[0], weight, bias, eps, x.device)
     return (y, h), rstd, mean
 
 

@@ -50,10 +50,11 @@ def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero
     sig = None
     if config is None and not compiling and (save == "input" or save_output):
         sig = forward_calls.form_signature(form, x, extras, weight, bias, eps, stream_dtype, is_rms, zero_centered,
-                                           save_output)
+                                           save_output, opts)
         plan = forward_calls.lookup(sig)
         if plan is not None:  # inputs like an earlier call's, which passed the checks
-            return eager_norm(form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output, "", None, plan)
+            return eager_norm(form, x, extras, weight, bias, eps, is_rms, zero_centered, save_output, "", None, plan,
+                              opts=opts)
     check_inputs(x, weight, bias, zero_centered)
     check_options(eps, save)
     stream = check_form(form, x, extras, stream_dtype)

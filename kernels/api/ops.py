@@ -21,6 +21,7 @@ from torch import Tensor
 
 from . import composite
 from .. import forward as _forward
+from .. import forward_plans
 from . import forward_calls
 from . import reference
 from . import saving
@@ -120,7 +121,7 @@ def _composite_forward(form: Form, x, extras, weight, bias, eps, is_rms, zero_ce
     if form is PLAIN:
         return composite.forward(x, weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered)
     if stream_dtype is None:  # a planned call: the plan's
-        stream_dtype = _forward.residual_plan_h_dtype(plan)
+        stream_dtype = forward_plans.residual_plan_h_dtype(plan)
     return composite.forward_residual(x, extras[0], weight, bias, eps, is_rms=is_rms, zero_centered=zero_centered,
                                       h_dtype=stream_dtype)
 
@@ -300,14 +301,14 @@ class EagerNorm(torch.autograd.Function):
         if plan is not None:
             outputs, rstd, mean = forward_calls.run(plan, form, x, extras, weight, bias, eps)
         elif not form.outputs:
-            rows = rows_2d(x)
-            outputs, rstd, mean = forward_impl(form, rows, tuple(rows_2d(e) for e in extras), weight, bias, eps,
-                                               is_rms, zero_centered, save_output, opts=opts)
+            rows, extra_rows = rows_2d(x), tuple(rows_2d(e) for e in extras)
+            outputs, rstd, mean = forward_impl(form, rows, extra_rows, weight, bias, eps, is_rms, zero_centered,
+                                               save_output, opts=opts)
             if rows is not x:
                 outputs = (outputs[0].view(x.shape),)
             if sig is not None:
-                forward_calls.remember(sig, form, x, rows, extras, (), weight, bias, None, is_rms, zero_centered,
-                                       save_output)
+                forward_calls.remember(sig, form, x, rows, extras, extra_rows, weight, bias, None, is_rms,
+                                       zero_centered, save_output, opts)
         else:
             rows, extra_rows = rows_2d(x), tuple(rows_2d(e) for e in extras)
             # outputs allocated in x's shape, not views of rows: autograd refuses in-place changes of an output
