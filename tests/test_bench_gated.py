@@ -109,3 +109,21 @@ def test_calls_of_a_hybrid_config_keep_their_groups(tmp_path):
     (call,) = gated_calls(None, config, "16", None, True)
     assert (call.M, call.N, call.group, call.gate_position) == (16, 128, 64, "after")
     assert call.problem.N == 64  # what the tuner plans for it: each group's columns
+
+
+@needs_interpreter
+def test_command_times_a_hybrid_models_call_with_the_eager_peer(tmp_path):
+    """The whole command on CPU: a Mamba-2 config's call (8 tokens, width 64 in 2 groups), normtune against
+    transformers' eager MambaRMSNormGated on the same inputs, written as gated.json and gated.md."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "mamba2", "hidden_size": 32, "expand": 2, "n_groups": 2,
+                                  "num_heads": 4, "head_dim": 16}))
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["bench", "--interpret", "--gated", "--shapes-from", str(config), "--tokens", "8",
+                                 "--peers", "hf-eager", "--budget", "0.01", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "gated.json").read_text())["rows"]
+    assert [(r["impl"], r["status"], r["M"], r["N"], r["group"]) for r in rows] == [
+        ("normtune", "ok", 8, 64, 32), ("hf-eager", "ok", 8, 64, 32)], rows
+    assert "| after | 8 × 64 | 32 |" in (out / "gated.md").read_text()

@@ -79,6 +79,13 @@ def test_cli_problems_of_the_gated_presets_and_a_hybrid_config(tmp_path):
         problems_option("qwen3-next", None, None, None, None, None, interpret=True, save="output")
 
 
+def test_validate_takes_the_gated_presets():
+    from normtune.commands.validate import _validation_problems
+
+    problems, _ = _validation_problems("gated-tiny", None, None, None, "bf16", True)
+    assert [p.gate for p in problems] == ["before", "after", "after"]
+
+
 def test_tune_plans_the_gated_families(tmp_path):
     from normtune.commands.tune import _problems
     from normtune.tuner.tune.plan import Plan
