@@ -5,7 +5,7 @@ compile check can size configs for them.
 The analytic default, config validation and the search space take their register, shared-memory, warp and SM
 figures from a `DeviceLimits`; without one they use `REFERENCE`, the GPU the shipped tables were tuned on (and
 what the Triton interpreter stands in for). Features that only some GPUs have are capabilities here, never assumed:
-`kernels/capabilities.py` turns a config into the portable form a device runs.
+`kernels/strategies/capabilities.py` turns a config into the portable form a device runs.
 """
 
 from __future__ import annotations

@@ -158,14 +158,21 @@ def default_forms(limits: DeviceLimits) -> list[tuple[Problem, BackwardConfig]]:
 
 
 def variants(limits: DeviceLimits) -> list[tuple[str, Problem, BackwardConfig]]:
-    """(variant, problem, config): per strategy a residual stream (fp32 or bf16), and the rows strategy's single
-    and two-pass forms at sizes whose offsets need 64 bits (module doc)."""
+    """(variant, problem, config): per strategy a residual stream (fp32 or bf16) and a gate (either position and
+    activation), the rows strategy's two-pass form with a gate, and its single and two-pass forms at sizes whose
+    offsets need 64 bits (module doc)."""
     residual = {"rows": Problem("rms_norm", 4096, 4096, "bf16", residual=True, residual_dtype="fp32"),
                 "columns": Problem("rms_norm", 256, 32768, "bf16", residual=True, residual_dtype="fp32"),
                 "dual": Problem("layer_norm", 64, 4096, "bf16", has_bias=True, residual=True, residual_dtype="bf16")}
+    gated = {"rows": Problem("rms_norm", 4096, 4096, "bf16", gate="after", gate_activation="silu"),
+             "columns": Problem("rms_norm", 256, 32768, "bf16", gate="before", gate_activation="sigmoid"),
+             "dual": Problem("rms_norm", 64, 4096, "bf16", gate="after", gate_activation="silu")}
     wide = [Problem("rms_norm", 65536, 32768, "bf16"), Problem("layer_norm", 16384, 131072, "bf16", has_bias=True)]
     out = []
-    for strategy, problem in residual.items():
-        candidates = [default_config(problem, limits)] + Space(problem, limits.sm_count, limits).seeds()
-        out.append((f"residual-{strategy}", problem, next(c for c in candidates if c.kernel_1.strategy == strategy)))
+    for kind, problems in (("residual", residual), ("gated", gated)):
+        for strategy, problem in problems.items():
+            candidates = [default_config(problem, limits)] + Space(problem, limits.sm_count, limits).seeds()
+            out.append((f"{kind}-{strategy}", problem, next(c for c in candidates if c.kernel_1.strategy == strategy)))
+    two_pass = Problem("rms_norm", 4096, 131072, "bf16", gate="before", gate_activation="silu")
+    out.append(("gated-two-pass", two_pass, default_config(two_pass, limits)))
     return out + [("int64", p, default_config(p, limits)) for p in wide]

@@ -48,7 +48,7 @@ import sys
 import time
 
 RULES = json.loads(os.environ.get("NORMTUNE_TEST_FAULTS", "[]"))
-TARGET = "normtune.kernels.backward"
+TARGET = "normtune.kernels.backward_launch"
 
 
 RUNS = [0]  # run() calls in this process

@@ -14,8 +14,8 @@ import torch
 
 from normtune.kernels import device as device_mod
 from normtune.kernels import limits as L
-from normtune.kernels.backward import launch
-from normtune.kernels.capabilities import fallbacks, portable
+from normtune.kernels import backward_launch as launch
+from normtune.kernels.strategies.capabilities import fallbacks, portable
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, hardware_registers, staged_shared_bytes
 from normtune.kernels.select.select import clear_caches, explain

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from normtune.kernels import BackwardConfig, Kernel2Config, Problem, ProblemFamily, kernel_1_config
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.backward_launch import BackwardLaunch
 from normtune.kernels.config import ConfigError
 from normtune.kernels.forward import forward_gated
 from normtune.tuner.space import Space

@@ -14,8 +14,9 @@ per kernel; the tests run it in a subprocess without the interpreter. Per target
   (pass mode, stages, eviction hint, prefetch, recompute, pipelined split, PDL, fused reduction, ...); values
   that the other configs below already hold are not drawn again;
 - every form the analytic default takes on that device;
-- per strategy a residual stream, and the rows strategy at sizes whose offsets need 64 bits;
-- the forward kernel;
+- per strategy a residual stream and a gate, the rows strategy's two-pass form with a gate, and the rows strategy
+  at sizes whose offsets need 64 bits;
+- the forward kernel, with a gate too;
 - on sm_90 also CASES below, whose compiled code the tests inspect (pipelining, spills, vector width).
 """
 
@@ -187,7 +188,7 @@ def main(targets: list[str]) -> None:
     from triton.runtime.jit import JITFunction
 
     from normtune.kernels import limits as L
-    from normtune.kernels.backward import launch
+    from normtune.kernels import backward_launch as launch
 
     calls = []
     JITFunction.warmup = lambda self, *args, grid=None, **kwargs: calls.append((self, args, kwargs)) or object()
@@ -209,12 +210,14 @@ def main(targets: list[str]) -> None:
                 options = {k: v for k, v in kwargs.items() if k not in signature}
                 key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constants.items())),
                        repr(sorted(attrs.items())), repr(sorted(options.items())))
-                if key in compiled_keys and pick.startswith(("sample-", "default-form", "residual-", "int64")):
+                if key in compiled_keys and pick.startswith(("sample-", "default-form", "residual-", "gated-",
+                                                              "int64")):
                     continue  # the same kernel as an earlier config's
                 compiled_keys.add(key)
                 row = {"target": target, "case": f"{problem.key} {pick}", "pick": pick, "kernel": kernel.fn.__name__,
                        "config": str(config), "error": None, "num_stages": k1.num_stages,
                        "int64": constants.get("INT64"), "residual": constants.get("HAS_DRES"),
+                       "gated": constants.get("HAS_GATE"),
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
                                                               knobs(config).two_pass, k1.prefetch, k1.num_warps)}
@@ -230,11 +233,13 @@ def main(targets: list[str]) -> None:
                     row["error"] = f"{type(err).__name__}: {str(err)[-600:]}"
                 print(json.dumps(row), flush=True)
         # rows of 3000 columns (with a residual stream on sm_90), and the chunked forward of 12288 with one
-        forwards = [(3000, None, "forward"), (12288, "fp32", "forward-chunked")]
+        forwards = [(3000, None, "forward", None), (12288, "fp32", "forward-chunked", None),
+                    (3000, None, "forward-gated", (True, False)), (12288, None, "forward-gated", (False, True))]
         if target == "sm_90":
-            forwards += [(3000, "bf16", "forward"), (3000, "fp32", "forward"), (12288, "bf16", "forward-chunked")]
-        for N, h_dtype, pick in forwards:
-            print(json.dumps(dict(_forward_case(N, backend, arch, warp, h_dtype), target=target, pick=pick)),
+            forwards += [(3000, "bf16", "forward", None), (3000, "fp32", "forward", None),
+                         (12288, "bf16", "forward-chunked", None)]
+        for N, h_dtype, pick, gate in forwards:
+            print(json.dumps(dict(_forward_case(N, backend, arch, warp, h_dtype, gate), target=target, pick=pick)),
                   flush=True)
 
 
@@ -245,10 +250,11 @@ def _narrow_accesses(ptx: str) -> int:
     return len(re.findall(r"\b(?:ld|st)\.global[\w.:]*\.b16\b", ptx))
 
 
-def _forward_case(N: int, backend: str, arch, warp: int, h_dtype: str | None = None) -> dict:
+def _forward_case(N: int, backend: str, arch, warp: int, h_dtype: str | None = None,
+                  gate: tuple | None = None) -> dict:
     """The forward kernel for bf16 rows of N columns (LayerNorm with weight and bias; with a residual and h in
-    `h_dtype` where given), compiled for the target as its launcher specializes it, with its PTX's narrow
-    accesses (NVIDIA)."""
+    `h_dtype` where given; an RMSNorm with weight and a gate, (after, sigmoid), where `gate` is given), compiled
+    for the target as its launcher specializes it, with its PTX's narrow accesses (NVIDIA)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -257,14 +263,17 @@ def _forward_case(N: int, backend: str, arch, warp: int, h_dtype: str | None = N
     from normtune.kernels.forward import _forward_kernel, _launcher
     from normtune.kernels.heuristics import alignment_hint
 
-    launcher, _ = _launcher(N, False, True, True, False, True, False, alignment_hint(N), h_dtype is not None)
+    plain = gate is None
+    launcher, _ = _launcher(N, not plain, True, plain, False, plain, False, alignment_hint(N), h_dtype is not None,
+                            gate)
     kwargs = dict(launcher.constexprs)
     act, f32 = torch.bfloat16, torch.float32
     h = {None: act, "bf16": act, "fp32": f32}[h_dtype]
     signature, constants, attrs = _signature(
-        _forward_kernel, (act, N, act, N, h, N, h, N, act, act, f32, f32, 20000, N, 1e-5), kwargs)
+        _forward_kernel, (act, N, act, N, h, N, h, N, act, N, act, act, f32, f32, 20000, N, 1e-5), kwargs)
     options = {k: v for k, v in kwargs.items() if k not in signature}
-    row = {"case": f"forward bf16{'+' + h_dtype if h_dtype else ''} {N}", "kernel": "forward", "error": None,
+    row = {"case": f"forward bf16{'+' + h_dtype if h_dtype else ''}{' gate' + str(gate) if gate else ''} {N}",
+           "kernel": "forward", "error": None,
            "narrow": None}
     try:
         out = triton.compile(ASTSource(_forward_kernel, signature, constants, attrs),
@@ -362,7 +371,8 @@ def test_every_strategy_and_default_compiles_for(target, compiled):
     unreached = next(r["unreached"] for r in lines if r["pick"] == "unreached")
     assert unreached == {"rows": [], "columns": [], "dual": []}, unreached  # every knob value in the sample
     forward = [r for r in lines if r["pick"].startswith("forward")]
-    assert len(forward) >= 2 and not any(r["error"] for r in forward), forward
+    assert len(forward) >= 4 and not any(r["error"] for r in forward), forward
+    assert len([r for r in forward if r["pick"] == "forward-gated"]) == 2, forward
     kernels = [r for r in lines if not r["pick"].startswith("forward") and r["pick"] != "unreached"]
     assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "row_sums", "kernel_1_dual",
             "kernel_2"} <= {r["kernel"] for r in kernels}
@@ -370,6 +380,9 @@ def test_every_strategy_and_default_compiles_for(target, compiled):
     # each strategy's kernel_1 with a residual stream, and the rows kernels (single and two-pass) on 64-bit offsets
     residual = {r["kernel"] for r in kernels if r["residual"]}
     assert {"kernel_1_single_pass", "kernel_1_columns", "kernel_1_dual"} <= residual, residual
+    # and with a gate (the two-pass form included)
+    gated = {r["kernel"] for r in kernels if r["gated"]}
+    assert {"kernel_1_single_pass", "kernel_1_two_pass", "kernel_1_columns", "kernel_1_dual"} <= gated, gated
     int64 = {r["kernel"] for r in kernels if r["pick"] == "int64" and r["int64"]}
     assert {"kernel_1_single_pass", "kernel_1_two_pass"} <= int64, int64
     failed = [r for r in kernels if r["error"]]

@@ -210,3 +210,15 @@ def test_the_kernels_subpackages_are_layered():
                   or (level == 0 and t in KERNEL_LAYERS)]
     assert not wrong, wrong
     assert not [c for c in _cycles(rooms) if set(c) & set(KERNEL_LAYERS)]
+
+
+def test_no_folder_imports_another_in_a_circle():
+    # Each subpackage folded into one node (a top-level module stays its own): kernels/backward/ imports no strategy,
+    # the strategies import the backward kernels, and the launch above both (backward_launch.py) imports both.
+    folded = _rooms({"normtune.kernels.backward.plan": {"normtune.kernels.strategies.configs"},
+                     "normtune.kernels.strategies.rows_launch": {"normtune.kernels.backward.rows"}},
+                    f"{PACKAGE}.kernels")
+    assert _cycles(folded) == [["normtune.kernels.backward", "normtune.kernels.strategies"]]
+    graph, _ = _graph()
+    for package in (PACKAGE, f"{PACKAGE}.kernels", f"{PACKAGE}.tuner"):
+        assert _cycles(_rooms(graph, package)) == [], package

@@ -19,7 +19,7 @@ from normtune.kernels import (
     rms_norm,
     select_config,
 )
-from normtune.kernels import backward as backward_module
+from normtune.kernels import backward_launch as backward_module
 from normtune.kernels.api import reference as reference_module
 from normtune.kernels.config import MAX_N
 from normtune.kernels.device import device_name, use_triton

@@ -25,7 +25,7 @@ from normtune.kernels import (
     kernel_1_config,
     select_config,
 )
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.backward_launch import BackwardLaunch
 from normtune.kernels.heuristics import WIDE_DEFAULT_MIN_ROWS, alignment_hint, row_block_col, slice_width
 from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.kernels.config import DTYPES, MAX_N, NORMS, SAVE_MODES, kernel_1_layout

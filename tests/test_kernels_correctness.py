@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from normtune.kernels import BackwardConfig, Kernel2Config, Problem, kernel_1_config, layer_norm, rms_norm
-from normtune.kernels import backward as backward_module
+from normtune.kernels import backward_launch as backward_module
 from normtune.kernels import forward as forward_module
-from normtune.kernels.backward import TORCH_DTYPES, BackwardLaunch
+from normtune.kernels.backward_launch import TORCH_DTYPES, BackwardLaunch
 from normtune.kernels.config import NUM_WARPS
 from normtune.kernels.heuristics import next_power_of_two
 from normtune.kernels.forward import forward

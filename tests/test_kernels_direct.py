@@ -82,7 +82,7 @@ def test_backward_plans_are_remembered_per_row_strides(device, make_norm_inputs,
     alignment hint: rows sliced from tensors of other widths (strides 200, 203, 204, 208) each get their own plan and
     compute what contiguous rows compute, and the memo starts over when full."""
     from normtune.kernels.api import backward_calls
-    from normtune.kernels.backward import launch
+    from normtune.kernels import backward_launch as launch
 
     monkeypatch.setattr(launch, "MAX_PLANS_PER_CALL", 3)
     backward_calls.clear_resolved()  # only this test's calls: earlier ones may hold memos made under the real limit

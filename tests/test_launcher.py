@@ -290,7 +290,7 @@ def test_a_launch_specializes_like_its_compile_ahead(norm, M, N, strategy, devic
     """`precompile` (the sweep's compile-ahead workers) compiles with placeholders that Triton counts as 16-byte
     aligned and the integers of contiguous rows. A launch on aligned, contiguous inputs must pass exactly that,
     or the measuring process compiles every trial's kernel again (a sync-counter slice 8 bytes off did)."""
-    from normtune.kernels.backward.launch import compile_ahead_args
+    from normtune.kernels.backward_launch import compile_ahead_args
     from normtune.tuner.measure.cases import make_case
 
     problem = Problem(norm, M, N, "bf16", has_bias=norm == "layer_norm")

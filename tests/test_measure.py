@@ -19,8 +19,8 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
-from normtune.kernels import backward as kbackward
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels import backward_launch as kbackward
+from normtune.kernels.backward_launch import BackwardLaunch
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.device import sm_count
 from normtune.kernels.strategies import num_programs, partial_rows

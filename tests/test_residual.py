@@ -28,7 +28,7 @@ from normtune.kernels import (
     rms_norm_backward,
     rms_norm_forward,
 )
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.backward_launch import BackwardLaunch
 from normtune.kernels.config import ConfigError
 from normtune.kernels.device import interpret_mode
 from normtune.kernels.forward import forward_residual

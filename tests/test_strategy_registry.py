@@ -219,7 +219,7 @@ def test_a_new_strategy_stores_and_emits(tmp_path, mirror, registered):
 
 
 def test_a_new_strategy_launches_through_its_own_module(mirror, registered, device):
-    """Its plan is its own launch module's (imported by name on its first launch, `backward/launch.py` lists no
+    """Its plan is its own launch module's (imported by name on its first launch, `backward_launch.py` lists no
     strategy), with its knob; the result passes the gate against the float64 reference."""
     import torch
 

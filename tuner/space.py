@@ -17,7 +17,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from normtune.kernels.capabilities import fallbacks, portable
+from normtune.kernels.strategies.capabilities import fallbacks, portable
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem
 from normtune.kernels.limits import REFERENCE, DeviceLimits
 from normtune.kernels.heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, MIN_ELEMENTS_PER_THREAD, max_warps,

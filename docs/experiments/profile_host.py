@@ -19,7 +19,7 @@ import time
 import torch
 
 from normtune.kernels import layer_norm, rms_norm
-from normtune.kernels.backward import BackwardLaunch
+from normtune.kernels.backward_launch import BackwardLaunch
 from normtune.kernels.config import Problem
 from normtune.kernels.config import default_config
 from normtune.tuner.measure.cases import make_case

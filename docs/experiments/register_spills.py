@@ -18,7 +18,7 @@ import sys
 import torch
 
 import normtune.kernels.config as config_module
-from normtune.kernels.backward import launch
+from normtune.kernels import backward_launch as launch
 from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, register_budget, row_block_col, slice_width
 

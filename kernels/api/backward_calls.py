@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backward as _backward
+from .. import backward_launch as _backward
 from . import reference
 from ..config import BackwardConfig, Problem
 from ..device import compute_capability, device_limits, device_name, use_triton

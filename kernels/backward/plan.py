@@ -14,7 +14,6 @@ import torch
 from ..launcher import Launcher
 from ..limits import DeviceLimits
 from ..problem import RECOVER_LIMITS, Problem
-from ..strategies.configs import BackwardConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,7 +74,7 @@ class Plan:
     subclass) adds what its `bind` needs."""
 
     problem: Problem
-    config: BackwardConfig
+    config: Any  # the strategy's BackwardConfig (strategies/configs.py; the strategies import this module)
     programs: int  # kernel_1's grid (0: nothing to launch, M = 0)
     phased: bool
     k1_kwargs: dict  # kernel_1's compile-time arguments

@@ -324,7 +324,7 @@ def kernel_1_two_pass(
             s = s.to(tl.float32)
             g = g.to(tl.float32)
             z = _load_gate_chunk(z_rows, c0, chunk, N, row_mask, HAS_GATE, "evict_last")
-            g, s, _, _ = gated(g, s, z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
+            g, s, _act, _act_grad = gated(g, s, z, HAS_GATE, GATE_AFTER, GATE_SIGMOID)
             xhat = normalized(s, w, b, r, mu, IS_RMS, FROM_OUTPUT, HAS_WEIGHT, HAS_BIAS, RECOVER_LIMIT)
             acc_c1 += scaled_normalized(xhat, s, w, b, FROM_OUTPUT, HAS_BIAS) * g
             if not IS_RMS:

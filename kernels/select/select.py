@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from . import table_chain, tables
-from ..capabilities import checked, clear_checked, fallbacks
+from ..strategies.capabilities import checked, clear_checked, fallbacks
 from ..config import BackwardConfig, Problem
 from ..limits import DeviceLimits
 from ..strategies import default_config

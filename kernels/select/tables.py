@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .adapt import STAND_IN_DTYPES, adapt, carried_over, holds_rows  # noqa: F401 - re-exported for table users
-from ..capabilities import checked
+from ..strategies.capabilities import checked
 from ..config import BackwardConfig, ConfigError, Problem, ProblemFamily
 from ..heuristics import next_power_of_two
 from ..limits import DeviceLimits

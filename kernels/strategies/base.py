@@ -16,7 +16,7 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, Mapping
 
-from ..capabilities import checked
+from .capabilities import checked
 from ..heuristics import estimate_registers, register_budget, staged_shared_bytes
 from ..knobs import EVICTION_POLICIES, MAX_TILE, NUM_WARPS, Kernel1Config, Knob, own_knobs
 from ..limits import DeviceLimits
@@ -97,7 +97,7 @@ class Strategy(ABC):
     knobs beyond the shared ones; override those its own knobs need.
 
     Where they are called: a config's validation (`BackwardConfig.validate`) → `validate`; the launch
-    (`backward/launch.py`) → `plan`, `programs`, `partial_rows`; the device's features (`capabilities`) →
+    (`backward_launch.py`) → `plan`, `programs`, `partial_rows`; the device's features (`capabilities`) →
     `fallbacks`, `portable`; the search space (`tuner/space.py`) → `offered`, `narrow_domains`, `variants`,
     `enumerated`, `sampled`, `config`, `params`, `canonical`, `why_not`, `largest_tile`; the seeds
     (`tuner/seeds.py`) → `default`, `seeds`, `neighbour`, `expand_seeds`; a table's rule on other problems
@@ -142,7 +142,7 @@ class Strategy(ABC):
 
     # ---- the launch plan and the grid
     def plan(self, problem: Problem, config: BackwardConfig, target, int64: bool, hint: int):
-        """Its launch plan (`backward/launch.py`'s `plan`): the `plan` of its module `<name>_launch` in this
+        """Its launch plan (`backward_launch.py`'s `plan`): the `plan` of its module `<name>_launch` in this
         package, imported on the first plan (it imports Triton and the kernels; the strategy modules do not)."""
         return importlib.import_module(f"{__package__}.{self.name}_launch").plan(problem, config, target, int64,
                                                                                   hint)

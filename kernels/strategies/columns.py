@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from ..capabilities import fits
+from .capabilities import fits
 from ..heuristics import MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, cdiv, next_power_of_two
 from ..knobs import Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..capabilities import fits
+from .capabilities import fits
 from ..heuristics import MAX_SINGLE_PASS, next_power_of_two
 from ..knobs import Kernel1Config, Kernel2Config
 from ..limits import DeviceLimits

@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Mapping
 
 from ..heuristics import (MAX_SINGLE_PASS, ROW_SPLITS, max_warps, next_power_of_two, num_groups, row_block_col,
                           slice_width)
-from ..capabilities import fits
+from .capabilities import fits
 from ..knobs import Kernel1Config, Kernel2Config, check_booleans, knob
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem, check_choice, is_power_of_two

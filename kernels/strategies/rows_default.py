@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..capabilities import checked
+from .capabilities import checked
 from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_SPLITS, ROW_TILE_ELEMENTS, SPLIT_SLICE,
                           WIDE_DEFAULT_MIN_ROWS, WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps,
                           next_power_of_two, row_block_col, slice_width, wide_fp32_rows)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from normtune.kernels import backward as kbackward
+from normtune.kernels import backward_launch as kbackward
 from normtune.kernels import forward as kforward
 from normtune.kernels.api import reference
 from normtune.kernels.config import BackwardConfig, Problem

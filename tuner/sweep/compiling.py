@@ -152,7 +152,7 @@ def _warm_up() -> None:
     """Import what compiling needs, so that the first config's compile does not pay for it. The driver starts
     with the first job: dozens of processes starting it at once here delayed the measuring processes' own start
     and the sweep's device detection by seconds."""
-    import normtune.kernels.backward  # noqa: F401
+    import normtune.kernels.backward_launch  # noqa: F401
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
@@ -160,7 +160,7 @@ def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, fl
     process cannot compile (the measuring process then compiles it)."""
     if not _usable():
         return "ok", None, None
-    from normtune.kernels.backward import precompile
+    from normtune.kernels.backward_launch import precompile
     from normtune.kernels.config import BackwardConfig as BC
     from normtune.kernels.config import Problem as P
 

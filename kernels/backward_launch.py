@@ -13,13 +13,13 @@ import functools
 
 import torch
 
-from ..capabilities import checked
-from ..config import BackwardConfig, Problem
-from ..device import device_limits, interpret_mode, sm_count
-from ..heuristics import MAX_PROGRAMS_PER_SM_SYNC, alignment_hint, needs_int64, occupancy
-from .plan import PLACEHOLDER_COUNTERS, TORCH_DTYPES, Plan, Target, placeholder_work, placeholders, reads_mean
-from .reduce import PDL_SUPPORTED
-from .workspace import scratch, sync_counters
+from .backward.plan import PLACEHOLDER_COUNTERS, TORCH_DTYPES, Plan, Target, placeholder_work, placeholders, reads_mean
+from .backward.reduce import PDL_SUPPORTED
+from .backward.workspace import scratch, sync_counters
+from .config import BackwardConfig, Problem
+from .device import device_limits, interpret_mode, sm_count
+from .heuristics import MAX_PROGRAMS_PER_SM_SYNC, alignment_hint, needs_int64, occupancy
+from .strategies.capabilities import checked
 
 __all__ = ["TORCH_DTYPES", "BackwardLaunch", "Plan", "compile_ahead_args", "pdl_enabled", "plan", "precompile"]
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from .limits import REFERENCE, DeviceLimits
-from .problem import ConfigError, Problem
+from ..limits import REFERENCE, DeviceLimits
+from ..problem import ConfigError, Problem
 
 if TYPE_CHECKING:  # the strategies validate through `checked`: the config's type is theirs
-    from .strategies.configs import BackwardConfig
+    from .configs import BackwardConfig
 
 
 def fallbacks(config: BackwardConfig, limits: DeviceLimits) -> list[str]:
