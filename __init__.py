@@ -4,11 +4,11 @@
     import normtune
     normtune.patch(model)        # the model's LayerNorms and RMSNorms now run normtune's kernels
 
-`patch` is loaded on first use: importing `normtune` (e.g. for the CLI) imports neither torch nor triton, so
-that a command can still set TRITON_INTERPRET before the kernels are compiled.
+`patch` and `normtune.kernels` are loaded on first use: importing `normtune` (e.g. for the CLI) imports neither
+torch nor triton, so that a command can still set TRITON_INTERPRET before the kernels are compiled.
 """
 
-__all__ = ["patch"]
+__all__ = ["kernels", "patch"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from .kernels.patching.patch import patch
 
         return patch
+    if name == "kernels":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.kernels")
     raise AttributeError(f"module 'normtune' has no attribute {name!r}")

@@ -7,6 +7,7 @@ torch.compile too, and what it refuses.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -328,6 +329,16 @@ def test_top_level_patch_is_lazy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]  # `import normtune` (the CLI) loads the kernels only on use
+
+
+def test_normtune_kernels_is_reachable_from_a_bare_import():
+    # README's examples call normtune.kernels.rms_norm after `import normtune` alone
+    code = ("import sys, normtune; print('torch' in sys.modules); "
+            "print(normtune.kernels.rms_norm.__name__, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "rms_norm", "True"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
