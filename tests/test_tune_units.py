@@ -84,9 +84,13 @@ def test_generated_heldout_shapes_are_unseen_deterministic_and_never_the_preset(
     assert one != unseen.unseen_problems(fitted, 40, "seed-2")
     assert len(one) == 120 and len(set(one)) == 120
     preset, seen = set(HELDOUT), {(p.family.key, p.M, p.N) for p in fitted}
+    largest = max(p.M * p.N for p in fitted)
     for p in one:
         assert (p.M, p.N) not in preset and (p.family.key, p.M, p.N) not in seen
-        assert 1 <= p.M <= 2 * 16384 and 512 <= p.N <= 65536
+        # within half below and twice beyond the fitted rows (512..16384) and widths (1024..32768), and no
+        # problem larger than the largest fitted one
+        assert 256 <= p.M <= 2 * 16384 and 512 <= p.N <= 65536
+        assert p.M * p.N <= largest, p
     inside = [p for p in one if 1024 < p.N < 32768]
     assert len(inside) > len(one) / 2  # mostly between the fitted widths, some around them
 
