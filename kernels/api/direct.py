@@ -39,7 +39,7 @@ from .backward_calls import backward_impl
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, rows_2d, stream_eps
 from .call_checks import check_gate, gate_options, gate_problem
 from ..config import BackwardConfig
-from .forms import GATED, PLAIN, RESIDUAL, Form
+from .forms import GATED, PLAIN, RESIDUAL, Form, form_of
 from .ops import contiguous_operand, forward_impl
 
 
@@ -79,15 +79,6 @@ def _forward(form: Form, x, extras: tuple, weight, bias, eps, is_rms: bool, zero
         forward_calls.remember(sig, form, x, x2d, extras, extras2d, weight, bias, stream, is_rms, zero_centered,
                                False, opts)
     return tuple(t if x.dim() == 2 else t.view(x.shape) for t in outputs), rstd, mean
-
-
-def _form(residual, residual_dtype) -> tuple[Form, tuple]:
-    """The form of a call and its tensors of its own, from its keyword arguments."""
-    if residual is not None:
-        return RESIDUAL, (residual,)
-    if residual_dtype is not None:
-        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
-    return PLAIN, ()
 
 
 def _check_residual_grads(grad, saved, grad_residual, weight, bias, zero_centered: bool, from_output: bool) -> None:
@@ -163,7 +154,7 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None = None, bias: Tensor | N
                        zero_centered: bool = False):
     """(y, mean, rstd) of LayerNorm over the last dimension, without autograd; with a residual, (y, mean, rstd, h)
     of the norm of h = x + residual."""
-    form, extras = _form(residual, residual_dtype)
+    form, extras = form_of(residual, residual_dtype)
     outputs, rstd, mean = _forward(form, x, extras, weight, bias, eps, False, zero_centered, residual_dtype)
     return outputs[0], mean, rstd, *outputs[1:]
 
@@ -195,7 +186,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None = None, eps: float | None 
         return outputs[0], rstd
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
-    form, extras = _form(residual, residual_dtype)
+    form, extras = form_of(residual, residual_dtype)
     outputs, rstd, _ = _forward(form, x, extras, weight, None, eps, True, zero_centered, residual_dtype)
     return outputs[0], rstd, *outputs[1:]
 

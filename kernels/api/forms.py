@@ -50,3 +50,13 @@ GATED = Form("gated", inputs=("z",), op="norm_gated", saved=("z",),
              options=("bool gate_after", "bool gate_sigmoid", "int group_size"))
 
 FORMS = (PLAIN, RESIDUAL, GATED)
+
+
+def form_of(residual, residual_dtype) -> tuple[Form, tuple]:
+    """The form of a call without a gate and its tensors of its own, from its `residual` and `residual_dtype`
+    keyword arguments."""
+    if residual is not None:
+        return RESIDUAL, (residual,)
+    if residual_dtype is not None:
+        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
+    return PLAIN, ()

@@ -28,7 +28,7 @@ from . import composite, forward_calls
 from .call_checks import check_form, check_inputs, check_options, dtype_eps, explicit_backward, output_recovers
 from .call_checks import gate_options, gate_problem, rows_2d, rows_view, stream_eps
 from ..config import BackwardConfig
-from .forms import GATED, PLAIN, RESIDUAL, Form
+from .forms import GATED, Form, form_of
 from .ops import contiguous_operand, eager_norm
 
 
@@ -81,15 +81,6 @@ def _norm(form: Form, x, extras: tuple, weight, bias, eps, *, is_rms: bool, zero
     return eager_norm(form, x, extras, w, b, *args, backward, stream, None, sig, opts)
 
 
-def _form(residual, residual_dtype) -> tuple[Form, tuple]:
-    """The form of a public call and its tensors of its own, from its keyword arguments."""
-    if residual is not None:
-        return RESIDUAL, (residual,)
-    if residual_dtype is not None:
-        raise ValueError("residual_dtype needs a residual: pass residual=... or residual_dtype=None")
-    return PLAIN, ()
-
-
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
                residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
                zero_centered: bool = False, save: str = "input",
@@ -110,7 +101,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     """
     if gate is not None:
         raise ValueError("gate with layer_norm: the gated form is an RMSNorm; use rms_norm(x, weight, gate=z)")
-    form, extras = _form(residual, residual_dtype)
+    form, extras = form_of(residual, residual_dtype)
     return _norm(form, x, extras, weight, bias, eps, is_rms=False, zero_centered=zero_centered, save=save,
                  config=config, stream_dtype=residual_dtype)
 
@@ -137,6 +128,6 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float | None = 1e-6, 
                      config=config, opts=opts)
     if eps is None:
         eps = dtype_eps(x, getattr(x, "dtype", None)) if residual is None else stream_eps(x, residual, residual_dtype)
-    form, extras = _form(residual, residual_dtype)
+    form, extras = form_of(residual, residual_dtype)
     return _norm(form, x, extras, weight, None, eps, is_rms=True, zero_centered=zero_centered, save=save,
                  config=config, stream_dtype=residual_dtype)
