@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from ..config import MAX_N, SAVE_MODES, BackwardConfig
 from ..api.modules import LayerNorm, RMSNorm
-from .patch_gated import GatedPlan, build, classify, takes_a_gate
+from .patch_gated import GatedPlan, build, classify, probe_error, takes_a_gate
 
 # Relative error allowed between a probed module and a formula. The probe runs in fp32 against a float64
 # reference, so a true match is ~1e-7 off; an offset, a wrong eps or a low-precision cast inside is ~1e-3 or more.
@@ -286,7 +286,7 @@ def _probe(module: nn.Module, plans: list[_Plan]) -> _Plan | str:
     if not isinstance(y, Tensor) or y.shape != x.shape:
         return f"its forward returned {type(y).__name__} {tuple(getattr(y, 'shape', ()))}, not a tensor of the " \
                f"input's shape {tuple(x.shape)}"
-    errors = {plan: _error(y, _formula(plan, x, fake.get("weight"), fake.get("bias"))) for plan in plans}
+    errors = {plan: probe_error(y, _formula(plan, x, fake.get("weight"), fake.get("bias"))) for plan in plans}
     best = min(errors, key=errors.get)
     if errors[best] <= PROBE_TOLERANCE:
         return best
@@ -308,16 +308,6 @@ def _formula(plan: _Plan, x: Tensor, weight: Tensor | None, bias: Tensor | None)
     if bias is not None:
         y = y + bias.detach().double().flatten()
     return y.view(x.shape)
-
-
-def _error(y: Tensor, ref: Tensor) -> float:
-    """The worst relative error of the two probe scales (inf where the output is not finite)."""
-    y = y.detach().double().cpu()
-    worst = 0.0
-    for out, expected in zip(y, ref):
-        err = ((out - expected).norm() / max(expected.norm().item(), 1e-30)).item()
-        worst = max(worst, err if math.isfinite(err) else math.inf)
-    return worst
 
 
 def _build(module: nn.Module, plan: _Plan, save: str, config: BackwardConfig | None) -> nn.Module:

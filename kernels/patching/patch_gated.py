@@ -87,15 +87,15 @@ def classify(module: nn.Module, eps_name: str, tolerance: float) -> GatedPlan | 
                f"{first_line})"
     if not isinstance(y, Tensor) or y.shape != x.shape:
         return f"its forward returned {type(y).__name__}, not a tensor of the input's shape {tuple(x.shape)}"
-    errors = {plan: _error(y, _formula(plan, x, z, fake)) for plan in plans}
+    errors = {plan: probe_error(y, _formula(plan, x, z, fake)) for plan in plans}
     best = min(errors, key=errors.get)
     if errors[best] > tolerance:
         return (f"its output matches no gated RMSNorm (gate before or after, silu or sigmoid, groups of "
                 f"{', '.join(map(str, sorted(groups)))}) with eps={eps} (closest: {best.describe()}, relative error "
                 f"{errors[best]:.2g} on a probe input)")
     if alone is not None:
-        err = _error(alone, _formula(best, x, None, fake)) if isinstance(alone, Tensor) and alone.shape == x.shape \
-            else math.inf
+        usable = isinstance(alone, Tensor) and alone.shape == x.shape
+        err = probe_error(alone, _formula(best, x, None, fake)) if usable else math.inf
         if err > tolerance:
             return f"without a gate its output is not the norm alone (relative error {err:.2g} on a probe input)"
     return best
@@ -127,8 +127,9 @@ def _formula(plan: GatedPlan, x: Tensor, z: Tensor | None, weight: Tensor) -> Te
     return y * a if a is not None and plan.position == "before" else y
 
 
-def _error(y: Tensor, ref: Tensor) -> float:
-    """The worst relative error of the two probe scales (inf where the output is not finite)."""
+def probe_error(y: Tensor, ref: Tensor) -> float:
+    """The worst relative error of a probe's outputs against the float64 formula, over its two scales (inf where
+    the output is not finite)."""
     y = y.detach().double().cpu()
     worst = 0.0
     for out, expected in zip(y, ref):
