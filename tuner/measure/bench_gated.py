@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +27,7 @@ from normtune.kernels.config import BackwardConfig
 
 from ..gated_shapes import GatedProblem
 from ..gpu_info import DeviceInfo, peer_versions
-from .bench_residual import geomean
+from .bench_residual import geomean, impl_row
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_gated import GATED_PEERS, Normtune, check, floor_bytes, make_inputs, reference, within_tolerance
@@ -87,18 +88,9 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
         base = {"gate": call.gate_position, "M": call.M, "N": call.N, "group": call.group, "dtype": call.dtype,
                 "activation": call.activation, "floor_us": floor, "block_floor_us": block_floor}
         for name, impl in [(OURS, Normtune(opts.config))] + list(peers.items()):
-            row = _empty_row(base, name)
-            if impl is None:
-                row.update(status="unavailable", error="the interpreter runs only normtune and transformers' "
-                                                       "module (eager, compiled)")
-            elif isinstance(impl, Exception):
-                row.update(status="unavailable", error=f"{type(impl).__name__}: {impl}")
-            elif (why := impl.supports(call)) is not None:
-                row.update(status="unavailable", error=why)
-            else:
-                row.update(_time_impl(session, impl, call, inputs, ref))
-            if row["floor_us"] and row["backward_us"]:
-                row["floor_fraction"] = row["floor_us"] / row["backward_us"]
+            timed = partial(_time_impl, session, call=call, inputs=inputs, ref=ref)
+            row = impl_row(_empty_row(base, name), impl, call, timed,
+                           "the interpreter runs only normtune and transformers' module (eager, compiled)")
             report.rows.append(row)
             say(f"{call.label()} {name}", row)
         del inputs, ref

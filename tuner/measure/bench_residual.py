@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -97,18 +98,9 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                     "block_floor_us": block_floor if math.isfinite(block_floor) else None}
             impls = [(OURS, Normtune(opts.config))] + list(peers.items())
             for name, impl in impls:
-                row = _empty_row(base, name)
-                if impl is None:
-                    row.update(status="unavailable", error="the interpreter runs only normtune, torch eager and "
-                                                           "torch.compile")
-                elif isinstance(impl, Exception):
-                    row.update(status="unavailable", error=f"{type(impl).__name__}: {impl}")
-                elif (why := impl.supports(problem)) is not None:
-                    row.update(status="unavailable", error=why)
-                else:
-                    row.update(_time_impl(session, impl, problem, inputs, ref))
-                if row["floor_us"] and row["backward_us"]:
-                    row["floor_fraction"] = row["floor_us"] / row["backward_us"]
+                row = impl_row(_empty_row(base, name), impl, problem,
+                               partial(_time_impl, session, problem=problem, inputs=inputs, ref=ref),
+                               "the interpreter runs only normtune, torch eager and torch.compile")
                 report.rows.append(row)
                 say(f"{norm} {M}x{N} {name}", row)
             del inputs, ref
@@ -116,6 +108,23 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                 torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     return report
+
+
+def impl_row(row: dict, impl, subject, time: Callable, offline: str) -> dict:
+    """One implementation's row of a block bench, from its empty `row`: unavailable where it does not run here
+    (`impl` None: not under the interpreter, where `offline` says what does; an exception: it failed to load; or
+    `impl.supports(subject)` says why not), else `time(impl)`'s figures; with the backward's fraction of the floor."""
+    if impl is None:
+        row.update(status="unavailable", error=offline)
+    elif isinstance(impl, Exception):
+        row.update(status="unavailable", error=f"{type(impl).__name__}: {impl}")
+    elif (why := impl.supports(subject)) is not None:
+        row.update(status="unavailable", error=why)
+    else:
+        row.update(time(impl))
+    if row["floor_us"] and row["backward_us"]:
+        row["floor_fraction"] = row["floor_us"] / row["backward_us"]
+    return row
 
 
 def _empty_row(base: dict, impl: str) -> dict:
