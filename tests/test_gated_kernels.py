@@ -160,7 +160,9 @@ def _space_configs(space: Space) -> dict[tuple, BackwardConfig]:
 @pytest.mark.parametrize("gate,act,N", [("before", "silu", 40), ("after", "sigmoid", 40), ("after", "silu", 1100)])
 def test_every_code_path_the_space_offers_is_correct(gate, act, N, device):
     """The space offers every strategy for a gated problem: each code knob's every value (per strategy and
-    variant) runs against float64. N = 1100 reaches two-pass and split rows."""
+    variant) runs against float64. N = 1100 reaches two-pass and split rows: there the configs that only a wide
+    row reaches run (two-pass, split rows), and each strategy's first config; the knobs' other values are the
+    same kernel code as at N = 40 (checked there, on both gate positions and both activations)."""
     problem = Problem("rms_norm", 3, N, "bf16", gate=gate, gate_activation=act)
     space = Space(problem, 2)
     assert set(space.offered()) == {"rows", "columns", "dual"}
@@ -170,6 +172,14 @@ def test_every_code_path_the_space_offers_is_correct(gate, act, N, device):
     assert {("rows", False, False), ("columns", False, False), ("dual", False, False)} <= kinds
     if N > 1024:
         assert ("rows", True, False) in kinds and ("rows", False, True) in kinds
+    if N > 1024:
+        wide = {path: c for path, c in configs.items()
+                if getattr(c.kernel_1, "two_pass", False) or getattr(c.kernel_1, "row_split", 1) > 1}
+        first = {}
+        for path, c in configs.items():
+            first.setdefault(c.kernel_1.strategy, (path, c))
+        configs = {**dict(first.values()), **wide}
+        assert {c.kernel_1.strategy for c in configs.values()} == {"rows", "columns", "dual"}
     x, z, w, dy = _inputs(3, N, device)
     ref = _ref(x, z, w, dy, gate, act)
     for path, config in configs.items():
