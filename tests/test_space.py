@@ -2,12 +2,14 @@
 distinct launches, seeds start at the default, params/config round-trip, and random configs run correctly.
 
 Spaces of real problems have ~10^5 configs and take tens of seconds to enumerate; these tests enumerate tiny
-problems fully and take `itertools.islice` prefixes (and random draws) of the others.
+problems fully and take `itertools.islice` prefixes (and random draws) of the others. Each walk is made once per
+module (`walked`) and shared by the tests that check it; those tests share an xdist group, so one worker walks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -42,6 +44,17 @@ def launch_key(space: Space, config: BackwardConfig):
 
 def prefix(space: Space, n: int = 3000) -> list[BackwardConfig]:
     return list(itertools.islice(space, n))
+
+
+@functools.cache
+def walked(norm, M, N, sms) -> tuple[BackwardConfig, ...]:
+    """What one walk of the case's space yields: every config of a SMALL space, the first 3000 of a LARGER one."""
+    s = space(norm, M, N, sms)
+    return tuple(prefix(s, 3000) if (norm, M, N, sms) in LARGER else s)
+
+
+# The tests that check `walked` run on one xdist worker (with `--dist loadgroup`), which walks each space once.
+WALKS = pytest.mark.xdist_group("space-walks")
 
 
 def knob(config, name: str):
@@ -113,10 +126,11 @@ def test_block_row_domain_never_exceeds_the_rows():
 # ------------------------------------------------------------------------------------------- enumeration
 
 
+@WALKS
 @pytest.mark.parametrize("norm, M, N, sms", SMALL)
 def test_small_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
     s = space(norm, M, N, sms)
-    configs = list(s)
+    configs = list(walked(norm, M, N, sms))
     assert configs, "an empty space"
     assert len(configs) <= s.raw_size()  # size() is this count: test_size_and_raw_size (one more walk each)
     d = s.domains()
@@ -132,10 +146,11 @@ def test_small_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
     assert len(set(configs)) == len(configs)
 
 
+@WALKS
 @pytest.mark.parametrize("norm, M, N, sms", LARGER)
 def test_larger_spaces_enumerate_valid_distinct_launches(norm, M, N, sms):
     s = space(norm, M, N, sms)
-    configs = prefix(s)
+    configs = list(walked(norm, M, N, sms))
     assert len(configs) == 3000
     launches = {launch_key(s, c) for c in configs}
     assert len(launches) == len(configs)
@@ -193,22 +208,24 @@ def test_canonical_collapses_programs_per_sm_that_give_the_same_grid():
     assert sorted(c.kernel_1.programs_per_sm for c in s) == [0.5, 1]
 
 
+@WALKS
 def test_size_and_raw_size():
     s = space("rms_norm", 1, 1, 2)  # the smallest of SMALL: size() walks it once more
     assert s.raw_size() == sum(math.prod(len(v) for k, v in s.domains(name).items() if k != "k1.strategy")
                                for name in s.offered())
     assert 0 < s.size() < s.raw_size()
-    assert s.size() == len(list(s))  # a second walk counts the same launches
+    assert s.size() == len(walked("rms_norm", 1, 1, 2))  # another walk counts the same launches
 
 
 # ---------------------------------------------------------------------------------------------- round trip
 
 
+@WALKS
 @pytest.mark.parametrize("norm, M, N, sms", SMALL + LARGER)
 def test_params_config_round_trip(norm, M, N, sms):
     s = space(norm, M, N, sms)
     d = s.domains()
-    for cfg in prefix(s, 300)[::7] + s.seeds():
+    for cfg in list(walked(norm, M, N, sms)[:300:7]) + s.seeds():
         params = s.params(cfg)
         assert set(params) == set(s.domains(cfg.kernel_1.strategy))  # its strategy's knobs only
         assert s.config(params) == cfg
