@@ -18,4 +18,6 @@ fi
 stop_postgres() { if [ "$started_here" = 1 ]; then bash tests/postgres.sh --stop || true; fi; }
 trap stop_postgres EXIT
 eval "$(bash tests/postgres.sh)"
-"$PY" -m pytest -n 2 -q --durations=30 "$@"   # the 30 slowest tests, to keep the suite within 10 minutes
+# --dist loadgroup: tests marked xdist_group (those sharing an expensive module fixture) run on one worker, the
+# others are spread one by one.
+"$PY" -m pytest -n 2 --dist loadgroup -q --durations=30 "$@"   # the 30 slowest tests, to keep the suite within 10 minutes
