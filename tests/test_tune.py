@@ -30,7 +30,8 @@ from normtune.tuner.tables.validate import REFERENCE_PREFIX
 from normtune.tuner.tune import journal as J
 from normtune.tuner.tune.plan import JOURNAL_PREFIX
 
-pytestmark = INTERPRETER_ONLY
+# One worker runs the module (`--dist loadgroup`): the `tuned` fixture's tune would run again on every worker.
+pytestmark = [INTERPRETER_ONLY, pytest.mark.xdist_group("tune")]
 
 SHAPES = "4x64,8x128"
 
