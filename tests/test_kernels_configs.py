@@ -290,9 +290,11 @@ VARIATIONS = _variations()
 M_WIDE, N_WIDE = 21, 2100
 
 
-# Splits of 3, 5, 6 and 7 add the slices' row sums in one code path (no power-of-two block spans them): each runs
-# plain, and the variations run on 3 (1024-column slices) and 7 (512-column slices, the most slices) only.
-ODD_SPLITS_VARIED = (3, 7)
+# Every split runs plain (on both wide problems) and with the fused reduction; the other variations run on two
+# splits of each of the exchange's two code paths: 2 and 4 (a power of two: the slices' row sums added in one
+# sum), 3 and 7 (no power-of-two block spans them: added one slice after another; 1024- and 512-column slices).
+# 5, 6 and 8 run the same code with another number of slices.
+VARIED_SPLITS = (2, 4, 3, 7)
 
 
 def _split_variations():
@@ -301,7 +303,9 @@ def _split_variations():
         block_col = row_block_col(N_WIDE, split)
         base = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=block_col, num_warps=4)
         out.append((f"k1.row_split={split}", BackwardConfig(base, BASE.kernel_2)))
-        if split & (split - 1) and split not in ODD_SPLITS_VARIED:
+        out.append((f"k1.row_split={split}+k2.fused", BackwardConfig(
+            base, dataclasses.replace(BASE.kernel_2, fused=True))))
+        if split not in VARIED_SPLITS:
             continue
         every = split in (2, 4, 8)  # 3, 5, 6, 7 share their code past the row-sum exchange: fewer variations
         for fields in ({"block_row": 1}, {"block_row": 4, "num_warps": 8, "prefetch": True}, {"recompute": True},
@@ -314,8 +318,6 @@ def _split_variations():
             label = "+".join(f"{k}={v}" for k, v in fields.items())
             out.append((f"k1.row_split={split}+{label}",
                         BackwardConfig(dataclasses.replace(base, **fields), BASE.kernel_2)))
-        out.append((f"k1.row_split={split}+k2.fused", BackwardConfig(
-            base, dataclasses.replace(BASE.kernel_2, fused=True))))
         # The exchange pipelined: three stages on the base tile; two on the tall tile keeping the raw tile.
         for fields in ({"num_stages": 3}, {"num_stages": 2, "block_row": 4, "num_warps": 16, "recompute": True,
                                            "column_accumulators": True}):
