@@ -60,6 +60,10 @@ def read_csv(path):
 # ---------------------------------------------------------------------------------------------- happy paths
 
 
+# The tests of `torch_bench` run on one xdist worker (`--dist loadgroup`), which benches once.
+TORCH_BENCH = pytest.mark.xdist_group("cli-bench-torch")
+
+
 @pytest.fixture(scope="module")
 def torch_bench(tmp_path_factory):
     """One interpreter bench of two shapes x both norms against torch eager, stored in a database too."""
@@ -71,6 +75,7 @@ def torch_bench(tmp_path_factory):
     return result, out, db
 
 
+@TORCH_BENCH
 def test_bench_writes_every_output(torch_bench):
     result, out, _ = torch_bench
     assert result.exit_code == 0, result.output
@@ -82,6 +87,7 @@ def test_bench_writes_every_output(torch_bench):
             assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+@TORCH_BENCH
 def test_bench_csv_rows(torch_bench):
     _, out, _ = torch_bench
     columns, rows = read_csv(out / "bench.csv")
@@ -103,6 +109,7 @@ def test_bench_csv_rows(torch_bench):
             assert set(json.loads(r["config"])) == {"kernel_1", "kernel_2"}
 
 
+@TORCH_BENCH
 def test_bench_json_provenance(torch_bench):
     _, out, _ = torch_bench
     data = json.loads((out / "bench.json").read_text())
@@ -119,6 +126,7 @@ def test_bench_json_provenance(torch_bench):
     assert "Triton interpreter on CPU" in md and "| 24×200 |" in md and "| 8×96 |" in md
 
 
+@TORCH_BENCH
 def test_bench_is_stored_in_the_database(torch_bench):
     _, _, db = torch_bench
     store = Store(db)
@@ -414,6 +422,7 @@ def test_shapes_errors_name_the_option_once(tmp_path, shapes):
 
 
 @needs_interpreter
+@TORCH_BENCH
 def test_bench_reports_the_three_views(torch_bench):
     _, out, _ = torch_bench
     _, rows = read_csv(out / "bench.csv")
