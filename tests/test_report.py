@@ -96,6 +96,10 @@ def add_bench(store: Store) -> None:
     store.end_run(run)
 
 
+# The tests of `full_store` and `full_report` run on one xdist worker (`--dist loadgroup`), which builds them once.
+FULL = pytest.mark.xdist_group("report-full-store")
+
+
 @pytest.fixture(scope="module")
 def full_store(tmp_path_factory):
     """Sweep, validate and bench runs on the made-up GPU."""
@@ -132,6 +136,7 @@ def assert_valid_pngs(paths: list[Path]) -> None:
             assert len(data) > 1024, f"{path.name} is only {len(data)} bytes"
 
 
+@FULL
 def test_report_writes_every_section_and_plot(full_report):
     paths = full_report[0]
     tmp_path = paths[0].parent
@@ -194,6 +199,7 @@ def test_report_writes_every_section_and_plot(full_report):
     assert "bench run 3" in text and "(2900 GB/s)" in text
 
 
+@FULL
 def test_each_plot_is_drawn_once_and_holds_everything_it_draws(full_report):
     """Saving draws a figure once (its constrained layout places everything inside it, so no second, measuring
     draw is needed), and every artist it drew lies within the saved image: nothing is clipped at its edges."""
@@ -211,6 +217,7 @@ def assert_drawn_inside(figures) -> None:
                 and extent.y1 <= inside.y1 + 0.01), (name, extent.bounds, inside.bounds)
 
 
+@FULL
 def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
     data = load_report_data(full_store, "testgpu")
     ln = [m for m in data.measurements if m.problem == LN]
@@ -220,11 +227,13 @@ def test_heatmap_cells_keep_the_best_time_of_each_pair(full_store):
     assert heatmap_cells(ln, "k2_block_m", "k2_block_n") == {(64, 64): 9.37, (128, 16): 15.0}
 
 
+@FULL
 def test_report_is_deterministic(full_store, full_report, tmp_path):
     write_report(full_store, "testgpu", tmp_path)
     assert (tmp_path / "report.md").read_text() == full_report[0][0].read_text()
 
 
+@FULL
 def test_report_uses_the_given_table_and_heatmap_problem(full_store, tmp_path):
     table_file = tmp_path / "testgpu.json"
     table_file.write_text(emit.dumps(emit.build_table(full_store, "testgpu")))
@@ -279,6 +288,7 @@ def test_interpreter_only_database_is_labelled(tmp_path):
     assert "rules fitted now" in text  # build_table(interpret=True): no interpreter table is shipped
 
 
+@FULL
 def test_unknown_gpu_key_names_the_keys_present(full_store, tmp_path):
     with pytest.raises(ValueError, match=r"'h300'.*GPU keys present: testgpu"):
         write_report(full_store, "h300", tmp_path)
@@ -383,6 +393,7 @@ def test_cli_report_on_a_missing_database_creates_nothing(tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@FULL
 def test_cli_report_names_a_broken_table(full_store, tmp_path):
     from typer.testing import CliRunner
 
@@ -405,6 +416,7 @@ def test_family_titles_name_what_sets_a_family_apart():
 
 
 
+@FULL
 def test_heatmaps_name_the_gpu(full_report):
     _, figures, _ = full_report
     heatmaps = [(name, fig) for name, fig in figures if name.startswith("heatmap_")]
