@@ -18,6 +18,9 @@ fi
 stop_postgres() { if [ "$started_here" = 1 ]; then bash tests/postgres.sh --stop || true; fi; }
 trap stop_postgres EXIT
 eval "$(bash tests/postgres.sh)"
+# One intra-op thread per process: the 2 workers (and the sweeps they start) already keep the cores busy, and tiny
+# tensors only lose time to threads synchronizing.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # --dist loadgroup: tests marked xdist_group (those sharing an expensive module fixture) run on one worker, the
 # others are spread one by one.
 "$PY" -m pytest -n 2 --dist loadgroup -q --durations=30 "$@"   # the 30 slowest tests, to keep the suite within 10 minutes
