@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from normtune.cli import app
@@ -127,3 +128,43 @@ def test_command_times_a_hybrid_models_call_with_the_eager_peer(tmp_path):
     assert [(r["impl"], r["status"], r["M"], r["N"], r["group"]) for r in rows] == [
         ("normtune", "ok", 8, 64, 32), ("hf-eager", "ok", 8, 64, 32)], rows
     assert "| after | 8 × 64 | 32 |" in (out / "gated.md").read_text()
+
+
+@pytest.mark.parametrize("init, whole, grouped", [
+    ("group_size", {"group_size": 64}, {"group_size": 32}),
+    ("n_groups", {"n_groups": 1}, {"n_groups": 2}),
+    (None, {}, None),  # an older MambaRMSNormGated: the whole width only
+])
+def test_transformers_norm_after_the_gate_is_built_for_its_version(monkeypatch, init, whole, grouped):
+    """MambaRMSNormGated's constructor differs between transformers versions: groups go to the argument the
+    installed one has, and a version without one times whole-width calls and refuses grouped ones in one line."""
+    import sys
+    import types
+
+    made = []
+
+    class Norm(torch.nn.Module):
+        if init == "group_size":
+            def __init__(self, hidden_size, group_size, eps=1e-6):
+                super().__init__()
+                made.append({"group_size": group_size})
+        elif init == "n_groups":
+            def __init__(self, hidden_size, n_groups=1, eps=1e-6):
+                super().__init__()
+                made.append({"n_groups": n_groups})
+        else:
+            def __init__(self, hidden_size, eps=1e-6):
+                super().__init__()
+                made.append({})
+
+    fake = types.ModuleType("modeling_mamba2")
+    fake.MambaRMSNormGated = Norm
+    monkeypatch.setitem(sys.modules, "transformers.models.mamba2.modeling_mamba2", fake)
+    _, name = pg.transformers_module(GatedProblem(8, 64, "after", None, "fp32"))
+    assert name == "MambaRMSNormGated" and made[-1] == whole
+    if grouped is None:
+        with pytest.raises(pg.PeerUnavailable, match="whole width only"):
+            pg.transformers_module(CALL)
+    else:
+        pg.transformers_module(CALL)
+        assert made[-1] == grouped

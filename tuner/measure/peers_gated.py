@@ -14,6 +14,7 @@ dy and writes dx and dz (5 passes), at the activation's element size; plus the w
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -177,11 +178,25 @@ def transformers_module(problem: GatedProblem):
             cls = getattr(importlib.import_module(module_name), cls_name)
         except (ImportError, AttributeError):
             continue
-        module = cls(problem.N, eps=problem.eps) if problem.gate_position == "before" else \
-            cls(problem.N, group_size=problem.group, eps=problem.eps)
-        return module, cls_name
+        return cls(problem.N, eps=problem.eps, **_group_argument(cls, problem)), cls_name
     raise PeerUnavailable(f"this transformers has none of {', '.join(c for _, c in candidates)}: "
                           "pip install 'transformers>=4.57'")
+
+
+def _group_argument(cls, problem: GatedProblem) -> dict:
+    """How `cls` (a transformers gated norm) takes the problem's groups: `group_size` or `n_groups` where its
+    constructor has one (versions differ), nothing for the whole width; PeerUnavailable for groups it cannot take."""
+    if problem.gate_position == "before":
+        return {}
+    params = inspect.signature(cls.__init__).parameters
+    if "group_size" in params:
+        return {"group_size": problem.group}
+    if "n_groups" in params:
+        return {"n_groups": problem.N // problem.group}
+    if problem.group == problem.N:
+        return {}
+    raise PeerUnavailable(f"this transformers' {cls.__name__} normalizes the whole width only (no group_size or "
+                          f"n_groups): groups of {problem.group} need a newer transformers")
 
 
 class TransformersEager(GatedPeer):
