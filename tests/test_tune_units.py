@@ -31,7 +31,9 @@ def test_first_round_and_steps_share_the_trials():
     assert (rounds.first_round(40), rounds.round_step(40)) == (12, 10)  # 12, 22, 32, 40
     assert (rounds.first_round(2), rounds.round_step(2)) == (1, 1)
     assert (rounds.first_round(1), rounds.round_step(1)) == (1, 1)
-    assert rounds.opening(40) == [4, 12] and rounds.opening(6) == [3] and rounds.opening(2) == [1]
+    # the cover, the seeds, one step of search: a problem is never judged stalled on its seeds alone
+    assert rounds.opening(40) == [4, 12, 22] and rounds.opening(6) == [3, 4] and rounds.opening(2) == [1, 2]
+    assert rounds.opening(1) == [1]
 
 
 def test_gain_reads_the_best_over_the_last_trials():

@@ -2,8 +2,8 @@
 
 Every problem first gets COVER trials (the analytic default and the first structural seeds), so that a short
 time budget still reaches every problem, then `first_round` (the rest of the seeds: the structural ones and the
-default's neighbours, before any sampled config): the `opening` rounds. Then more in steps of `round_step` up to
-`--trials`. A problem whose best
+default's neighbours, before any sampled config), then one `round_step` of search: the `opening` rounds. Then more
+in steps of `round_step` up to `--trials`. A problem whose best
 time has not improved by more than STALL_GAIN over its last `round_step` trials stops where it is: more of the same
 search does not pay there. The trials it would have had go to the problems whose best moved most over their last
 step, where the search pays most. A decision reads only the measurements, in trial order, and is recorded in the
@@ -26,9 +26,11 @@ def first_round(trials: int) -> int:
 
 
 def opening(trials: int) -> list[int]:
-    """The targets every problem gets, round after round, before the rounds that stop a stalled problem."""
+    """The targets every problem gets, round after round, before the rounds that stop a stalled problem: the cover,
+    the seeds, then one step of search past them (the local sampler's moves from the best seed), so that a
+    problem is judged stalled by what its search found and never by its seeds alone."""
     first = first_round(trials)
-    return sorted({min(COVER, first), first})
+    return sorted({min(COVER, first), first, min(trials, first + round_step(trials))})
 
 
 def round_step(trials: int) -> int:
