@@ -57,6 +57,10 @@ ROW_SPLITS = (1, 2, 3, 4, 5, 6, 7, 8)
 # Elements the analytic default fills a whole-row tile up to with rows (N=1024: 8 rows), so that a short row still
 # issues wide loads.
 ROW_TILE_ELEMENTS = 8192
+# fp32 values per tile element the gated form keeps live beside the plain form's: z, its activation and the dz
+# term. With them a one-row tile of 16 elements per thread no longer fits prefetch in the registers of 16 warps,
+# which the measurements of prefetch on gated rows bear out (docs/kernel-figures.md, "Gated register tile").
+GATE_LIVE = 3
 
 
 def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_stages: int, two_pass: bool,
@@ -68,7 +72,7 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
     configs, never under, up to 16 KB over (docs/perf-notes.md)."""
     if num_stages <= 1:
         return 0
-    tiles = 2 * block_row * block_col * problem.itemsize
+    tiles = (2 + gated(problem)) * block_row * block_col * problem.itemsize  # the gated form stages z too
     if not two_pass:
         return (num_stages - 1) * tiles
     weight = problem.has_weight * (ITEMSIZE[problem.weight_dtype] + 4)
@@ -154,9 +158,10 @@ def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_w
     """fp32 registers per thread that kernel_1 keeps live (an estimate for pruning, not the compiler's count).
 
     Per tile element: the grad and saved activation in fp32 and one temporary; the dw and db accumulators (or,
-    two-pass, the row-term accumulators of pass 1); the raw next tile when prefetching. Per column: w (held in
-    registers unless a single-row tile reloads it per tile), b when recovering x̂ from y, and the dw and db
-    accumulators instead when they are kept per column.
+    two-pass, the row-term accumulators of pass 1); with a gate, z in fp32, its activation and the dz term
+    (GATE_LIVE); the raw next tiles when prefetching (z's too with a gate). Per column: w (held in registers unless
+    a single-row tile reloads it per tile), b when recovering x̂ from y, and the dw and db accumulators instead
+    when they are kept per column.
     """
     per_thread = math.ceil(block_row * block_col / (warp_size * num_warps))
     # recompute: the tile is held raw (2-byte values pack two per register) rather than converted to fp32
@@ -166,12 +171,18 @@ def estimate_registers(problem: "Problem", block_row: int, block_col: int, num_w
         live += 1 + (problem.norm == "layer_norm")
     elif not column_accumulators:
         live += accumulators
+    live += GATE_LIVE * gated(problem)
     if prefetch:
-        live += 2 * problem.itemsize / 4
+        live += (2 + gated(problem)) * problem.itemsize / 4
     per_column = (problem.save == "output" and bool(problem.has_bias)) + (block_row > 1 and not two_pass)
     if column_accumulators and not two_pass:
         per_column += accumulators
     return math.ceil(per_thread * live + per_thread / block_row * per_column)
+
+
+def gated(problem: "Problem") -> bool:
+    """Whether kernel_1 reads a gate z beside x and dy (the gated form)."""
+    return getattr(problem, "gate", None) is not None
 
 
 def row_tiles(M: int, block_row: int) -> int:

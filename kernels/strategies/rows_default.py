@@ -7,7 +7,7 @@ import dataclasses
 
 from .capabilities import checked
 from ..heuristics import (MAX_COLUMNS_ROWS, MAX_SINGLE_PASS, ROW_SPLITS, ROW_TILE_ELEMENTS, SPLIT_SLICE,
-                          WIDE_DEFAULT_MIN_ROWS, WIDE_FP32_SLICE, estimate_registers, hardware_registers, max_warps,
+                          WIDE_DEFAULT_MIN_ROWS, WIDE_FP32_SLICE, estimate_registers, gated, hardware_registers, max_warps,
                           next_power_of_two, row_block_col, slice_width, wide_fp32_rows)
 from ..knobs import Kernel2Config
 from ..limits import DeviceLimits
@@ -79,7 +79,9 @@ def default(strategy, problem: Problem, lim: DeviceLimits) -> BackwardConfig:
                  and bool(problem.has_bias))
     if wide_16_bit and not prefetch and problem.norm == "rms_norm":
         prefetch = recompute = True  # prefetch fits once the raw tile is kept across the reductions
-    k1 = strategy.make(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=1,
+    # A gated tile without prefetch pipelines its loads (x, dy and z) through shared memory instead.
+    stages = 3 if gated(problem) and not (prefetch or two_pass or recompute) else 1
+    k1 = strategy.make(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=stages,
                    programs_per_sm=1, two_pass=two_pass, eviction_policy="evict_first", prefetch=prefetch,
                    recompute=recompute)
     block_n, block_m = min(16, n_pow2), 128
