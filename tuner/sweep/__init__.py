@@ -6,7 +6,7 @@ compile-ahead workers, and the host's pool the `--devices` workers share), `comp
 jobs, its seeds' ahead of their claims), `pending` (a trial from its claim to its stored measurement), `sampling`
 (sampler and seeds),
 `trials` (one problem's study), `driver` (the ask/tell loop of one worker), `device_workers` (one worker process
-per GPU), `progress` (live view and status, from the database), `costs` and `timeline` (where the time went).
+per GPU), `engine` (the measuring process and compile pool kept across the sweeps of one caller), `progress` (live view and status, from the database), `costs` and `timeline` (where the time went).
 
 The names below are loaded on first use: importing this package (as a spawned measuring process does) imports
 neither Optuna nor the database layer nor torch.
@@ -20,6 +20,7 @@ _WHERE = {"costs_line": ("costs", "line"), "Sweep": ("driver", "Sweep"), "run": 
           "SweepResult": ("launcher", "SweepResult"), "CLOSING_STEPS": ("launcher", "CLOSING_STEPS"),
           "run_on_devices": ("device_workers", "run_on_devices"),
           "MeasuringProcess": ("measuring", "MeasuringProcess"), "start_helpers": ("measuring", "start_helpers"),
+          "KeptHelpers": ("engine", "KeptHelpers"),
           **{name: ("options", name) for name in ("SAMPLERS", "ProblemSummary", "SweepOptions", "SweepSummary",
                                                   "study_name", "summary_json")},
           **{name: ("progress", name) for name in ("LiveView", "event_line", "result_lines", "snapshot",

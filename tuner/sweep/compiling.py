@@ -86,6 +86,11 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
             return "ok", None, None
 
 
+def pool_usable(pool) -> bool:
+    """Whether a compile pool still takes jobs (none of its processes died, it was not shut down)."""
+    return not (getattr(pool, "_broken", False) or getattr(pool, "_shutdown_thread", False))
+
+
 def stop_pool(pool) -> None:
     """Stop a compile pool now: its processes killed (they hold nothing to save), queued jobs cancelled. The
     processes are taken before `shutdown`, which forgets them: left running, they would finish their compiles

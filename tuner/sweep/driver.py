@@ -72,7 +72,8 @@ class Sweep:
     """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
 
     def __init__(self, opts: SweepOptions, store, info: DeviceInfo,
-                 on_event: Callable[[str, dict], None] | None = None, helpers: tuple | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, helpers: tuple | None = None,
+                 keep_helpers: bool = False):
         import optuna
 
         self.opts, self.store, self.info = opts, store, info
@@ -91,6 +92,7 @@ class Sweep:
         self.proposer: Proposer | None = None  # TPE's proposals made ahead, while `run()` runs (`proposer.py`)
         self.pending: PendingTrials | None = None  # the trials on their way to the store, while `run()` runs
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
+        self._keep_helpers = keep_helpers  # lent (`engine.KeptHelpers`): left running at the end
 
     # ------------------------------------------------------------------------------------------- signals
 
@@ -168,11 +170,13 @@ class Sweep:
         finally:
             stop_hb.set()
             heartbeats.join(timeout=60)  # its last beat is written before the final costs, never beside them
-            self._measurer.close()
+            if not self._keep_helpers:
+                self._measurer.close()
             if self.proposer is not None:
                 self.proposer.close()
             self.ahead.stop()
-            stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
+            if not self._keep_helpers:
+                stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
             summary.remaining = remaining(self.opts, self.info.interpret, self.store, self._books)
             summary.costs = self.costs.to_dict()

@@ -66,11 +66,13 @@ def device_info(gpu: str, interpret: bool, device: int = 0):
     return info
 
 
-def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable | None = None) -> SweepResult:
+def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable | None = None,
+        helpers=None) -> SweepResult:
     """Run the sweep `options` asks for (its `storage`, else the user's database: `user_database_url`; on its
     `devices` or its `device`) to its end, its time budget or a signal, and return what it did. Errors in what was
     asked (an unknown GPU, a database that cannot be opened) raise before anything is written, with every helper
-    process stopped."""
+    process stopped. `helpers`: an `engine.KeptHelpers` whose measuring process and compile pool a sweep on one
+    device uses and leaves running (its owner stops them); without, the sweep starts and stops its own."""
     emit = on_event or (lambda kind, data: None)
     timeline.start_command()  # the processes started below count from the command's start
     timeline.forget(CLOSING_STEPS)  # a sweep run before in this process recorded its own
@@ -80,19 +82,22 @@ def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable 
         from .compiling import default_compile_workers
 
         options = dataclasses.replace(options, compile_workers=default_compile_workers(len(devices)))
+    kept = helpers if len(devices) == 1 else None
     helpers = workers = None
     if len(devices) > 1:
         from .device_workers import DeviceWorkers
 
         workers = DeviceWorkers(devices, options.compile_workers, options.interpret)
+    elif kept is not None:
+        helpers = kept.lend()
     else:
         from .measuring import start_helpers
 
         helpers = start_helpers(devices[0], options.interpret, options.compile_workers)
     try:
-        return _run(options, devices, helpers, workers, emit, view)
-    finally:  # refused before the sweep took them over: nothing is left running
-        if helpers is not None:
+        return _run(options, devices, helpers, workers, emit, view, keep=kept is not None)
+    finally:  # refused before the sweep took them over: nothing is left running (lent ones stay with their owner)
+        if helpers is not None and kept is None:
             from .compiling import stop_pool
 
             helpers[0].close()
@@ -101,7 +106,8 @@ def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable 
             workers.abandon()
 
 
-def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Event, view) -> SweepResult:
+def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Event, view,
+         keep: bool = False) -> SweepResult:
     from ..store.database import Store, user_database_url
 
     started = time.monotonic() - (time.time() - timeline.origin())
@@ -121,7 +127,7 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     if len(devices) == 1:
         from .driver import Sweep
 
-        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers)
+        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers, keep_helpers=keep)
         helpers = None  # the sweep's now: it stops them
         try:
             with show:

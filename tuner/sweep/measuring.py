@@ -188,6 +188,12 @@ class MeasuringProcess:
             except ProcessLookupError:
                 pass
 
+    def discard_stale(self) -> None:
+        """Replace the process when an answer that nobody collected waits in its pipe (a sweep that ended with a
+        trial in flight), so that the next sweep's first `collect` gets its own trial's answer."""
+        if self._ready and self._conn is not None and self._conn.poll(0):
+            self.kill()
+
     def kill(self) -> None:
         if self._proc is not None:
             self._proc.kill()

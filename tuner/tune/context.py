@@ -37,6 +37,7 @@ class TuneContext:
     say: Callable[[str], None] = lambda line: None  # a line worth keeping above the live display
     progress: object = None  # display.Progress (phase, held-out regret), or None
     on_sweep_event: Callable[[str, dict], None] | None = None
+    helpers: object = None  # sweep.engine.KeptHelpers lent to every sweep on one device (None: each starts its own)
     _session: object = None
 
     def fit_problems(self) -> list[Problem]:

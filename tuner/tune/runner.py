@@ -110,6 +110,12 @@ def tune(console, o: Options) -> int:
                       "not GPU timings[/]")
     ctx = _context(console, o)
     plan = ctx.plan
+    if not ctx.devices or len(ctx.devices) == 1:  # one measuring process and compile pool for all its sweeps
+        from ..sweep.compiling import default_compile_workers
+        from ..sweep.engine import KeptHelpers
+
+        workers = ctx.compile_workers if ctx.compile_workers is not None else default_compile_workers(1)
+        ctx.helpers = KeptHelpers(ctx.device, plan.interpret, workers)
     ctx.say(f"tune {plan.tune_id} on {o.info.name}: {len(plan.problems)} problems in {len(plan.families())} "
             f"families, {len(ctx.heldout)} generated held-out shapes; database {ctx.store.display_url}"
             + (f"; time budget {o.budget_s:g} s" if o.budget_s else ""))
@@ -136,6 +142,8 @@ def tune(console, o: Options) -> int:
         return 143
     finally:
         signal.signal(signal.SIGTERM, old)
+        if ctx.helpers is not None:
+            ctx.helpers.close()
         ctx.store.close()
     _summary(ctx, o, table, done, stopped)
     return 0

@@ -43,7 +43,7 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
                         extra_seeds=dict(extra_seeds or {}), heartbeat_interval=ctx.heartbeats[0],
                         grace_period=ctx.heartbeats[1], sampler=SAMPLER if seeded else "tpe")
-    result = run(opts, on_event=ctx.on_sweep_event)
+    result = run(opts, on_event=ctx.on_sweep_event, helpers=ctx.helpers)
     if result.exit_code == 1:
         from .context import TuneError
 
