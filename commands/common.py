@@ -43,7 +43,8 @@ Norms = Annotated[Optional[str], typer.Option("--norm", help="Comma list: layer_
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Activation dtype: bf16, fp16 or fp32 [default: bf16; "
                                                               "with --shapes-from, the model's]")]
 Shapes = Annotated[Optional[str], typer.Option(
-    "--shapes", help="seed | llm | heldout | tiny | FILE (one MxN per line) | 4096x8192,... ; gated RMSNorm "
+    "--shapes", help="seed | llm | few | span | heldout | tiny | FILE (one MxN per line) | 4096x8192,... ; "
+                     "gated RMSNorm "
                      "problems: qwen3-next | mamba2 | gated-issue | gated-tiny "
                      "[default: seed on a GPU, tiny with --interpret]")]
 ShapesFrom = Annotated[Optional[Path], typer.Option(

@@ -479,7 +479,7 @@ def test_presets():
     assert all(M * N in (2**25, 2**24, 2**23) for M, N in SEED)
     assert parse_shapes("  tiny ") == list(TINY)
     assert parse_shapes("heldout") == list(HELDOUT)
-    assert set(PRESETS) == {"seed", "llm", "span", "heldout", "tiny"}
+    assert set(PRESETS) == {"seed", "llm", "few", "span", "heldout", "tiny"}
     assert len(parse_shapes("llm")) == len(set(parse_shapes("llm")))
     assert not set(HELDOUT) & (set(SEED) | set(parse_shapes("llm")))  # held-out shapes are never swept
     llm = parse_shapes("llm")

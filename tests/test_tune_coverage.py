@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from normtune.kernels.config import MAX_N, Problem
-from normtune.tuner.shapes import HELDOUT, LLM, PRESETS, SEED, SPAN, parse_shapes, span_shapes
+from normtune.tuner.shapes import FEW, HELDOUT, LLM, LLM_HIDDEN, PRESETS, SEED, SPAN, parse_shapes, span_shapes
 from normtune.tuner.tune import unseen
 
 
@@ -27,9 +27,19 @@ def test_the_default_plan_adds_the_span_set_within_a_sensible_problem_count():
 
     problems, notes = _problems(None, None, None, None, None, "plain,residual", False)
     shapes = {(p.M, p.N) for p in problems}
-    assert shapes == set(SEED) | set(LLM) | set(SPAN) and not notes
+    assert shapes == set(SEED) | set(LLM) | set(FEW) | set(SPAN) and not notes
     assert not shapes & set(HELDOUT)
-    assert 196 < len(problems) <= 300
+    assert 196 < len(problems) <= 330
+
+
+def test_every_model_width_is_fitted_on_few_rows_as_well_as_many():
+    """A table's rules are bucketed by width: a width fitted only on tall shapes would give its few-row calls the
+    tall config. `few` adds few-row shapes where `llm` has none, never a held-out one."""
+    assert PRESETS["few"] == FEW and parse_shapes("few") == list(FEW) and not set(FEW) & set(HELDOUT)
+    fitted = set(LLM) | set(FEW)
+    for N in LLM_HIDDEN:
+        assert any(M <= 512 for M, n in fitted if n == N) and any(M >= 4096 for M, n in fitted if n == N), N
+    assert not set(FEW) & set(LLM)
 
 
 def _octant(value: float, lo: float, hi: float, parts: int) -> int:

@@ -1,4 +1,5 @@
-"""Shape presets and the `--shapes` parser: `seed`, `llm`, `span`, a file, or an explicit `4096x8192,...` list."""
+"""Shape presets and the `--shapes` parser: `seed`, `llm`, `few`, `span`, a file, or an explicit `4096x8192,...`
+list."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ LLM_FEW_ROWS = ((64, 4096), (256, 4096), (512, 4096), (128, 8192), (256, 8192), 
                 (256, 16384), (512, 16384))
 LLM_WIDE = ((256, 32768), (1024, 32768), (4096, 32768), (256, 65536), (512, 65536), (1024, 65536))
 LLM = tuple((m, n) for n in LLM_HIDDEN for m in LLM_TOKENS) + LLM_FEW_ROWS + LLM_WIDE
+# The `few` set: FEW_ROWS rows at every model width of LLM_HIDDEN that `llm` has only tall. A table's rules are
+# bucketed by width, so a width fitted only on thousands of rows gives its few-row calls the tall rows' config
+# (few-row calls there want another strategy); `tune` fits these by default.
+FEW_ROWS = 256
+FEW = tuple((FEW_ROWS, n) for n in LLM_HIDDEN if (FEW_ROWS, n) not in LLM)
 
 # Shapes never used to fit a table (odd M, N not powers of two, very few rows, very wide, very tall and narrow):
 # one list, `heldout.HELDOUT_SHAPES`; `normtune emit` leaves them out whichever run measured them.
@@ -64,9 +70,9 @@ SPAN = span_shapes()
 # Tiny shapes for the interpreter (CPU): same code path, seconds instead of minutes.
 TINY = ((64, 256), (37, 200), (96, 512), (8, 1000))
 
-PRESETS = {"seed": SEED, "llm": LLM, "span": SPAN, "heldout": HELDOUT, "tiny": TINY}
+PRESETS = {"seed": SEED, "llm": LLM, "few": FEW, "span": SPAN, "heldout": HELDOUT, "tiny": TINY}
 # What `normtune tune` fits on unless --shapes says otherwise.
-TUNE_DEFAULT = ("seed", "llm", "span")
+TUNE_DEFAULT = ("seed", "llm", "few", "span")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
