@@ -44,8 +44,7 @@ Dtype = Annotated[Optional[str], typer.Option("--dtype", help="Activation dtype:
                                                               "with --shapes-from, the model's]")]
 Shapes = Annotated[Optional[str], typer.Option(
     "--shapes", help="seed | llm | few | span | heldout | tiny | FILE (one MxN per line) | 4096x8192,... ; "
-                     "gated RMSNorm "
-                     "problems: qwen3-next | mamba2 | gated-issue | gated-tiny "
+                     "gated RMSNorm problems: qwen3-next | mamba2 | gated-issue | gated-tiny "
                      "[default: seed on a GPU, tiny with --interpret]")]
 ShapesFrom = Annotated[Optional[Path], typer.Option(
     "--shapes-from", help="A model's Hugging Face config.json (or its folder), instead of --shapes: the widths of "

@@ -71,9 +71,8 @@ _IDLE = object()  # in the feed: only slots held by other workers are left for n
 class Sweep:
     """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
 
-    def __init__(self, opts: SweepOptions, store, info: DeviceInfo,
-                 on_event: Callable[[str, dict], None] | None = None, helpers: tuple | None = None,
-                 keep_helpers: bool = False):
+    def __init__(self, opts: SweepOptions, store, info: DeviceInfo, on_event: Callable[[str, dict], None] | None = None,
+                 helpers: tuple | None = None, keep_helpers: bool = False):
         import optuna
 
         self.opts, self.store, self.info = opts, store, info
@@ -170,12 +169,11 @@ class Sweep:
         finally:
             stop_hb.set()
             heartbeats.join(timeout=60)  # its last beat is written before the final costs, never beside them
-            if not self._keep_helpers:
-                self._measurer.close()
             if self.proposer is not None:
                 self.proposer.close()
             self.ahead.stop()
-            if not self._keep_helpers:
+            if not self._keep_helpers:  # lent ones stay with their owner
+                self._measurer.close()
                 stop_pool(pool)  # its processes hold nothing to save: killed, not waited for
             summary.signal = self._signal
             summary.remaining = remaining(self.opts, self.info.interpret, self.store, self._books)
