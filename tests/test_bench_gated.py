@@ -54,6 +54,8 @@ def test_bench_rows_summary_and_files(tmp_path):
         r = rows[impl]
         assert r["block_us"] and r["backward_us"] and r["forward_us"], r
         assert set(r["errors"]) == {"y", "dx", "dz", "dw"} and max(r["errors"].values()) < 1e-4, r["errors"]
+        assert r["block_host_us"] > 0 and r["backward_host_us"] > 0, r  # host-timed in the shared rounds
+    assert rows["fla-fn"]["block_host_us"] is None
     (line,) = BG.summary(report.rows)
     assert line["group"] == 32 and line["best_peer_block"] == "hf-eager"
     assert line["block_speedup"] == pytest.approx(rows["hf-eager"]["block_us"] / rows["normtune"]["block_us"])
@@ -63,6 +65,7 @@ def test_bench_rows_summary_and_files(tmp_path):
     text = paths[1].read_text()
     assert "| after | 8 × 64 | 32 | fp32 |" in text and "fla-fn: unavailable" in text
     assert "interpreter wall-clock" in text
+    assert "| gate | rows × width | group | normtune | hf-eager |" in text  # the host table, one column per impl
 
 
 def test_a_wrong_implementation_is_reported_not_timed():
@@ -77,9 +80,10 @@ def test_a_wrong_implementation_is_reported_not_timed():
 
     inputs = pg.make_inputs(CALL, "cpu")
     session = _Timing()
-    out = BG._time_impl(session, Wrong(), CALL, inputs, pg.reference(CALL, inputs))
+    host = []
+    out = BG._time_impl(session, Wrong(), CALL, inputs, pg.reference(CALL, inputs), row={}, host=host)
     assert out["status"] == "error" and "wrong values" in out["error"] and "dz" in out["error"]
-    assert session.calls == 0
+    assert session.calls == 0 and host == []  # neither GPU- nor host-timed
 
 
 @pytest.mark.parametrize("args,needles", [

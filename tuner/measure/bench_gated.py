@@ -6,7 +6,9 @@ module eager and compiled, mamba_ssm), cold L2, on one device in one run.
 Every implementation gets the same inputs and upstream gradient and is timed three ways, as the residual bench
 does (GPU time with the host hidden, `MeasureSession.time_callable`): the block (forward and backward through
 autograd, a fresh graph per call: `block_us`), the backward alone on one retained graph (`backward_us`) and the
-forward alone (`forward_us`); the kernel sums come from the profiler. Values (y, dx, dz, dw) are checked first
+forward alone (`forward_us`); the kernel sums come from the profiler; and the CPU time of one block and one
+backward call (`block_host_us`, `backward_host_us`), every implementation of a call host-timed in the same
+interleaved rounds once all are prepared (`host_rounds`). Values (y, dx, dz, dw) are checked first
 against the float64 reference: an implementation past the dtype's gate is reported as an error, never timed. The
 memory floors are `peers_gated.floor_bytes`: 3 passes forward, 5 backward.
 """
@@ -31,6 +33,7 @@ from .bench_residual import geomean, impl_row
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_gated import GATED_PEERS, Normtune, check, floor_bytes, make_inputs, reference, within_tolerance
+from .host_rounds import HostCall, measure_rounds
 from .views import kernel_sum
 
 OURS = "normtune"
@@ -87,13 +90,16 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
         block_floor = (forward_bytes + backward_bytes) / (bw * 1e3) if floor is not None else None
         base = {"gate": call.gate_position, "M": call.M, "N": call.N, "group": call.group, "dtype": call.dtype,
                 "activation": call.activation, "floor_us": floor, "block_floor_us": block_floor}
+        host: list[HostCall] = []  # every implementation's calls, host-timed together once all are ready
         for name, impl in [(OURS, Normtune(opts.config))] + list(peers.items()):
-            timed = partial(_time_impl, session, call=call, inputs=inputs, ref=ref)
-            row = impl_row(_empty_row(base, name), impl, call, timed,
-                           "the interpreter runs only normtune and transformers' module (eager, compiled)")
+            row = _empty_row(base, name)
+            timed = partial(_time_impl, session, call=call, inputs=inputs, ref=ref, row=row, host=host)
+            impl_row(row, impl, call, timed,
+                     "the interpreter runs only normtune and transformers' module (eager, compiled)")
             report.rows.append(row)
             say(f"{call.label()} {name}", row)
-        del inputs, ref
+        measure_rounds(host, session.timing.host_reps, lambda fn: session.host_us(fn, reps=1))
+        del inputs, ref, host
         if session.on_gpu:
             torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -104,10 +110,14 @@ def _empty_row(base: dict, impl: str) -> dict:
     return {**base, "impl": impl, "status": "ok", "error": None, "note": "", "block_us": None, "block_p10_us": None,
             "block_p90_us": None, "backward_us": None, "backward_p10_us": None, "backward_p90_us": None,
             "forward_us": None, "block_kernel_sum_us": None, "backward_kernel_sum_us": None, "kernels_block": {},
-            "kernels_backward": {}, "errors": {}, "floor_fraction": None}
+            "kernels_backward": {}, "errors": {}, "floor_fraction": None, "block_host_us": None,
+            "backward_host_us": None}
 
 
-def _time_impl(session: MeasureSession, impl, call: GatedProblem, inputs, ref: dict) -> dict:
+def _time_impl(session: MeasureSession, impl, call: GatedProblem, inputs, ref: dict, row: dict,
+               host: list[HostCall]) -> dict:
+    """An implementation's GPU times and kernel sums (the updates to its `row`); its block and backward calls are
+    added to `host`, host-timed with the other implementations' once all are prepared."""
     try:
         prepared = impl.prepare(call, inputs)
         errors = check(call, prepared, ref)
@@ -122,6 +132,7 @@ def _time_impl(session: MeasureSession, impl, call: GatedProblem, inputs, ref: d
             if kernels:
                 out.update({f"kernels_{view}": kernels, f"{view}_kernel_sum_us": kernel_sum(kernels)})
         out["forward_us"] = session.time_callable(prepared.forward).median
+        host += [HostCall(row, "block_host_us", prepared.block), HostCall(row, "backward_host_us", prepared.backward)]
         return out
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}
@@ -184,6 +195,16 @@ def to_markdown(report: GatedReport) -> str:
     wins = sum(1 for s in rows if (s["block_speedup"] or 0) > 1)
     lines += ["", f"geometric mean {f(block, '{:.3f}×')} (block), {f(bwd, '{:.3f}×')} (backward); normtune faster "
                   f"than every peer in the block on {wins}/{len(rows)} calls"]
+    timed = [r for r in report.rows if r["status"] == "ok" and r.get("block_host_us") is not None]
+    if timed:
+        impls = list(dict.fromkeys(r["impl"] for r in timed))
+        lines += ["", "Host µs per call (CPU time of one call, interleaved rounds): block / backward", "",
+                  "| gate | rows × width | group | " + " | ".join(impls) + " |", "|---|---|---:|" + "---:|" * len(impls)]
+        for s in rows:
+            cells = {r["impl"]: f"{f(r['block_host_us'])} / {f(r['backward_host_us'])}" for r in timed
+                     if tuple(r[k] for k in KEY) == tuple(s[k] for k in KEY)}
+            lines.append(f"| {s['gate']} | {s['M']} × {s['N']} | {s['group']} | "
+                         + " | ".join(cells.get(i, "–") for i in impls) + " |")
     problems = [r for r in report.rows if r["status"] != "ok"]
     if problems:
         lines += ["", "Not timed:"] + [f"- {r['gate']} {r['M']}×{r['N']} group {r['group']} {r['impl']}: "
