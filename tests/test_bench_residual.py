@@ -157,6 +157,8 @@ def test_bench_rows_summary_and_files(tmp_path):
     for impl in ("normtune", "torch"):
         r = rows[impl]
         assert r["block_us"] and r["backward_us"] and r["forward_us"] and r["rel_err_dx"] < 3e-2
+        assert r["block_host_us"] > 0 and r["backward_host_us"] > 0, r  # host-timed in the shared rounds
+    assert rows["quack"]["block_host_us"] is None
     (line,) = R.summary(report.rows)
     assert line["best_peer_block"] == "torch"
     assert line["block_speedup"] == pytest.approx(rows["torch"]["block_us"] / rows["normtune"]["block_us"])
@@ -166,6 +168,7 @@ def test_bench_rows_summary_and_files(tmp_path):
     text = paths[1].read_text()
     assert "| rms_norm | 5×48 |" in text and "quack: unavailable" in text
     assert "interpreter wall-clock" in text and "GPU time" not in text.replace("never GPU time", "")
+    assert "| case | normtune | torch |" in text and "| rms_norm 5×48 |" in text  # host µs per implementation
 
 
 def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):
@@ -179,9 +182,10 @@ def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):
     problem = _problem()
     inputs = P.make_inputs(problem, "cpu")
     session = _Timing()
-    out = R._time_impl(session, Wrong(), problem, inputs, P.reference(problem, inputs))
+    host = []
+    out = R._time_impl(session, Wrong(), problem, inputs, P.reference(problem, inputs), row={}, host=host)
     assert out["status"] == "error" and "wrong values: dx relative error" in out["error"]
-    assert session.calls == 0
+    assert session.calls == 0 and host == []  # neither GPU- nor host-timed
 
 
 @pytest.mark.parametrize("args,needles", [

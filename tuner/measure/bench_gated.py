@@ -29,12 +29,11 @@ from normtune.kernels.config import BackwardConfig
 
 from ..gated_shapes import GatedProblem
 from ..gpu_info import DeviceInfo, peer_versions
-from .bench_residual import geomean, impl_row
+from .bench_residual import geomean, host_rounds, host_table, impl_row, timed_views
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_gated import GATED_PEERS, Normtune, check, floor_bytes, make_inputs, reference, within_tolerance
-from .host_rounds import HostCall, measure_rounds
-from .views import kernel_sum
+from .host_rounds import HostCall
 
 OURS = "normtune"
 CPU_PEERS = ("hf-eager", "hf-compile")  # the interpreter stands in for normtune's kernels; these run on CPU too
@@ -98,7 +97,7 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
                      "the interpreter runs only normtune and transformers' module (eager, compiled)")
             report.rows.append(row)
             say(f"{call.label()} {name}", row)
-        measure_rounds(host, session.timing.host_reps, lambda fn: session.host_us(fn, reps=1))
+        host_rounds(session, host)
         del inputs, ref, host
         if session.on_gpu:
             torch.cuda.empty_cache()
@@ -125,15 +124,7 @@ def _time_impl(session: MeasureSession, impl, call: GatedProblem, inputs, ref: d
         if not within_tolerance(call, errors):
             bad = ", ".join(f"{k} {v:.3g}" for k, v in errors.items())
             return {**out, "status": "error", "error": f"wrong values (relative errors {bad})"}
-        for view, fn in (("block", prepared.block), ("backward", prepared.backward)):
-            stats = session.time_callable(fn)
-            out.update({f"{view}_us": stats.median, f"{view}_p10_us": stats.p10, f"{view}_p90_us": stats.p90})
-            kernels = session.kernel_times(fn)
-            if kernels:
-                out.update({f"kernels_{view}": kernels, f"{view}_kernel_sum_us": kernel_sum(kernels)})
-        out["forward_us"] = session.time_callable(prepared.forward).median
-        host += [HostCall(row, "block_host_us", prepared.block), HostCall(row, "backward_host_us", prepared.backward)]
-        return out
+        return {**out, **timed_views(session, prepared, row, host)}
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}
     except Exception as err:  # noqa: BLE001 - a failing implementation is reported and the run goes on
@@ -195,16 +186,7 @@ def to_markdown(report: GatedReport) -> str:
     wins = sum(1 for s in rows if (s["block_speedup"] or 0) > 1)
     lines += ["", f"geometric mean {f(block, '{:.3f}×')} (block), {f(bwd, '{:.3f}×')} (backward); normtune faster "
                   f"than every peer in the block on {wins}/{len(rows)} calls"]
-    timed = [r for r in report.rows if r["status"] == "ok" and r.get("block_host_us") is not None]
-    if timed:
-        impls = list(dict.fromkeys(r["impl"] for r in timed))
-        lines += ["", "Host µs per call (CPU time of one call, interleaved rounds): block / backward", "",
-                  "| gate | rows × width | group | " + " | ".join(impls) + " |", "|---|---|---:|" + "---:|" * len(impls)]
-        for s in rows:
-            cells = {r["impl"]: f"{f(r['block_host_us'])} / {f(r['backward_host_us'])}" for r in timed
-                     if tuple(r[k] for k in KEY) == tuple(s[k] for k in KEY)}
-            lines.append(f"| {s['gate']} | {s['M']} × {s['N']} | {s['group']} | "
-                         + " | ".join(cells.get(i, "–") for i in impls) + " |")
+    lines += host_table(report.rows, KEY, lambda r: f"{r['gate']} {r['M']} × {r['N']} group {r['group']}")
     problems = [r for r in report.rows if r["status"] != "ok"]
     if problems:
         lines += ["", "Not timed:"] + [f"- {r['gate']} {r['M']}×{r['N']} group {r['group']} {r['impl']}: "

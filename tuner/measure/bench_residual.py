@@ -4,7 +4,9 @@ runs — timed for normtune's public API and the peers that offer the fused form
 Every implementation gets the same inputs and both upstream gradients (dy into y, dh into h) and is timed three
 ways (GPU time with the host hidden, `MeasureSession.time_callable`): the block (forward and backward through
 autograd, a fresh graph per call: `block_us`), the backward alone on one retained graph (`backward_us`), and the
-forward alone (`forward_us`); the block's and the backward's kernel sums come from the profiler. Values are checked
+forward alone (`forward_us`); the block's and the backward's kernel sums come from the profiler; and the CPU time
+of one block and one backward call (`block_host_us`, `backward_host_us`), every implementation of a case
+host-timed in the same interleaved rounds once all are prepared (`host_rounds.py`). Values are checked
 first against a float64 reference (dx = dresidual = dh + norm_backward(dy), and dw): an implementation past the
 dtype's gate is reported as an error, never timed. The memory floors are the tuner's byte model of the residual
 problem: 4 passes each way (`floor_bytes` for the backward, plus `forward_floor_bytes` for the block).
@@ -29,6 +31,7 @@ from .bench import problem_for
 from .cases import GATE_TOLERANCE, relative_error
 from ..gpu_info import DeviceInfo, peer_versions
 from .harness import TIMING, MeasureSession, Timing
+from .host_rounds import HostCall, measure_rounds
 from .peers import PeerUnavailable
 from .peers_residual import RESIDUAL_PEERS, Normtune, make_inputs, reference
 from .results import forward_floor_bytes
@@ -97,13 +100,16 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                     "residual_dtype": problem.residual_dtype, "floor_us": floor if math.isfinite(floor) else None,
                     "block_floor_us": block_floor if math.isfinite(block_floor) else None}
             impls = [(OURS, Normtune(opts.config))] + list(peers.items())
+            host: list[HostCall] = []
             for name, impl in impls:
-                row = impl_row(_empty_row(base, name), impl, problem,
-                               partial(_time_impl, session, problem=problem, inputs=inputs, ref=ref),
-                               "the interpreter runs only normtune, torch eager and torch.compile")
+                row = _empty_row(base, name)
+                impl_row(row, impl, problem,
+                         partial(_time_impl, session, problem=problem, inputs=inputs, ref=ref, row=row, host=host),
+                         "the interpreter runs only normtune, torch eager and torch.compile")
                 report.rows.append(row)
                 say(f"{norm} {M}x{N} {name}", row)
-            del inputs, ref
+            host_rounds(session, host)
+            del inputs, ref, host
             if session.on_gpu:
                 torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -132,7 +138,7 @@ def _empty_row(base: dict, impl: str) -> dict:
             "block_p90_us": None, "backward_us": None, "backward_p10_us": None, "backward_p90_us": None,
             "forward_us": None, "block_kernel_sum_us": None, "backward_kernel_sum_us": None, "kernels_block": {},
             "kernels_backward": {}, "rel_err_dx": None, "rel_err_dresidual": None, "rel_err_dw": None,
-            "floor_fraction": None}
+            "floor_fraction": None, "block_host_us": None, "backward_host_us": None}
 
 
 def check(problem: Problem, got: tuple, ref: dict) -> tuple[dict, str]:
@@ -149,7 +155,47 @@ def check(problem: Problem, got: tuple, ref: dict) -> tuple[dict, str]:
     return errors, "; ".join(bad)
 
 
-def _time_impl(session: MeasureSession, impl, problem: Problem, inputs, ref: dict) -> dict:
+def timed_views(session: MeasureSession, prepared, row: dict, host: list[HostCall]) -> dict:
+    """A checked implementation's three views of a block bench: GPU time (host hidden) of the block and the
+    backward with their kernel sums, and of the forward; its block and backward calls are added to `host`, to be
+    host-timed (`block_host_us`, `backward_host_us`) with the other implementations' once all are prepared."""
+    out = {}
+    for view, fn in (("block", prepared.block), ("backward", prepared.backward)):
+        stats = session.time_callable(fn)
+        out.update({f"{view}_us": stats.median, f"{view}_p10_us": stats.p10, f"{view}_p90_us": stats.p90})
+        kernels = session.kernel_times(fn)
+        if kernels:
+            out.update({f"kernels_{view}": kernels, f"{view}_kernel_sum_us": kernel_sum(kernels)})
+    out["forward_us"] = session.time_callable(prepared.forward).median
+    host += [HostCall(row, "block_host_us", prepared.block), HostCall(row, "backward_host_us", prepared.backward)]
+    return out
+
+
+def host_rounds(session: MeasureSession, host: list[HostCall]) -> None:
+    """Host-time the calls `timed_views` collected for one case, in interleaved rounds."""
+    measure_rounds(host, session.timing.host_reps, lambda fn: session.host_us(fn, reps=1))
+
+
+def host_table(rows: list[dict], key: tuple, label: Callable[[dict], str]) -> list[str]:
+    """Markdown lines: host µs per block / backward call, one column per implementation, one line per case."""
+    timed = [r for r in rows if r["status"] == "ok" and r.get("block_host_us") is not None]
+    if not timed:
+        return []
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    cases = list(dict.fromkeys(tuple(r[k] for k in key) for r in timed))
+    lines = ["", "Host µs per call (CPU time of one call, interleaved rounds): block / backward", "",
+             "| case | " + " | ".join(impls) + " |", "|---|" + "---:|" * len(impls)]
+    for case in cases:
+        mine = {r["impl"]: r for r in timed if tuple(r[k] for k in key) == case}
+        first = next(iter(mine.values()))
+        cells = [f"{mine[i]['block_host_us']:.1f} / {mine[i]['backward_host_us']:.1f}" if i in mine else "–"
+                 for i in impls]
+        lines.append(f"| {label(first)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _time_impl(session: MeasureSession, impl, problem: Problem, inputs, ref: dict, row: dict,
+               host: list[HostCall]) -> dict:
     try:
         prepared = impl.prepare(problem, inputs)
         errors, bad = check(problem, prepared.block(), ref)
@@ -157,14 +203,7 @@ def _time_impl(session: MeasureSession, impl, problem: Problem, inputs, ref: dic
         if bad:
             return {**out, "status": "error", "error": f"wrong values: {bad}"}
         out["note"] = prepared.note
-        for view, fn in (("block", prepared.block), ("backward", prepared.backward)):
-            stats = session.time_callable(fn)
-            out.update({f"{view}_us": stats.median, f"{view}_p10_us": stats.p10, f"{view}_p90_us": stats.p90})
-            kernels = session.kernel_times(fn)
-            if kernels:
-                out.update({f"kernels_{view}": kernels, f"{view}_kernel_sum_us": kernel_sum(kernels)})
-        out["forward_us"] = session.time_callable(prepared.forward).median
-        return out
+        return {**out, **timed_views(session, prepared, row, host)}
     except PeerUnavailable as err:
         return {"status": "unavailable", "error": str(err)}
     except Exception as err:  # noqa: BLE001 - a failing implementation is reported and the run goes on
@@ -232,6 +271,7 @@ def to_markdown(report: ResidualReport) -> str:
         lines.append("")
         lines.append(f"{norm}: geometric mean {f(block, '{:.3f}×')} (block), {f(bwd, '{:.3f}×')} (backward); "
                      f"normtune faster than every peer in the block on {wins}/{len(mine)} shapes")
+    lines += host_table(report.rows, ("norm", "M", "N"), lambda r: f"{r['norm']} {r['M']}×{r['N']}")
     problems = [r for r in report.rows if r["status"] != "ok"]
     if problems:
         lines += ["", "Not timed:"] + [f"- {r['norm']} {r['M']}×{r['N']} {r['impl']}: {r['status']}: {r['error']}"
