@@ -29,7 +29,7 @@ from normtune.kernels.config import BackwardConfig
 
 from ..gated_shapes import GatedProblem
 from ..gpu_info import DeviceInfo, peer_versions
-from .bench_residual import geomean, host_rounds, host_table, impl_row, timed_views
+from .bench_residual import geomean, host_rounds, host_table, impl_row, load_peers, timed_views
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_gated import GATED_PEERS, Normtune, check, floor_bytes, make_inputs, reference, within_tolerance
@@ -64,15 +64,7 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
     """Every call for normtune and the peers; `progress(message, row)` is called as rows land."""
     say = progress or (lambda msg, row=None: None)
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
-    peers: dict[str, object] = {}
-    for name in opts.peers:
-        if info.interpret and name not in CPU_PEERS:
-            peers[name] = None
-            continue
-        try:
-            peers[name] = _peer(name)
-        except Exception as err:  # noqa: BLE001 - reported on every row of the peer
-            peers[name] = err
+    peers = load_peers(opts.peers, _peer, CPU_PEERS, info.interpret)
     started = dt.datetime.now(dt.timezone.utc)
     report = GatedReport({
         "device": info.to_dict(), "peers": peer_versions(), **session.provenance(),

@@ -72,15 +72,7 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
     """Every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
     say = progress or (lambda msg, row=None: None)
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
-    peers: dict[str, object] = {}
-    for name in opts.peers:
-        if info.interpret and name not in CPU_PEERS:
-            peers[name] = None
-            continue
-        try:
-            peers[name] = RESIDUAL_PEERS[name]()
-        except Exception as err:  # noqa: BLE001 - reported on every row of the peer
-            peers[name] = err
+    peers = load_peers(opts.peers, lambda name: RESIDUAL_PEERS[name](), CPU_PEERS, info.interpret)
     started = dt.datetime.now(dt.timezone.utc)
     report = ResidualReport({
         "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
@@ -114,6 +106,21 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                 torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     return report
+
+
+def load_peers(names, make: Callable[[str], object], cpu_peers, interpret: bool) -> dict[str, object]:
+    """Each named peer made by `make(name)`, as `impl_row` takes it: None where the interpreter does not run it
+    (not in `cpu_peers`), the exception where it failed to load (reported on every row of the peer)."""
+    peers: dict[str, object] = {}
+    for name in names:
+        if interpret and name not in cpu_peers:
+            peers[name] = None
+            continue
+        try:
+            peers[name] = make(name)
+        except Exception as err:  # noqa: BLE001 - reported on every row of the peer
+            peers[name] = err
+    return peers
 
 
 def impl_row(row: dict, impl, subject, time: Callable, offline: str) -> dict:
