@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from bench_support import StandInTiming
 from typer.testing import CliRunner
 
 from normtune.cli import app
@@ -16,8 +17,6 @@ from normtune.tuner.gated_shapes import GatedProblem
 from normtune.tuner.gpu_info import detect
 from normtune.tuner.measure import bench_gated as BG
 from normtune.tuner.measure import peers_gated as pg
-from normtune.tuner.measure.harness import MeasureSession
-from normtune.tuner.measure.results import Stats
 
 needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="runs normtune's kernels on CPU: set "
                                                                     "TRITON_INTERPRET=1")
@@ -25,27 +24,11 @@ runner = CliRunner()
 CALL = GatedProblem(8, 64, "after", 32, "fp32", eps=1e-5)  # two groups of 32 columns
 
 
-class _Timing:
-    """A session that times nothing (the interpreter's timings are wall-clock and slow)."""
-
-    def __init__(self):
-        self.session = MeasureSession("cpu")
-        self.calls = 0
-
-    def time_callable(self, fn):
-        self.calls += 1
-        fn()
-        return Stats(10.0 + self.calls, 9.0, 12.0, 1)
-
-    def __getattr__(self, name):
-        return getattr(self.session, name)
-
-
 @needs_interpreter
 def test_bench_rows_summary_and_files(tmp_path):
     pytest.importorskip("transformers")
     opts = BG.GatedBenchOptions(calls=[CALL], peers=["hf-eager", "fla-fn"])
-    report = BG.run_gated_bench(opts, detect(interpret=True), session=_Timing())
+    report = BG.run_gated_bench(opts, detect(interpret=True), session=StandInTiming())
     rows = {r["impl"]: r for r in report.rows}
     assert list(rows) == ["normtune", "hf-eager", "fla-fn"]
     assert rows["normtune"]["status"] == "ok" and rows["hf-eager"]["status"] == "ok", rows
@@ -79,7 +62,7 @@ def test_a_wrong_implementation_is_reported_not_timed():
             return prepared
 
     inputs = pg.make_inputs(CALL, "cpu")
-    session = _Timing()
+    session = StandInTiming()
     host = []
     out = BG._time_impl(session, Wrong(), CALL, inputs, pg.reference(CALL, inputs), row={}, host=host)
     assert out["status"] == "error" and "wrong values" in out["error"] and "dz" in out["error"]

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from bench_support import StandInTiming
 from typer.testing import CliRunner
 
 from normtune.cli import app
@@ -16,7 +17,6 @@ from normtune.kernels.device import interpret_mode
 from normtune.tuner.measure import bench_residual as R
 from normtune.tuner.measure import peers_residual as P
 from normtune.tuner.gpu_info import detect
-from normtune.tuner.measure.harness import MeasureSession
 from normtune.tuner.measure.peers import PEERS, LigerCuteDSL, PeerUnavailable, liger_backend_call, parse_peers
 
 needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="runs normtune's kernels on CPU: set "
@@ -126,29 +126,11 @@ def test_liger_cutedsl_is_a_plain_norm_peer():
         LigerCuteDSL().prepare(Problem("rms_norm", 4, 32, "fp32"), x, torch.ones(32), None, x)
 
 
-class _Timing:
-    """A session that times nothing (the interpreter's timings are wall-clock and slow)."""
-
-    def __init__(self):
-        self.session = MeasureSession("cpu")
-        self.calls = 0
-
-    def time_callable(self, fn):
-        from normtune.tuner.measure.results import Stats
-
-        self.calls += 1
-        fn()
-        return Stats(10.0 + self.calls, 9.0, 12.0, 1)
-
-    def __getattr__(self, name):
-        return getattr(self.session, name)
-
-
 @needs_interpreter
 def test_bench_rows_summary_and_files(tmp_path):
     info = detect(interpret=True)
     opts = R.ResidualBenchOptions(norms=["rms_norm"], dtype="bf16", shapes=[(5, 48)], peers=["torch", "quack"])
-    session = _Timing()
+    session = StandInTiming()
     report = R.run_residual_bench(opts, info, session=session)
     rows = {r["impl"]: r for r in report.rows}
     assert list(rows) == ["normtune", "torch", "quack"]
@@ -181,7 +163,7 @@ def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):
 
     problem = _problem()
     inputs = P.make_inputs(problem, "cpu")
-    session = _Timing()
+    session = StandInTiming()
     host = []
     out = R._time_impl(session, Wrong(), problem, inputs, P.reference(problem, inputs), row={}, host=host)
     assert out["status"] == "error" and "wrong values: dx relative error" in out["error"]
