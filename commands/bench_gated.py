@@ -54,21 +54,11 @@ def run_gated(console, info, calls, peer_names, config: str, cold, timing, out: 
     from normtune.tuner.measure import bench_gated as BG
     from normtune.tuner.measure import bench_output
 
-    from .common import refuse, run_checked
+    from .bench_residual import run_block_bench
+    from .common import run_checked
 
     explicit = None if config == "table" else run_checked(B.parse_config_option, config)
     run_checked(bench_output.check_out_dir, out)
     opts = BG.GatedBenchOptions(calls=calls, peers=peer_names, config=explicit, cold=cold, timing=timing)
 
-    def on_row(msg, row):
-        t = row.get("block_us") if row else None
-        console.print(f"{msg}: " + (f"{t:.1f} µs block, {row['backward_us']:.1f} µs backward" if t else
-                                    f"{row['status']} ({row['error']})"), markup=False, highlight=False)
-
-    report = run_checked(BG.run_gated_bench, opts, info, progress=on_row)
-    try:
-        paths = BG.write_all(report, out)
-    except OSError as err:
-        run_checked(refuse, f"writing {out} failed ({err})")
-    console.print(BG.to_markdown(report), markup=False, highlight=False)
-    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    run_block_bench(console, BG, BG.run_gated_bench, opts, info, out)

@@ -23,7 +23,7 @@ def run_residual(console, info, norms, dtype, shapes, peer_names, residual_dtype
     from normtune.tuner.measure import bench_output
     from normtune.tuner.measure import bench_residual as R
 
-    from .common import refuse, run_checked
+    from .common import run_checked
 
     explicit = None if config == "table" else run_checked(B.parse_config_option, config)
     run_checked(bench_output.check_out_dir, out)
@@ -31,15 +31,23 @@ def run_residual(console, info, norms, dtype, shapes, peer_names, residual_dtype
                                   residual_dtype=residual_dtype, weight_dtype=weight_dtype, config=explicit,
                                   cold=cold, timing=timing)
 
+    run_block_bench(console, R, R.run_residual_bench, opts, info, out)
+
+
+def run_block_bench(console, module, run, opts, info, out: Path) -> None:
+    """A block bench (residual or gated) as the command runs it: `run(opts, info, progress=…)` printing a line per
+    row as it lands, then the report written (`module.write_all`) and printed (`module.to_markdown`)."""
+    from .common import refuse, run_checked
+
     def on_row(msg, row):
         t = row.get("block_us") if row else None
         console.print(f"{msg}: " + (f"{t:.1f} µs block, {row['backward_us']:.1f} µs backward" if t else
                                     f"{row['status']} ({row['error']})"), markup=False, highlight=False)
 
-    report = run_checked(R.run_residual_bench, opts, info, progress=on_row)
+    report = run_checked(run, opts, info, progress=on_row)
     try:
-        paths = R.write_all(report, out)
+        paths = module.write_all(report, out)
     except OSError as err:
         run_checked(refuse, f"writing {out} failed ({err})")
-    console.print(R.to_markdown(report), markup=False, highlight=False)
+    console.print(module.to_markdown(report), markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")
