@@ -26,12 +26,16 @@ def _tell(study, sampling, config, value):
                                               params=record["params"], distributions=record["distributions"]))
 
 
-def test_the_best_configs_unmeasured_neighbours_come_first_in_knob_order():
+def _around_the_default():
+    """(space, the local sampler, its study, the default config, its one-step neighbours in knob order)."""
     space = Space(PROBLEM, 132)
     sampling = Sampling("local", space, seed=0)
-    study = _study(space, sampling)
     base = space.canonical(default_config(PROBLEM, space.limits))
-    around = neighbours(space, base)
+    return space, sampling, _study(space, sampling), base, neighbours(space, base)
+
+
+def test_the_best_configs_unmeasured_neighbours_come_first_in_knob_order():
+    space, sampling, study, base, around = _around_the_default()
     assert len(around) >= 4
     _tell(study, sampling, base, 10.0)
     _tell(study, sampling, around[0], 12.0)  # measured, worse: the best stays the default
@@ -47,11 +51,7 @@ def test_the_best_configs_unmeasured_neighbours_come_first_in_knob_order():
 
 
 def test_proposals_made_ahead_count_as_held():
-    space = Space(PROBLEM, 132)
-    sampling = Sampling("local", space, seed=0)
-    study = _study(space, sampling)
-    base = space.canonical(default_config(PROBLEM, space.limits))
-    around = neighbours(space, base)
+    space, sampling, study, base, around = _around_the_default()
     _tell(study, sampling, base, 10.0)
     record = sampling._template(around[0])
     liar = optuna.trial.create_trial(state=optuna.trial.TrialState.RUNNING, params=record["params"],
