@@ -54,3 +54,16 @@ def test_an_answer_left_uncollected_gets_the_next_sweep_a_fresh_process(tmp_path
         assert not old.is_alive()  # replaced: its stale answer can't be taken for the next trial's
         result = run(options(f"sqlite:///{tmp_path / 'results.db'}", 2), helpers=helpers)
         assert result.problems[0].measured_now == 2
+
+
+def test_a_sweep_with_its_own_timing_starts_its_own_measuring_process(tmp_path):
+    """The kept measuring process times with the sweep preset: a sweep asking for other repetitions does not use
+    it (nor starts it)."""
+    import dataclasses
+
+    from normtune.tuner.measure.harness import TIMING
+
+    with KeptHelpers(0, True, 0) as helpers:
+        opts = dataclasses.replace(options(f"sqlite:///{tmp_path / 'results.db'}", 2), timing=TIMING["bench"])
+        assert run(opts, helpers=helpers).problems[0].measured_now == 2
+        assert helpers._helpers is None

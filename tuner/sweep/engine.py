@@ -8,23 +8,24 @@ answer nobody collected is replaced, as is a broken compile pool; one the sweep 
 from __future__ import annotations
 
 from .compiling import pool_usable, stop_pool
-from .measuring import MeasuringProcess, start_helpers
+from .measuring import start_helpers
 
 
 class KeptHelpers:
-    def __init__(self, device: int, interpret: bool, compile_workers: int, measurer_class=MeasuringProcess):
+    """The measuring process (the sweep's timing preset, the device's own L2 size) and the compile pool of
+    `compile_workers` processes for `device`, started on the first `lend`."""
+
+    def __init__(self, device: int, interpret: bool, compile_workers: int):
         self._args = (device, interpret, compile_workers)
-        self._measurer_class = measurer_class
         self._helpers: tuple | None = None
 
     def lend(self) -> tuple:
         """(measurer, pool) for one sweep, started on first use and checked after the last."""
         device, interpret, workers = self._args
         if self._helpers is None:
-            self._helpers = start_helpers(device, interpret, workers, measurer_class=self._measurer_class)
+            self._helpers = start_helpers(device, interpret, workers)
         measurer, pool = self._helpers
-        if hasattr(measurer, "discard_stale"):
-            measurer.discard_stale()
+        measurer.discard_stale()
         if pool is not None and not pool_usable(pool):
             from .compiling import compile_pool
 

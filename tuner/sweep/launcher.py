@@ -72,7 +72,8 @@ def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable 
     `devices` or its `device`) to its end, its time budget or a signal, and return what it did. Errors in what was
     asked (an unknown GPU, a database that cannot be opened) raise before anything is written, with every helper
     process stopped. `helpers`: an `engine.KeptHelpers` whose measuring process and compile pool a sweep on one
-    device uses and leaves running (its owner stops them); without, the sweep starts and stops its own."""
+    device with the preset timing uses and leaves running (its owner stops them); otherwise the sweep starts and
+    stops its own."""
     emit = on_event or (lambda kind, data: None)
     timeline.start_command()  # the processes started below count from the command's start
     timeline.forget(CLOSING_STEPS)  # a sweep run before in this process recorded its own
@@ -82,7 +83,7 @@ def run(options: SweepOptions, *, on_event: Event | None = None, view: Callable 
         from .compiling import default_compile_workers
 
         options = dataclasses.replace(options, compile_workers=default_compile_workers(len(devices)))
-    kept = helpers if len(devices) == 1 else None
+    kept = helpers if len(devices) == 1 and options.timing is None else None  # lent ones time with the preset
     helpers = workers = None
     if len(devices) > 1:
         from .device_workers import DeviceWorkers
