@@ -89,10 +89,35 @@ def test_local_is_a_sampler_the_options_accept_and_it_proposes_ahead():
         SweepOptions(gpu_key="h100", problems=[PROBLEM], trials=4, sampler="nearby")
 
 
-def test_the_tunes_fitting_sweeps_search_locally_and_its_reference_does_not():
-    import inspect
+def _tune_sweeps(monkeypatch, **kwargs) -> SweepOptions:
+    """The options a tune's `sweeping.sweep` hands the sweep engine (its `run` stood in for)."""
+    from types import SimpleNamespace
 
+    import normtune.tuner.sweep as engine
     from normtune.tuner.tune import sweeping
 
-    assert sweeping.SAMPLER == "local"
-    assert 'sampler=SAMPLER if seeded else "tpe"' in inspect.getsource(sweeping.sweep)
+    handed = []
+    monkeypatch.setattr(engine, "run", lambda opts, **kw: handed.append(opts) or SimpleNamespace(
+        exit_code=0, stopped=None, signal=None))
+    ctx = SimpleNamespace(plan=SimpleNamespace(gpu_key="h200", interpret=False), compile_workers=0, device=0,
+                          devices=None, store=SimpleNamespace(url="sqlite:///tune.db"), heartbeats=(20, 60),
+                          on_sweep_event=None, helpers=None)
+    sweeping.sweep(ctx, [PROBLEM], 22, seconds=None, prefix="normtune-tune-x", **kwargs)
+    return handed[0]
+
+
+def test_the_tunes_fitting_sweeps_search_locally_past_the_first_rounds_seeds(monkeypatch):
+    from normtune.tuner.sweep.options import FIRST_ROUND
+    from normtune.tuner.sweep.trials import seed_configs
+
+    space = Space(PROBLEM, 132)
+    fit = _tune_sweeps(monkeypatch)
+    assert fit.sampler == "local" and len(space.seeds()) > FIRST_ROUND
+    assert seed_configs(fit, PROBLEM, space) == space.seeds()[:FIRST_ROUND]  # the local sampler takes the rest
+    warm = neighbours(space, space.seeds()[-1])[-1]
+    warmed = _tune_sweeps(monkeypatch, extra_seeds={PROBLEM.key: [warm.to_dict()]})
+    assert seed_configs(warmed, PROBLEM, space) == [space.canonical(warm)] + space.seeds()[:FIRST_ROUND - 1]
+    reference = _tune_sweeps(monkeypatch, seeded=False)
+    assert reference.sampler == "tpe" and seed_configs(reference, PROBLEM, space) == []
+    plain_sweep = SweepOptions(gpu_key="h200", problems=[PROBLEM], trials=40, sampler="local")
+    assert seed_configs(plain_sweep, PROBLEM, space) == space.seeds()  # `normtune sweep` keeps every seed

@@ -76,6 +76,7 @@ class SweepOptions:
     source: str = "sweep"  # measurement source recorded in the store
     extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
+    seed_limit: int | None = None  # at most this many seeds per study (the sampler proposes the rest); None: all
     propose_ahead: bool | None = None  # TPE's proposals made ahead in a process of their own; None: on a GPU
     storage: str | None = None  # SQLAlchemy URL of the results database (`run` opens it)
     devices: list[int] | None = None  # one worker per GPU of this host; None: `device` alone

@@ -64,11 +64,11 @@ class NewTrial:
 
 def seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> list[BackwardConfig]:
     """The configs a fresh study of `problem` gives its first slots, in slot order: the sweep's extra seeds, then
-    the space's (none for the grid sampler or an unseeded sweep)."""
+    the space's (none for the grid sampler or an unseeded sweep), the first `seed_limit` of them where it is set."""
     if opts.sampler == "grid" or not opts.seeded:
         return []
     extra = [space.canonical(BackwardConfig.from_dict(c)) for c in opts.extra_seeds.get(problem.key, [])]
-    return list(dict.fromkeys(extra + space.seeds()))
+    return list(dict.fromkeys(extra + space.seeds()))[:opts.seed_limit]
 
 
 def problem_space(problem: Problem, sm_count: int, interpret: bool) -> Space:

@@ -1,8 +1,8 @@
 """Where a tune's sweep trials go, round by round (`next_round`).
 
 Every problem first gets COVER trials (the analytic default and the first structural seeds), so that a short
-time budget still reaches every problem, then `first_round` (the rest of the seeds: the structural ones and the
-default's neighbours, before any sampled config), then one `round_step` of search: the `opening` rounds. Then more
+time budget still reaches every problem, then `first_round` (the seeds: the structural ones, then the default's neighbours, up to the
+tune's seed limit, before any sampled config), then one `round_step` of search: the `opening` rounds. Then more
 in steps of `round_step` up to `--trials`. A problem whose best
 time has not improved by more than STALL_GAIN over its last `round_step` trials stops where it is: more of the same
 search does not pay there. The trials it would have had go to the problems whose best moved most over their last

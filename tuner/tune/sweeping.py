@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from normtune.kernels.config import Problem
 
+from ..sweep.options import FIRST_ROUND
+
 # Seconds a sweep runs past its time budget at most, on the interpreter or a GPU: the trial in flight finishes, then
 # its processes stop; a budget is cut by as much. A share shorter than MIN_SWEEP_S is not started at all: a
 # sweep's processes take seconds to start before any trial is measured.
@@ -18,6 +20,10 @@ MIN_SWEEP_S = 2.0
 # problem given few trials still ends at a local optimum of its best seed). The held-out reference stays TPE alone,
 # unseeded: independent of what the fit searched.
 SAMPLER = "local"
+# Seeds per fitting study: the seeds' round (FIRST_ROUND) and no more. A space's seed list runs to dozens of
+# configs (every strategy's structural ones, then the default's neighbours); past the first round the local
+# sampler moves from the best of them instead, so that the rounds judge a problem by its search.
+SEED_LIMIT = FIRST_ROUND
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
                         devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
                         extra_seeds=dict(extra_seeds or {}), heartbeat_interval=ctx.heartbeats[0],
-                        grace_period=ctx.heartbeats[1], sampler=SAMPLER if seeded else "tpe")
+                        grace_period=ctx.heartbeats[1], sampler=SAMPLER if seeded else "tpe",
+                        seed_limit=SEED_LIMIT if seeded else None)
     result = run(opts, on_event=ctx.on_sweep_event, helpers=ctx.helpers)
     if result.exit_code == 1:
         from .context import TuneError
