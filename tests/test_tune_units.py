@@ -199,6 +199,10 @@ def test_a_resweep_adds_a_fitted_shape_at_the_worst_heldout_width_and_raises_its
     raised = set(decision["targets"]) - {added[0].key}
     assert len(raised) == 2 and all(decision["targets"][k] == 22 for k in raised)
     assert resweep.decide([_row(fine, 1.005)], fitted, [fine], targets, trials=40) is None
+    noisy = SimpleNamespace(problem=fine, regret=Ratio(1.40, 0.09, 36.7))  # as fast as the best within its spread
+    assert resweep.decide([noisy], fitted, [fine], targets, trials=40) is None
+    surer = resweep.decide([noisy, _row(worst, 1.05)], fitted, [worst, fine], targets, trials=40)
+    assert [w["problem"] for w in surer["worst"]] == [worst.key]
 
 
 # ----------------------------------------------------------------------------------------------------- gate
@@ -237,6 +241,30 @@ def test_a_rule_that_loses_to_the_default_falls_back_to_it():
     assert BackwardConfig.from_dict(gated["families"][RMS]["rules"][0]["config"]) == default_config(A)
     assert gated["families"][RMS]["rules"][1] == raw["families"][RMS]["rules"][1]  # the other rule stays
     assert not record["still_slower"]
+
+
+def test_a_rule_that_loses_only_off_its_fitted_shapes_is_carved_not_dropped():
+    raw = _table([_other(A), _other(B)])
+    table = parse_table(raw)
+    between = Problem("rms_norm", 6, 128, "bf16")  # answered by the second rule, fitted on 8x128 only
+    slow, fast = Timing(20.0, 19.0, 21.0), Timing(10.0, 9.5, 10.5)
+    times = {(between.key, table.lookup(between).to_json()): slow,
+             (between.key, default_config(between).to_json()): fast,
+             (B.key, table.lookup(B).to_json()): fast, (B.key, default_config(B).to_json()): Timing(15.0, 14.5, 15.5)}
+    for c in (table.lookup(A), default_config(A)):
+        times[(A.key, c.to_json())] = fast
+    gated, record = gate.gate(raw, [A, B, between], None, None, _lookup(times))
+    assert not record["still_slower"]
+    (edit,) = record["fall_backs"]
+    assert edit["rule"] == 2 and edit["lost_on"] == ["6x128"] and edit["to"].startswith("carved out (m_max 6)")
+    rules = gated["families"][RMS]["rules"]
+    assert [r.get("m_max") for r in rules] == [None, 6, None] and rules[1]["fitted_on"] == ["6x128"]
+    assert rules[0] == raw["families"][RMS]["rules"][0] and rules[2] == raw["families"][RMS]["rules"][1]
+    new = parse_table(gated)
+    assert new.lookup(between) == default_config(between)
+    assert new.lookup(B) == _other(B)  # the tuned config stays where it was fitted and won
+    lost_on_own = gate.carve(raw, RMS, 1, [B], None, None)
+    assert lost_on_own is None  # a rule that loses where it was fitted falls back as a whole
 
 
 def test_a_table_config_that_fails_on_a_shape_loses_there():

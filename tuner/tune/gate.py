@@ -5,10 +5,14 @@ rule `normtune compare` fails a table by). Times come from what the tune measure
 and validations); a pair nobody timed is timed head to head while time allows, else the shape is listed untimed.
 A config timed that did not run correctly counts as slower than any (`FAILED`).
 
-A rule that loses falls back: to the incumbent table's config where the incumbent runs every shape the rule was
-fitted on and every shape it lost on with one config; else to the analytic default where those shapes share one;
-else the rule goes (its shapes fall to the next rule; a family's last rule takes the family with it, whose shapes
-then run the default). The shapes are checked again, at most MAX_PASSES times; what still loses is listed."""
+A rule that loses only on shapes it was not fitted on keeps its config where it was fitted: a rule carved out of
+it just before it takes the shapes it lost on, with the incumbent's config (or the default's) for them, bounded
+between the lost shapes and the fitted ones in rows or in width, whichever separates them more (`carve`). A rule
+that cannot be carved, or that loses on a shape it was fitted on, falls back as a whole: to the incumbent table's
+config where the incumbent runs every shape the rule was fitted on and every shape it lost on with one config;
+else to the analytic default where those shapes share one; else the rule goes (its shapes fall to the next rule; a
+family's last rule takes the family with it, whose shapes then run the default). The shapes are checked again, at
+most MAX_PASSES times; what still loses is listed."""
 
 from __future__ import annotations
 
@@ -95,6 +99,54 @@ def _one(configs) -> BackwardConfig | None:
     return found.pop() if len(found) == 1 and None not in found else None
 
 
+def _carve_bounds(rules: list[dict], index: int, lost: list[Problem]) -> list[tuple[int | None, int | None]]:
+    """(n_max, m_max) of a rule inserted before rule `index` that takes every `lost` shape and none of the shapes
+    the rule was fitted on: split at the geometric middle of the gap between them, in rows or in width, the wider
+    gap (in ratio) first. Empty where the fitted shapes are not all past the lost ones in either dimension."""
+    rule = rules[index]
+    fitted = [tuple(map(int, s.split("x"))) for s in rule.get("fitted_on", [])]
+    if not fitted:
+        return []
+    options = []
+    for axis, bound_key in ((0, "m_max"), (1, "n_max")):
+        top = max((p.M, p.N)[axis] for p in lost)
+        above = [f[axis] for f in fitted if f[axis] > top]
+        if len(above) == len(fitted):
+            cut = max(top, int(math.sqrt(top * min(above))))
+            bounds = {"m_max": rule.get("m_max"), "n_max": rule.get("n_max"), bound_key: cut}
+            options.append((min(above) / top, (bounds["n_max"], bounds["m_max"])))
+    return [b for _, b in sorted(options, reverse=True)]
+
+
+def carve(raw: dict, family_key: str, index: int, lost: list[Problem], incumbent, limits) -> tuple[dict, dict] | None:
+    """`raw` with a rule inserted before rule `index` of `family_key` that gives the `lost` shapes the incumbent's
+    config for them (or the analytic default's), and the inserted rule; None where no single config serves them,
+    a lost shape is one the rule was fitted on, or no carve-out keeps the table valid."""
+    rules = raw["families"][family_key]["rules"]
+    rule = rules[index]
+    if {f"{p.M}x{p.N}" for p in lost} & set(rule.get("fitted_on", [])):
+        return None
+    current = BackwardConfig.from_dict(rule["config"])
+    choices = []
+    if incumbent is not None:
+        choices.append(_one(incumbent.lookup(p) for p in lost))
+    choices.append(_one(default_config(p, limits) for p in lost))
+    config = next((c for c in choices if c is not None and c != current), None)
+    if config is None:
+        return None
+    for n_max, m_max in _carve_bounds(rules, index, lost):
+        new_rule = {"config": config.to_dict(), "fitted_on": sorted(f"{p.M}x{p.N}" for p in lost),
+                    "m_max": m_max, "n_max": n_max, "carved_from": index + 1}
+        trial = copy.deepcopy(raw)
+        trial["families"][family_key]["rules"].insert(index, new_rule)
+        try:
+            parse_table(trial, "<gated table>")
+        except TableError:
+            continue
+        return trial, new_rule
+    return None
+
+
 def _fallback(family_key: str, rule: dict, lost: list[Problem], incumbent, limits) -> tuple[BackwardConfig | None, str]:
     """(the config the losing rule falls back to, to what) or (None, "removed")."""
     current = BackwardConfig.from_dict(rule["config"])
@@ -123,9 +175,16 @@ def fall_back(raw: dict, failing: list[Check], incumbent, limits) -> tuple[dict 
     for (key, index), problems in sorted(lost.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
         rules = new["families"][key]["rules"]
         rule = rules[index]
-        config, to = _fallback(key, rule, problems, incumbent, limits)
         edit = {"family": key, "rule": index + 1, "fitted_on": rule.get("fitted_on", []),
-                "lost_on": [f"{p.M}x{p.N}" for p in problems], "config": rule["config"], "to": to}
+                "lost_on": [f"{p.M}x{p.N}" for p in problems], "config": rule["config"]}
+        carved = carve(new, key, index, problems, incumbent, limits)
+        if carved is not None:
+            new, inserted = carved
+            bounds = ", ".join(f"{k} {inserted[k]}" for k in ("n_max", "m_max") if inserted[k] is not None)
+            edits.append({**edit, "to": f"carved out ({bounds})", "new_config": inserted["config"]})
+            continue
+        config, to = _fallback(key, rule, problems, incumbent, limits)
+        edit["to"] = to
         if config is not None:
             trial = copy.deepcopy(new)
             trial["families"][key]["rules"][index]["config"] = config.to_dict()

@@ -1,5 +1,7 @@
 """Where a tune sweeps again after a validation (`decide`): at the held-out shapes where the table's regret is
-highest. A held-out shape is never fitted; what is added is a fitted shape at its width, on the family's fitted
+highest, as far as the spread of the timings shows (ranked by the regret's lower bound; a shape whose table could
+be as fast as the best within the spread, as the tiniest shapes' noisy timings often are, is not swept for). A
+held-out shape is never fitted; what is added is a fitted shape at its width, on the family's fitted
 row count nearest to its own (twice its rows where that is its own), which teaches the table that width, and one
 more step of trials for the family's fitted problems nearest to it (on a log scale of rows and columns). With time
 left after the tune's first resweeps, those steps may go past `--trials` (`decide`'s ceiling)."""
@@ -28,8 +30,8 @@ def decide(rows, fitted: list[Problem], heldout: list[Problem], targets: dict[st
     or None when no held-out shape's regret is high enough to pay. Targets go up to `ceiling` (default `trials`):
     past `trials` only for the problems nearest to the worst held-out shapes, where more search pays."""
     ceiling = trials if ceiling is None else max(trials, ceiling)
-    ranked = sorted((r for r in rows if r.regret is not None and r.regret.value > MIN_REGRET),
-                    key=lambda r: (-r.regret.value, r.problem.key))
+    ranked = sorted((r for r in rows if r.regret is not None and r.regret.value > MIN_REGRET and r.regret.low > 1.0),
+                    key=lambda r: (-r.regret.low, r.problem.key))
     worst = ranked[:max(1, math.ceil(WORST_SHARE * len(rows)))]
     if not worst:
         return None
