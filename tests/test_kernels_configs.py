@@ -194,7 +194,8 @@ def test_problem_rejects_impossible_problems(kwargs, exc, needles):
 # ---------------------------------------------------------------------------------------------------------------
 # Every knob at two or more values gives correct results (poisoned buffers, float64 reference, partial rows).
 # ---------------------------------------------------------------------------------------------------------------
-M_VAR, N_VAR = 45, 200  # 23 row tiles of 2: programs own uneven numbers of tiles; N not a power of two
+M_VAR, N_VAR = 25, 200  # 13 row tiles of 2 (the last one row): programs own uneven numbers of tiles, and 12
+# programs (programs_per_sm=3) are still fewer than the tiles; N not a power of two
 BASE = BackwardConfig(
     K1(block_row=2, block_col=256, num_warps=2, num_stages=1, programs_per_sm=2, two_pass=False,
        eviction_policy="", prefetch=False),
@@ -286,8 +287,10 @@ def _variations():
 
 
 VARIATIONS = _variations()
-# row_split needs slices of >= 256 columns: a wide row (N not a power of two) and few rows keep it fast.
-M_WIDE, N_WIDE = 21, 2100
+# row_split needs slices of >= 256 columns: a wide row (N not a power of two) and few rows keep it fast. 13 rows:
+# 7 row tiles of 2, 4 of 4 and 2 of 8, the last one partly masked in each; more tiles than the 4 row groups of a
+# 2-way split (the interpreter gives each group's tiles their own exchange slots, so the count adds no code path).
+M_WIDE, N_WIDE = 13, 2100
 
 
 # Every split runs plain (on both wide problems) and with the fused reduction; the other variations run on two
@@ -356,7 +359,9 @@ def test_every_field_is_varied():
         f"k2.{f.name}" for f in dataclasses.fields(Kernel2Config)}
     assert expected <= varied | {"k2.fused"}, expected - varied
     assert any(c.kernel_2.fused for _, c in VARIATIONS) and any(c.kernel_2.fused for _, c in SPLIT_VARIATIONS)
-    assert len(STRATEGY_RERUNS) == 7  # each named variation still exists
+    assert {n for n, _ in VARIATIONS + SPLIT_VARIATIONS} >= set(STRATEGY_RERUNS)  # each named variation exists
+    reruns = [c for c in _variation_cases() + _split_cases() if c.values[3]]
+    assert sorted(c.values[0] for c in reruns) == sorted(STRATEGY_RERUNS)  # each reruns on one problem
 
 
 def saved_inputs(problem: Problem, device, reference_norm, make_norm_inputs, shape=None):
@@ -382,19 +387,27 @@ def poisoned_run(problem, config, args) -> BackwardLaunch:
     return launch
 
 
+# Determinism: fixed-order sums, no atomics, so reruns are bitwise identical. Every variation reruns on a GPU; on
+# the interpreter one config per strategy does, on the first problem it runs on (`check_variation`'s rerun).
+STRATEGY_RERUNS = ("k1.strategy=columns+block_col=64+block_row=1+w1", "k1.strategy=dual+k2.4x64+base",
+                   "k2.fused+block_m=4+base", "k1.column_accumulators=True+block_row=8", "k1.row_split=3",
+                   "k1.row_split=8+k2.fused", "k1.pipelined_split=True+row_split=2+num_stages=3")
+
+
 def _variation_cases():
     """Each variation on both norms and both save modes, in two of the four problems: LayerNorm saving its input
     with RMSNorm saving its output, or the other way round, alternately (every variation × problem pair would
     run each config twice per norm, for the save mode alone)."""
     pairs = ((0, 3), (1, 2))  # indices into VARIATION_PROBLEMS
-    return [pytest.param(name, config, VARIATION_PROBLEMS[j], id=f"{name}-{VARIATION_PROBLEMS[j].family.key}"
-                         .replace("/", "-")) for i, (name, config) in enumerate(VARIATIONS) for j in pairs[i % 2]]
+    return [pytest.param(name, config, VARIATION_PROBLEMS[j], name in STRATEGY_RERUNS and j == pairs[i % 2][0],
+                         id=f"{name}-{VARIATION_PROBLEMS[j].family.key}".replace("/", "-"))
+            for i, (name, config) in enumerate(VARIATIONS) for j in pairs[i % 2]]
 
 
-@pytest.mark.parametrize("name,config,problem", _variation_cases())
-def test_config_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
+@pytest.mark.parametrize("name,config,problem,rerun", _variation_cases())
+def test_config_variation_is_correct(name, config, problem, rerun, device, tolerance, assert_close, reference_norm,
                                      make_norm_inputs):
-    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs, rerun)
 
 
 def _split_cases():
@@ -406,14 +419,15 @@ def _split_cases():
             chosen, turn = [WIDE_PROBLEMS[turn % 2]], turn + 1
         else:
             chosen = WIDE_PROBLEMS
-        cases += [pytest.param(name, config, p, id=f"{name}-{p.family.key}".replace("/", "-")) for p in chosen]
+        cases += [pytest.param(name, config, p, name in STRATEGY_RERUNS and p == chosen[0],
+                               id=f"{name}-{p.family.key}".replace("/", "-")) for p in chosen]
     return cases
 
 
-@pytest.mark.parametrize("name,config,problem", _split_cases())
-def test_row_split_variation_is_correct(name, config, problem, device, tolerance, assert_close, reference_norm,
+@pytest.mark.parametrize("name,config,problem,rerun", _split_cases())
+def test_row_split_variation_is_correct(name, config, problem, rerun, device, tolerance, assert_close, reference_norm,
                                         make_norm_inputs):
-    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs)
+    check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs, rerun)
 
 
 # Rows of 3, 5 and 7 times a power of two, split so that every slice fills its tile (`Space.fitting_split`).
@@ -427,7 +441,7 @@ FITTING_SPLITS = [(3, 1536), (6, 1536), (5, 2560), (7, 3584)]
 def test_fitting_row_split_is_correct(split, N, save, device, tolerance, assert_close, reference_norm,
                                       make_norm_inputs):
     assert N % split == 0 and row_block_col(N, split) == N // split  # the slice is exactly one tile
-    problem = Problem("layer_norm", 19, N, "bf16", has_bias=True, save=save)
+    problem = Problem("layer_norm", 13, N, "bf16", has_bias=True, save=save)  # 7 row tiles, the last one row
     k1 = dataclasses.replace(BASE.kernel_1, row_split=split, block_col=N // split, block_row=2, num_warps=4,
                              column_accumulators=True)
     check_variation(BackwardConfig(k1, BASE.kernel_2), problem, device, tolerance, assert_close, reference_norm,
@@ -458,9 +472,10 @@ def knob(config, name: str):
     return config.to_dict()["kernel_1"][name]
 
 
-def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs):
+def check_variation(config, problem, device, tolerance, assert_close, reference_norm, make_norm_inputs,
+                    rerun: bool = False):
     """Poisoned outputs against the float64 reference, the grid the heuristics promise, each row group's
-    partial rows, and a bitwise-identical rerun."""
+    partial rows, and a bitwise-identical rerun (on a GPU always, on the interpreter where `rerun` asks)."""
     inputs, ref, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
     launch = poisoned_run(problem, config, args)
     k1 = config.kernel_1
@@ -495,11 +510,12 @@ def check_variation(config, problem, device, tolerance, assert_close, reference_
         if problem.has_bias:
             assert_close(launch.partial_db, want_dw.index_add(0, owner, g64), tol, "partial_db",
                          floor=scale["db"])
-    if device == "cuda":  # the interpreter runs a grid's programs one after another: no order to vary there
+    # The interpreter runs a grid's programs one after another: no order to vary there, one rerun per strategy.
+    if device == "cuda" or rerun:
         first = [t.clone() for t in (launch.dx, launch.dw, launch.db) if t is not None]
         again = poisoned_run(problem, config, args)
         for a, b in zip(first, [t for t in (again.dx, again.dw, again.db) if t is not None]):
-            assert torch.equal(a, b), "a rerun must be bitwise identical"
+            assert torch.equal(a, b), f"a rerun of {config} must be bitwise identical"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -577,29 +593,12 @@ def test_default_configs_valid_at_power_of_two_boundaries():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Determinism: fixed-order sums, no atomics, so reruns are bitwise identical (every variation above reruns on
-# a GPU; here one config per strategy, also on the interpreter).
+# Determinism: one launch's partial rows summed by kernel_2 over several steps, rerun and relaunched (one config
+# per strategy reruns in the variations above: STRATEGY_RERUNS).
 # ---------------------------------------------------------------------------------------------------------------
-STRATEGY_RERUNS = [(name, config) for name, config in VARIATIONS + SPLIT_VARIATIONS if name in (
-    "k1.strategy=columns+block_col=64+block_row=1+w1", "k1.strategy=dual+k2.4x64+base", "k2.fused+block_m=4+base",
-    "k1.column_accumulators=True+block_row=8", "k1.row_split=3", "k1.row_split=8+k2.fused",
-    "k1.pipelined_split=True+row_split=2+num_stages=3")]
-
-
-@pytest.mark.parametrize("name,config", STRATEGY_RERUNS, ids=[n for n, _ in STRATEGY_RERUNS])
-def test_every_strategy_reruns_bitwise(name, config, device, reference_norm, make_norm_inputs):
-    problem = WIDE_PROBLEMS[0] if name.startswith(("k1.row_split", "k1.pipelined_split")) else VARIATION_PROBLEMS[0]
-    _, _, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
-    first = poisoned_run(problem, config, args)
-    outputs = [t.clone() for t in (first.dx, first.dw, first.db)]
-    again = poisoned_run(problem, config, args)
-    for label, a, b in zip(("dx", "dw", "db"), outputs, (again.dx, again.dw, again.db)):
-        assert torch.equal(a, b), f"{label} differs between two runs of {config}"
-
-
 @pytest.mark.parametrize("two_pass", [False, True], ids=["1pass", "2pass"])
 def test_backward_is_bitwise_deterministic(two_pass, device, reference_norm, make_norm_inputs):
-    problem = Problem("layer_norm", 64, 200, "bf16", weight_dtype="fp32", has_bias=True)
+    problem = Problem("layer_norm", 25, 200, "bf16", weight_dtype="fp32", has_bias=True)  # 13 row tiles, 12 programs
     k1 = K1(block_row=2, block_col=64 if two_pass else 256, num_warps=2, programs_per_sm=3, two_pass=two_pass)
     config = BackwardConfig(k1, K2(block_m=2, block_n=32, num_warps=1))
     _, _, args = saved_inputs(problem, device, reference_norm, make_norm_inputs)
