@@ -15,12 +15,19 @@ is filling; the worker takes one when it creates a trial, and the process propos
 - The worker's first proposal of each study is its own (the process starts on it then); after that, a
   proposal the process has not delivered within `WAIT_S`, or a process that is gone, is proposed by the worker
   itself, as without a proposer.
+- Neither side ever waits on the other's reading: the process sends from a thread of its own (`_Outbox`), so it
+  keeps reading the worker's requests while its proposals fill the pipe, and the worker takes in what the process
+  sent before each request. (A process blocked in a send stops reading; a worker whose requests then filled the
+  pipe the other way, as when hundreds of studies reach their first sampled trial at once, would block in its
+  own send, and both would wait for ever.)
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -64,6 +71,7 @@ class Proposer:
         if book.name not in self._wanted:
             self._wanted.add(book.name)
             self._ready[book.name] = deque()
+            self._receive(0.0)
             self._send(("want", book.name, _spec(book), AHEAD))
             return None
         self._receive(0.0)
@@ -78,6 +86,7 @@ class Proposer:
 
     def took(self, book, proposal: Proposal) -> None:
         """The proposal's trial is created: the process reads it from the study from now on."""
+        self._receive(0.0)
         self._send(("took", book.name, proposal.pid))
 
     def done(self, book) -> None:
@@ -183,6 +192,25 @@ class _Study:
         return None, None, INVALID_STREAK_LIMIT
 
 
+class _Outbox:
+    """The process's messages to the worker, sent in order by a thread of their own, so that the process's main
+    loop never blocks in a send (see the module docstring)."""
+
+    def __init__(self, conn):
+        self._conn, self._queue = conn, queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="normtune-proposer-outbox").start()
+
+    def send(self, message) -> None:
+        self._queue.put(message)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._conn.send(self._queue.get())
+            except (EOFError, OSError):  # the worker is gone: the main loop sees it too
+                return
+
+
 def _serve(conn, url: str, parent_pid: int) -> None:
     import logging
     import warnings
@@ -199,7 +227,8 @@ def _serve(conn, url: str, parent_pid: int) -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     logging.getLogger("normtune").setLevel(logging.ERROR)
     storage = schema.optuna_storage(url, url)
-    conn.send(("ready", None, 0, None, None, 0, 0.0))
+    outbox = _Outbox(conn)
+    outbox.send(("ready", None, 0, None, None, 0, 0.0))
     studies: dict[str, _Study] = {}
     order: list[str] = []  # studies wanted, the latest last
     next_pid = 0
@@ -214,7 +243,7 @@ def _serve(conn, url: str, parent_pid: int) -> None:
                         try:
                             studies[name] = _Study(name, spec, storage)
                         except Exception:  # noqa: BLE001 - the worker proposes for this study itself
-                            conn.send(("own", name, -1, None, None, 0, 0.0))
+                            outbox.send(("own", name, -1, None, None, 0, 0.0))
                             continue
                     studies[name].wanted = count
                     order = [n for n in order if n != name] + [name]
@@ -235,10 +264,10 @@ def _serve(conn, url: str, parent_pid: int) -> None:
             busy = time.perf_counter() - t
             if values is None:  # nothing the space accepts came (or no proposal): the worker's own from now on
                 entry.wanted = 0
-                conn.send(("own", name, -1, None, None, rejected, busy))
+                outbox.send(("own", name, -1, None, None, rejected, busy))
                 continue
             next_pid += 1
             entry.outstanding[next_pid] = record
-            conn.send(("proposal", name, next_pid, values, record, rejected, busy))
+            outbox.send(("proposal", name, next_pid, values, record, rejected, busy))
     except (EOFError, OSError, KeyboardInterrupt):  # the worker is gone
         return
