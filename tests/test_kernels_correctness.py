@@ -168,15 +168,20 @@ def _launcher_flag_cases():
 @pytest.mark.parametrize("norm,has_weight,has_bias,zero_centered,dtype,param_dtype", _launcher_flag_cases())
 def test_backward_launcher_flags(norm, has_weight, has_bias, zero_centered, dtype, param_dtype, save, mode,
                                  device, tolerance, assert_close, reference_norm, make_norm_inputs):
-    M, N = 37, 200
+    M, N = 17, 200  # 9 row tiles of 2 (the last one row) on 8 programs: one program loops over two
     inputs = make_norm_inputs((M, N), dtype, device, has_weight=has_weight, has_bias=has_bias,
                               zero_centered=zero_centered, param_dtype=param_dtype)
     problem = make_problem(norm, M, N, dtype, param_dtype, has_weight, has_bias, zero_centered, save)
     config = small_config(N, dtype, two_pass=mode == "2pass", recompute=mode == "1pass-recompute", norm=norm,
                           problem=problem)
+    if mode == "2pass":
+        assert config.kernel_1.block_col < N
     if mode == "dual":  # no weight and no bias: no column programs at all
         config = BackwardConfig(kernel_1_config(config.kernel_1.shared_fields(), strategy="dual"), Kernel2Config(block_m=4))
-    run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm)
+    launch = run_and_check_backward(problem, config, inputs, tolerance, assert_close, reference_norm)
+    assert launch.programs > 1
+    if mode == "dual":
+        assert launch.partial_rows == 0 and launch.pdl is False
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -242,8 +247,10 @@ def test_forward_writes_only_its_columns(norm, width, y_width, device, tolerance
 # Shapes: empty, single rows and columns, widths that are not powers of two, two-pass with narrow chunks.
 # ---------------------------------------------------------------------------------------------------------------
 # Widths 200, 1000, 5000 are multiples of 8 (the kernels assume it: `alignment_hint`), 300 of 4, 202 of 2 only.
-# 19 x 1000: several row tiles of a wide, non-power-of-two row (the interpreter's cost grows with the rows).
-SHAPES = [(0, 200), (1, 200), (1, 1), (6, 1), (7, 3), (37, 200), (5, 300), (9, 202), (19, 1000), (3, 5000)]
+# 19 x 1000: several row tiles of a wide, non-power-of-two row (the interpreter's cost grows with the rows). More
+# row tiles of 200 columns than programs are test_backward_launcher_flags' shape (17 x 200): its cases hold these
+# tests' LayerNorm and RMSNorm in both dtypes, both saves, single pass, two-pass and dual.
+SHAPES = [(0, 200), (1, 200), (1, 1), (6, 1), (7, 3), (5, 300), (9, 202), (19, 1000), (3, 5000)]
 
 
 @pytest.mark.parametrize("two_pass", [False, True], ids=["1pass", "2pass"])
@@ -299,7 +306,7 @@ def test_backward_launcher_strided_rows_and_output_view(norm, extra, dx_extra, h
     """grad and the saved x are column slices of wider tensors (row stride > N), and dx is written into a slice
     of a NaN-filled wider buffer: the kernels (single pass, two-pass, dual) use each tensor's row stride and never
     touch columns past N; the multiple they assume of the strides is the one the strides have, not N's."""
-    M, N = 29, 200
+    M, N = 17, 200
     has_bias = norm == "layer_norm"
     wide = make_norm_inputs((M, N + extra), torch.float32, device, has_bias=has_bias)
     shift = min(8, extra)  # grad starts a few columns into its wider rows
