@@ -39,7 +39,7 @@ PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, 
 NAMES = [study_name("interpret", p, interpret=True) for p in PROBLEMS]
 TRIALS = 7
 WORKERS = 3
-GRACE = 4
+GRACE = 3  # seconds without a heartbeat (sent every second) before a killed worker's trial is taken over
 # Per database kind, each with its own random kill times and counts: 0 crashes, 0 duplicates, 0 lost, exact counts
 # in every one. The default run does 2 per kind; NORMTUNE_STRESS=20 runs the adversarial 20 per kind (DEVELOPERS.md).
 STRESS_ENV = "NORMTUNE_STRESS"
