@@ -130,7 +130,8 @@ CODE_KNOBS = ("k1.two_pass", "k1.row_split", "k1.recompute", "k1.column_accumula
 def _space_configs(space: Space) -> dict[tuple, BackwardConfig]:
     """One config of the space per (strategy, variant, code knob, value): each code knob's every value in its
     domain, the other code knobs at their first (and a config with every flag on, where the space has one); the
-    tile and grid knobs are the first the space's constraints accept."""
+    tile and grid knobs are the first the space's constraints accept, column tiles from the widest (the fewest
+    programs: the interpreter runs them one by one)."""
     found = {}
     for strategy in space.offered():
         domains = space.domains(strategy)
@@ -140,9 +141,10 @@ def _space_configs(space: Space) -> dict[tuple, BackwardConfig]:
         for trial in trials:
             base = {k: v[0] for k, v in domains.items()}
             base.update(trial, **{"k1.strategy": strategy})
-            for warps, stages, col in itertools.product(domains["k1.num_warps"], domains["k1.num_stages"],
-                                                        reversed(domains["k1.block_col"])):
-                params = dict(base, **{"k1.num_warps": warps, "k1.block_col": col})
+            for warps, stages, col, block_n in itertools.product(
+                    domains["k1.num_warps"], domains["k1.num_stages"], reversed(domains["k1.block_col"]),
+                    reversed(domains["k2.block_n"])):
+                params = dict(base, **{"k1.num_warps": warps, "k1.block_col": col, "k2.block_n": block_n})
                 params.setdefault("k1.num_stages", stages)
                 if "k1.num_stages" not in trial:
                     params["k1.num_stages"] = stages
