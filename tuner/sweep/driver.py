@@ -12,9 +12,9 @@ with exactly `trials` measurements, each measured once:
   (`PendingTrials.start_next`); where another worker took it first, that transaction is undone and the worker
   claims the lowest free slot instead, in a transaction of its own.
 - The measuring process is kept busy: a dispatcher thread sends the next ready trial as soon as a result comes
-  back (`dispatch.py`), while the worker's thread stores the results and claims, proposes (with TPE's proposals
-  made ahead in a proposer process, `proposer.py`) and creates the trials after them, up to `lookahead` held
-  (`_pipeline`). Where the wall clock went is kept per phase (`costs`) and stored with the run.
+  back (`dispatch.py`), while the worker's thread stores the results and claims, proposes (TPE's proposals made
+  ahead in `proposer.py`) and creates the trials after them, up to `lookahead` held (`_pipeline`). Where the wall
+  clock went is kept per phase (`costs`) and stored with the run.
 
 - A measurement is committed to the store together with its trial's tell (or before it, where Optuna's internals
   are not the expected ones), so a SIGKILL loses nothing that was measured; a trial found measured but not told
@@ -24,8 +24,8 @@ with exactly `trials` measurements, each measured once:
 - No GPU waits for another: when the slots left of a problem are held by other workers, this one moves on to
   the next problem and comes back only at the end (to take over slots of dead workers).
 - SIGINT/SIGTERM finish the current trial and stop; a second signal abandons it at once. Either way no trial is
-  left RUNNING, every unmeasured slot is given back, and the summary counts what remains.
-"""
+  left RUNNING, every unmeasured slot is given back, and the summary counts what remains. A worker blocked past
+  its time budget is ended by `watchdog.overrun_guard`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary
 from .pending import Pending, PendingTrials
 from .proposer import Proposer
 from .trials import StudyBook, remaining
+from .watchdog import overrun_guard
 
 log = logging.getLogger("normtune.sweep")
 
@@ -64,7 +65,6 @@ class _ProblemEnd:
 
 RUN_STEPS = ("first_study", "first_sent", "first_result", "first_stored")
 HELPER_STEPS = ("measurer_spawned", "measurer_torch", "measurer_cuda", "measurer_ready", "compilers_ready")
-
 _IDLE = object()  # in the feed: only slots held by other workers are left for now
 
 
@@ -164,7 +164,8 @@ class Sweep:
         status = "failed"
         self.emit("start", {"problems": len(opts.problems), "trials": opts.trials, "run_id": run_id})
         try:
-            self._rounds(run_id, t0, summary)
+            with overrun_guard(opts.time_budget_s, opts.trial_timeout_s, summary):
+                self._rounds(run_id, t0, summary)
             status = "interrupted" if summary.stopped == "interrupted" else "finished"
         finally:
             stop_hb.set()
@@ -366,8 +367,7 @@ class Sweep:
     def _first_goes_now(self) -> bool:
         """Nothing was sent yet and the measuring process is ready: the first trial goes now, compiled there if
         its compile-ahead job has not ended, before the trials after it are proposed."""
-        answering = getattr(self._measurer, "answering", None)
-        return self.costs.startup_s is None and answering is not None and answering()
+        return self.costs.startup_s is None and (getattr(self._measurer, "answering", None) or (lambda: False))()
 
     def _summarize_ready(self, order: deque) -> None:
         """Summarize the problems whose round ended (a marker in `order`) once their trials are all stored."""
