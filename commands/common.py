@@ -117,17 +117,6 @@ def refuse(message: str):
     raise CLIError(message)
 
 
-def compile_processes(value: int | None, gpus: int) -> int:
-    """--compile-workers as given, or the default for `gpus` GPUs (16 each, within the host's cores)."""
-    if value is None:
-        from normtune.tuner.sweep.compiling import default_compile_workers
-
-        return default_compile_workers(gpus)
-    if value < 0:
-        raise CLIError(f"--compile-workers {value}: give 0 (compile in the measuring process) or more")
-    return value
-
-
 # Triton's interpreter runs the kernels from this version on (3.6's fails inside kernel_1); pyproject.toml accepts
 # older Triton for the compiled kernels. DEVELOPERS.md states both.
 INTERPRET_MIN_TRITON = (3, 9)

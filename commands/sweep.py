@@ -9,9 +9,10 @@ from typer import Exit, Option as Opt
 
 from normtune.tuner import sweep as S
 
-from .common import (CLIError, Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes, ShapesFrom,
+from .common import (Device, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, Shapes, ShapesFrom,
                      Tokens, WeightDtype, WritingStorage, check_writable_file, problems_option, refuse, run_checked,
                      use_interpreter, write_text)
+from .devices import parse_devices
 
 
 def sweep(
@@ -63,7 +64,7 @@ def sweep(
         return found
 
     opts = run_checked(S.SweepOptions, gpu_key=gpu, problems=problems, trials=trials, time_budget_s=time_budget,
-                       sampler=sampler, device=device, devices=run_checked(_devices, devices), storage=storage,
+                       sampler=sampler, device=device, devices=run_checked(parse_devices, devices), storage=storage,
                        interpret=interpret, compile_workers=compile_workers, trial_timeout_s=trial_timeout,
                        seed=seed, heartbeat_interval=heartbeat_interval, grace_period=grace_period)
     say = lambda line: line and console.print(line, markup=False, soft_wrap=True)  # noqa: E731
@@ -74,8 +75,3 @@ def sweep(
     say("\n".join(S.result_lines(result)))
     raise Exit(result.exit_code)
 
-
-def _devices(text: str | None) -> list[int] | None:
-    if text and not all(d.strip().isdigit() for d in text.split(",") if d.strip()):
-        raise CLIError(f"--devices {text!r}: use a comma list of CUDA device indices, e.g. 0,1,2,3")
-    return [int(d) for d in text.split(",") if d.strip()] if text else None

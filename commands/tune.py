@@ -11,20 +11,12 @@ import typer
 from typer import Option as Opt
 
 from .common import (CLIError, Device, Gpu, Interpret, Norms, ShapesFrom, Tokens, WritingStorage,
-                     check_writable_file, compile_processes, device_info, gated_presets, parse_dtype, parse_list,
+                     check_writable_file, device_info, gated_presets, parse_dtype, parse_list,
                      parse_shapes_option, positive_seconds, problems_for, problems_option, refuse, run_checked,
                      use_interpreter, user_db, with_residual)
+from .devices import compile_processes, parse_devices
 
 FORMS = ("plain", "residual", "gated")
-
-
-def _devices(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    items = [d.strip() for d in text.split(",") if d.strip()]
-    if not items or not all(d.isdigit() for d in items) or len(set(items)) != len(items):
-        raise CLIError(f"--devices {text!r}: use a comma list of distinct CUDA device indices, e.g. 0,1")
-    return [int(d) for d in items]
 
 
 def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
@@ -196,7 +188,7 @@ def tune(
     if grace_period <= heartbeat_interval:
         run_checked(refuse, f"--grace-period {grace_period} must exceed --heartbeat-interval {heartbeat_interval}: a "
                             "live worker's trial would be taken over")
-    device_list = run_checked(_devices, devices)
+    device_list = run_checked(parse_devices, devices)
     if device_list and interpret:
         run_checked(refuse, "--devices needs GPUs; --interpret runs one worker on CPU")
     if as_new_gpu:

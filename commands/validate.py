@@ -9,9 +9,10 @@ import typer
 
 from .common import (
     INTERPRETER_BANNER, Dtype, Gpu, Interpret, Norms, Residual, ResidualDtype, ShapesFrom, Tokens, WritingStorage,
-    check_out_folder, compile_processes, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked,
+    check_out_folder, device_info, parse_dtype, parse_list, problems_option, refuse, run_checked,
     use_interpreter, user_db, with_residual,
 )
+from .devices import compile_processes
 
 
 def _validation_problems(shapes: str | None, shapes_from: Path | None, tokens: str | None, norm: str | None,

@@ -79,6 +79,18 @@ def test_a_negative_device_is_refused_naming_device(tmp_path, monkeypatch, comma
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command", [["sweep", "--interpret", "--shapes", "8x64", "--trials", "1"],
+                                     ["tune", "--interpret", "--shapes", "8x64", "--time-budget", "5"]])
+@pytest.mark.parametrize("devices", ["0,x", "0,0", ","])
+def test_sweep_and_tune_refuse_a_bad_devices_list_with_one_line(tmp_path, monkeypatch, command, devices):
+    monkeypatch.setenv("NORMTUNE_HOME", str(tmp_path / "home"))
+    more = ["--out", str(tmp_path / "t.json")] if command[0] == "tune" else []
+    line = _one_error(CliRunner().invoke(app, [*command, *more, "--db", f"sqlite:///{tmp_path / 'r.db'}",
+                                               "--devices", devices]))
+    assert line == f"error: --devices {devices!r}: use a comma list of distinct CUDA device indices, e.g. 0,1"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("target", ["folder", "under-a-file"])
 def test_an_unwritable_summary_is_refused_before_measuring(tmp_path, target):
     blocker = tmp_path / "a-file"
