@@ -24,7 +24,9 @@ PROBLEMS = [Problem("rms_norm", 40, 96, "bf16"), Problem("layer_norm", 24, 200, 
 INFO = DeviceInfo(name="cpu (triton interpreter)", key="interpret", compute_capability=None,
                   sm_count=INTERPRET_SM_COUNT, l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x",
                   triton="x", normtune="0", git_revision=None, host="test", python="3", interpret=True)
-MEASURE_S = 0.05
+# Long enough for the worker to propose and create the next trial meanwhile, even on the two busy cores of a
+# whole-suite run.
+MEASURE_S = 0.15
 
 
 class BusyMeasurer:
