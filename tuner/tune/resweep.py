@@ -24,14 +24,19 @@ def _distance(a: Problem, b: Problem) -> float:
     return math.hypot(math.log(a.M or 1) - math.log(b.M or 1), math.log(a.N) - math.log(b.N))
 
 
+def worth_resweeping(regret) -> bool:
+    """Whether a held-out shape's regret (a `Ratio`) draws a resweep: above MIN_REGRET, and above 1 by its lower
+    bound (the table slower than the best beyond the spread)."""
+    return regret is not None and regret.value > MIN_REGRET and regret.low > 1.0
+
+
 def decide(rows, fitted: list[Problem], heldout: list[Problem], targets: dict[str, int],
            trials: int, ceiling: int | None = None) -> dict | None:
     """The resweep after a validation (its `ValidationRow`s): {"added": [problem dicts], "targets": {key: trials}},
     or None when no held-out shape's regret is high enough to pay. Targets go up to `ceiling` (default `trials`):
     past `trials` only for the problems nearest to the worst held-out shapes, where more search pays."""
     ceiling = trials if ceiling is None else max(trials, ceiling)
-    ranked = sorted((r for r in rows if r.regret is not None and r.regret.value > MIN_REGRET and r.regret.low > 1.0),
-                    key=lambda r: (-r.regret.low, r.problem.key))
+    ranked = sorted((r for r in rows if worth_resweeping(r.regret)), key=lambda r: (-r.regret.low, r.problem.key))
     worst = ranked[:max(1, math.ceil(WORST_SHARE * len(rows)))]
     if not worst:
         return None
