@@ -29,7 +29,8 @@ def _shape_sets(spec: str | None, interpret: bool) -> list[tuple[int, int]]:
         return parse_shapes_option(spec, interpret)  # refused, as every command refuses no shapes
     if "heldout" in items:
         raise CLIError("--shapes heldout: the held-out preset is kept for measuring the finished table (normtune "
-                       "validate, normtune compare); a tune never sweeps it: use seed, llm, few, span, a file or MxN shapes")
+                       "validate, normtune compare); a tune never sweeps it: use seed, llm, few, span, a file or "
+                       "MxN shapes")
     named = [s for s in items if s in PRESETS or os.path.isfile(s)]
     explicit = [s for s in items if s not in named]
     shapes = [shape for s in named for shape in parse_shapes_option(s, interpret)]
@@ -133,7 +134,8 @@ def tune(
     gpu: Gpu = "auto",
     shapes: Annotated[Optional[str], Opt("--shapes", help=(
         "Comma list of shape sets: seed, llm, few, span, tiny, FILE (one MxN per line), MxN; gated RMSNorm sets: "
-        "qwen3-next, mamba2, gated-issue, gated-tiny; never heldout [default: seed,llm,few,span; tiny with --interpret]"
+        "qwen3-next, mamba2, gated-issue, gated-tiny; never heldout [default: seed,llm,few,span; tiny with "
+        "--interpret]"
     ))] = None,
     shapes_from: ShapesFrom = None,
     tokens: Tokens = None,

@@ -6,7 +6,8 @@ compile-ahead workers, and the host's pool the `--devices` workers share), `comp
 jobs, its seeds' ahead of their claims), `pending` (a trial from its claim to its stored measurement), `sampling`
 (sampler and seeds),
 `trials` (one problem's study), `driver` (the ask/tell loop of one worker), `device_workers` (one worker process
-per GPU), `engine` (the measuring process and compile pool kept across the sweeps of one caller), `progress` (live view and status, from the database), `costs` and `timeline` (where the time went).
+per GPU), `engine` (the measuring process and compile pool kept across the sweeps of one caller), `progress`
+(live view and status, from the database), `costs` and `timeline` (where the time went).
 
 The names below are loaded on first use: importing this package (as a spawned measuring process does) imports
 neither Optuna nor the database layer nor torch.

@@ -367,7 +367,7 @@ class Sweep:
     def _first_goes_now(self) -> bool:
         """Nothing was sent yet and the measuring process is ready: the first trial goes now, compiled there if
         its compile-ahead job has not ended, before the trials after it are proposed."""
-        return self.costs.startup_s is None and (getattr(self._measurer, "answering", None) or (lambda: False))()
+        return self.costs.startup_s is None and getattr(self._measurer, "answering", lambda: False)()
 
     def _summarize_ready(self, order: deque) -> None:
         """Summarize the problems whose round ended (a marker in `order`) once their trials are all stored."""

@@ -99,22 +99,34 @@ def _one(configs) -> BackwardConfig | None:
     return found.pop() if len(found) == 1 and None not in found else None
 
 
-def _carve_bounds(rules: list[dict], index: int, lost: list[Problem]) -> list[tuple[int | None, int | None]]:
-    """(n_max, m_max) of a rule inserted before rule `index` that takes every `lost` shape and none of the shapes
-    the rule was fitted on: split at the geometric middle of the gap between them, in rows or in width, the wider
-    gap (in ratio) first. Empty where the fitted shapes are not all past the lost ones in either dimension."""
-    rule = rules[index]
+def _replacement(current: BackwardConfig, incumbent_shapes: list[Problem], default_shapes: list[Problem], incumbent,
+                 limits) -> tuple[BackwardConfig | None, str]:
+    """(the config a losing rule's shapes take instead of `current`, from what): the incumbent's where it runs
+    `incumbent_shapes` with one config, else the analytic default where `default_shapes` share one; (None,
+    "removed") where neither differs from `current`."""
+    if incumbent is not None:
+        kept = _one(incumbent.lookup(p) for p in incumbent_shapes)
+        if kept is not None and kept != current:
+            return kept, "incumbent"
+    default = _one(default_config(p, limits) for p in default_shapes)
+    if default is not None and default != current:
+        return default, "default"
+    return None, "removed"
+
+
+def _carve_bounds(rule: dict, lost: list[Problem]) -> list[tuple[int | None, int | None]]:
+    """(n_max, m_max) of a rule inserted before `rule` that takes every `lost` shape and none of the shapes `rule`
+    was fitted on: split at the geometric middle of the gap between them, in rows or in width, the wider gap (in
+    ratio) first. Empty where the fitted shapes are not all past the lost ones in either dimension."""
     fitted = [tuple(map(int, s.split("x"))) for s in rule.get("fitted_on", [])]
-    if not fitted:
-        return []
     options = []
-    for axis, bound_key in ((0, "m_max"), (1, "n_max")):
+    for axis in (0, 1):  # rows (m_max), then width (n_max)
         top = max((p.M, p.N)[axis] for p in lost)
         above = [f[axis] for f in fitted if f[axis] > top]
-        if len(above) == len(fitted):
+        if fitted and len(above) == len(fitted):
             cut = max(top, int(math.sqrt(top * min(above))))
-            bounds = {"m_max": rule.get("m_max"), "n_max": rule.get("n_max"), bound_key: cut}
-            options.append((min(above) / top, (bounds["n_max"], bounds["m_max"])))
+            bounds = (rule.get("n_max"), cut) if axis == 0 else (cut, rule.get("m_max"))
+            options.append((min(above) / top, bounds))
     return [b for _, b in sorted(options, reverse=True)]
 
 
@@ -122,19 +134,13 @@ def carve(raw: dict, family_key: str, index: int, lost: list[Problem], incumbent
     """`raw` with a rule inserted before rule `index` of `family_key` that gives the `lost` shapes the incumbent's
     config for them (or the analytic default's), and the inserted rule; None where no single config serves them,
     a lost shape is one the rule was fitted on, or no carve-out keeps the table valid."""
-    rules = raw["families"][family_key]["rules"]
-    rule = rules[index]
+    rule = raw["families"][family_key]["rules"][index]
     if {f"{p.M}x{p.N}" for p in lost} & set(rule.get("fitted_on", [])):
         return None
-    current = BackwardConfig.from_dict(rule["config"])
-    choices = []
-    if incumbent is not None:
-        choices.append(_one(incumbent.lookup(p) for p in lost))
-    choices.append(_one(default_config(p, limits) for p in lost))
-    config = next((c for c in choices if c is not None and c != current), None)
+    config, _ = _replacement(BackwardConfig.from_dict(rule["config"]), lost, lost, incumbent, limits)
     if config is None:
         return None
-    for n_max, m_max in _carve_bounds(rules, index, lost):
+    for n_max, m_max in _carve_bounds(rule, lost):
         new_rule = {"config": config.to_dict(), "fitted_on": sorted(f"{p.M}x{p.N}" for p in lost),
                     "m_max": m_max, "n_max": n_max, "carved_from": index + 1}
         trial = copy.deepcopy(raw)
@@ -149,16 +155,8 @@ def carve(raw: dict, family_key: str, index: int, lost: list[Problem], incumbent
 
 def _fallback(family_key: str, rule: dict, lost: list[Problem], incumbent, limits) -> tuple[BackwardConfig | None, str]:
     """(the config the losing rule falls back to, to what) or (None, "removed")."""
-    current = BackwardConfig.from_dict(rule["config"])
-    shapes = _fitted(family_key, rule) + lost
-    if incumbent is not None:
-        kept = _one(incumbent.lookup(p) for p in shapes)
-        if kept is not None and kept != current:
-            return kept, "incumbent"
-    default = _one(default_config(p, limits) for p in _fitted(family_key, rule) or lost)
-    if default is not None and default != current:
-        return default, "default"
-    return None, "removed"
+    fitted = _fitted(family_key, rule)
+    return _replacement(BackwardConfig.from_dict(rule["config"]), fitted + lost, fitted or lost, incumbent, limits)
 
 
 def fall_back(raw: dict, failing: list[Check], incumbent, limits) -> tuple[dict | None, list[dict]]:

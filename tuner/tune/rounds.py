@@ -1,13 +1,13 @@
 """Where a tune's sweep trials go, round by round (`next_round`).
 
-Every problem first gets COVER trials (the analytic default and the first structural seeds), so that a short
-time budget still reaches every problem, then `first_round` (the seeds: the structural ones, then the default's neighbours, up to the
-tune's seed limit, before any sampled config), then one `round_step` of search: the `opening` rounds. Then more
-in steps of `round_step` up to `--trials`. A problem whose best
-time has not improved by more than STALL_GAIN over its last `round_step` trials stops where it is: more of the same
-search does not pay there. The trials it would have had go to the problems whose best moved most over their last
-step, where the search pays most. A decision reads only the measurements, in trial order, and is recorded in the
-journal before its trials are measured, so that a run continued after a kill measures exactly the same targets."""
+Every problem first gets COVER trials (the analytic default and the first structural seeds), so that a short time
+budget still reaches every problem, then `first_round` (the seeds: the structural ones, then the default's
+neighbours, up to the tune's seed limit, before any sampled config), then one `round_step` of search: the `opening`
+rounds. Then more in steps of `round_step` up to `--trials`. A problem whose best time has not improved by more than
+STALL_GAIN over its last `round_step` trials stops where it is: more of the same search does not pay there. The
+trials it would have had go to the problems whose best moved most over their last step, where the search pays most.
+A decision reads only the measurements, in trial order, and is recorded in the journal before its trials are
+measured, so that a run continued after a kill measures exactly the same targets."""
 
 from __future__ import annotations
 
