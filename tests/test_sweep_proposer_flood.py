@@ -22,23 +22,16 @@ STUDIES = 48
 class TinyPipeProposer(P.Proposer):
     """A proposer whose pipe holds a few kilobytes each way (the operating system's default holds hundreds)."""
 
-    def _start(self) -> None:
-        import multiprocessing as mp
-        import os
-
-        ctx = mp.get_context("spawn")
-        self._conn, theirs = ctx.Pipe(duplex=True)
-        for end in (self._conn, theirs):
+    def _pipe(self, ctx):
+        ends = super()._pipe(ctx)
+        for end in ends:
             sock = socket.socket(fileno=end.fileno())
             try:
                 for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                     sock.setsockopt(socket.SOL_SOCKET, option, 2048)
             finally:
                 sock.detach()  # the connection keeps its descriptor
-        self._proc = ctx.Process(target=P._serve, args=(theirs, self.url, os.getpid()), daemon=True,
-                                 name="normtune-proposer")
-        self._proc.start()
-        theirs.close()
+        return ends
 
 
 def _books(url: str) -> list:

@@ -106,9 +106,13 @@ class Proposer:
 
     # ------------------------------------------------------------------------------------------ the pipe
 
+    def _pipe(self, ctx):
+        """(the worker's end, the process's end) of the pipe between them."""
+        return ctx.Pipe(duplex=True)
+
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        self._conn, theirs = ctx.Pipe(duplex=True)
+        self._conn, theirs = self._pipe(ctx)
         self._proc = ctx.Process(target=_serve, args=(theirs, self.url, os.getpid()), daemon=True,
                                  name="normtune-proposer")
         self._proc.start()
