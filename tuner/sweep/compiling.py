@@ -28,12 +28,14 @@ def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor 
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_compile_init,
                                initargs=(devices, ctx.Value("i", 0), os.getpid()))
     left, lock = [workers], threading.Lock()
+    pool.normtune_started = threading.Event()  # `pool_started`
 
     def warmed(_future) -> None:  # the last warm-up done: the pool's start-up is over ("compilers_ready")
         with lock:
             left[0] -= 1
             if left[0] == 0:
                 mark("compilers_ready")
+                pool.normtune_started.set()
 
     for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
         pool.submit(_warm_up).add_done_callback(warmed)
@@ -84,6 +86,13 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
         except Exception as err:  # noqa: BLE001 - a broken pool: measure (and compile) in the measurer
             log.debug("compile-ahead failed: %s", err)
             return "ok", None, None
+
+
+def pool_started(pool) -> bool:
+    """Whether every process of a pool made by `compile_pool` has started (imported what compiling needs): the
+    jobs submitted first are then compiling. False for a pool that does not say (the host's, a stand-in)."""
+    started = getattr(pool, "normtune_started", None)
+    return started is not None and started.is_set()
 
 
 def pool_usable(pool) -> bool:
@@ -177,3 +186,44 @@ def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, fl
         return "ok", time.perf_counter() - t, None
     except Exception as err:  # noqa: BLE001
         return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"
+
+
+def compile_seed(problem_dict: dict, seeding: dict, index: int) -> tuple[str, float | None, str | None]:
+    """`compile_one` of seed `index` of a fresh study of the problem on this process's device (`seeding`: the
+    `SweepOptions` fields the seeds depend on, `seeding_of`), the seed computed here: the sweep submits these
+    before it has imported the kernels or detected the device itself (`submit_first_seeds`)."""
+    if not _usable():
+        return "ok", None, None
+    import torch
+
+    from normtune.kernels.config import Problem as P
+
+    from .options import SweepOptions
+    from .trials import problem_space, seed_configs
+
+    problem = P.from_dict(problem_dict)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    opts = SweepOptions(gpu_key="auto", problems=[problem], **seeding)
+    seeds = seed_configs(opts, problem, problem_space(problem, sms, interpret=False))
+    if index >= len(seeds):
+        return "ok", None, None
+    return compile_one(problem_dict, seeds[index].to_json(), sms)
+
+
+def seeding_of(opts, problem) -> dict:
+    """The fields of `SweepOptions` that `problem`'s seeds depend on (`trials.seed_configs`)."""
+    return {"sampler": opts.sampler, "seeded": opts.seeded, "seed_limit": opts.seed_limit,
+            "extra_seeds": {problem.key: opts.extra_seeds[problem.key]} if problem.key in opts.extra_seeds else {}}
+
+
+def submit_first_seeds(pool, opts, problem, count: int) -> list[Future]:
+    """Submit the compiles of the first `count` seeds of `problem` (`compile_seed`), one job each in slot
+    order, to a pool made by `compile_pool` (none to another: its jobs take other arguments). Queued behind the
+    processes' start-up, they compile as soon as each process has started, while the sweep itself still imports,
+    detects the device and opens the database; the worker adopts them by their configs (`CompileAhead.adopt`)."""
+    if pool is None or getattr(pool, "normtune_started", None) is None or count <= 0:
+        return []
+    seeding = seeding_of(opts, problem)
+    if seeding["sampler"] == "grid" or not seeding["seeded"]:
+        return []
+    return [pool.submit(compile_seed, problem.to_dict(), seeding, i) for i in range(count)]
