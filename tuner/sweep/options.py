@@ -75,6 +75,9 @@ class SweepOptions:
     study_prefix: str = "normtune"  # validation sweeps use their own studies
     source: str = "sweep"  # measurement source recorded in the store
     extra_seeds: dict = field(default_factory=dict)  # problem key -> [config dict] enqueued with the seeds
+    # problem key -> (first slot, [config dict]): those configs in those slots of its study, ahead of its seeds
+    # and its sampler (a tune's transfers)
+    slot_seeds: dict = field(default_factory=dict)
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
     seed_limit: int | None = None  # at most this many seeds per study (the sampler proposes the rest); None: all
     propose_ahead: bool | None = None  # TPE's proposals made ahead in a process of their own; None: on a GPU

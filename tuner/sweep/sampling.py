@@ -152,9 +152,10 @@ class Sampling:
             params[key] = trial.suggest_categorical(key, list(dom)) if fixed is None else fixed(dom)
         return self.space.config(params)
 
-    def seed_trial(self, config: BackwardConfig):
+    def seed_trial(self, config: BackwardConfig, source: str = "seed"):
         """A RUNNING trial template holding a seed config's params, with the distributions `suggest` uses (so
-        the sampler learns from it as from its own trials); None when the space cannot express the config."""
+        the sampler learns from it as from its own trials), `source` in its attributes; None when the space
+        cannot express the config."""
         import optuna
         from optuna.distributions import CategoricalDistribution
 
@@ -169,7 +170,7 @@ class Sampling:
         return optuna.trial.create_trial(
             state=optuna.trial.TrialState.RUNNING, params=used,
             distributions={k: CategoricalDistribution(list(domains[k])) for k in used},
-            user_attrs={"source": "seed"})
+            user_attrs={"source": source})
 
 
 def inapplicable(key: str, params: dict[str, Any]):

@@ -3,7 +3,8 @@ told from measurements, repaired after a dead worker.
 
 Every trial exists because a worker holds one of the study's slots (`Store.claim_slot`): slot k below the
 number of seeds gets seed k (created RUNNING with its params, never queued as WAITING; a study resumed under a
-newer SEED_VERSION gets the seeds it lacks after its claimed slots), the others get the
+newer SEED_VERSION gets the seeds it lacks after its claimed slots), a slot the sweep names in `slot_seeds` gets
+the config it names there (source "transfer"), the others get the
 sampler's next config that the space accepts: TPE and random proposals are sampled before any trial exists
 (`Sampling.propose`), so a config the space's constraints reject never becomes a trial (the grid sampler asks a
 live trial; one it rejects is told PRUNED with `status=invalid` and the reason in `rejected`). Trials abandoned
@@ -71,6 +72,16 @@ def seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> list[Bac
     return list(dict.fromkeys(extra + space.seeds()))[:opts.seed_limit]
 
 
+def slot_seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> dict[int, BackwardConfig]:
+    """Slot → the config `opts.slot_seeds` puts there in `problem`'s study (none for the grid sampler or an
+    unseeded sweep). Named slots come before the seeds and the sampler: a claimed slot is never asked again, so
+    a resumed sweep measures each of them once."""
+    if opts.sampler == "grid" or not opts.seeded or problem.key not in opts.slot_seeds:
+        return {}
+    first, configs = opts.slot_seeds[problem.key]
+    return {int(first) + i: space.canonical(BackwardConfig.from_dict(c)) for i, c in enumerate(configs)}
+
+
 def problem_space(problem: Problem, sm_count: int, interpret: bool) -> Space:
     """The search space a study of `problem` samples (the installed GPU's limits, or the interpreter's)."""
     return Space(problem, sm_count, None if interpret else _gpu_limits())
@@ -92,6 +103,7 @@ class StudyBook:
             self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
             self.sampling = Sampling(opts.sampler, self.space, opts.seed)
             self.seeds = seed_configs(opts, problem, self.space)
+            self.slot_seeds = slot_seed_configs(opts, problem, self.space)
             self.default = self.space.canonical(default_config(problem, self.space.limits))
         self.rejected = 0  # sampled configs the space's constraints refused (never trials)
         self.proposer = None  # a `Proposer` making this study's proposals ahead, where the sweep has one
@@ -189,9 +201,14 @@ class StudyBook:
         return None
 
     def prepare(self, slot: int, costs: Costs) -> "Prepared | None":
-        """What `slot`'s trial will hold, before it exists (only where the sampler `proposes`): its seed's config
-        when it has one, else the sampler's next config the space accepts (a spare one first: prepared for a
-        slot that was taken meanwhile). None when the sampler gave nothing but invalid configs."""
+        """What `slot`'s trial will hold, before it exists (only where the sampler `proposes`): the config the
+        sweep names for it (`slot_seeds`), else its seed's config when it has one, else the sampler's next
+        config the space accepts (a spare one first: prepared for a slot that was taken meanwhile). None when
+        the sampler gave nothing but invalid configs."""
+        named = self.slot_seeds.get(slot)
+        template = None if named is None else self.sampling.seed_trial(named, "transfer")
+        if template is not None:
+            return Prepared(template, named, "transfer" if self.opts.source == "sweep" else self.opts.source)
         index = slot - self.seed_base
         if 0 <= index < len(self.seeds):
             template = self.sampling.seed_trial(self.seeds[index])
