@@ -196,3 +196,23 @@ def test_the_sweep_submits_the_first_problems_seeds_before_detecting_the_device(
     assert problem == opts.problems[1] and len(futures) == 3
     assert launcher._first_compiles(SweepOptions(gpu_key="auto", problems=[PROBLEM], interpret=True,
                                                  compile_workers=3), [PROBLEM], (None, pool)) is None
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_pools_first_process_builds_tritons_driver_utilities_while_it_imports_torch(monkeypatch, index):
+    """Only the first process builds them (into Triton's cache, for every process); a build that fails (no CUDA
+    driver, as on this machine) is left to the first compile."""
+    import triton.backends.nvidia.driver as nvidia
+
+    built = []
+    monkeypatch.setattr(nvidia, "CudaUtils", lambda: built.append(threading.current_thread().name))
+    monkeypatch.setattr(compiling, "_INDEX", [index])
+    compiling._warm_up()
+    assert len(built) == (1 if index == 0 else 0)
+    assert threading.current_thread().name not in built  # beside the imports, not before them
+
+    def failing():
+        raise RuntimeError("libcuda.so cannot found!")
+
+    monkeypatch.setattr(nvidia, "CudaUtils", failing)
+    compiling._warm_up()  # no error

@@ -118,6 +118,7 @@ def stop_pool(pool) -> None:
 # ahead" and the measuring process compiles (or reports the device's failure) itself.
 _UNUSABLE: list[str] = []
 _CHECKED: list[bool] = []
+_INDEX: list[int] = []  # this compile process's place in its pool
 
 
 def _compile_init(devices: list[int], started, parent_pid: int) -> None:
@@ -132,6 +133,7 @@ def _compile_init(devices: list[int], started, parent_pid: int) -> None:
     ignore_stop_signals()
     with started.get_lock():
         index, started.value = started.value, started.value + 1
+    _INDEX[:] = [index]
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(devices[index % len(devices)])
     try:
         os.nice(5)
@@ -165,8 +167,29 @@ def _usable() -> bool:
 def _warm_up() -> None:
     """Import what compiling needs, so that the first config's compile does not pay for it. The driver starts
     with the first job: dozens of processes starting it at once here delayed the measuring processes' own start
-    and the sweep's device detection by seconds."""
+    and the sweep's device detection by seconds. The pool's first process also builds Triton's driver utilities
+    meanwhile (`_build_triton_utilities`), so that no first compile or launch builds them."""
+    builder = None
+    if _INDEX == [0]:
+        from triton.backends.nvidia.driver import CudaUtils  # before the thread starts: it then imports nothing
+
+        builder = threading.Thread(target=_build_triton_utilities, args=(CudaUtils,), daemon=True)
+        builder.start()
     import normtune.kernels.backward_launch  # noqa: F401
+
+    if builder is not None:
+        builder.join()
+
+
+def _build_triton_utilities(utilities) -> None:
+    """Build Triton's CUDA driver utilities (`utilities`: a C module compiled once into Triton's cache, without
+    torch or a CUDA context) while this process imports torch: from an empty cache every process's first
+    compile, and the measuring process's first launch, would otherwise compile it. Nothing happens where it
+    cannot be built (no CUDA driver): the first compile then fails or builds it as before."""
+    try:
+        utilities()
+    except Exception as err:  # noqa: BLE001 - only a head start: a real problem shows in the first compile
+        log.debug("Triton's driver utilities not built ahead: %s", err)
 
 
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
