@@ -27,8 +27,9 @@ from .checking import Stopped, rows_of
 from .checking import validate as validate_table
 from .emission import emit, inputs, remeasure, study_measurements
 from .resweep import decide
-from .rounds import next_round, opening, round_step
+from .rounds import Round, next_round, opening, round_step, transfers_from, with_transfers
 from .sweeping import sweep
+from .transfer import transfers
 
 # Shares of the time budget, by phase: each phase takes its weight against the phases still to come.
 WEIGHTS = {"sweep": 50.0, "emit": 6.0, "validate": 10.0, "resweep": 10.0, "emit again": 4.0, "validate again": 4.0,
@@ -103,11 +104,19 @@ def _warm(ctx, problems) -> dict:
     return seeds(ctx.warm_table, problems, ctx.limits(), ctx.info.sm_count)
 
 
+def _slot_seeds(ctx) -> dict:
+    """The latest round's transfers as the sweep puts them in their slots: problem key -> (slot, configs)."""
+    rounds = ctx.journal.get(J.ROUNDS, [])
+    placed = rounds[-1].get("transfers", {}) if rounds else {}
+    return {key: (t["slot"], t["configs"]) for key, t in placed.items()}
+
+
 def sweep_to_targets(ctx, seconds: float | None, only: set[str] | None = None) -> bool:
-    """Sweep each fitted problem (of `only`, when given) still short of its target, one sweep per target; True
-    once the sweeps ran to their end (a problem whose search space has nothing more to offer stays short), False
-    when the time ran out first."""
+    """Sweep each fitted problem (of `only`, when given) still short of its target, one sweep per target, the
+    latest round's transfers in their slots; True once the sweeps ran to their end (a problem whose search space
+    has nothing more to offer stays short), False when the time ran out first."""
     deadline = ctx.clock.deadline(seconds)
+    placed = _slot_seeds(ctx)
     for attempt in range(2):  # once more where a problem came out short (a trial taken over from another worker)
         targets = ctx.targets()
         problems = [p for p in ctx.fit_problems() if only is None or p.key in only]
@@ -122,7 +131,8 @@ def sweep_to_targets(ctx, seconds: float | None, only: set[str] | None = None) -
         for target in sorted({targets[p.key] for p in short}):
             group = [p for p in short if targets[p.key] == target]
             outcome = sweep(ctx, group, target, seconds=_left(deadline), prefix=ctx.plan.study_prefix,
-                            extra_seeds=_warm(ctx, group))
+                            extra_seeds=_warm(ctx, group),
+                            slot_seeds={p.key: placed[p.key] for p in group if p.key in placed})
             if outcome.signal:
                 raise Stopped(outcome)
             if outcome.stopped:
@@ -145,14 +155,22 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
             return False
         if ctx.journal.get(J.SWEEP_DONE):
             return True
+        before = rounds[-1]["targets"]
+        if transfers_from(before, trials):
+            _phase(ctx, f"sweep, transfers for round {len(rounds) + 1}")
+            moved = transfers(ctx, ctx.plan.problems)
+        else:
+            moved = {}
         if len(rounds) < len(uniform):  # the opening rounds: every problem alike
-            targets = {p.key: uniform[len(rounds)] for p in ctx.plan.problems}
-            ctx.journal.append(J.ROUNDS, {"targets": targets, "raised": sorted(targets), "stalled": [], "given": []})
+            opened = {p.key: uniform[len(rounds)] for p in ctx.plan.problems}
+            decision = with_transfers(Round(opened, sorted(opened)), before, moved, trials)
+            ctx.journal.append(J.ROUNDS, {"targets": decision.targets, **decision.to_dict()})
+            _say_transfers(ctx, decision)
             continue
         values = {k: [m.median_us if m.status == "ok" else None for m in records]
                   for k, records in study_measurements(ctx, ctx.plan.problems).items()}
         stopped = {k for r in rounds for k in r["stalled"]}
-        decision = next_round(values, rounds[-1]["targets"], stopped, trials, step)
+        decision = next_round(values, before, stopped, trials, step, moved)
         if not decision.changed:
             ctx.journal.put(J.SWEEP_DONE, True)
             ctx.say(f"sweep: the rounds are over after round {len(rounds)} ({len(stopped | set(decision.stalled))} "
@@ -162,8 +180,16 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
         ctx.say(f"sweep: round {len(rounds) + 1}: {len(decision.raised)} problems get {step} more trials"
                 + (f", {len(decision.stalled)} stalled (their trials go to {len(decision.given)} others)"
                    if decision.stalled else ""))
+        _say_transfers(ctx, decision)
         if deadline is not None and time.monotonic() >= deadline:
             return False
+
+
+def _say_transfers(ctx, decision: Round) -> None:
+    if decision.transfers:
+        count = sum(len(t["configs"]) for t in decision.transfers.values())
+        ctx.say(f"sweep: round {len(ctx.journal.get(J.ROUNDS))}: {count} transfers (the best configs of the "
+                f"nearest problems of their family) to {len(decision.transfers)} problems")
 
 
 # ------------------------------------------------------------------------------------------ tables, validation

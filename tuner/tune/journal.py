@@ -15,7 +15,9 @@ import time
 
 PLAN = "plan"  # the plan as first recorded: settings, problems, held-out problems
 INCUMBENT = "incumbent"  # {"label", "table"} of the table the tune must not lose to (null: none)
-ROUNDS = "rounds"  # each round's decision: every problem's target, those raised, stalled, given the freed trials
+# each round's decision: every problem's target, those raised, stalled, given the freed trials, and its transfers
+# (problem key -> {"slot": the first slot they fill, "configs": [config dict]}, `transfer.py`)
+ROUNDS = "rounds"
 SWEEP_DONE = "sweep_done"  # the rounds ended: no problem's search pays any more (or all reached --trials)
 REMEASURE_RUNS = "remeasure_runs"  # ids of the runs holding the neighbour re-measurements
 EMISSIONS = "emissions"  # each emitted table: {"index", "inputs", "table", "elapsed_s"}

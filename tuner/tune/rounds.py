@@ -6,8 +6,13 @@ neighbours, up to the tune's seed limit, before any sampled config), then one `r
 rounds. Then more in steps of `round_step` up to `--trials`. A problem whose best time has not improved by more than
 STALL_GAIN over its last `round_step` trials stops where it is: more of the same search does not pay there. The
 trials it would have had go to the problems whose best moved most over their last step, where the search pays most.
-A decision reads only the measurements, in trial order, and is recorded in the journal before its trials are
-measured, so that a run continued after a kill measures exactly the same targets."""
+From the round after the seeds' on, a round also carries each problem's transfers (`transfer.py`: the best configs
+of the problems of its family nearest to it, not measured on it yet): a raised problem's step starts with them, and
+a problem stalled or at `--trials` gets as many more trials, up to TRANSFER_CEILING x `--trials`
+(`with_transfers`). The rounds go on while a problem is raised or has transfers; each transfer is a config its
+study did not hold, and the ceiling bounds them. A decision reads only the measurements, in trial order, and is
+recorded in the journal (with its transfers' configs and first slots) before its trials are measured, so that a
+run continued after a kill measures exactly the same configs in the same slots."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from ..sweep.options import FIRST_ROUND
 
 STALL_GAIN = 0.01  # a best that moved by no more than this fraction over a step has stalled
 COVER = 4  # the first round's trials per problem
+TRANSFER_CEILING = 2  # transfers take a problem to at most this many times --trials
 
 
 def first_round(trials: int) -> int:
@@ -31,6 +37,11 @@ def opening(trials: int) -> list[int]:
     problem is judged stalled by what its search found and never by its seeds alone."""
     first = first_round(trials)
     return sorted({min(COVER, first), first, min(trials, first + round_step(trials))})
+
+
+def transfers_from(targets: dict[str, int], trials: int) -> bool:
+    """Whether the round after targets `targets` carries transfers: once every problem's seeds are measured."""
+    return bool(targets) and min(targets.values()) >= first_round(trials)
 
 
 def round_step(trials: int) -> int:
@@ -58,19 +69,41 @@ class Round:
     raised: list[str] = field(default_factory=list)  # given one more step: their search still pays
     stalled: list[str] = field(default_factory=list)  # stopped in this round
     given: list[str] = field(default_factory=list)  # given the stalled problems' step too
+    # problem key -> {"slot": its study's first slot for them, "configs": the transfers measured there}
+    transfers: dict[str, dict] = field(default_factory=dict)
 
     @property
     def changed(self) -> bool:
-        return bool(self.raised)
+        return bool(self.raised or self.transfers)
 
     def to_dict(self) -> dict:
-        return {"raised": self.raised, "stalled": self.stalled, "given": self.given}
+        return {"raised": self.raised, "stalled": self.stalled, "given": self.given, "transfers": self.transfers}
+
+
+def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str, list], trials: int) -> Round:
+    """`decision` (from targets `before`) with each problem's `transfers` (problem key -> configs, in slot order)
+    in its next slots: a raised problem's step starts with them (as many as the step holds); any other problem
+    gets one more trial for each, up to TRANSFER_CEILING x `trials`."""
+    targets, placed = dict(decision.targets), {}
+    for key in sorted(transfers):
+        start = before[key]
+        if key in decision.raised:
+            room = targets[key] - start
+        else:
+            room = max(0, TRANSFER_CEILING * trials - start)
+        configs = list(transfers[key])[:room]
+        if not configs:
+            continue
+        placed[key] = {"slot": start, "configs": configs}
+        targets[key] = max(targets[key], start + len(configs))
+    return Round(targets, decision.raised, decision.stalled, decision.given, placed)
 
 
 def next_round(values: dict[str, list[float | None]], targets: dict[str, int], stopped: set[str], trials: int,
-               step: int) -> Round:
+               step: int, transfers: dict[str, list] | None = None) -> Round:
     """The next round's targets, from each problem's measured values (trial order) at its current target.
-    `stopped`: problems stalled in an earlier round, never raised again."""
+    `stopped`: problems stalled in an earlier round, never raised again; `transfers`: problem key -> configs to
+    measure on it next (`with_transfers`)."""
     gains = {k: gain(values.get(k, []), step) for k in targets}
     active = sorted(k for k in targets if targets[k] < trials and k not in stopped)
     stalled = [k for k in active if gains[k] is not None and gains[k] <= STALL_GAIN]
@@ -82,4 +115,4 @@ def next_round(values: dict[str, list[float | None]], targets: dict[str, int], s
     given = sorted(room, key=lambda k: (-(gains[k] if gains[k] is not None else 0.0), k))[:len(stalled)]
     for k in given:
         new[k] = min(trials, new[k] + step)
-    return Round(new, raised, stalled, sorted(given))
+    return with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials)

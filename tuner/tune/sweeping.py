@@ -34,9 +34,10 @@ class Outcome:
 
 
 def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, prefix: str, source: str = "sweep",
-          seeded: bool = True, extra_seeds: dict | None = None) -> Outcome:
+          seeded: bool = True, extra_seeds: dict | None = None, slot_seeds: dict | None = None) -> Outcome:
     """Measure `problems` until each of their studies (named with `prefix`) holds `trials` trials, within
-    `seconds` (None: no limit). `ctx` is the tune's `context.TuneContext`."""
+    `seconds` (None: no limit). `ctx` is the tune's `context.TuneContext`; `slot_seeds`: problem key -> (first
+    slot, [config dict]), configs its study measures in those slots (the rounds' transfers)."""
     from ..sweep import SweepOptions, run
 
     if seconds is not None:
@@ -47,7 +48,8 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
                         interpret=ctx.plan.interpret, compile_workers=ctx.compile_workers, device=ctx.device,
                         devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
-                        extra_seeds=dict(extra_seeds or {}), heartbeat_interval=ctx.heartbeats[0],
+                        extra_seeds=dict(extra_seeds or {}), slot_seeds=dict(slot_seeds or {}),
+                        heartbeat_interval=ctx.heartbeats[0],
                         grace_period=ctx.heartbeats[1], sampler=SAMPLER if seeded else "tpe",
                         seed_limit=SEED_LIMIT if seeded else None)
     result = run(opts, on_event=ctx.on_sweep_event, helpers=ctx.helpers)

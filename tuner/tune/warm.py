@@ -2,7 +2,8 @@
 trusted. A problem takes the config of the rule whose bounds hold its shape (inside the table's fitted box or not:
 a seed only has to be worth timing), adapted to the shape and the dtype as the runtime would
 (`kernels/select/adapt.py`), then to this device (its portable form, checked against its limits: `select.on_device`); the sweep puts it in the
-study's first slots, ahead of the analytic default and the structural seeds (`tuner/seeds.py`)."""
+study's first slots, ahead of the analytic default and the structural seeds (`tuner/seeds.py`). `for_problem` is that
+adaptation of any config found elsewhere: the rounds' transfers (`transfer.py`) use it too."""
 
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def fingerprint(table: Table) -> str:
     return f"{table.label} sha256:{hashlib.sha256(Path(table.path).read_bytes()).hexdigest()[:16]}"
 
 
-def rule_config(table: Table, problem: Problem, sm_count: int | None) -> BackwardConfig | None:
-    """The config of the table's rule for `problem`'s shape, ignoring the fitted box, adapted to the shape and
-    carried over to its dtype where the table tuned another (None: no family of this norm, or nothing carries)."""
+def rule_config(table: Table, problem: Problem) -> BackwardConfig | None:
+    """The config of the table's rule for `problem`'s shape, ignoring the fitted box, carried over to its dtype
+    where the table tuned another (None: no family of this norm, or nothing carries); `for_problem` adapts it."""
     key = table.family_key(problem.family)
     if key is None:
         return None
@@ -57,7 +58,7 @@ def rule_config(table: Table, problem: Problem, sm_count: int | None) -> Backwar
         config, _ = carried_over(config, stand_in, problem)
         if config is None:
             return None
-    return adapt(config, problem, sm_count)
+    return config
 
 
 def worth_measuring(config: BackwardConfig, space) -> BackwardConfig | None:
@@ -74,24 +75,31 @@ def worth_measuring(config: BackwardConfig, space) -> BackwardConfig | None:
     return None
 
 
+def for_problem(config: BackwardConfig, problem: Problem, space, limits, sm_count: int | None
+                ) -> BackwardConfig | None:
+    """A config found on another shape (a table's rule, another problem's best) as `problem`'s search space
+    `space` measures it: adapted to the shape as the runtime would, then to this device (`limits`: its portable
+    form, checked against its limits), validated, `worth_measuring`; None where it does not run there."""
+    from normtune.kernels.select.select import on_device
+
+    config, _ = on_device(adapt(config, problem, sm_count), problem, limits)
+    try:
+        config.validate(problem)
+    except ConfigError:
+        return None
+    return worth_measuring(config, space)
+
+
 def seeds(table: Table, problems: list[Problem], limits, sm_count: int | None) -> dict[str, list[dict]]:
     """Problem key → [the table's config for it, on this device, as the search space measures it] (problems it
     gives nothing the space takes are left out)."""
-    from normtune.kernels.select.select import on_device
-
     from ..space import Space
 
     out = {}
     for p in problems:
-        config = rule_config(table, p, sm_count)
-        if config is None:
-            continue
-        config, _ = on_device(config, p, limits)
-        try:
-            config.validate(p)
-        except ConfigError:
-            continue
-        config = worth_measuring(config, Space(p, sm_count, limits))
+        config = rule_config(table, p)
+        if config is not None:
+            config = for_problem(config, p, Space(p, sm_count, limits), limits, sm_count)
         if config is not None:
             out[p.key] = [config.to_dict()]
     return out
