@@ -191,11 +191,30 @@ def test_the_sweep_submits_the_first_problems_seeds_before_detecting_the_device(
     first round and the trials); none on the interpreter."""
     opts = SweepOptions(gpu_key="auto", problems=[PROBLEM, Problem("layer_norm", 8, 64, "fp32")], trials=40,
                         compile_workers=3, worker_index=1, workers=2)
-    pool = Pool()
-    problem, futures = launcher._first_compiles(opts, opts.problems, (None, pool))
+    pool, prepared = Pool(), []
+    measurer = type("Measurer", (), {"prepare": lambda self, problem: prepared.append(problem)})()
+    problem, futures = launcher._first_compiles(opts, opts.problems, (measurer, pool))
     assert problem == opts.problems[1] and len(futures) == 3
+    assert prepared == [problem]  # its inputs and reference are made while the first compiles run
     assert launcher._first_compiles(SweepOptions(gpu_key="auto", problems=[PROBLEM], interpret=True,
-                                                 compile_workers=3), [PROBLEM], (None, pool)) is None
+                                                 compile_workers=3), [PROBLEM], (measurer, pool)) is None
+    assert len(pool.jobs) == 3 and len(prepared) == 1
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_a_measuring_process_told_the_first_problem_has_its_inputs_made_before_the_first_trial(prepared):
+    from normtune.kernels.config import default_config
+    from normtune.tuner.sweep.measuring import MeasuringProcess
+
+    measurer = MeasuringProcess(0, interpret=True)
+    try:
+        if prepared:
+            measurer.prepare(PROBLEM)
+        result = measurer.measure(PROBLEM, default_config(PROBLEM), timeout_s=120)
+    finally:
+        measurer.close()
+    assert result.status == "ok", result.error
+    assert ("inputs" in measurer.phases) is not prepared, measurer.phases
 
 
 @pytest.mark.parametrize("index", [0, 1])

@@ -150,13 +150,18 @@ def _first_compiles(options: SweepOptions, problems: list, helpers) -> tuple | N
     """The compiles of the seeds the worker claims first (its first problem's, up to one per compile process and
     the first round), submitted now: they start as soon as the compile processes have started, while this process
     still imports torch, detects the device and opens the database (the seeds are computed in the compile
-    processes, which have them). (problem, futures) for `Sweep(early_compiles=…)`, or None."""
+    processes, which have them). The measuring process makes that problem's inputs and reference meanwhile.
+    (problem, futures) for `Sweep(early_compiles=…)`, or None."""
     from .compiling import submit_first_seeds
     from .options import FIRST_ROUND
 
-    pool = helpers[1] if helpers is not None and problems and not options.interpret else None
-    first = problems[options.worker_index * len(problems) // max(1, options.workers)] if problems else None
-    futures = submit_first_seeds(pool, options, first, min(options.compile_workers or 0, FIRST_ROUND, options.trials))
+    if helpers is None or not problems or options.interpret:
+        return None
+    first = problems[options.worker_index * len(problems) // max(1, options.workers)]
+    if hasattr(helpers[0], "prepare"):
+        helpers[0].prepare(first)
+    futures = submit_first_seeds(helpers[1], options, first, min(options.compile_workers or 0, FIRST_ROUND,
+                                                                  options.trials))
     return (first, futures) if futures else None
 
 
