@@ -77,3 +77,23 @@ def test_slot_seeds_are_canonical_and_only_for_seeded_sweeps():
     for off in ({"seeded": False, "sampler": "tpe"}, {"sampler": "grid"}):
         unseeded = S.SweepOptions(**{**opts.__dict__, **off})
         assert slot_seed_configs(unseeded, PROBLEM, space) == {}
+
+
+def test_slot_seeds_are_compiled_ahead_in_the_order_their_slots_are_claimed():
+    from normtune.tuner.gpu_info import DeviceInfo
+    from normtune.tuner.sweep.compile_ahead import by_slot, seeds_ahead
+    from normtune.tuner.sweep.costs import Costs
+
+    space = Space(PROBLEM, INTERPRET_SM_COUNT)
+    seeds, named = space.seeds()[:4], space.seeds()[6:8]
+    assert by_slot(seeds[:2], {3: named[0]}) == [seeds[0], seeds[1], None, named[0]]
+    assert by_slot(seeds, {1: named[0]}) == [seeds[0], named[0], seeds[2], seeds[3]]  # as `prepare` gives slot 1
+    opts = S.SweepOptions(gpu_key="interpret", problems=[PROBLEM], trials=8, sampler="local", interpret=True,
+                          seed_limit=4, slot_seeds={PROBLEM.key: (5, [c.to_dict() for c in named])})
+    info = DeviceInfo(name="cpu", key="interpret", compute_capability=None, sm_count=INTERPRET_SM_COUNT,
+                      l2_bytes=0, memory_bytes=0, driver=None, cuda=None, torch="x", triton="x", normtune="0",
+                      git_revision=None, host="test", python="3", interpret=True)
+    claimed = {0, 1, 2, 3, 4}  # the seeds measured: the named slots are what is left to compile
+    store = type("Store", (), {"workers": type("Workers", (), {"slots": staticmethod(lambda name: claimed)})()})()
+    ahead = list(seeds_ahead([PROBLEM], [4, 8], opts, info, store, {}, Costs()))
+    assert ahead == [(PROBLEM, named[0]), (PROBLEM, named[1])]

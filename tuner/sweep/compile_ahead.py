@@ -22,7 +22,7 @@ from ..gpu_info import DeviceInfo
 from .compiling import compile_one, pool_started
 from .costs import Costs
 from .options import SweepOptions, study_name
-from .trials import StudyBook, problem_space, seed_configs
+from .trials import StudyBook, problem_space, seed_configs, slot_seed_configs
 
 
 class CompileAhead:
@@ -118,17 +118,27 @@ def seeds_in_claim_order(order: list[Problem], targets: list[int], seeds_of: Cal
         low = high
 
 
+def by_slot(seeds: list[BackwardConfig | None], named: dict[int, BackwardConfig]) -> list[BackwardConfig | None]:
+    """The config each slot gets, in slot order (None: the sampler's): the slots `named` (`slot_seed_configs`)
+    take theirs over the seeds', as `StudyBook.prepare` gives them."""
+    out = list(seeds) + [None] * (max(named, default=-1) + 1 - len(seeds))
+    for slot, config in named.items():
+        out[slot] = config
+    return out
+
+
 def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, info: DeviceInfo, store,
                 books: dict[str, StudyBook], costs: Costs) -> Iterator[tuple[Problem, BackwardConfig]]:
     """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`: from its
-    `seed_base` slot on), else those a fresh study gets; its claimed slots are read from the store when its turn comes (counted in `costs` as
-    database time)."""
+    `seed_base` slot on), else those a fresh study gets, with the configs `slot_seeds` names in their slots; its
+    claimed slots are read from the store when its turn comes (counted in `costs` as database time)."""
 
     def seeds_of(problem: Problem) -> list[BackwardConfig | None]:
         book = books.get(problem.key)
         if book is not None:
-            return [None] * book.seed_base + book.seeds
-        return seed_configs(opts, problem, problem_space(problem, info.sm_count, info.interpret))
+            return by_slot([None] * book.seed_base + book.seeds, book.slot_seeds)
+        space = problem_space(problem, info.sm_count, info.interpret)
+        return by_slot(seed_configs(opts, problem, space), slot_seed_configs(opts, problem, space))
 
     def claimed_of(problem: Problem) -> set[int]:
         with costs.timed("database"):
