@@ -103,16 +103,15 @@ def test_transfers_are_adapted_to_the_problem_as_the_warm_start_adapts_a_table()
     best_wide = spaces[wide.key].seeds()[-1]
     measured = {narrow.key: [record(spaces[narrow.key].seeds()[0], 10.0, number=0)],
                 wide.key: [record(spaces[wide.key].seeds()[0], 9.0, number=0), record(best_wide, 4.0, number=1)]}
-    ctx = SimpleNamespace(plan=SimpleNamespace(study=lambda p: p.key), info=SimpleNamespace(sm_count=INTERPRET_SM_COUNT),
-                          store=SimpleNamespace(measurements=lambda study_name: measured[study_name]),
-                          limits=lambda: None)
+    ctx = SimpleNamespace(info=SimpleNamespace(sm_count=INTERPRET_SM_COUNT), limits=lambda: None)
     expected = warm.for_problem(best_wide, narrow, spaces[narrow.key], None, INTERPRET_SM_COUNT)
     assert expected.kernel_1.block_col == 1024 != best_wide.kernel_1.block_col  # fitted to the narrower row
     assert spaces[narrow.key].why_not(expected) is None
     back = warm.for_problem(measured[narrow.key][0].config, wide, spaces[wide.key], None, INTERPRET_SM_COUNT)
-    assert transfer.transfers(ctx, [narrow, wide]) == {narrow.key: [expected.to_dict()], wide.key: [back.to_dict()]}
+    assert transfer.transfers(ctx, [narrow, wide], measured) == {narrow.key: [expected.to_dict()],
+                                                                 wide.key: [back.to_dict()]}
     measured[narrow.key].append(record(expected, 11.0, number=1))  # measured now: never transferred again
-    assert narrow.key not in transfer.transfers(ctx, [narrow, wide])
+    assert narrow.key not in transfer.transfers(ctx, [narrow, wide], measured)
 
 
 # ------------------------------------------------------------------------------------------------- rounds
@@ -148,7 +147,7 @@ def test_a_stalled_or_finished_problem_gets_a_trial_per_transfer_up_to_twice_tri
     assert decision.changed  # the rounds go on while a problem has transfers
     quiet = rounds.next_round(values, decision.targets, {"gone", "flat"}, trials=10, step=2)
     assert not quiet.changed and quiet.transfers == {}
-    ceiling = rounds.next_round(values, {**targets, "full": 20}, {"gone"}, trials=10, step=2,
+    ceiling = rounds.next_round({**values, "full": [5.0] * 20}, {**targets, "full": 20}, {"gone"}, trials=10, step=2,
                                 transfers={"full": ["s"]})
     assert "full" not in ceiling.transfers and ceiling.targets["full"] == 20
 
@@ -276,3 +275,11 @@ def test_a_killed_tune_measures_the_same_configs_in_the_same_slots(monkeypatch):
         assert ctx.journal.get(J.ROUNDS) == whole.journal.get(J.ROUNDS)
         assert {k: [(m.config, m.source) for m in v] for k, v in resumed.items()} == \
             {k: [(m.config, m.source) for m in v] for k, v in rows.items()}
+
+
+def test_a_study_that_ended_short_takes_its_transfers_in_its_first_empty_slot():
+    values = {"short": [10.0, 10.0, 10.0], "full": [10.0] * 6}  # "short": its space offered no fourth config
+    decision = rounds.next_round(values, {"short": 6, "full": 6}, set(), trials=6, step=2,
+                                 transfers={"short": ["x"], "full": ["y"]})
+    assert decision.transfers == {"short": {"slot": 3, "configs": ["x"]}, "full": {"slot": 6, "configs": ["y"]}}
+    assert decision.targets == {"short": 6, "full": 7}

@@ -156,19 +156,16 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
         if ctx.journal.get(J.SWEEP_DONE):
             return True
         before = rounds[-1]["targets"]
-        if transfers_from(before, trials):
-            _phase(ctx, f"sweep, transfers for round {len(rounds) + 1}")
-            moved = transfers(ctx, ctx.plan.problems)
-        else:
-            moved = {}
+        measured = study_measurements(ctx, ctx.plan.problems)
+        moved = transfers(ctx, ctx.plan.problems, measured) if transfers_from(before, trials) else {}
         if len(rounds) < len(uniform):  # the opening rounds: every problem alike
             opened = {p.key: uniform[len(rounds)] for p in ctx.plan.problems}
-            decision = with_transfers(Round(opened, sorted(opened)), before, moved, trials)
+            decision = with_transfers(Round(opened, sorted(opened)), before, moved, trials,
+                                      {k: len(v) for k, v in measured.items()})
             ctx.journal.append(J.ROUNDS, {"targets": decision.targets, **decision.to_dict()})
             _say_transfers(ctx, decision)
             continue
-        values = {k: [m.median_us if m.status == "ok" else None for m in records]
-                  for k, records in study_measurements(ctx, ctx.plan.problems).items()}
+        values = {k: [m.median_us if m.status == "ok" else None for m in records] for k, records in measured.items()}
         stopped = {k for r in rounds for k in r["stalled"]}
         decision = next_round(values, before, stopped, trials, step, moved)
         if not decision.changed:

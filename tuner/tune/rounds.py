@@ -80,13 +80,15 @@ class Round:
         return {"raised": self.raised, "stalled": self.stalled, "given": self.given, "transfers": self.transfers}
 
 
-def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str, list], trials: int) -> Round:
+def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str, list], trials: int,
+                   counts: dict[str, int] | None = None) -> Round:
     """`decision` (from targets `before`) with each problem's `transfers` (problem key -> configs, in slot order)
     in its next slots: a raised problem's step starts with them (as many as the step holds); any other problem
-    gets one more trial for each, up to TRANSFER_CEILING x `trials`."""
+    gets one more trial for each, up to TRANSFER_CEILING x `trials`. `counts`: the trials each study holds, where
+    one ended short of its target (its space offered no more): its transfers start in its first empty slot."""
     targets, placed = dict(decision.targets), {}
     for key in sorted(transfers):
-        start = before[key]
+        start = min(before[key], (counts or {}).get(key, before[key]))
         if key in decision.raised:
             room = targets[key] - start
         else:
@@ -115,4 +117,5 @@ def next_round(values: dict[str, list[float | None]], targets: dict[str, int], s
     given = sorted(room, key=lambda k: (-(gains[k] if gains[k] is not None else 0.0), k))[:len(stalled)]
     for k in given:
         new[k] = min(trials, new[k] + step)
-    return with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials)
+    counts = {k: len(v) for k, v in values.items()}
+    return with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials, counts)

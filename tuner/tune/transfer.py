@@ -66,13 +66,12 @@ def choose(problems: list[Problem], best: dict[str, BackwardConfig | None], held
     return out
 
 
-def transfers(ctx, problems: list[Problem]) -> dict[str, list[dict]]:
-    """`choose` over the tune's measurements now: problem key → its transfers' config dicts, for the journal."""
+def transfers(ctx, problems: list[Problem], measured: dict[str, list]) -> dict[str, list[dict]]:
+    """`choose` over the tune's measurements (`measured`: problem key → its study's measurements,
+    `emission.study_measurements`): problem key → its transfers' config dicts, for the journal."""
     from ..space import Space
-    from .emission import study_measurements
     from .warm import for_problem
 
-    measured = study_measurements(ctx, problems)
     limits, sm_count = ctx.limits(), ctx.info.sm_count
     spaces = {p.key: Space(p, sm_count, limits) for p in problems}
     held = {p.key: {spaces[p.key].canonical(m.config) for m in measured[p.key]} for p in problems}

@@ -1,8 +1,8 @@
-"""Warm start (`--from`): another table's rules as each problem's first seeds, measured like every seed, never
-trusted. A problem takes the config of the rule whose bounds hold its shape (inside the table's fitted box or not:
-a seed only has to be worth timing), adapted to the shape and the dtype as the runtime would
-(`kernels/select/adapt.py`), then to this device (its portable form, checked against its limits: `select.on_device`); the sweep puts it in the
-study's first slots, ahead of the analytic default and the structural seeds (`tuner/seeds.py`). `for_problem` is that
+"""Warm start (`--from`): another table's rules as each problem's first seeds, measured like every seed, never trusted.
+A problem takes the config of the rule whose bounds hold its shape (inside the table's fitted box or not: a seed only
+has to be worth timing), adapted to the shape and the dtype as the runtime would (`kernels/select/adapt.py`), then to
+this device (its portable form, checked against its limits: `select.on_device`); the sweep puts it in the study's
+first slots, ahead of the analytic default and the structural seeds (`tuner/seeds.py`). `for_problem` is that
 adaptation of any config found elsewhere: the rounds' transfers (`transfer.py`) use it too."""
 
 from __future__ import annotations
