@@ -283,3 +283,16 @@ def test_a_study_that_ended_short_takes_its_transfers_in_its_first_empty_slot():
                                  transfers={"short": ["x"], "full": ["y"]})
     assert decision.transfers == {"short": {"slot": 3, "configs": ["x"]}, "full": {"slot": 6, "configs": ["y"]}}
     assert decision.targets == {"short": 6, "full": 7}
+
+
+def test_a_stalled_problem_whose_best_a_transfer_moved_searches_again():
+    entries = [{"stalled": ["a", "b"]}, {"stalled": ["c"], "revived": ["a"]}]
+    assert rounds.stopped_after(entries) == {"b", "c"}
+    values = {"a": [10.0] * 4 + [8.0], "b": [10.0] * 4 + [10.0], "c": [10.0] * 5}  # a's transfer won, b's did not
+    decision = rounds.next_round(values, dict.fromkeys(values, 5), {"a", "b", "c"}, trials=10, step=2,
+                                 tried={"a": 1, "b": 1})
+    assert decision.revived == ["a"] and decision.raised == ["a"] and decision.targets == {"a": 7, "b": 5, "c": 5}
+    assert decision.to_dict()["revived"] == ["a"]
+    assert rounds.stopped_after(entries + [decision.to_dict()]) == {"b", "c"}
+    at_trials = rounds.next_round(values, dict.fromkeys(values, 10), {"a"}, trials=10, step=2, tried={"a": 1})
+    assert at_trials.revived == [] and not at_trials.changed  # no room left to search

@@ -27,7 +27,7 @@ from .checking import Stopped, rows_of
 from .checking import validate as validate_table
 from .emission import emit, inputs, remeasure, study_measurements
 from .resweep import decide
-from .rounds import Round, next_round, opening, round_step, transfers_from, with_transfers
+from .rounds import Round, next_round, opening, round_step, stopped_after, transfers_from, with_transfers
 from .sweeping import sweep
 from .transfer import transfers
 
@@ -166,8 +166,9 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
             _say_transfers(ctx, decision)
             continue
         values = {k: [m.median_us if m.status == "ok" else None for m in records] for k, records in measured.items()}
-        stopped = {k for r in rounds for k in r["stalled"]}
-        decision = next_round(values, before, stopped, trials, step, moved)
+        stopped = stopped_after(rounds)
+        tried = {k: len(t["configs"]) for k, t in rounds[-1].get("transfers", {}).items()}
+        decision = next_round(values, before, stopped, trials, step, moved, tried)
         if not decision.changed:
             ctx.journal.put(J.SWEEP_DONE, True)
             ctx.say(f"sweep: the rounds are over after round {len(rounds)} ({len(stopped | set(decision.stalled))} "
@@ -176,7 +177,8 @@ def sweep_rounds(ctx, seconds: float | None) -> bool:
         ctx.journal.append(J.ROUNDS, {"targets": decision.targets, **decision.to_dict()})
         ctx.say(f"sweep: round {len(rounds) + 1}: {len(decision.raised)} problems get {step} more trials"
                 + (f", {len(decision.stalled)} stalled (their trials go to {len(decision.given)} others)"
-                   if decision.stalled else ""))
+                   if decision.stalled else "")
+                + (f", {len(decision.revived)} revived by a transfer" if decision.revived else ""))
         _say_transfers(ctx, decision)
         if deadline is not None and time.monotonic() >= deadline:
             return False

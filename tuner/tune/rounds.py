@@ -9,7 +9,8 @@ trials it would have had go to the problems whose best moved most over their las
 From the round after the seeds' on, a round also carries each problem's transfers (`transfer.py`: the best configs
 of the problems of its family nearest to it, not measured on it yet): a raised problem's step starts with them, and
 a problem stalled or at `--trials` gets as many more trials, up to TRANSFER_CEILING x `--trials`
-(`with_transfers`). The rounds go on while a problem is raised or has transfers; each transfer is a config its
+(`with_transfers`); a stalled problem whose best a transfer moved by more than STALL_GAIN is revived, its search
+going on from there. The rounds go on while a problem is raised or has transfers; each transfer is a config its
 study did not hold, and the ceiling bounds them. A decision reads only the measurements, in trial order, and is
 recorded in the journal (with its transfers' configs and first slots) before its trials are measured, so that a
 run continued after a kill measures exactly the same configs in the same slots."""
@@ -71,13 +72,15 @@ class Round:
     given: list[str] = field(default_factory=list)  # given the stalled problems' step too
     # problem key -> {"slot": its study's first slot for them, "configs": the transfers measured there}
     transfers: dict[str, dict] = field(default_factory=dict)
+    revived: list[str] = field(default_factory=list)  # stopped before, raised again: a transfer moved their best
 
     @property
     def changed(self) -> bool:
         return bool(self.raised or self.transfers)
 
     def to_dict(self) -> dict:
-        return {"raised": self.raised, "stalled": self.stalled, "given": self.given, "transfers": self.transfers}
+        return {"raised": self.raised, "stalled": self.stalled, "given": self.given, "transfers": self.transfers,
+                "revived": self.revived}
 
 
 def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str, list], trials: int,
@@ -101,14 +104,28 @@ def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str,
     return Round(targets, decision.raised, decision.stalled, decision.given, placed)
 
 
+def stopped_after(entries: list[dict]) -> set[str]:
+    """The problems stopped after the rounds `entries` (as the journal keeps them, in order): stalled in a round
+    and not revived since."""
+    out: set[str] = set()
+    for entry in entries:
+        out = (out | set(entry["stalled"])) - set(entry.get("revived", []))
+    return out
+
+
 def next_round(values: dict[str, list[float | None]], targets: dict[str, int], stopped: set[str], trials: int,
-               step: int, transfers: dict[str, list] | None = None) -> Round:
+               step: int, transfers: dict[str, list] | None = None, tried: dict[str, int] | None = None) -> Round:
     """The next round's targets, from each problem's measured values (trial order) at its current target.
-    `stopped`: problems stalled in an earlier round, never raised again; `transfers`: problem key -> configs to
-    measure on it next (`with_transfers`)."""
+    `stopped`: problems stalled in an earlier round (`stopped_after`), not raised again unless revived;
+    `transfers`: problem key -> configs to measure on it next (`with_transfers`); `tried`: problem key -> the
+    transfers its last round measured. A stopped problem whose best those moved by more than STALL_GAIN is revived:
+    its search goes on, from the transfer that won."""
+    tried = tried or {}
+    revived = sorted(k for k in stopped if targets[k] < trials and tried.get(k)
+                     and (gain(values.get(k, []), tried[k]) or 0.0) > STALL_GAIN)
     gains = {k: gain(values.get(k, []), step) for k in targets}
-    active = sorted(k for k in targets if targets[k] < trials and k not in stopped)
-    stalled = [k for k in active if gains[k] is not None and gains[k] <= STALL_GAIN]
+    active = sorted(k for k in targets if targets[k] < trials and (k not in stopped or k in revived))
+    stalled = [k for k in active if k not in revived and gains[k] is not None and gains[k] <= STALL_GAIN]
     raised = [k for k in active if k not in stalled]
     new = dict(targets)
     for k in raised:
@@ -118,4 +135,6 @@ def next_round(values: dict[str, list[float | None]], targets: dict[str, int], s
     for k in given:
         new[k] = min(trials, new[k] + step)
     counts = {k: len(v) for k, v in values.items()}
-    return with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials, counts)
+    decision = with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials, counts)
+    decision.revived = revived
+    return decision
