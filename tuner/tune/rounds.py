@@ -17,6 +17,7 @@ run continued after a kill measures exactly the same configs in the same slots."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -101,7 +102,7 @@ def with_transfers(decision: Round, before: dict[str, int], transfers: dict[str,
             continue
         placed[key] = {"slot": start, "configs": configs}
         targets[key] = max(targets[key], start + len(configs))
-    return Round(targets, decision.raised, decision.stalled, decision.given, placed)
+    return dataclasses.replace(decision, targets=targets, transfers=placed)
 
 
 def stopped_after(entries: list[dict]) -> set[str]:
@@ -135,6 +136,5 @@ def next_round(values: dict[str, list[float | None]], targets: dict[str, int], s
     for k in given:
         new[k] = min(trials, new[k] + step)
     counts = {k: len(v) for k, v in values.items()}
-    decision = with_transfers(Round(new, raised, stalled, sorted(given)), targets, transfers or {}, trials, counts)
-    decision.revived = revived
-    return decision
+    return with_transfers(Round(new, raised, stalled, sorted(given), revived=revived), targets, transfers or {},
+                          trials, counts)
