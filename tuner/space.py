@@ -123,7 +123,19 @@ class Space:
         if lacking:
             return lacking[0]
         k1 = config.kernel_1
-        largest = config.strategy.largest_tile(k1)
+        tile = self._tile_why_not(k1)
+        if tile is not None:
+            return tile
+        own = config.strategy.why_not(config, self)
+        if own is not None:
+            return own
+        if config.strategy.sweeps_rows and self.problem.M > MAX_COLUMNS_ROWS:
+            return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
+        return None
+
+    def _tile_why_not(self, k1) -> str | None:
+        """The constraints of `why_not` that kernel_1 alone decides (kernel_2's knobs cannot lift them)."""
+        largest = lookup(k1.strategy).largest_tile(k1)
         if k1.tile() > largest:
             return f"tile {k1.block_row}x{k1.block_col} exceeds the space's {largest} elements"
         if k1.num_warps > max_warps(k1.tile(), self.limits):
@@ -131,11 +143,6 @@ class Space:
                     f"{k1.tile()}-element tile")
         if k1.prefetch and k1.num_stages > 1:
             return "prefetch and num_stages > 1 both pipeline the tile loop: use one"
-        own = config.strategy.why_not(config, self)
-        if own is not None:
-            return own
-        if config.strategy.sweeps_rows and self.problem.M > MAX_COLUMNS_ROWS:
-            return f"the {k1.strategy} strategy sweeps every row of a column slice: offered up to M={MAX_COLUMNS_ROWS}"
         return None
 
     def canonical(self, config: BackwardConfig) -> BackwardConfig:
@@ -175,19 +182,30 @@ class Space:
                 sub = {k: (v if strategy.enumerated(k, variant) else v[:1]) for k, v in d.items()}
                 sub["k1.strategy"] = (name,)
                 sub.update({k: (value,) for k, value in variant.items()})
+                # kernel_2's knobs (the trailing keys) vary fastest; a kernel_1 that `_tile_why_not` rules out is
+                # skipped with all of them at once (a strategy builds kernel_1 from the 'k1.' params alone).
                 keys = list(sub)
-                for values in itertools.product(*(sub[k] for k in keys)):
-                    params = dict(zip(keys, values))
-                    fused = params["k2.fused"]
-                    if fused and (params["k2.pdl"] or params["k2.num_warps"] != K2_DOMAINS["num_warps"][0]):
-                        continue  # fused: kernel_2's warps and PDL do not apply
-                    cfg = self.config(params)
-                    if self.why_not(cfg) is not None:
+                inner = len(keys)
+                while inner > 0 and keys[inner - 1].startswith("k2."):
+                    inner -= 1
+                outer_keys, inner_keys = keys[:inner], keys[inner:]
+                inner_values = list(itertools.product(*(sub[k] for k in inner_keys)))
+                for outer in itertools.product(*(sub[k] for k in outer_keys)):
+                    first = dict(zip(outer_keys, outer), **dict(zip(inner_keys, inner_values[0])))
+                    if self._tile_why_not(self.config(first).kernel_1) is not None:
                         continue
-                    cfg = self.canonical(cfg)
-                    if cfg not in seen:
-                        seen.add(cfg)
-                        yield cfg
+                    for values in inner_values:
+                        params = dict(zip(keys, outer + values))
+                        fused = params["k2.fused"]
+                        if fused and (params["k2.pdl"] or params["k2.num_warps"] != K2_DOMAINS["num_warps"][0]):
+                            continue  # fused: kernel_2's warps and PDL do not apply
+                        cfg = self.config(params)
+                        if self.why_not(cfg) is not None:
+                            continue
+                        cfg = self.canonical(cfg)
+                        if cfg not in seen:
+                            seen.add(cfg)
+                            yield cfg
 
     def size(self) -> int:
         return sum(1 for _ in self)
