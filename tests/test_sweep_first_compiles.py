@@ -72,9 +72,10 @@ def test_the_first_seeds_are_submitted_in_slot_order_with_only_what_their_seeds_
     pool = Pool()
     futures = compiling.submit_first_seeds(pool, opts, PROBLEM, 3)
     assert len(futures) == 3
-    assert [name for name, _ in pool.jobs] == ["compile_seed"] * 3
-    assert [args[2] for _, args in pool.jobs] == [0, 1, 2]
-    problem_dict, seeding, _ = pool.jobs[0][1]
+    assert [name for name, _ in pool.jobs] == ["compile_seed"] * 4
+    # The first seed's kernels compile in two processes at once: its first launch's, and the rest.
+    assert [args[2:] for _, args in pool.jobs] == [(0, range(0, 1)), (0, range(1, 2**16)), (1,), (2,)]
+    problem_dict, seeding = pool.jobs[0][1][:2]
     assert Problem.from_dict(problem_dict) == PROBLEM
     assert seeding == {"sampler": "tpe", "seeded": True, "seed_limit": 5, "extra_seeds": {PROBLEM.key: []}}
 
@@ -99,8 +100,8 @@ def test_a_compile_process_compiles_the_seed_the_worker_gives_that_slot(monkeypa
     compiled = []
     monkeypatch.setattr(compiling, "_usable", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"multi_processor_count": sms}))
-    monkeypatch.setattr(compiling, "compile_one", lambda p, config_json, s: compiled.append((config_json, s)) or
-                        ("ok", 0.1, None))
+    monkeypatch.setattr(compiling, "compile_one", lambda p, config_json, s, launches: compiled.append(
+        (config_json, s)) or ("ok", 0.1, None))
     opts = SweepOptions(gpu_key="auto", problems=[PROBLEM], seed_limit=4)
     seeding = compiling.seeding_of(opts, PROBLEM)
     expected = _seeds(opts, sms, interpret=False)
@@ -198,7 +199,38 @@ def test_the_sweep_submits_the_first_problems_seeds_before_detecting_the_device(
     assert prepared == [problem]  # its inputs and reference are made while the first compiles run
     assert launcher._first_compiles(SweepOptions(gpu_key="auto", problems=[PROBLEM], interpret=True,
                                                  compile_workers=3), [PROBLEM], (measurer, pool)) is None
-    assert len(pool.jobs) == 3 and len(prepared) == 1
+    assert len(pool.jobs) == 4 and len(prepared) == 1
+
+
+def _ended(result) -> Future:
+    future = Future()
+    future.set_result(result)
+    return future
+
+
+@pytest.mark.parametrize("parts, whole", [
+    ([("ok", 1.0, None), ("ok", 2.0, None)], ("ok", 2.0, None)),
+    ([("ok", 1.0, None), ("compile_error", 0.5, "E")], ("compile_error", 0.5, "E")),
+    ([("ok", None, None), ("ok", 2.0, None)], ("ok", None, None)),
+])
+def test_a_config_compiled_in_parts_ends_with_its_parts(parts, whole):
+    pending = [Future() for _ in parts]
+    joined = compiling.joined(pending)
+    pending[0].set_result(parts[0])
+    assert not joined.done()
+    pending[1].set_result(parts[1])
+    assert joined.result(0) == whole
+    assert compiling.joined([_ended(p) for p in parts]).result(0) == whole
+
+
+def test_cancelling_a_config_compiled_in_parts_cancels_the_parts_not_started():
+    parts = [Future(), Future()]
+    parts[0].set_running_or_notify_cancel()
+    joined = compiling.joined(parts)
+    assert joined.cancel()
+    assert parts[1].cancelled() and not parts[0].cancelled()
+    parts[0].set_result(("ok", 1.0, None))  # the started part ends later: nothing is raised
+    assert joined.cancelled()
 
 
 @pytest.mark.parametrize("prepared", [True, False])
@@ -235,3 +267,25 @@ def test_the_pools_first_process_builds_tritons_driver_utilities_while_it_import
 
     monkeypatch.setattr(nvidia, "CudaUtils", failing)
     compiling._warm_up()  # no error
+
+
+def test_precompile_compiles_only_the_launches_asked_for(monkeypatch):
+    import torch
+
+    from normtune.kernels import backward_launch
+
+    warmed = []
+
+    class Step:
+        def __init__(self, name):
+            self.kernel = type("K", (), {"warmup": lambda _, *args, **kwargs: warmed.append(name)})()
+            self.grid, self.kwargs = 1, {}
+
+    plan = type("Plan", (), {"stage_1": [Step("kernel_1")], "stage_2": [Step("kernel_2"), Step("kernel_3")]})
+    monkeypatch.setattr(backward_launch, "compile_ahead_args", lambda p, c, d: (plan, [(), (), ()]))
+    config = BackwardConfig.from_json(_seeds(SweepOptions(gpu_key="auto", problems=[PROBLEM]))[0].to_json())
+    for launches, expected in ((None, ["kernel_1", "kernel_2", "kernel_3"]), (range(0, 1), ["kernel_1"]),
+                               (range(1, 2**16), ["kernel_2", "kernel_3"])):
+        warmed.clear()
+        backward_launch.precompile(PROBLEM, config, INTERPRET_SM_COUNT, torch.device("cpu"), launches=launches)
+        assert warmed == expected

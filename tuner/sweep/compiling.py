@@ -192,9 +192,11 @@ def _build_triton_utilities(utilities) -> None:
         log.debug("Triton's driver utilities not built ahead: %s", err)
 
 
-def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
-    """(status, seconds, error) of compiling a config ahead of its measurement; ("ok", None, None) where this
-    process cannot compile (the measuring process then compiles it)."""
+def compile_one(problem_dict: dict, config_json: str, sms: int,
+                launches: range | None = None) -> tuple[str, float, str | None]:
+    """(status, seconds, error) of compiling a config ahead of its measurement (`launches`: only those launches'
+    kernels, by index in launch order); ("ok", None, None) where this process cannot compile (the measuring
+    process then compiles it)."""
     if not _usable():
         return "ok", None, None
     from normtune.kernels.backward_launch import precompile
@@ -205,13 +207,14 @@ def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, fl
 
     t = time.perf_counter()
     try:
-        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms)
+        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms, launches=launches)
         return "ok", time.perf_counter() - t, None
     except Exception as err:  # noqa: BLE001
         return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"
 
 
-def compile_seed(problem_dict: dict, seeding: dict, index: int) -> tuple[str, float | None, str | None]:
+def compile_seed(problem_dict: dict, seeding: dict, index: int,
+                 launches: range | None = None) -> tuple[str, float | None, str | None]:
     """`compile_one` of seed `index` of a fresh study of the problem on this process's device (`seeding`: the
     `SweepOptions` fields the seeds depend on, `seeding_of`), the seed computed here: the sweep submits these
     before it has imported the kernels or detected the device itself (`submit_first_seeds`)."""
@@ -230,7 +233,7 @@ def compile_seed(problem_dict: dict, seeding: dict, index: int) -> tuple[str, fl
     seeds = seed_configs(opts, problem, problem_space(problem, sms, interpret=False))
     if index >= len(seeds):
         return "ok", None, None
-    return compile_one(problem_dict, seeds[index].to_json(), sms)
+    return compile_one(problem_dict, seeds[index].to_json(), sms, launches)
 
 
 def seeding_of(opts, problem) -> dict:
@@ -240,13 +243,57 @@ def seeding_of(opts, problem) -> dict:
 
 
 def submit_first_seeds(pool, opts, problem, count: int) -> list[Future]:
-    """Submit the compiles of the first `count` seeds of `problem` (`compile_seed`), one job each in slot
-    order, to a pool made by `compile_pool` (none to another: its jobs take other arguments). Queued behind the
+    """Submit the compiles of the first `count` seeds of `problem` (`compile_seed`), a future each in slot order,
+    to a pool made by `compile_pool` (none to another: its jobs take other arguments). Queued behind the
     processes' start-up, they compile as soon as each process has started, while the sweep itself still imports,
-    detects the device and opens the database; the worker adopts them by their configs (`CompileAhead.adopt`)."""
+    detects the device and opens the database; the worker adopts them by their configs (`CompileAhead.adopt`).
+    The first seed, which the first measurement waits for, is two jobs (its first launch's kernel, the rest)."""
     if pool is None or getattr(pool, "normtune_started", None) is None or count <= 0:
         return []
     seeding = seeding_of(opts, problem)
     if seeding["sampler"] == "grid" or not seeding["seeded"]:
         return []
-    return [pool.submit(compile_seed, problem.to_dict(), seeding, i) for i in range(count)]
+    first = joined([pool.submit(compile_seed, problem.to_dict(), seeding, 0, launches)
+                    for launches in (range(0, 1), range(1, 2**16))])
+    return [first] + [pool.submit(compile_seed, problem.to_dict(), seeding, i) for i in range(1, count)]
+
+
+def joined(parts: list[Future]) -> Future:
+    """One compile job's future made of `parts` (each compiling some of a config's kernels): the first part's
+    result that is not "ok" once all have ended, else ("ok", the longest part's seconds, None), or ("ok", None,
+    None) where a part could not compile. Cancelling it cancels the parts that have not started."""
+    whole, left, lock = Future(), [len(parts)], threading.Lock()
+
+    def ended(_part) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] or whole.done():
+                return
+        try:
+            results = [part.result() for part in parts]
+        except Exception as err:  # noqa: BLE001 - a broken pool: `wait_compiled` treats it as not compiled ahead
+            _settle(whole, err)
+            return
+        failed = [r for r in results if r[0] != "ok"]
+        seconds = [r[1] for r in results]
+        _settle(whole, failed[0] if failed else ("ok", None if None in seconds else max(seconds), None))
+
+    def cancelled(_whole) -> None:
+        if whole.cancelled():
+            for part in parts:
+                part.cancel()
+
+    whole.add_done_callback(cancelled)
+    for part in parts:
+        part.add_done_callback(ended)
+    return whole
+
+
+def _settle(future: Future, outcome) -> None:
+    """Set `future`'s result (or exception), unless it was cancelled meanwhile."""
+    if not future.set_running_or_notify_cancel():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
