@@ -97,3 +97,19 @@ def test_slot_seeds_are_compiled_ahead_in_the_order_their_slots_are_claimed():
     store = type("Store", (), {"workers": type("Workers", (), {"slots": staticmethod(lambda name: claimed)})()})()
     ahead = list(seeds_ahead([PROBLEM], [4, 8], opts, info, store, {}, Costs()))
     assert ahead == [(PROBLEM, named[0]), (PROBLEM, named[1])]
+
+
+def test_one_sweep_ends_each_study_at_its_own_target(tmp_path, stand_in):
+    """`SweepOptions.targets`: one sweep takes problems whose studies end at different counts (a tune's round),
+    each at its own, and a study already there measures nothing more."""
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    S.run(S.SweepOptions(gpu_key="auto", problems=[PROBLEM, OTHER], trials=7, targets={PROBLEM.key: 3},
+                         sampler="local", interpret=True, compile_workers=0, storage=url, study_prefix="t",
+                         seed_limit=4))
+    assert (len(_by_slot(url, PROBLEM)), len(_by_slot(url, OTHER))) == (3, 7)
+    S.run(S.SweepOptions(gpu_key="auto", problems=[PROBLEM, OTHER], trials=5, targets={OTHER.key: 2},
+                         sampler="local", interpret=True, compile_workers=0, storage=url, study_prefix="t",
+                         seed_limit=4))
+    assert (len(_by_slot(url, PROBLEM)), len(_by_slot(url, OTHER))) == (5, 7)
+    assert S.SweepOptions(gpu_key="h200", problems=[PROBLEM], trials=6, targets={PROBLEM.key: 9}).target_of(
+        PROBLEM.key) == 6  # never past `trials`

@@ -208,17 +208,22 @@ def _time(problem, config) -> float:
 
 def _fake_sweep(ctx, rows, kill_after=None):
     """`sweeping.sweep` stand-in: slot i of a study gets the slot seed named for it, else the i-th config of a
-    fixed per-problem list (a deterministic sampler); it checks that the journal named the slot seeds first."""
+    fixed per-problem list (a deterministic sampler), up to each problem's own target; it checks that the journal
+    named the slot seeds first and that one sweep takes the round."""
     measured = [0]
 
-    def sweep(ctx_, group, target, *, seconds, prefix, extra_seeds, slot_seeds):
+    swept_in = []  # the round each sweep ran in
+
+    def sweep(ctx_, group, targets, *, seconds, prefix, extra_seeds, slot_seeds):
+        swept_in.append(len(ctx.journal.get(J.ROUNDS)))
+        assert len(swept_in) == len(set(swept_in)), "one sweep per round, each study to its own target"
         placed = ctx.journal.get(J.ROUNDS)[-1].get("transfers", {})
         assert slot_seeds == {k: (t["slot"], t["configs"]) for k, t in placed.items() if k in slot_seeds}
         for p in group:
             name = ctx.plan.study(p)
             pool = Space(p, INTERPRET_SM_COUNT).seeds()
             first, named = slot_seeds.get(p.key, (0, []))
-            for slot in range(len(rows.get(name, [])), target):
+            for slot in range(len(rows.get(name, [])), targets[p.key]):
                 if kill_after is not None and measured[0] >= kill_after:
                     raise Killed
                 if first <= slot < first + len(named):

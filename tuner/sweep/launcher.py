@@ -122,7 +122,7 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
                                devices=devices if len(devices) > 1 else None)
     store = Store(options.storage if options.storage is not None else user_database_url())
     timeline.mark("store_open")
-    targets = {study_name(key, p, opts.interpret, opts.study_prefix): opts.trials for p in problems}
+    targets = {study_name(key, p, opts.interpret, opts.study_prefix): opts.target_of(p.key) for p in problems}
     emit("opened", {"store": store.display_url, "problems": problems, "devices": devices, "gpu_key": key,
                     "default_store": options.storage is None})
     show = view(store.url, targets) if view is not None else nullcontext()

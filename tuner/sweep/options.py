@@ -78,11 +78,18 @@ class SweepOptions:
     # problem key -> (first slot, [config dict]): those configs in those slots of its study, ahead of its seeds
     # and its sampler (a tune's transfers)
     slot_seeds: dict = field(default_factory=dict)
+    # problem key -> the trials its study ends with, where it differs from `trials` (at most `trials`): one sweep
+    # takes a tune's round, whose problems end at different counts
+    targets: dict = field(default_factory=dict)
     seeded: bool = True  # False: only the sampler proposes configs (validate's independent reference)
     seed_limit: int | None = None  # at most this many seeds per study (the sampler proposes the rest); None: all
     propose_ahead: bool | None = None  # TPE's proposals made ahead in a process of their own; None: on a GPU
     storage: str | None = None  # SQLAlchemy URL of the results database (`run` opens it)
     devices: list[int] | None = None  # one worker per GPU of this host; None: `device` alone
+
+    def target_of(self, key: str) -> int:
+        """The trials the study of the problem `key` ends with."""
+        return min(self.trials, self.targets.get(key, self.trials))
 
     @property
     def proposes_ahead(self) -> bool:

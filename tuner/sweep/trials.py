@@ -118,6 +118,9 @@ class StudyBook:
             self._discard_waiting()
 
     def target(self, trials: int) -> int:
+        """The trials this study ends with in a pass of the sweep up to `trials`: within the problem's own target
+        and what its sampler can give (a grid's size)."""
+        trials = min(trials, self.opts.target_of(self.problem.key))
         return trials if self.sampling.size is None else min(trials, self.sampling.size)
 
     def summarize(self, store, ps: ProblemSummary, interpret: bool) -> None:
@@ -357,7 +360,7 @@ def remaining(opts: SweepOptions, interpret: bool, store, books: dict[str, Study
         book = books.get(problem.key)
         name = book.name if book else study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
         done = sum(slot.measured for slot in store.workers.slots(name).values())
-        left = (book.target(opts.trials) if book else opts.trials) - done
+        left = (book.target(opts.trials) if book else opts.target_of(problem.key)) - done
         if left > 0:
             out.append(f"{problem.key}: {left} trials")
     return out

@@ -112,8 +112,8 @@ def _slot_seeds(ctx) -> dict:
 
 
 def sweep_to_targets(ctx, seconds: float | None, only: set[str] | None = None) -> bool:
-    """Sweep each fitted problem (of `only`, when given) still short of its target, one sweep per target, the
-    latest round's transfers in their slots; True once the sweeps ran to their end (a problem whose search space
+    """Sweep each fitted problem (of `only`, when given) still short of its target, in one sweep (each study to
+    its own target), the latest round's transfers in their slots; True once the sweeps ran to their end (a problem whose search space
     has nothing more to offer stays short), False when the time ran out first."""
     deadline = ctx.clock.deadline(seconds)
     placed = _slot_seeds(ctx)
@@ -128,15 +128,13 @@ def sweep_to_targets(ctx, seconds: float | None, only: set[str] | None = None) -
             ctx.say(f"sweep: {len(short)} problems ended short of their trials (their search space offers no more "
                     "configs): " + ", ".join(p.key for p in short[:5]) + (" …" if len(short) > 5 else ""))
             return True
-        for target in sorted({targets[p.key] for p in short}):
-            group = [p for p in short if targets[p.key] == target]
-            outcome = sweep(ctx, group, target, seconds=_left(deadline), prefix=ctx.plan.study_prefix,
-                            extra_seeds=_warm(ctx, group),
-                            slot_seeds={p.key: placed[p.key] for p in group if p.key in placed})
-            if outcome.signal:
-                raise Stopped(outcome)
-            if outcome.stopped:
-                return False
+        outcome = sweep(ctx, short, {p.key: targets[p.key] for p in short}, seconds=_left(deadline),
+                        prefix=ctx.plan.study_prefix, extra_seeds=_warm(ctx, short),
+                        slot_seeds={p.key: placed[p.key] for p in short if p.key in placed})
+        if outcome.signal:
+            raise Stopped(outcome)
+        if outcome.stopped:
+            return False
     return True
 
 

@@ -1,7 +1,7 @@
-"""The one call a tune makes into the sweep engine: `sweep(ctx, problems, trials, …)`, through its entry point
+"""The one call a tune makes into the sweep engine: `sweep(ctx, problems, targets, …)`, through its entry point
 `tuner.sweep.run`, the same engine and studies as `normtune sweep` (one worker on this GPU or the interpreter;
 with `--devices`, one per GPU; any host sharing the database adds its own). Each problem's study ends with exactly
-`trials` measured trials, whoever measures them; a killed sweep loses none it stored."""
+its target of measured trials, whoever measures them; a killed sweep loses none it stored."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ class Outcome:
     exit_code: int = 0  # 130/143 after a signal
 
 
-def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, prefix: str, source: str = "sweep",
-          seeded: bool = True, extra_seeds: dict | None = None, slot_seeds: dict | None = None) -> Outcome:
-    """Measure `problems` until each of their studies (named with `prefix`) holds `trials` trials, within
-    `seconds` (None: no limit). `ctx` is the tune's `context.TuneContext`; `slot_seeds`: problem key -> (first
+def sweep(ctx, problems: list[Problem], targets: int | dict[str, int], *, seconds: float | None, prefix: str,
+          source: str = "sweep", seeded: bool = True, extra_seeds: dict | None = None, slot_seeds: dict | None = None) -> Outcome:
+    """Measure `problems` until each of their studies (named with `prefix`) holds its target (`targets`: one
+    count for all, or problem key -> count), within `seconds` (None: no limit). `ctx` is the tune's `context.TuneContext`; `slot_seeds`: problem key -> (first
     slot, [config dict]), configs its study measures in those slots (the rounds' transfers)."""
     from ..sweep import SweepOptions, run
 
@@ -44,7 +44,9 @@ def sweep(ctx, problems: list[Problem], trials: int, *, seconds: float | None, p
         if seconds < MIN_SWEEP_S:
             return Outcome(stopped="time budget")
         seconds -= CLOSING_S
-    opts = SweepOptions(gpu_key=ctx.plan.gpu_key, problems=list(problems), trials=trials, time_budget_s=seconds,
+    each = targets if isinstance(targets, dict) else {p.key: targets for p in problems}
+    opts = SweepOptions(gpu_key=ctx.plan.gpu_key, problems=list(problems), trials=max(each.values()),
+                        targets=each, time_budget_s=seconds,
                         interpret=ctx.plan.interpret, compile_workers=ctx.compile_workers, device=ctx.device,
                         devices=ctx.devices if ctx.devices and len(ctx.devices) > 1 else None,
                         storage=ctx.store.url, study_prefix=prefix, source=source, seeded=seeded,
