@@ -209,18 +209,14 @@ def compile_ahead_args(problem: Problem, config: BackwardConfig, device: torch.d
     return pl, args_1 + args_2
 
 
-def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch.device | None = None,
-               launches: range | None = None) -> None:
+def precompile(problem: Problem, config: BackwardConfig, sms: int, device: torch.device | None = None) -> None:
     """Compile the kernels for (problem, config) without launching them, as the first real launch would
     (contiguous rows, the same integer specialization), so that Triton's on-disk cache serves the launch.
-    Used by the tuner's compile-ahead workers; needs the GPU's driver but no data. `launches`: only the kernels
-    of those launches (their indices in launch order), so that one config's kernels can compile in several
-    processes at once."""
+    Used by the tuner's compile-ahead workers; needs the GPU's driver but no data."""
     if problem.M == 0:
         checked(problem, config)
         return
     device = device or torch.device("cuda", torch.cuda.current_device())
     pl, args = compile_ahead_args(problem, config, device)
-    for index, (step, step_args) in enumerate(zip(pl.stage_1 + pl.stage_2, args)):
-        if launches is None or index in launches:
-            step.kernel.warmup(*step_args, grid=(step.grid,), **step.kwargs)
+    for step, step_args in zip(pl.stage_1 + pl.stage_2, args):
+        step.kernel.warmup(*step_args, grid=(step.grid,), **step.kwargs)

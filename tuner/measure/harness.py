@@ -297,14 +297,16 @@ class MeasureSession:
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
         self.timing = TIMING["interpret"] if not self.on_gpu else (timing or TIMING["sweep"])
-        self._case, self._reference = None, None  # one problem's inputs and float64 reference (`prepare`)
         if not self.on_gpu:
             self.bandwidth_gbps, self.flusher, self.cycles_per_us = math.nan, None, math.nan
+            self._case, self._reference = None, None
             return
         self.bandwidth_gbps = bandwidth_gbps if bandwidth_gbps is not None else \
             copy_bandwidth(self.device, nbytes=bandwidth_bytes)
         self.flusher = L2Flusher(self.device, l2_bytes) if cold else None
         self.cycles_per_us = calibrate_spin(self.device)
+        self._case: Case | None = None
+        self._reference = None
 
     @classmethod
     def for_device(cls, info, device_index: int | None = None, **kwargs) -> "MeasureSession":
@@ -341,24 +343,21 @@ class MeasureSession:
 
     def measure_problem(self, problem: Problem, config: BackwardConfig,
                         phases: dict[str, float] | None = None) -> MeasureResult:
-        """`measure` on `problem`'s inputs and reference (`prepare`), their seconds in `phases` as "inputs"."""
-        self.prepare(problem, phases)
-        return self.measure(self._case, config, reference_grads=self._reference, phases=phases)
-
-    def prepare(self, problem: Problem, phases: dict[str, float] | None = None) -> None:
-        """Make `problem`'s inputs and float64 reference, kept while it is the one measured (the last's freed)."""
-        if self._case is not None and self._case.problem == problem:
-            return
-        t = time.perf_counter()
-        self._case = self._reference = None
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-        self._case = self.case(problem)
-        self._reference = self._case.gate_reference()
-        if self.on_gpu:
-            torch.cuda.synchronize(self.device)
-        if phases is not None:
+        """`measure` on `problem`'s inputs and float64 reference, made once and reused while the problem stays
+        the same (a sweep's trials, a head-to-head's rounds); the previous problem's tensors are freed first.
+        `phases` also receives the seconds spent making the inputs and reference, as "inputs"."""
+        phases = {} if phases is None else phases
+        if self._case is None or self._case.problem != problem:
+            t = time.perf_counter()
+            self._case = self._reference = None
+            if self.on_gpu:
+                torch.cuda.empty_cache()
+            self._case = self.case(problem)
+            self._reference = self._case.gate_reference()
+            if self.on_gpu:
+                torch.cuda.synchronize(self.device)
             phases["inputs"] = phases.get("inputs", 0.0) + time.perf_counter() - t
+        return self.measure(self._case, config, reference_grads=self._reference, phases=phases)
 
     @property
     def recorded_bandwidth_gbps(self) -> float | None:

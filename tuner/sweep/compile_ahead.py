@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 from normtune.kernels.config import BackwardConfig, Problem
 
 from ..gpu_info import DeviceInfo
-from .compiling import compile_one, pool_started
+from .compiling import compile_one
 from .costs import Costs
 from .options import SweepOptions, study_name
 from .trials import StudyBook, problem_space, seed_configs, slot_seed_configs
@@ -48,26 +48,6 @@ class CompileAhead:
         if taken:
             return future
         return self._pool.submit(compile_one, problem.to_dict(), config.to_json(), self._sms)
-
-    def adopt(self, opts: SweepOptions, info: DeviceInfo, early: tuple | None) -> None:
-        """Take over the seed compiles `early` = (problem, futures) submitted before this worker existed
-        (`compiling.submit_first_seeds`): future i compiles seed i of a fresh study of the problem, here computed
-        from the same options and device. They count among the `warm_jobs` unfinished, and a trial of one of
-        those configs takes its job over."""
-        if early is None or self._pool is None:
-            return
-        problem, futures = early
-        with self._costs.timed("sampler"):
-            seeds = seed_configs(opts, problem, problem_space(problem, info.sm_count, info.interpret))
-        for config, future in zip(seeds, futures):
-            key = (problem.key, config.to_json())
-            if key not in self._warmed:
-                self._warmed[key] = future
-                self._unfinished.append(future)
-
-    def started(self) -> bool:
-        """Whether the pool's processes have all started: its first jobs are compiling now."""
-        return self._pool is not None and pool_started(self._pool)
 
     def warm(self, seeds: Iterable[tuple[Problem, BackwardConfig]]) -> None:
         """Compile `seeds` ((problem, config), in the order their slots will be claimed) ahead, `warm_jobs` at

@@ -28,14 +28,12 @@ def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor 
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_compile_init,
                                initargs=(devices, ctx.Value("i", 0), os.getpid()))
     left, lock = [workers], threading.Lock()
-    pool.normtune_started = threading.Event()  # `pool_started`
 
     def warmed(_future) -> None:  # the last warm-up done: the pool's start-up is over ("compilers_ready")
         with lock:
             left[0] -= 1
             if left[0] == 0:
                 mark("compilers_ready")
-                pool.normtune_started.set()
 
     for _ in range(workers):  # start every process now (they start on demand), in parallel with the sweep's setup
         pool.submit(_warm_up).add_done_callback(warmed)
@@ -88,13 +86,6 @@ def wait_compiled(future: Future, timeout_s: float, abandoned: Callable[[], bool
             return "ok", None, None
 
 
-def pool_started(pool) -> bool:
-    """Whether every process of a pool made by `compile_pool` has started (imported what compiling needs): the
-    jobs submitted first are then compiling. False for a pool that does not say (the host's, a stand-in)."""
-    started = getattr(pool, "normtune_started", None)
-    return started is not None and started.is_set()
-
-
 def pool_usable(pool) -> bool:
     """Whether a compile pool still takes jobs (none of its processes died, it was not shut down)."""
     return not (getattr(pool, "_broken", False) or getattr(pool, "_shutdown_thread", False))
@@ -118,7 +109,6 @@ def stop_pool(pool) -> None:
 # ahead" and the measuring process compiles (or reports the device's failure) itself.
 _UNUSABLE: list[str] = []
 _CHECKED: list[bool] = []
-_INDEX: list[int] = []  # this compile process's place in its pool
 
 
 def _compile_init(devices: list[int], started, parent_pid: int) -> None:
@@ -133,7 +123,6 @@ def _compile_init(devices: list[int], started, parent_pid: int) -> None:
     ignore_stop_signals()
     with started.get_lock():
         index, started.value = started.value, started.value + 1
-    _INDEX[:] = [index]
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(devices[index % len(devices)])
     try:
         os.nice(5)
@@ -167,36 +156,13 @@ def _usable() -> bool:
 def _warm_up() -> None:
     """Import what compiling needs, so that the first config's compile does not pay for it. The driver starts
     with the first job: dozens of processes starting it at once here delayed the measuring processes' own start
-    and the sweep's device detection by seconds. The pool's first process also builds Triton's driver utilities
-    meanwhile (`_build_triton_utilities`), so that no first compile or launch builds them."""
-    builder = None
-    if _INDEX == [0]:
-        from triton.backends.nvidia.driver import CudaUtils  # before the thread starts: it then imports nothing
-
-        builder = threading.Thread(target=_build_triton_utilities, args=(CudaUtils,), daemon=True)
-        builder.start()
+    and the sweep's device detection by seconds."""
     import normtune.kernels.backward_launch  # noqa: F401
 
-    if builder is not None:
-        builder.join()
 
-
-def _build_triton_utilities(utilities) -> None:
-    """Build Triton's CUDA driver utilities (`utilities`: a C module compiled once into Triton's cache, without
-    torch or a CUDA context) while this process imports torch: from an empty cache every process's first
-    compile, and the measuring process's first launch, would otherwise compile it. Nothing happens where it
-    cannot be built (no CUDA driver): the first compile then fails or builds it as before."""
-    try:
-        utilities()
-    except Exception as err:  # noqa: BLE001 - only a head start: a real problem shows in the first compile
-        log.debug("Triton's driver utilities not built ahead: %s", err)
-
-
-def compile_one(problem_dict: dict, config_json: str, sms: int,
-                launches: range | None = None) -> tuple[str, float, str | None]:
-    """(status, seconds, error) of compiling a config ahead of its measurement (`launches`: only those launches'
-    kernels, by index in launch order); ("ok", None, None) where this process cannot compile (the measuring
-    process then compiles it)."""
+def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
+    """(status, seconds, error) of compiling a config ahead of its measurement; ("ok", None, None) where this
+    process cannot compile (the measuring process then compiles it)."""
     if not _usable():
         return "ok", None, None
     from normtune.kernels.backward_launch import precompile
@@ -207,93 +173,7 @@ def compile_one(problem_dict: dict, config_json: str, sms: int,
 
     t = time.perf_counter()
     try:
-        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms, launches=launches)
+        precompile(P.from_dict(problem_dict), BC.from_json(config_json), sms)
         return "ok", time.perf_counter() - t, None
     except Exception as err:  # noqa: BLE001
         return classify_exception(err), time.perf_counter() - t, f"{type(err).__name__}: {str(err)[:3000]}"
-
-
-def compile_seed(problem_dict: dict, seeding: dict, index: int,
-                 launches: range | None = None) -> tuple[str, float | None, str | None]:
-    """`compile_one` of seed `index` of a fresh study of the problem on this process's device (`seeding`: the
-    `SweepOptions` fields the seeds depend on, `seeding_of`), the seed computed here: the sweep submits these
-    before it has imported the kernels or detected the device itself (`submit_first_seeds`)."""
-    if not _usable():
-        return "ok", None, None
-    import torch
-
-    from normtune.kernels.config import Problem as P
-
-    from .options import SweepOptions
-    from .trials import problem_space, seed_configs
-
-    problem = P.from_dict(problem_dict)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    opts = SweepOptions(gpu_key="auto", problems=[problem], **seeding)
-    seeds = seed_configs(opts, problem, problem_space(problem, sms, interpret=False))
-    if index >= len(seeds):
-        return "ok", None, None
-    return compile_one(problem_dict, seeds[index].to_json(), sms, launches)
-
-
-def seeding_of(opts, problem) -> dict:
-    """The fields of `SweepOptions` that `problem`'s seeds depend on (`trials.seed_configs`)."""
-    return {"sampler": opts.sampler, "seeded": opts.seeded, "seed_limit": opts.seed_limit,
-            "extra_seeds": {problem.key: opts.extra_seeds[problem.key]} if problem.key in opts.extra_seeds else {}}
-
-
-def submit_first_seeds(pool, opts, problem, count: int) -> list[Future]:
-    """Submit the compiles of the first `count` seeds of `problem` (`compile_seed`), a future each in slot order,
-    to a pool made by `compile_pool` (none to another: its jobs take other arguments). Queued behind the
-    processes' start-up, they compile as soon as each process has started, while the sweep itself still imports,
-    detects the device and opens the database; the worker adopts them by their configs (`CompileAhead.adopt`).
-    The first seed, which the first measurement waits for, is two jobs (its first launch's kernel, the rest)."""
-    if pool is None or getattr(pool, "normtune_started", None) is None or count <= 0:
-        return []
-    seeding = seeding_of(opts, problem)
-    if seeding["sampler"] == "grid" or not seeding["seeded"]:
-        return []
-    first = joined([pool.submit(compile_seed, problem.to_dict(), seeding, 0, launches)
-                    for launches in (range(0, 1), range(1, 2**16))])
-    return [first] + [pool.submit(compile_seed, problem.to_dict(), seeding, i) for i in range(1, count)]
-
-
-def joined(parts: list[Future]) -> Future:
-    """One compile job's future made of `parts` (each compiling some of a config's kernels): the first part's
-    result that is not "ok" once all have ended, else ("ok", the longest part's seconds, None), or ("ok", None,
-    None) where a part could not compile. Cancelling it cancels the parts that have not started."""
-    whole, left, lock = Future(), [len(parts)], threading.Lock()
-
-    def ended(_part) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] or whole.done():
-                return
-        try:
-            results = [part.result() for part in parts]
-        except Exception as err:  # noqa: BLE001 - a broken pool: `wait_compiled` treats it as not compiled ahead
-            _settle(whole, err)
-            return
-        failed = [r for r in results if r[0] != "ok"]
-        seconds = [r[1] for r in results]
-        _settle(whole, failed[0] if failed else ("ok", None if None in seconds else max(seconds), None))
-
-    def cancelled(_whole) -> None:
-        if whole.cancelled():
-            for part in parts:
-                part.cancel()
-
-    whole.add_done_callback(cancelled)
-    for part in parts:
-        part.add_done_callback(ended)
-    return whole
-
-
-def _settle(future: Future, outcome) -> None:
-    """Set `future`'s result (or exception), unless it was cancelled meanwhile."""
-    if not future.set_running_or_notify_cancel():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)

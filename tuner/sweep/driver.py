@@ -72,7 +72,7 @@ class Sweep:
     """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
 
     def __init__(self, opts: SweepOptions, store, info: DeviceInfo, on_event: Callable[[str, dict], None] | None = None,
-                 helpers: tuple | None = None, keep_helpers: bool = False, early_compiles: tuple | None = None):
+                 helpers: tuple | None = None, keep_helpers: bool = False):
         import optuna
 
         self.opts, self.store, self.info = opts, store, info
@@ -83,7 +83,8 @@ class Sweep:
         # Heartbeats are recorded by this driver's own thread (ask/tell, not Study.optimize): expected.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval, grace_period=opts.grace_period)
+        self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval,
+                                            grace_period=opts.grace_period)
         self._books: dict[str, StudyBook] = {}
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
         self._measurer, self.costs, self._fed_stop = None, Costs(), None
@@ -91,7 +92,6 @@ class Sweep:
         self.pending: PendingTrials | None = None  # the trials on their way to the store, while `run()` runs
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
         self._keep_helpers = keep_helpers  # lent (`engine.KeptHelpers`): left running at the end
-        self._early = early_compiles  # (problem, futures): its first seeds' compiles, submitted before it existed
 
     # ------------------------------------------------------------------------------------------- signals
 
@@ -134,7 +134,8 @@ class Sweep:
     # ------------------------------------------------------------------------------------------ main loop
 
     def run(self) -> SweepSummary:
-        opts, summary, self.costs = self.opts, SweepSummary(), Costs()
+        opts, summary = self.opts, SweepSummary()
+        self.costs = Costs()
         t0 = self.costs.t0
         old_handlers = {}
         if threading.current_thread() is threading.main_thread():
@@ -201,7 +202,6 @@ class Sweep:
         order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
-        self.ahead.adopt(self.opts, self.info, self._early)  # those submitted before this worker existed
         self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books, self.costs))
         self._pipeline(self._feed(order, targets, run_id, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
@@ -365,10 +365,9 @@ class Sweep:
         return item.compiled is None or item.compiled.done() or self._first_goes_now()
 
     def _first_goes_now(self) -> bool:
-        """Nothing was sent, the measuring process is ready and the compile processes are still starting (once
-        started, they compile its job already): the first trial goes now, compiled there, before the next."""
-        answering = getattr(self._measurer, "answering", lambda: False)
-        return self.costs.startup_s is None and not self.ahead.started() and answering()
+        """Nothing was sent yet and the measuring process is ready: the first trial goes now, compiled there if
+        its compile-ahead job has not ended, before the trials after it are proposed."""
+        return self.costs.startup_s is None and getattr(self._measurer, "answering", lambda: False)()
 
     def _summarize_ready(self, order: deque) -> None:
         """Summarize the problems whose round ended (a marker in `order`) once their trials are all stored."""
@@ -390,6 +389,8 @@ class Sweep:
             self._books[problem.key] = book
             timeline.mark("first_study")
         return self._books[problem.key]
+
+    # --------------------------------------------------------------------------------------------- ending
 
     def _summarize(self, end: "_ProblemEnd") -> None:
         """A problem's trials of this round are all stored: its summary from the database."""

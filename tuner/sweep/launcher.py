@@ -114,7 +114,6 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     started = time.monotonic() - (time.time() - timeline.origin())
     problems = options.problems() if callable(options.problems) else list(options.problems)
     check_problems(problems)
-    early = _first_compiles(options, problems, helpers) if len(devices) == 1 else None
     info = device_info(options.gpu_key, options.interpret, devices[0])
     timeline.mark("device_detected")
     key = info.key if options.interpret or options.gpu_key == "auto" else options.gpu_key
@@ -129,7 +128,7 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     if len(devices) == 1:
         from .driver import Sweep
 
-        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers, keep_helpers=keep, early_compiles=early)
+        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers, keep_helpers=keep)
         helpers = None  # the sweep's now: it stops them
         try:
             with show:
@@ -144,25 +143,6 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
         result = _run_on_devices(opts, devices, store, info, workers, targets, emit, show, started)
     result.closing_steps = timeline.line(CLOSING_STEPS)
     return result
-
-
-def _first_compiles(options: SweepOptions, problems: list, helpers) -> tuple | None:
-    """The compiles of the seeds the worker claims first (its first problem's, up to one per compile process and
-    the first round), submitted now: they start as soon as the compile processes have started, while this process
-    still imports torch, detects the device and opens the database (the seeds are computed in the compile
-    processes, which have them). The measuring process makes that problem's inputs and reference meanwhile.
-    (problem, futures) for `Sweep(early_compiles=…)`, or None."""
-    from .compiling import submit_first_seeds
-    from .options import FIRST_ROUND
-
-    if helpers is None or not problems or options.interpret:
-        return None
-    first = problems[options.worker_index * len(problems) // max(1, options.workers)]
-    if hasattr(helpers[0], "prepare"):
-        helpers[0].prepare(first)
-    futures = submit_first_seeds(helpers[1], options, first, min(options.compile_workers or 0, FIRST_ROUND,
-                                                                  options.trials))
-    return (first, futures) if futures else None
 
 
 def _run_on_devices(opts: SweepOptions, devices: list[int], store, info, workers, targets: dict[str, int],

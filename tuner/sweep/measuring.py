@@ -78,12 +78,6 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         msg = conn.recv()
         if msg[0] == "stop":
             return
-        if msg[0] == "prepare":  # no answer: a failure shows in the trial that measures the problem
-            try:
-                session.prepare(P.from_dict(msg[1]))
-            except Exception:  # noqa: BLE001
-                pass
-            continue
         _, problem_dict, config_json = msg
         phases: dict[str, float] = {}
         try:
@@ -139,17 +133,6 @@ class MeasuringProcess:
             mark(name, at=at)
         mark("measurer_ready", at=ready_at)
         self._ready = True
-
-    def prepare(self, problem: Problem) -> None:
-        """Have the process make `problem`'s inputs and reference once it has started, before any trial comes
-        (starting it first when it is not running): the first trial of that problem then finds them made. Returns
-        at once; nothing is answered."""
-        if self._proc is None or not self._proc.is_alive():
-            self.start()
-        try:
-            self._conn.send(("prepare", problem.to_dict()))
-        except (BrokenPipeError, ConnectionResetError):
-            self.kill()
 
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
         self.submit(problem, config)

@@ -119,13 +119,12 @@ class PendingTrials:
         if item.compiled is not None:
             t_wait = time.perf_counter()
             # The worker's first trial goes to the measuring process once that is ready, compiled there if its job
-            # has not finished while the compile processes are still starting (as many drivers at once, which the
-            # first measurement need not wait for); once they have started, its job is compiling: it waits.
+            # has not finished: the compile processes start as many drivers at once, which the first measurement
+            # need not wait for.
             answering = getattr(self.measurer, "answering", None) if self.costs.startup_s is None else None
             compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning,
                                      self.ahead.refill if tick is None else tick,
-                                     enough=(lambda: answering() and not self.ahead.started()) if answering
-                                     else (lambda: False))
+                                     enough=answering or (lambda: False))
             summary.compile_wait_s += time.perf_counter() - t_wait
             self.costs.add("compile_wait", time.perf_counter() - t_wait)
             if compiled is None:
