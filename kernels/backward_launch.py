@@ -60,14 +60,18 @@ def _resident_programs(device: torch.device, kernel, args: tuple, kwargs: dict, 
 
 
 @functools.lru_cache(maxsize=1024)
-def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool, hint: int = 1) -> Plan:
+def plan(problem: Problem, config: BackwardConfig, device: torch.device, int64: bool, hint: int = 1,
+         column_groups: int = 1) -> Plan:
     """The cached plan. `int64`: offsets need 64 bits; `hint`: the row width and strides are multiples of it
-    (`heuristics.alignment_hint`). A feature the device lacks runs in its portable form, validated there
-    (`capabilities.checked`: a config the call's selection or its explicit `config=` check already validated for
-    this problem and device is not validated again)."""
+    (`heuristics.alignment_hint`); `column_groups`: groups of `problem.N` columns side by side, each a problem
+    of its own, run in the same launches (`Strategy.plan`). A feature the device lacks runs in its portable form,
+    validated there (`capabilities.checked`: a config the call's selection or its explicit `config=` check
+    already validated for this problem and device is not validated again)."""
     config = checked(problem, config, device_limits(device))
     if problem.M == 0:
         return Plan(problem, config, 0, interpret_mode(), {}, reads_mean=reads_mean(problem))
+    if column_groups > 1:
+        return config.strategy.plan(problem, config, target(device), int64, hint, column_groups)
     return config.strategy.plan(problem, config, target(device), int64, hint)
 
 
@@ -83,13 +87,17 @@ class BackwardLaunch:
     def __init__(self, problem: Problem, config: BackwardConfig, grad: torch.Tensor, saved: torch.Tensor,
                  weight: torch.Tensor | None, bias: torch.Tensor | None, rstd: torch.Tensor,
                  mean: torch.Tensor | None, *, dx: torch.Tensor | None = None, plans: dict | None = None,
-                 dh: torch.Tensor | None = None, z: torch.Tensor | None = None, dz: torch.Tensor | None = None):
+                 dh: torch.Tensor | None = None, z: torch.Tensor | None = None, dz: torch.Tensor | None = None,
+                 column_groups: int = 1):
         """`plans`: the caller's memo of `plan` for this (problem, config, device), keyed by the row strides of
         grad, saved, dx and dh (which decide int64 indexing and the alignment hint; the runtime keeps one memo per
         resolved call, so that a call does not hash the problem and config again). `dh`: the residual stream's
         gradient rows, which a residual problem needs (grad_input = dh + the norm's dx, in dh's dtype). `z`: the
-        gate rows, which a gated problem needs; its gradient goes to `dz` (allocated here where not given: `.dz`)."""
-        M, N = problem.M, problem.N
+        gate rows, which a gated problem needs; its gradient goes to `dz` (allocated here where not given: `.dz`).
+        `column_groups` > 1: the rows (and weight, outputs) are that many groups of `problem.N` columns side by
+        side, each normalized on its own with its statistics in `rstd` group by group (each M long, as the gated
+        forward stores them); every group runs in the same launch of each kernel."""
+        M, N = problem.M, problem.N * column_groups
         device = grad.device
         if problem.residual != (dh is not None):
             raise ValueError("dh (the residual stream's gradient) is needed exactly when the problem has a residual")
@@ -112,13 +120,15 @@ class BackwardLaunch:
             z_arg, z_stride, dz_arg, dz_stride = z, z.stride(0), dz, dz.stride(0)
             strides += (z_stride, dz_stride)
         self.dz = dz
-        pl = plans.get(strides) if plans is not None else None
+        memo = strides if column_groups == 1 else (*strides, "column_groups", column_groups)
+        pl = plans.get(memo) if plans is not None else None
         if pl is None:
-            pl = plan(problem, config, device, needs_int64(M, N, *strides), alignment_hint(N, *strides))
+            pl = plan(problem, config, device, needs_int64(M, N, *strides), alignment_hint(problem.N, *strides),
+                      column_groups)
             if plans is not None:
                 if len(plans) >= MAX_PLANS_PER_CALL:  # e.g. rows sliced from ever new widths: start over
                     plans.clear()
-                plans[strides] = pl
+                plans[memo] = pl
         self.plan = pl
         self.problem, self.config = problem, config
         has_w, has_b = problem.has_weight, bool(problem.has_bias)

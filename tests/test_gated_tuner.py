@@ -30,7 +30,8 @@ def test_byte_model_counts_five_passes_back_and_three_forward():
 
 
 def test_a_grouped_call_is_planned_as_the_problem_the_kernels_run():
-    """The runtime runs a call's groups one by one, each M rows of group_size columns: that is the tuned problem."""
+    """The runtime runs each of a call's groups as M rows of group_size columns (all in one launch of each kernel):
+    that is the tuned problem."""
     call = G.GatedProblem(4096, 8192, "after", 1024, "bf16")
     assert call.problem == Problem("rms_norm", 4096, 1024, "bf16", gate="after", gate_activation="silu")
     assert call.problem.family.key == "rms_norm/bf16/wbf16/nobias/save-input/gate-after-silu"

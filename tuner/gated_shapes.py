@@ -14,10 +14,11 @@ Two forms, y = w · rmsnorm(x) · act(z) ("before": the norm before the gate) an
 The model dimensions of the shape sets, and where each comes from, are in docs/gated-shapes.md.
 
 A `GatedProblem` is a call as a model makes it (rows × width in groups, for the peers and the bench); the tuner's
-problem is what normtune's kernels run for it (`GatedProblem.problem`): the runtime runs a call's groups one by
-one, each as a problem of `group_size` columns on a view of the same rows, so a call of M rows × N columns in
-groups of g is tuned, selected and timed as the `Problem` of M rows × g columns with the gate. The presets of
-`--shapes` (`GATED_PRESETS`) and `--shapes-from` a hybrid model's config give those problems.
+problem is what normtune's kernels run for it (`GatedProblem.problem`): the runtime runs each of a call's
+groups as a problem of `group_size` columns of the same rows (every group in one launch of each kernel), so a
+call of M rows × N columns in groups of g is tuned, selected and timed as the `Problem` of M rows × g columns
+with the gate. The presets of `--shapes` (`GATED_PRESETS`) and `--shapes-from` a hybrid model's config give
+those problems.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (assume_multiple, effective_weight, gate_grads, gated, grad_input, load_gate, load_rows, normalized,
-                     recovery_bias, scaled_normalized, store_column_sums, store_gate_grad, store_rows)
+from .common import (assume_multiple, column_group, effective_weight, gate_grads, gated, grad_input, group_operands,
+                     load_gate, load_rows, normalized, recovery_bias, scaled_normalized, store_column_sums,
+                     store_gate_grad, store_rows)
 
 
 @triton.jit
@@ -20,13 +21,17 @@ def row_sums(
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
     INT64: tl.constexpr, HINT: tl.constexpr = 1, HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False,
-    GATE_SIGMOID: tl.constexpr = False,
+    GATE_SIGMOID: tl.constexpr = False, COLUMN_GROUPS: tl.constexpr = 1,
 ):
     """c1 = mean(x̂·w·g) and c2 = mean(w·g) of BLOCK_ROW rows per program, over column chunks of BLOCK_COL (with
     a gate, of the gradient and rows the norm sees: `common.gated`)."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
     stride_z = assume_multiple(stride_z, HINT)
-    rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+    pid, _, cgroup = column_group(COLUMN_GROUPS)  # column group c's sums are C1[c·M:], C2[c·M:]
+    G, S, _, _, Z, _, W, B, RSTD, MEAN = group_operands(G, S, G, G, Z, Z, W, B, RSTD, MEAN, cgroup, M, N,
+                                                        COLUMN_GROUPS)
+    C1, C2 = C1 + cgroup * M, C2 + cgroup * M
+    rows = pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     chunk = tl.arange(0, BLOCK_COL)
     acc_c1 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
     acc_c2 = tl.zeros((BLOCK_ROW, BLOCK_COL), tl.float32)
@@ -55,7 +60,7 @@ def kernel_1_columns(
     FROM_OUTPUT: tl.constexpr, RECOVER_LIMIT: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_COL: tl.constexpr,
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
     HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
-    GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False,
+    GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False, COLUMN_GROUPS: tl.constexpr = 1,
 ):
     """Program p: columns [p·BLOCK_COL, (p+1)·BLOCK_COL) of every row, BLOCK_ROW rows at a time in row order;
     writes grad_input there (plus dh, HAS_DRES: the residual form) and the columns' final dw/db (fixed order:
@@ -63,7 +68,12 @@ def kernel_1_columns(
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
     stride_dx, stride_dh = assume_multiple(stride_dx, HINT), assume_multiple(stride_dh, HINT)
     stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
-    cols = tl.program_id(0) * BLOCK_COL + tl.arange(0, BLOCK_COL)
+    pid, _, cgroup = column_group(COLUMN_GROUPS)
+    G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN = group_operands(G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN, cgroup, M, N,
+                                                          COLUMN_GROUPS)
+    if COLUMN_GROUPS > 1:
+        C1, C2, DW, DB = C1 + cgroup * M, C2 + cgroup * M, DW + cgroup * N, DB + cgroup * N
+    cols = pid * BLOCK_COL + tl.arange(0, BLOCK_COL)
     col_mask = cols < N
     w = effective_weight(W, cols, col_mask, HAS_WEIGHT, ZERO_CENTERED)
     b = recovery_bias(B, cols, col_mask, FROM_OUTPUT, HAS_BIAS)

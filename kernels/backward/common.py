@@ -341,3 +341,29 @@ def leave_and_reset(COUNTER, DONE, members):
     if left == members:
         tl.atomic_xchg(COUNTER, 0, sem="relaxed")
         tl.atomic_xchg(DONE, 0, sem="relaxed")
+
+
+@triton.jit
+def column_group(COLUMN_GROUPS: tl.constexpr):
+    """(this program's index within its column group, the programs per column group, the column group's index).
+    A grouped problem (COLUMN_GROUPS > 1: the gated form's statistics per group of N columns of rows N x
+    COLUMN_GROUPS wide) runs every group in one launch: the grid is COLUMN_GROUPS blocks of equally many
+    programs, block c computing group c as a problem N wide of its own."""
+    if COLUMN_GROUPS == 1:
+        return tl.program_id(0), tl.num_programs(0), 0
+    else:
+        per = tl.num_programs(0) // COLUMN_GROUPS
+        return tl.program_id(0) % per, per, tl.program_id(0) // per
+
+
+@triton.jit
+def group_operands(G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN, group, M, N, COLUMN_GROUPS: tl.constexpr):
+    """The operands of column group `group` (`column_group`): the rows' pointers moved to its first column,
+    weight and bias to its slice, rstd and mean to its statistics (the forward stores them group by group, each
+    M long). Placeholder pointers move too; they are never dereferenced."""
+    if COLUMN_GROUPS > 1:
+        col0 = group * N
+        stats = group * M
+        G, S, DX, DH, Z, DZ, W, B = G + col0, S + col0, DX + col0, DH + col0, Z + col0, DZ + col0, W + col0, B + col0
+        RSTD, MEAN = RSTD + stats, MEAN + stats
+    return G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN

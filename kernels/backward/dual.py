@@ -11,8 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (assume_multiple, effective_weight, gate_grads, gated, grad_input, load_gate, load_rows, normalized,
-                     recovery_bias, scaled_normalized, store_column_sums, store_gate_grad, store_rows)
+from .common import (assume_multiple, column_group, effective_weight, gate_grads, gated, grad_input, group_operands,
+                     load_gate, load_rows, normalized, recovery_bias, scaled_normalized, store_column_sums,
+                     store_gate_grad, store_rows)
 
 
 @triton.jit
@@ -95,14 +96,18 @@ def kernel_1_dual(
     NUM_STAGES: tl.constexpr, PREFETCH: tl.constexpr, EVICTION: tl.constexpr, INT64: tl.constexpr,
     RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr,  # the column programs' tile: rows per step, columns
     HINT: tl.constexpr = 1, HAS_DRES: tl.constexpr = False, HAS_GATE: tl.constexpr = False,
-    GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False,
+    GATE_AFTER: tl.constexpr = False, GATE_SIGMOID: tl.constexpr = False, COLUMN_GROUPS: tl.constexpr = 1,
 ):
     """Arguments as `kernel_1_columns`, without the row sums (the row programs compute them) and with the number
-    of row programs; programs past it own RED_BLOCK_N columns each."""
+    of row programs; programs past it own RED_BLOCK_N columns each (of each column group: `common.column_group`)."""
     N, stride_g, stride_s = assume_multiple(N, HINT), assume_multiple(stride_g, HINT), assume_multiple(stride_s, HINT)
     stride_dx, stride_dh = assume_multiple(stride_dx, HINT), assume_multiple(stride_dh, HINT)
     stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
-    pid = tl.program_id(0)
+    pid, _, cgroup = column_group(COLUMN_GROUPS)
+    G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN = group_operands(G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN, cgroup, M, N,
+                                                          COLUMN_GROUPS)
+    if COLUMN_GROUPS > 1:
+        DW, DB = DW + cgroup * N, DB + cgroup * N
     if pid < ROW_PROGRAMS:
         _write_grad_input(G, stride_g, S, stride_s, DX, stride_dx, DH, stride_dh, Z, stride_z, DZ, stride_dz, W, B,
                           RSTD, MEAN, M, N, pid, ROW_PROGRAMS, IS_RMS, HAS_WEIGHT, HAS_BIAS, ZERO_CENTERED,

@@ -17,10 +17,12 @@ from .common import (
     arrive_and_wait,
     arrive_and_wait_in_loop,
     assume_multiple,
+    column_group,
     effective_weight,
     gate_grads,
     gated,
     grad_input,
+    group_operands,
     leave_and_reset,
     load_after_wait,
     load_gate,
@@ -113,6 +115,7 @@ def kernel_1_single_pass(
     HAS_GATE: tl.constexpr = False,  # gated form (common.py): writes dz beside grad_input
     GATE_AFTER: tl.constexpr = False,  # the gate multiplies x before the norm (else its output)
     GATE_SIGMOID: tl.constexpr = False,  # the gate's activation is sigmoid (else silu)
+    COLUMN_GROUPS: tl.constexpr = 1,  # groups of N columns in one launch (`common.column_group`)
 ):
     if PDL:
         gdc_launch_dependents()
@@ -121,11 +124,13 @@ def kernel_1_single_pass(
                                      assume_multiple(stride_dx, HINT))
     stride_dh = assume_multiple(stride_dh, HINT)
     stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    pid, programs, cgroup = column_group(COLUMN_GROUPS)
+    G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN = group_operands(G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN, cgroup, M, N,
+                                                          COLUMN_GROUPS)
     group = pid // ROW_SPLIT
     part = pid % ROW_SPLIT
     groups = programs // ROW_SPLIT
+    sync = cgroup * groups + group  # this row group's exchange slots and counters, over every column group
     local = tl.arange(0, BLOCK_COL)
     if ROW_SPLIT > 1:
         cols = tl.multiple_of(part * SLICE, 16) + local
@@ -184,7 +189,7 @@ def kernel_1_single_pass(
         c1 = tl.sum(scaled_normalized(xhat, s_norm, w, b, FROM_OUTPUT, HAS_BIAS) * g_norm, axis=1)
         c2 = tl.sum(wg, axis=1)
         if ROW_SPLIT > 1:
-            c1, c2 = _exchange_row_sums(SUMS, COUNTERS, group, part, (tile - group) // groups, c1, c2, ROW_SPLIT,
+            c1, c2 = _exchange_row_sums(SUMS, COUNTERS, sync, part, (tile - group) // groups, c1, c2, ROW_SPLIT,
                                         SLOTS, BLOCK_ROW, PHASE, PIPELINED)
         c1 = c1 / N
         c2 = c2 / N
@@ -209,7 +214,7 @@ def kernel_1_single_pass(
                 store_gate_grad(DZ, stride_dz, dz, rows, M, cols, col_mask, HAS_GATE, EVICTION, INT64)
             store_rows(DX, stride_dx, DH, stride_dh, dx, rows, M, cols, col_mask, HAS_DRES, EVICTION, INT64)
     if PHASE != 1:
-        partial = group * N + cols
+        partial = group * (N * COLUMN_GROUPS) + cgroup * N + cols  # partial rows span every column group
         if not COLUMN_ACC:
             acc_dw = tl.sum(acc_dw, axis=0)
             acc_db = tl.sum(acc_db, axis=0)
@@ -218,12 +223,12 @@ def kernel_1_single_pass(
         if HAS_BIAS:
             tl.store(PARTIAL_DB + partial, acc_db, mask=col_mask)
     if ROW_SPLIT > 1 and PHASE == 0:
-        leave_and_reset(COUNTERS + group * COUNTER_STRIDE, DONE + group, ROW_SPLIT)
-    if FUSED:
-        arrive_and_wait(BARRIER, programs)
-        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, groups, N, pid, programs, HAS_WEIGHT, HAS_BIAS, RED_BLOCK_M,
-                       RED_BLOCK_N, RED_STAGES)
-        leave_and_reset(BARRIER, BARRIER + 1, programs)
+        leave_and_reset(COUNTERS + sync * COUNTER_STRIDE, DONE + sync, ROW_SPLIT)
+    if FUSED:  # every program of the grid, every column group's columns
+        arrive_and_wait(BARRIER, tl.num_programs(0))
+        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, groups, N * COLUMN_GROUPS, tl.program_id(0),
+                       tl.num_programs(0), HAS_WEIGHT, HAS_BIAS, RED_BLOCK_M, RED_BLOCK_N, RED_STAGES)
+        leave_and_reset(BARRIER, BARRIER + 1, tl.num_programs(0))
 
 
 @triton.jit
@@ -271,7 +276,7 @@ def kernel_1_two_pass(
     FUSED: tl.constexpr, RED_BLOCK_M: tl.constexpr, RED_BLOCK_N: tl.constexpr, RED_STAGES: tl.constexpr,
     COLUMN_ACC: tl.constexpr = False, PIPELINED: tl.constexpr = False, HINT: tl.constexpr = 1,
     HAS_DRES: tl.constexpr = False, HAS_GATE: tl.constexpr = False, GATE_AFTER: tl.constexpr = False,
-    GATE_SIGMOID: tl.constexpr = False,
+    GATE_SIGMOID: tl.constexpr = False, COLUMN_GROUPS: tl.constexpr = 1,
 ):
     """Arguments as `kernel_1_single_pass` (RELOAD_WEIGHT is implied: w is loaded per chunk; RECOMPUTE,
     ROW_SPLIT, SUMS, COUNTERS, DONE, SLICE, COLUMN_ACC and PIPELINED do not apply: pass 2 adds each chunk's rows
@@ -287,11 +292,12 @@ def kernel_1_two_pass(
                                      assume_multiple(stride_dx, HINT))
     stride_dh = assume_multiple(stride_dh, HINT)
     stride_z, stride_dz = assume_multiple(stride_z, HINT), assume_multiple(stride_dz, HINT)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
+    pid, programs, cgroup = column_group(COLUMN_GROUPS)
+    G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN = group_operands(G, S, DX, DH, Z, DZ, W, B, RSTD, MEAN, cgroup, M, N,
+                                                          COLUMN_GROUPS)
     chunk = tl.arange(0, BLOCK_COL)
     num_tiles = tl.cdiv(M, BLOCK_ROW)
-    partial_row = pid * N
+    partial_row = pid * (N * COLUMN_GROUPS) + cgroup * N  # partial rows span every column group
     NEED_BIAS: tl.constexpr = FROM_OUTPUT and HAS_BIAS
     for tile in range(pid, num_tiles, programs):
         rows = tile * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
@@ -374,7 +380,7 @@ def kernel_1_two_pass(
         # The next tile re-reads this tile's partial-row stores, possibly from other threads: order them.
         tl.debug_barrier()
     if FUSED:
-        arrive_and_wait(BARRIER, programs)
-        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, programs, N, pid, programs, HAS_WEIGHT, HAS_BIAS,
-                       RED_BLOCK_M, RED_BLOCK_N, RED_STAGES)
-        leave_and_reset(BARRIER, BARRIER + 1, programs)
+        arrive_and_wait(BARRIER, tl.num_programs(0))
+        reduce_columns(PARTIAL_DW, PARTIAL_DB, DW, DB, programs, N * COLUMN_GROUPS, tl.program_id(0),
+                       tl.num_programs(0), HAS_WEIGHT, HAS_BIAS, RED_BLOCK_M, RED_BLOCK_N, RED_STAGES)
+        leave_and_reset(BARRIER, BARRIER + 1, tl.num_programs(0))

@@ -141,11 +141,17 @@ class Strategy(ABC):
                        if k.name not in shown and getattr(k1, k.name) != k.default)
 
     # ---- the launch plan and the grid
-    def plan(self, problem: Problem, config: BackwardConfig, target, int64: bool, hint: int):
+    def plan(self, problem: Problem, config: BackwardConfig, target, int64: bool, hint: int,
+             column_groups: int = 1):
         """Its launch plan (`backward_launch.py`'s `plan`): the `plan` of its module `<name>_launch` in this
-        package, imported on the first plan (it imports Triton and the kernels; the strategy modules do not)."""
-        return importlib.import_module(f"{__package__}.{self.name}_launch").plan(problem, config, target, int64,
-                                                                                  hint)
+        package, imported on the first plan (it imports Triton and the kernels; the strategy modules do not).
+        `column_groups` > 1: that many groups of `problem.N` columns side by side, each its own problem, in one
+        launch of each kernel (`backward/common.column_group`; passed on only then, so that a module's `plan` of
+        five arguments runs every ungrouped problem)."""
+        module = importlib.import_module(f"{__package__}.{self.name}_launch")
+        if column_groups > 1:
+            return module.plan(problem, config, target, int64, hint, column_groups)
+        return module.plan(problem, config, target, int64, hint)
 
     @abstractmethod
     def programs(self, M: int, N: int, config: BackwardConfig, sms: int) -> int:

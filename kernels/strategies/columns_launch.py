@@ -32,14 +32,19 @@ def row_sums_tile(N: int) -> tuple[int, int, int]:
     return block_row, block_col, min(8, max_warps(block_row * block_col))
 
 
-def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int) -> ColumnsPlan:
+def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int,
+         column_groups: int = 1) -> ColumnsPlan:
+    """Column groups (`column_groups` > 1): each its own row-sums programs and column programs, its row sums at
+    M·group in the scratch."""
     k1 = config.kernel_1
     rb, rc, rw = row_sums_tile(p.N)
     k1_kwargs = dict(k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
                      PREFETCH=k1.prefetch, EVICTION=k1.eviction_policy, INT64=int64, num_warps=k1.num_warps)
     rs_kwargs = dict(flags(p, hint), BLOCK_ROW=rb, BLOCK_COL=rc, INT64=int64, num_warps=rw)
-    programs = cdiv(p.N, k1.block_col)
+    if column_groups > 1:
+        k1_kwargs["COLUMN_GROUPS"] = rs_kwargs["COLUMN_GROUPS"] = column_groups
+    programs = cdiv(p.N, k1.block_col) * column_groups
     return ColumnsPlan(p, config, programs, target.phased, k1_kwargs,
-                       stage_1=(Step.of(row_sums, rs_kwargs, cdiv(p.M, rb)),
+                       stage_1=(Step.of(row_sums, rs_kwargs, cdiv(p.M, rb) * column_groups),
                                 Step.of(kernel_1_columns, k1_kwargs, programs)),
-                       scratch=((p.M,), (p.M,)), reads_mean=reads_mean(p))
+                       scratch=((p.M * column_groups,), (p.M * column_groups,)), reads_mean=reads_mean(p))

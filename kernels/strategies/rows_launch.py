@@ -20,6 +20,7 @@ from .configs import BackwardConfig
 class RowsPlan(Plan):
     slice: int = 0  # columns of a row_split slice (kernel_1's last argument)
     phases: int = 1  # kernel_1's launches (the interpreter runs a split row's exchange as two)
+    column_groups: int = 1  # groups of N columns side by side in one launch (the partial rows span them all)
 
     def bind(self, grad, g_stride, saved, s_stride, dx, dx_stride, dh, dh_stride, z, z_stride, dz, dz_stride, weight,
              bias, rstd, mean, dw, db, work: tuple, counters: tuple | None) -> tuple:
@@ -36,14 +37,17 @@ class RowsPlan(Plan):
               p.M, p.N, self.slice)
         args_1 = (k1, k1) if self.phases == 2 else (k1,)
         if self.stage_2:
-            return args_1, ((pdw, pdb, dw, db, self.partial_rows, p.N),), partial_dw, partial_db
+            width = p.N * self.column_groups
+            return args_1, ((pdw, pdb, dw, db, self.partial_rows, width),), partial_dw, partial_db
         return args_1, (), partial_dw, partial_db
 
 
 def kernel_1_kwargs(p: Problem, config: BackwardConfig, *, int64: bool, pdl: bool, fused: bool, phase: int,
-                    slots: int, hint: int) -> dict:
+                    slots: int, hint: int, column_groups: int = 1) -> dict:
     k1, k2 = config.kernel_1, config.kernel_2
-    return dict(k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col, NUM_STAGES=k1.num_stages,
+    grouped = {"COLUMN_GROUPS": column_groups} if column_groups > 1 else {}
+    return dict(grouped, **k1_flags(p, hint), BLOCK_ROW=k1.block_row, BLOCK_COL=k1.block_col,
+                NUM_STAGES=k1.num_stages,
                 PREFETCH=k1.prefetch, RELOAD_WEIGHT=k1.block_row == 1, RECOMPUTE=k1.recompute,
                 EVICTION=k1.eviction_policy, INT64=int64, PDL=pdl, ROW_SPLIT=k1.row_split, SLOTS=slots,
                 PHASE=phase, FUSED=fused, RED_BLOCK_M=k2.block_m, RED_BLOCK_N=k2.block_n,
@@ -58,9 +62,14 @@ def launches_pdl(config: BackwardConfig, target_pdl: bool) -> bool:
     return bool(k2.pdl and not k2.fused and target_pdl)
 
 
-def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int) -> RowsPlan:
+def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: int,
+         column_groups: int = 1) -> RowsPlan:
+    """Column groups (`column_groups` > 1): each runs the config's grid for its problem (the config's programs
+    per column group, as the tuned problem M x N runs them), except that a grid whose programs wait for each
+    other is capped so that every column group's programs are resident together. kernel_2 reduces the partial
+    rows of every group's columns in one launch, N x column_groups wide."""
     k1, k2 = config.kernel_1, config.kernel_2
-    M, N = p.M, p.N
+    M, N, cg = p.M, p.N, column_groups
     phased = target.phased
     reduce = p.has_weight or p.has_bias
     groups = config.strategy.partial_rows(M, config, target.sms)
@@ -70,18 +79,23 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
     waits = k1.row_split > 1 or fused
     kernel = kernel_1_two_pass if k1.two_pass else kernel_1_single_pass
     if waits and not phased:  # as many groups as the GPU runs at once, the compiled kernel's resources say
-        kwargs = kernel_1_kwargs(p, config, int64=int64, pdl=pdl, fused=fused, phase=0, slots=2, hint=hint)
-        shapes = _scratch(p, groups, 2, k1.row_split, k1.block_row)
-        draft = RowsPlan(p, config, groups * k1.row_split, phased, kwargs, scratch=shapes, waits=True,
-                         slice=slice_width(N, k1.row_split))
+        kwargs = kernel_1_kwargs(p, config, int64=int64, pdl=pdl, fused=fused, phase=0, slots=2, hint=hint,
+                                 column_groups=cg)
+        shapes = _scratch(p, groups, 2, k1.row_split, k1.block_row, cg)
+        draft = RowsPlan(p, config, groups * k1.row_split * cg, phased, kwargs, scratch=shapes, waits=True,
+                         slice=slice_width(N, k1.row_split), column_groups=cg)
         ops, dw, db = placeholders(p)
         (args,), _, _, _ = draft.bind(*ops, dw, db, placeholder_work(shapes), PLACEHOLDER_COUNTERS)
-        resident = target.resident(kernel, args, kwargs, groups * k1.row_split)
-        groups = min(groups, max(k1.row_split, resident) // k1.row_split)
-    programs = groups * k1.row_split
+        resident = target.resident(kernel, args, kwargs, groups * k1.row_split * cg)
+        if cg > 1 and resident < k1.row_split * cg:
+            raise ValueError(f"column_groups={cg}: a grid of row_split={k1.row_split} programs per column group "
+                             f"does not fit the GPU at once ({resident} programs); use a config without "
+                             "row_split or fused, or fewer column groups")
+        groups = min(groups, max(k1.row_split, resident // cg) // k1.row_split)
+    programs = groups * k1.row_split * cg
     split_phases = phased and k1.row_split > 1
     k1_kwargs = kernel_1_kwargs(p, config, int64=int64, pdl=pdl, fused=fused and not phased,
-                                phase=1 if split_phases else 0, slots=slots, hint=hint)
+                                phase=1 if split_phases else 0, slots=slots, hint=hint, column_groups=cg)
     stage_1 = (Step.of(kernel, k1_kwargs, programs),)
     if split_phases:  # the interpreter runs the exchange's two sides as two launches
         stage_1 += (Step.of(kernel, dict(k1_kwargs, PHASE=2), programs),)
@@ -92,15 +106,15 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
                          BLOCK_N=k2.block_n, NUM_STAGES=k2.num_stages, PDL=pdl, HINT=hint, num_warps=warps)
         if pdl:
             k2_kwargs["launch_pdl"] = True
-        stage_2 = (Step.of(kernel_2, k2_kwargs, programs if fused else cdiv(N, k2.block_n)),)
+        stage_2 = (Step.of(kernel_2, k2_kwargs, programs if fused else cdiv(N * cg, k2.block_n)),)
     return RowsPlan(p, config, programs, phased, k1_kwargs, stage_1, stage_2,
-                    scratch=_scratch(p, groups, slots, k1.row_split, k1.block_row), partial_rows=groups,
+                    scratch=_scratch(p, groups, slots, k1.row_split, k1.block_row, cg), partial_rows=groups,
                     waits=waits, pdl=pdl and bool(stage_2), reads_mean=reads_mean(p),
-                    slice=slice_width(N, k1.row_split), phases=len(stage_1))
+                    slice=slice_width(N, k1.row_split), phases=len(stage_1), column_groups=cg)
 
 
-def _scratch(p: Problem, groups: int, slots: int, row_split: int, block_row: int) -> tuple:
-    """(partial dw, partial db, split-row exchange) shapes, None where absent."""
-    partials = (groups, p.N) if groups else None
-    exchange = (groups * slots * row_split * 2 * block_row,) if row_split > 1 else None
+def _scratch(p: Problem, groups: int, slots: int, row_split: int, block_row: int, column_groups: int = 1) -> tuple:
+    """(partial dw, partial db, split-row exchange) shapes, None where absent (every column group's)."""
+    partials = (groups, p.N * column_groups) if groups else None
+    exchange = (groups * column_groups * slots * row_split * 2 * block_row,) if row_split > 1 else None
     return (partials if p.has_weight else None, partials if p.has_bias else None, exchange)
