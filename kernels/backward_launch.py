@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from .backward.plan import GroupsNotResident  # noqa: F401 - raised by a strategy's plan, caught by the gated call
 from .backward.plan import PLACEHOLDER_COUNTERS, TORCH_DTYPES, Plan, Target, placeholder_work, placeholders, reads_mean
 from .backward.reduce import PDL_SUPPORTED
 from .backward.workspace import scratch, sync_counters

@@ -128,3 +128,47 @@ def test_a_grouped_call_launches_each_kernel_once(device, monkeypatch):
     ref = reference.gated_float64(x, z, w, dy, EPS, gate_after=True, sigmoid=False, zero_centered=True, group=group)
     for out, name in ((dx, "dx"), (dw, "dw"), (dz, "dz")):
         _close(out, ref[name], TOL[FP32], name)
+
+
+
+def test_a_waiting_config_whose_groups_cannot_all_be_resident_runs_group_by_group(device, monkeypatch):
+    """A fused-reduction config whose programs the GPU cannot hold at once for every group: its plan says so
+    (`GroupsNotResident`, checked on a target that is not the interpreter's two-phase one), and the call then runs
+    the groups' launches in turn (one fused launch per group) with the float64 reference's results."""
+    import dataclasses
+
+    from normtune.kernels import backward_launch
+
+    M, N, group = 6, 64, 16
+    config = BackwardConfig(kernel_1_config(strategy="rows", block_row=2, block_col=16, num_warps=1),
+                            Kernel2Config(block_m=4, block_n=16, num_warps=1, fused=True))
+    problem = Problem("rms_norm", M, group, "fp32", gate="before", gate_activation="silu")
+    full_gpu = dataclasses.replace(backward_launch.target(torch.device(device)), phased=False,
+                                   resident=lambda *args: 1)
+    with pytest.raises(backward_launch.GroupsNotResident):
+        config.strategy.plan(problem, config, full_gpu, False, 1, N // group)
+    x, z, w, dy = _inputs(M, N, device, FP32)
+    kw = dict(gate=z, gate_position="before", gate_activation="silu", group_size=group)
+    _, rstd = rms_norm_forward(x, w, EPS, **kw)
+    real_launch = backward_launch.BackwardLaunch
+
+    def refusing(*args, column_groups=1, **kwargs):
+        if column_groups > 1:
+            raise backward_launch.GroupsNotResident("not resident")
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(backward_launch, "BackwardLaunch", refusing)
+    launched = []
+    real = launcher.Launcher.__call__
+
+    def counted(self, grid, args, key=None):
+        launched.append(self.kernel)
+        return real(self, grid, args, key)
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", counted)
+    dx, dw, dz = rms_norm_backward(dy, x, w, rstd, config=config, **kw)
+    assert len(launched) >= N // group, launched  # group by group
+    ref = reference.gated_float64(x, z, w, dy, EPS, gate_after=False, sigmoid=False, zero_centered=False,
+                                  group=group)
+    for out, name in ((dx, "dx"), (dw, "dw"), (dz, "dz")):
+        _close(out, ref[name], TOL[FP32], name)

@@ -123,13 +123,18 @@ def backward_impl(grad, saved, weight, bias, rstd, mean, is_rms, zero_centered, 
 def _groups(call: BackwardCall, grad, saved, weight, rstd, z, group: int, zero_centered: bool, gate: tuple):
     """(dx, dw, None, dz) of the gated form with statistics per group of `group` columns: each group's columns are
     a problem of their own (`call.problem`, `group` wide). The kernels run every group in one launch each
-    (`BackwardLaunch`'s column_groups); the reference backward (no config) runs group by group."""
+    (`BackwardLaunch`'s column_groups); the reference backward (no config), and a config whose waiting programs
+    cannot all be resident for every group at once, run group by group."""
     M, N = grad.shape
     if call.config is not None:
-        launch = _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, None, rstd, None,
-                                          plans=call.plans, z=z, column_groups=N // group)
-        dx, dw, _ = launch.run()
-        return dx, dw, None, launch.dz
+        try:
+            launch = _backward.BackwardLaunch(call.problem, call.config, grad, saved, weight, None, rstd, None,
+                                              plans=call.plans, z=z, column_groups=N // group)
+        except _backward.GroupsNotResident:
+            launch = None  # its waiting programs do not fit at once for every group: group by group below
+        if launch is not None:
+            dx, dw, _ = launch.run()
+            return dx, dw, None, launch.dz
     dx = torch.empty(M, N, dtype=grad.dtype, device=grad.device)
     dz = torch.empty(M, N, dtype=z.dtype, device=grad.device)
     dw = torch.empty(N, dtype=weight.dtype, device=grad.device) if weight is not None else None
@@ -137,10 +142,16 @@ def _groups(call: BackwardCall, grad, saved, weight, rstd, z, group: int, zero_c
     for g, start in enumerate(range(0, N, group)):
         cols = slice(start, start + group)
         w = weight[cols] if weight is not None else None
-        dx_g, dw_g, _, dz_g = reference.backward_gated(grad[:, cols], saved[:, cols], z[:, cols], w, stats[g],
-                                                       gate_after=gate[0] == "after", sigmoid=gate[1] == "sigmoid",
-                                                       zero_centered=zero_centered)
-        dx[:, cols], dz[:, cols] = dx_g, dz_g
+        if call.config is not None:
+            launch = _backward.BackwardLaunch(call.problem, call.config, grad[:, cols], saved[:, cols], w, None,
+                                              stats[g], None, plans=call.plans, z=z[:, cols], dx=dx[:, cols],
+                                              dz=dz[:, cols])
+            _, dw_g, _ = launch.run()
+        else:
+            dx_g, dw_g, _, dz_g = reference.backward_gated(grad[:, cols], saved[:, cols], z[:, cols], w, stats[g],
+                                                           gate_after=gate[0] == "after",
+                                                           sigmoid=gate[1] == "sigmoid", zero_centered=zero_centered)
+            dx[:, cols], dz[:, cols] = dx_g, dz_g
         if dw is not None:
             dw[cols] = dw_g
     return dx, dw, None, dz

@@ -18,6 +18,11 @@ from ..problem import RECOVER_LIMITS, Problem
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class GroupsNotResident(ValueError):
+    """A config whose programs wait for each other (split rows, the fused reduction) cannot run every column group
+    of a grouped call in one launch: their programs do not all fit the GPU at once. The call runs group by group."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Target:
     """The device a plan is built for, read once per plan (`launch.plan`)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..backward.plan import (PLACEHOLDER_COUNTERS, Plan, Step, Target, k1_flags, placeholder_work, placeholders,
+from ..backward.plan import (PLACEHOLDER_COUNTERS, GroupsNotResident, Plan, Step, Target, k1_flags, placeholder_work, placeholders,
                              reads_mean)
 from ..backward.reduce import kernel_2
 from ..backward.rows import kernel_1_single_pass, kernel_1_two_pass
@@ -88,7 +88,7 @@ def plan(p: Problem, config: BackwardConfig, target: Target, int64: bool, hint: 
         (args,), _, _, _ = draft.bind(*ops, dw, db, placeholder_work(shapes), PLACEHOLDER_COUNTERS)
         resident = target.resident(kernel, args, kwargs, groups * k1.row_split * cg)
         if cg > 1 and resident < k1.row_split * cg:
-            raise ValueError(f"column_groups={cg}: a grid of row_split={k1.row_split} programs per column group "
+            raise GroupsNotResident(f"column_groups={cg}: a grid of row_split={k1.row_split} programs per column group "
                              f"does not fit the GPU at once ({resident} programs); use a config without "
                              "row_split or fused, or fewer column groups")
         groups = min(groups, max(k1.row_split, resident // cg) // k1.row_split)
