@@ -52,6 +52,19 @@ def _grouped(x, z, w, dy, gate, act, group, config):
     return dx, dw, launch.dz
 
 
+def _count_launches(monkeypatch) -> list:
+    """The kernels launched from now on, in order (every `Launcher` call recorded, then made)."""
+    launched = []
+    real = launcher.Launcher.__call__
+
+    def counted(self, grid, args, key=None):
+        launched.append(self.kernel)
+        return real(self, grid, args, key)
+
+    monkeypatch.setattr(launcher.Launcher, "__call__", counted)
+    return launched
+
+
 def _space_configs(space: Space) -> dict[tuple, BackwardConfig]:
     """One config per (strategy, code knob, value) the space offers: the other knobs at the first value its
     constraints accept, column tiles from the widest (the interpreter runs programs one by one)."""
@@ -115,14 +128,7 @@ def test_a_grouped_call_launches_each_kernel_once(device, monkeypatch):
     _, rstd = rms_norm_forward(x, w, EPS, zero_centered=True, **kw)
     config = BackwardConfig(kernel_1_config(strategy="rows", block_row=2, block_col=16, num_warps=1),
                             Kernel2Config(block_m=4, block_n=16, num_warps=1))
-    launched = []
-    real = launcher.Launcher.__call__
-
-    def counted(self, grid, args, key=None):
-        launched.append(self.kernel)
-        return real(self, grid, args, key)
-
-    monkeypatch.setattr(launcher.Launcher, "__call__", counted)
+    launched = _count_launches(monkeypatch)
     dx, dw, dz = rms_norm_backward(dy, x, w, rstd, zero_centered=True, config=config, **kw)
     assert launched == [kernel_1_single_pass, kernel_2], launched
     ref = reference.gated_float64(x, z, w, dy, EPS, gate_after=True, sigmoid=False, zero_centered=True, group=group)
@@ -158,14 +164,7 @@ def test_a_waiting_config_whose_groups_cannot_all_be_resident_runs_group_by_grou
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(backward_launch, "BackwardLaunch", refusing)
-    launched = []
-    real = launcher.Launcher.__call__
-
-    def counted(self, grid, args, key=None):
-        launched.append(self.kernel)
-        return real(self, grid, args, key)
-
-    monkeypatch.setattr(launcher.Launcher, "__call__", counted)
+    launched = _count_launches(monkeypatch)
     dx, dw, dz = rms_norm_backward(dy, x, w, rstd, config=config, **kw)
     assert len(launched) >= N // group, launched  # group by group
     ref = reference.gated_float64(x, z, w, dy, EPS, gate_after=False, sigmoid=False, zero_centered=False,
