@@ -117,6 +117,18 @@ def test_compile_processes_grow_with_the_gpus_within_the_cores():
     assert default_compile_workers(8, cpus=8) == 1 and default_compile_workers(1, cpus=1) == 1
 
 
+def test_compile_processes_count_only_the_cores_this_process_may_use(monkeypatch):
+    """A sweep pinned to some of the host's cores (taskset, a cgroup cpuset) sizes its compile pool by those."""
+    import os
+
+    from normtune.tuner.sweep import compiling
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert compiling.usable_cpus() == 16
+    assert compiling.default_compile_workers(1) == 14
+
+
 def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
     url = sqlite_url(tmp_path)
     summary_path = tmp_path / "summary.json"

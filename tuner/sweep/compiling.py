@@ -50,8 +50,16 @@ def default_compile_workers(gpus: int, cpus: int | None = None) -> int:
     """The host's compile processes for a sweep on `gpus` GPUs: COMPILERS_PER_GPU each, within the host's cores
     less two per GPU (its sweep worker and its measuring process). A shared budget that did not grow with the
     GPUs made every added GPU wait on the compilers."""
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     return max(1, min(COMPILERS_PER_GPU * gpus, cpus - 2 * gpus))
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity: `taskset`, a cgroup cpuset), else the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def share_of(total: int, workers: int, index: int) -> int:
