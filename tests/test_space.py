@@ -331,6 +331,36 @@ def test_few_rows_get_light_dual_and_columns_seeds_that_run_correctly(norm, M, N
     assert not any(c.kernel_1.eviction_policy == "" and c.kernel_1.strategy in ("dual", "columns") for c in many)
 
 
+@pytest.mark.parametrize("norm, M, N, run", [("rms_norm", 4096, 32768, False), ("layer_norm", 1024, 65536, False),
+                                              ("layer_norm", 2048, 12288, False), ("rms_norm", 2, 16400, True)])
+def test_very_wide_rows_get_light_pipelined_split_seeds_in_the_first_round(norm, M, N, run, device):
+    """Rows of 8193 columns or more are seeded split into ~4096-column slices on light programs (4 warps per 4096
+    columns of a 2-row tile, the exchange pipelined, dw/db per column, no eviction hint) within the FIRST_ROUND
+    seeds a time-budgeted sweep measures first; each runs correctly against the float64 reference (on the small
+    shape, where the interpreter is quick). Narrower rows get none."""
+    from normtune.tuner.sweep.options import FIRST_ROUND
+
+    problem = Problem(norm, M, N, "bf16")
+    s = Space(problem, sm_count(torch.device(device)))
+    first = s.seeds()[:FIRST_ROUND]
+    light = [c for c in first if c.kernel_1.strategy == "rows" and c.kernel_1.pipelined_split
+             and c.kernel_1.eviction_policy == "" and c.kernel_1.column_accumulators]
+    assert light, [str(c) for c in first]
+    two_row = [c for c in light if c.kernel_1.block_row == 2]
+    assert two_row and all(c.kernel_1.num_warps == 4 * c.kernel_1.block_col // 4096 for c in two_row)
+    assert all(c.kernel_1.block_col <= 8192 and c.kernel_1.row_split > 1 for c in light)
+    if run or device != "cpu":
+        case = make_case(problem, device, seed=M)
+        ref = case.reference()
+        for cfg in light:
+            r = measure_config(case, cfg, flusher=None, bandwidth_gbps=1000.0, reference_grads=ref, warmup=0,
+                               min_reps=1, max_reps=1, budget_s=0.0)
+            assert r.status == "ok", f"{cfg}: {r.status} {r.error}"
+    narrow = Space(Problem(norm, M, 8192, "bf16"), 132).seeds()
+    assert not any(c.kernel_1.strategy == "rows" and c.kernel_1.pipelined_split and c.kernel_1.eviction_policy == "" and c.kernel_1.num_warps == 4
+                   and c.kernel_1.row_split > 1 for c in narrow)
+
+
 def test_few_rows_time_the_row_sweeping_strategies_right_after_the_default():
     """A time-budgeted sweep measures FIRST_ROUND seeds of every problem before it searches deeper: on few rows the
     dual and columns seeds come first (H200 rows-256 sweep: 12 seeds, all rows-strategy, then the budget ran out).

@@ -41,6 +41,9 @@ MAX_COLUMN_ACC_TILE = 32768
 MIN_TWO_PASS_CHUNK = 512
 # Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds.
 MANY_NARROW_ROWS = 16384
+# Rows at least this wide (their power of two) are also seeded split into slices of about LIGHT_SLICE columns on
+# light programs (`Rows._light_pipelined_splits`).
+LIGHT_SPLIT_MIN_N, LIGHT_SLICE = 16384, 4096
 
 
 def fitting_split(N: int, row_split: int) -> bool:
@@ -266,6 +269,8 @@ class Rows(Strategy):
         k1, k2 = default.kernel_1, default.kernel_2
         n_pow2 = next_power_of_two(p.N)
         alts: list[BackwardConfig] = []
+        if n_pow2 >= LIGHT_SPLIT_MIN_N:
+            alts += self._light_pipelined_splits(space, p.N, k2)
         if n_pow2 >= 4096:
             own = default.strategy is self  # the default may be another strategy's (few rows too wide for one pass)
             if own and not k1.two_pass:
@@ -336,6 +341,29 @@ class Rows(Strategy):
                                                            num_stages=stages), cfg.kernel_2)
                 if space.why_not(piped) is None:
                     out.append(piped)
+                    break
+        return out
+
+    def _light_pipelined_splits(self, space, N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:
+        """Very wide rows split into slices of about 4096 columns (at most ROW_SPLITS' largest split) on light
+        programs: two-row tiles of 4 warps per 4096 columns, several programs per SM, dw/db per column, the split's
+        exchange pipelined three stages deep where the staged tiles fit shared memory (else two), nothing kept
+        for the backward's second read. The search reaches this only through many knobs from the default's heavy
+        single program per row slice."""
+        split = min(max(ROW_SPLITS), max(2, N // LIGHT_SLICE))
+        width = row_block_col(N, split)
+        if width > MAX_SINGLE_PASS or slice_width(N, split) < 256:
+            return []
+        out = []
+        for block_row, per_sm in ((2, 2), (4, 1)):
+            warps = min(16, 4 * block_row * width // (2 * LIGHT_SLICE))
+            for stages in (3, 2):
+                cfg = BackwardConfig(self.make(
+                    block_row=block_row, block_col=width, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
+                    eviction_policy="", prefetch=False, row_split=split, column_accumulators=True,
+                    pipelined_split=True), kernel_2)
+                if space.why_not(cfg) is None:
+                    out.append(cfg)
                     break
         return out
 
