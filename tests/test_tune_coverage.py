@@ -112,3 +112,52 @@ def test_time_left_after_the_resweeps_buys_more_of_them_past_trials_where_the_re
     assert driver.resweeps_allowed(ctx(None)) == driver.RESWEEPS
     assert driver.resweeps_allowed(ctx(600.0)) > driver.RESWEEPS
     assert driver.ceiling(ctx(600.0), 0) == 40 and driver.ceiling(ctx(600.0), driver.RESWEEPS) > 40
+
+
+def test_a_budgeted_resweep_goes_past_trials_when_nothing_is_left_within_them(monkeypatch):
+    """With a time budget, a resweep whose shapes' nearest problems all have --trials already raises them past it
+    (up to the later resweeps' ceiling) instead of ending the tune with its time unused."""
+    from types import SimpleNamespace
+
+    from normtune.tuner.measure.spread import Ratio
+    from normtune.tuner.tune import driver
+    from normtune.tuner.tune import journal as J
+
+    fitted = [Problem("rms_norm", M, N, "bf16") for M, N in ((4096, 1024), (4096, 2048), (4096, 5120))]
+    worst = Problem("rms_norm", 3000, 3584, "bf16")
+    bridge = Problem("rms_norm", 4096, 3584, "bf16")  # the fitted row count at the worst shape's width: taken
+    row = SimpleNamespace(problem=worst, regret=Ratio(1.3, 1.27, 1.33))
+    entries = {J.VALIDATIONS: [{"rows": []}], J.RESWEEPS: []}
+    journal = SimpleNamespace(get=lambda k, d=None: entries.get(k, d),
+                              append=lambda k, v: entries.setdefault(k, []).append(v), touch=lambda: None)
+    swept = []
+    monkeypatch.setattr(driver, "rows_of", lambda record: [row])
+    monkeypatch.setattr(driver, "sweep_to_targets", lambda ctx, seconds, only: swept.append(only) or True)
+
+    def ctx(budget):
+        return SimpleNamespace(clock=SimpleNamespace(budget_s=budget), plan=SimpleNamespace(trials=40),
+                               journal=journal, heldout=[worst], progress=None, say=lambda text: None,
+                               fit_problems=lambda: fitted + [bridge],
+                               targets=lambda: {p.key: 40 for p in fitted + [bridge]})
+
+    assert driver.resweep(ctx(None), 0, None) is None and not swept  # no budget: within --trials only
+    assert driver.resweep(ctx(600.0), 0, 60.0) is True
+    targets = entries[J.RESWEEPS][0]["targets"]
+    assert targets and all(40 < t <= driver.ceiling(ctx(600.0), driver.RESWEEPS) for t in targets.values())
+
+
+def test_the_first_validation_may_use_all_the_time_left():
+    """Until a table of the tune is validated, its validation gets every second the phases have left; later ones
+    their share."""
+    from types import SimpleNamespace
+
+    from normtune.tuner.tune import driver
+    from normtune.tuner.tune import journal as J
+    from normtune.tuner.tune.clock import Clock
+
+    entries = {}
+    clock = Clock(330.0)
+    c = SimpleNamespace(clock=clock, journal=SimpleNamespace(get=lambda k, d=None: entries.get(k, d)))
+    assert abs(driver.validation_share(c, "") - clock.free_s()) < 1.0
+    entries[J.VALIDATIONS] = [{}]
+    assert driver.validation_share(c, "") < 0.5 * clock.free_s()

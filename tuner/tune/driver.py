@@ -65,6 +65,14 @@ def share(ctx, phase: str) -> float | None:
     return ctx.clock.share_s(WEIGHTS[phase], *(WEIGHTS[n] for n in names[names.index(phase) + 1:]))
 
 
+def validation_share(ctx, again: str) -> float | None:
+    """The seconds a validation may use: its share, or all the time the phases have left while no table of the
+    tune is validated yet (an unvalidated table cannot be judged, resweep or gate on its held-out shapes)."""
+    if not ctx.journal.get(J.VALIDATIONS):
+        return ctx.clock.free_s()
+    return share(ctx, "validate" + again)
+
+
 def _phase(ctx, text: str) -> None:
     ctx.journal.touch()
     if ctx.progress is not None:
@@ -249,6 +257,10 @@ def resweep(ctx, validation: int, seconds: float | None) -> bool | None:
         rows = rows_of(ctx.journal.get(J.VALIDATIONS)[validation])
         decision = decide(rows, ctx.fit_problems(), ctx.heldout, ctx.targets(), ctx.plan.trials,
                           ceiling(ctx, made))
+        if decision is None and ctx.clock.budget_s is not None and ceiling(ctx, made) < ceiling(ctx, RESWEEPS):
+            # with time left, the problems near the worst shapes, already at --trials, may go past it now
+            decision = decide(rows, ctx.fit_problems(), ctx.heldout, ctx.targets(), ctx.plan.trials,
+                              ceiling(ctx, RESWEEPS))
         if decision is None:
             return None
         ctx.journal.append(J.RESWEEPS, {"validation": validation, **decision})
@@ -276,7 +288,7 @@ def run(ctx) -> Progress:
         if ctx.clock.out():
             out.stopped = "time budget"
             break
-        out.validation = validate_emission(ctx, index, share(ctx, "validate" + again))
+        out.validation = validate_emission(ctx, index, validation_share(ctx, again))
         if out.validation is None:
             out.stopped = "time budget"
             break
