@@ -155,6 +155,7 @@ def test_validate_returns_the_config():
     ('{"kernel_2": {"warps": 4, "pdl": true}}', ["unknown Kernel2Config field(s) warps", "allowed:", "num_warps"]),
     ('{"kernel_1": {}, "kernel_3": {}}', ["keys kernel_1 and kernel_2", "kernel_3"]),
     ('[1, 2]', ["keys kernel_1 and kernel_2"]),
+    ('{"families": {"rms_norm/bf16": {"rules": []}}, "gpu": {}}', ["this is a table", "$NORMTUNE_CONFIG"]),
     ('{"kernel_1": [4]}', ["Kernel1Config expects a JSON object", "list"]),
     # another strategy's knob (the flat layout's are accepted at their defaults only)
     ('{"kernel_1": {"strategy": "dual", "pipelined_split": true}}',

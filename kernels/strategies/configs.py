@@ -104,7 +104,11 @@ class BackwardConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "BackwardConfig":
         if not isinstance(data, Mapping) or set(data) - {"kernel_1", "kernel_2"}:
-            raise ConfigError(f"a backward config is an object with keys kernel_1 and kernel_2, got {data!r}")
+            if isinstance(data, Mapping) and "families" in data:
+                raise ConfigError("this is a table, not one backward config: give it as $NORMTUNE_CONFIG (or a "
+                                  "user table) and use the table's choice")
+            got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
+            raise ConfigError(f"a backward config is an object with keys kernel_1 and kernel_2, got {got}")
         return cls(kernel_1_config(data.get("kernel_1", {})), from_mapping(Kernel2Config, data.get("kernel_2", {})))
 
     @classmethod
