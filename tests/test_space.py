@@ -332,12 +332,12 @@ def test_few_rows_get_light_dual_and_columns_seeds_that_run_correctly(norm, M, N
 
 
 @pytest.mark.parametrize("norm, M, N, run", [("rms_norm", 4096, 32768, False), ("layer_norm", 1024, 65536, False),
-                                              ("layer_norm", 2048, 12288, False), ("rms_norm", 2, 16400, True)])
+                                              ("layer_norm", 2048, 12288, False), ("rms_norm", 2, 8200, True)])
 def test_very_wide_rows_get_light_pipelined_split_seeds_in_the_first_round(norm, M, N, run, device):
     """Rows of 8193 columns or more are seeded split into ~4096-column slices on light programs (4 warps per 4096
     columns of a 2-row tile, the exchange pipelined, dw/db per column, no eviction hint) within the FIRST_ROUND
-    seeds a time-budgeted sweep measures first; each runs correctly against the float64 reference (on the small
-    shape, where the interpreter is quick). Narrower rows get none."""
+    seeds a time-budgeted sweep measures first, and runs correctly against the float64 reference (on the small
+    shape, one of them in the interpreter). Narrower rows get none."""
     from normtune.tuner.sweep.options import FIRST_ROUND
 
     problem = Problem(norm, M, N, "bf16")
@@ -352,7 +352,7 @@ def test_very_wide_rows_get_light_pipelined_split_seeds_in_the_first_round(norm,
     if run or device != "cpu":
         case = make_case(problem, device, seed=M)
         ref = case.reference()
-        for cfg in light:
+        for cfg in light if device != "cpu" else two_row[:1]:  # the interpreter: one of them (a slow row)
             r = measure_config(case, cfg, flusher=None, bandwidth_gbps=1000.0, reference_grads=ref, warmup=0,
                                min_reps=1, max_reps=1, budget_s=0.0)
             assert r.status == "ok", f"{cfg}: {r.status} {r.error}"

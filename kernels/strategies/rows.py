@@ -24,37 +24,26 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping
 
-from ..heuristics import (MAX_SINGLE_PASS, ROW_SPLITS, max_warps, next_power_of_two, num_groups, row_block_col,
+from ..heuristics import (MAX_SINGLE_PASS, ROW_SPLITS, next_power_of_two, num_groups, row_block_col,
                           slice_width)
 from .capabilities import fits
 from ..knobs import Kernel1Config, Kernel2Config, check_booleans, knob
 from ..limits import DeviceLimits
 from ..problem import ConfigError, Problem, check_choice, is_power_of_two
-from . import rows_default
+from . import rows_default, rows_seeds
+from .rows_seeds import MAX_COLUMN_ACC_TILE, narrow_odd_split
 from .base import MAX_SPACE_TILE, Strategy, check_tile, describe_flags
 from .configs import BackwardConfig
 from .fitting import fit_row_tile
 
-# Largest tile the space and the seeds offer with dw/db per column (block_row times fewer accumulator registers).
-MAX_COLUMN_ACC_TILE = 32768
 # Narrowest two-pass chunk worth measuring (narrower chunks are the columns strategy's slices).
 MIN_TWO_PASS_CHUNK = 512
-# Rows from which narrow rows (<= 1024 columns) also get the many-programs seeds.
-MANY_NARROW_ROWS = 16384
-# Rows at least this wide (their power of two) are also seeded split into slices of about LIGHT_SLICE columns on
-# light programs (`Rows._light_pipelined_splits`).
-LIGHT_SPLIT_MIN_N, LIGHT_SLICE = 16384, 4096
 
 
 def fitting_split(N: int, row_split: int) -> bool:
     """The row's slices are exactly one power of two wide: no lane of their tiles is masked. A split of 2, 4 or 8
     does that only for power-of-two rows; 3, 5, 6 and 7 for rows such as 3072, 5120, 12288 and 14336."""
     return N % row_split == 0 and is_power_of_two(N // row_split)
-
-
-def narrow_odd_split(N: int, split: int) -> bool:
-    """A split of 3, 5, 6 or 7 whose slices are narrower than 4096 columns: never seeded."""
-    return not is_power_of_two(split) and row_block_col(N, split) < 4096
 
 
 @dataclass(frozen=True)
@@ -259,66 +248,10 @@ class Rows(Strategy):
         """The analytic default where the columns strategy gives none (`rows_default.default`)."""
         return rows_default.default(self, problem, lim)
 
-    # ---- seeds (`tuner/seeds.py`)
+    # ---- seeds (`tuner/seeds.py`; `rows_seeds.py`)
     def seeds(self, space, default: BackwardConfig) -> list[BackwardConfig]:
-        """For wide rows: single pass keeping the raw tile (recompute), pipelining through shared memory, rows
-        split over 2-8 programs (dw/db per column on taller tiles), two-pass on multi-row tiles, kernel_2 launched
-        early on wider column blocks, and splits of 3, 5, 6, 7 on tall tiles; for many narrow rows, several
-        programs per SM on ~4096-element tiles with the reduction fused."""
-        p = space.problem
-        k1, k2 = default.kernel_1, default.kernel_2
-        n_pow2 = next_power_of_two(p.N)
-        alts: list[BackwardConfig] = []
-        if n_pow2 >= LIGHT_SPLIT_MIN_N:
-            alts += self._light_pipelined_splits(space, p.N, k2)
-        if n_pow2 >= 4096:
-            own = default.strategy is self  # the default may be another strategy's (few rows too wide for one pass)
-            if own and not k1.two_pass:
-                alts.append(BackwardConfig(dataclasses.replace(k1, recompute=True, prefetch=False), k2))
-            if not (own and k1.two_pass):
-                alts.append(BackwardConfig(dataclasses.replace(k1, prefetch=False, num_stages=3), k2))
-            for block_row, block_col, warps in ((4, 2048, 8), (2, 4096, 8), (1, 4096, 8)):
-                if block_col < n_pow2:
-                    alts.append(BackwardConfig(self.make(
-                        block_row=block_row, block_col=block_col, num_warps=warps, programs_per_sm=1, two_pass=True,
-                        eviction_policy="evict_first", prefetch=True), k2))
-            for split, block_row in ((2, 1), (2, 2), (4, 2)):
-                width = row_block_col(p.N, split)
-                if width <= MAX_SINGLE_PASS and slice_width(p.N, split) >= 256:
-                    alts.append(BackwardConfig(self.make(
-                        block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                        programs_per_sm=2, eviction_policy="evict_first", prefetch=True, row_split=split), k2))
-            alts += self._tall_split_tiles(p.N, k2)
-        early = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
-        if n_pow2 >= 8192:  # wide rows: kernel_2 launched early (PDL) on 32-column blocks
-            alts.append(BackwardConfig(k1, early))
-            alts += self._tall_split_tiles(p.N, early)
-        if n_pow2 >= 4096:
-            # Rows of 3, 5 or 7 times a power of two: split so that each slice fills its tile, dw/db per column, the
-            # raw tile kept. Every tile pays one exchange of row sums, so the tile must be tall, and only slices of
-            # 4096 columns or wider are seeded (`narrow_odd_split`).
-            tail = early if n_pow2 >= 8192 else k2
-            for split in (s for s in space.domains(self.name)["k1.row_split"] if not is_power_of_two(s)):
-                if narrow_odd_split(p.N, split):
-                    continue
-                width = row_block_col(p.N, split)
-                for block_row, warps, per_sm in ((16384 // width, 16, 1), (32768 // width, 16, 1),
-                                                 (8192 // width, 8, 2)):
-                    if block_row * width <= MAX_COLUMN_ACC_TILE:
-                        alts.append(BackwardConfig(self.make(
-                            block_row=block_row, block_col=width, num_warps=min(warps, max_warps(block_row * width)),
-                            programs_per_sm=per_sm, eviction_policy="evict_first", recompute=True, row_split=split,
-                            column_accumulators=True), tail))
-        if n_pow2 <= 1024 and p.M >= MANY_NARROW_ROWS:
-            # Many narrow rows: three programs per SM on ~4096-element tiles with the reduction fused into kernel_1's
-            # tail; dw/db per column with loads pipelined through shared memory, or per tile element with prefetch.
-            tall = max(1, min(64, 4096 // n_pow2))
-            fused = Kernel2Config(block_m=64, block_n=min(16, n_pow2), num_warps=1, fused=True)
-            for colacc, stages, warps, prefetch in ((True, 3, 4, False), (False, 1, 8, True)):
-                alts.append(BackwardConfig(self.make(
-                    block_row=tall, block_col=n_pow2, num_warps=warps, num_stages=stages, programs_per_sm=3,
-                    eviction_policy="", prefetch=prefetch, column_accumulators=colacc), fused))
-        return alts
+        """The rows strategy's structural seeds (`rows_seeds.seeds`)."""
+        return rows_seeds.seeds(self, space, default)
 
     def neighbour(self, key: str, value: Any, k1: RowsConfig, problem: Problem) -> bool:
         """Single pass derives its column tile from N; odd splits only where each slice is 4096 columns or wider
@@ -328,56 +261,8 @@ class Rows(Strategy):
         return not (key == "k1.row_split" and narrow_odd_split(problem.N, value))
 
     def expand_seeds(self, space, configs: list[BackwardConfig]) -> list[BackwardConfig]:
-        """Each split-row config again with its exchange pipelined (`pipelined_split`), three stages deep where the
-        staged tiles fit shared memory, else two: without it a split tile loop compiles to no asynchronous copy
-        whatever its num_stages (the exchange's CTA barrier stops Triton's pipeliner)."""
-        out = []
-        for cfg in configs:
-            k1 = cfg.kernel_1
-            if cfg.strategy is not self or k1.row_split == 1 or k1.pipelined_split:
-                continue
-            for stages in (3, 2):
-                piped = BackwardConfig(dataclasses.replace(k1, pipelined_split=True, prefetch=False,
-                                                           num_stages=stages), cfg.kernel_2)
-                if space.why_not(piped) is None:
-                    out.append(piped)
-                    break
-        return out
-
-    def _light_pipelined_splits(self, space, N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:
-        """Very wide rows split into slices of about 4096 columns (at most ROW_SPLITS' largest split) on light
-        programs: two-row tiles of 4 warps per 4096 columns, several programs per SM, dw/db per column, the split's
-        exchange pipelined three stages deep where the staged tiles fit shared memory (else two), nothing kept
-        for the backward's second read. The search reaches this only through many knobs from the default's heavy
-        single program per row slice."""
-        split = min(max(ROW_SPLITS), max(2, N // LIGHT_SLICE))
-        width = row_block_col(N, split)
-        if width > MAX_SINGLE_PASS or slice_width(N, split) < 256:
-            return []
-        out = []
-        for block_row, per_sm in ((2, 2), (4, 1)):
-            warps = min(16, 4 * block_row * width // (2 * LIGHT_SLICE))
-            for stages in (3, 2):
-                cfg = BackwardConfig(self.make(
-                    block_row=block_row, block_col=width, num_warps=warps, num_stages=stages, programs_per_sm=per_sm,
-                    eviction_policy="", prefetch=False, row_split=split, column_accumulators=True,
-                    pipelined_split=True), kernel_2)
-                if space.why_not(cfg) is None:
-                    out.append(cfg)
-                    break
-        return out
-
-    def _tall_split_tiles(self, N: int, kernel_2: Kernel2Config) -> list[BackwardConfig]:
-        """Rows split over 2-8 programs on tiles of 2-4 rows, dw/db per column, the raw tile kept (recompute)."""
-        out = []
-        for split, block_row in ((2, 2), (4, 2), (4, 4), (8, 4)):
-            width = row_block_col(N, split)
-            if width <= MAX_SINGLE_PASS and slice_width(N, split) >= 256:
-                out.append(BackwardConfig(self.make(
-                    block_row=block_row, block_col=width, num_warps=min(16, max_warps(block_row * width)),
-                    programs_per_sm=1, eviction_policy="evict_first", recompute=True, row_split=split,
-                    column_accumulators=True), kernel_2))
-        return out
+        """Each split-row config again with its exchange pipelined (`rows_seeds.expand_seeds`)."""
+        return rows_seeds.expand_seeds(self, space, configs)
 
     # ---- a table rule's config on another problem (`kernels/select/adapt.py`)
     def adapt(self, config: BackwardConfig, problem: Problem, sm_count: int | None,
