@@ -100,6 +100,7 @@ def test_each_devices_worker_stores_when_it_was_spawned_before_the_launcher_open
     # The launcher records when its last worker exited (the command's closing steps count from it).
     assert timeline.marks()["workers_exited"] >= timeline.marks()["store_open"]
     assert timeline.line(("workers_exited", "no_such_step")).startswith("workers exited ")
+    assert timeline.marks()["helpers_stopped"] >= timeline.marks()["workers_exited"]
     db = sqlite3.connect(tmp_path / "results.db")
     rows = [json.loads(c) for (c,) in db.execute("SELECT costs_json FROM normtune_run_costs")]
     assert sorted(h for (h,) in db.execute("SELECT host FROM normtune_runs")) == ["described-0", "described-1"]

@@ -250,6 +250,7 @@ def run_on_devices(opts: SweepOptions, devices: list[int], url: str,
         for sig, handler in old.items():
             signal.signal(sig, handler)
         workers.abandon()
+        timeline.mark("helpers_stopped")
     codes = [p.exitcode for p in procs]
     if received:
         return 128 + received[0]

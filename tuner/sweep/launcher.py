@@ -28,10 +28,11 @@ from typing import Callable
 from . import timeline
 from .options import SweepOptions, SweepSummary, check_problems, study_name
 
-# When the run's end steps happened: the sweep done (one device), its last worker exited (several), the caller's
-# view closed, the store closed, the workers' summaries read; what a command's wall adds after the last is the
-# interpreter's exit.
-CLOSING_STEPS = ("sweep_returned", "workers_exited", "view_closed", "store_closed", "summary_read")
+# When the run's end steps happened: the sweep done (one device), its last worker exited and the host's compile
+# pool stopped (several), the caller's view closed, the store closed, the workers' summaries read; what a
+# command's wall adds after the last is the interpreter's exit.
+CLOSING_STEPS = ("sweep_returned", "workers_exited", "helpers_stopped", "view_closed", "store_closed",
+                 "summary_read")
 
 
 @dataclass
