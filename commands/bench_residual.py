@@ -35,8 +35,9 @@ def run_residual(console, info, norms, dtype, shapes, peer_names, residual_dtype
 
 
 def run_block_bench(console, module, run, opts, info, out: Path) -> None:
-    """A block bench (residual or gated) as the command runs it: `run(opts, info, progress=…)` printing a line per
-    row as it lands, then the report written (`module.write_all`) and printed (`module.to_markdown`)."""
+    """A block bench (residual or gated) as the command runs it: `run(opts, info, progress=…, checkpoint=…)`
+    printing a line per row as it lands and writing the files (`module.write_all`) after each shape, then the
+    whole report written and printed (`module.to_markdown`)."""
     from .common import refuse, run_checked
 
     def on_row(msg, row):
@@ -44,10 +45,14 @@ def run_block_bench(console, module, run, opts, info, out: Path) -> None:
         console.print(f"{msg}: " + (f"{t:.1f} µs block, {row['backward_us']:.1f} µs backward" if t else
                                     f"{row['status']} ({row['error']})"), markup=False, highlight=False)
 
-    report = run_checked(run, opts, info, progress=on_row)
-    try:
-        paths = module.write_all(report, out)
-    except OSError as err:
-        run_checked(refuse, f"writing {out} failed ({err})")
+    def write(report):
+        try:
+            return module.write_all(report, out)
+        except OSError as err:
+            run_checked(refuse, f"writing {out} failed ({err})")
+
+    # Each finished shape's rows go to the files at once: a bench stopped part way keeps what it measured.
+    report = run_checked(run, opts, info, progress=on_row, checkpoint=write)
+    paths = write(report)
     console.print(module.to_markdown(report), markup=False, highlight=False)
     console.print(f"wrote {', '.join(str(p) for p in paths)}")

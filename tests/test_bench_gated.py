@@ -51,6 +51,30 @@ def test_bench_rows_summary_and_files(tmp_path):
     assert "| case | normtune | hf-eager |" in text and "| after 8 × 64 group 32 |" in text  # host µs per impl
 
 
+@needs_interpreter
+def test_a_bench_stopped_part_way_keeps_the_calls_it_finished(tmp_path, monkeypatch):
+    """The command writes its files after every call (`checkpoint`), each file replaced whole: stopped during the
+    second call, they hold the first call's rows, with "finished" null in the provenance."""
+    calls = [CALL, GatedProblem(4, 64, "after", 32, "fp32", eps=1e-5)]
+    real = BG.make_inputs
+
+    def stopped_at_the_second(call, device):
+        if call is calls[1]:
+            raise KeyboardInterrupt
+        return real(call, device)
+
+    monkeypatch.setattr(BG, "make_inputs", stopped_at_the_second)
+    opts = BG.GatedBenchOptions(calls=calls, peers=[])
+    with pytest.raises(KeyboardInterrupt):
+        BG.run_gated_bench(opts, detect(interpret=True), session=StandInTiming(),
+                           checkpoint=lambda report: BG.write_all(report, tmp_path))
+    data = json.loads((tmp_path / "gated.json").read_text())
+    assert data["provenance"]["finished"] is None
+    assert [(r["impl"], r["M"], r["status"]) for r in data["rows"]] == [("normtune", 8, "ok")]
+    assert "| after | 8 × 64 | 32 |" in (tmp_path / "gated.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gated.json", "gated.md"]  # no temporary left
+
+
 def test_a_wrong_implementation_is_reported_not_timed():
     pytest.importorskip("transformers")
 

@@ -153,6 +153,28 @@ def test_bench_rows_summary_and_files(tmp_path):
     assert "| case | normtune | torch |" in text and "| rms_norm 5×48 |" in text  # host µs per implementation
 
 
+@needs_interpreter
+def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+    """The command writes its files after every shape (`checkpoint`): stopped during the second, they hold the
+    first shape's rows, with "finished" null in the provenance."""
+    real = R.make_inputs
+
+    def stopped_at_the_second(problem, device):
+        if problem.M == 7:
+            raise KeyboardInterrupt
+        return real(problem, device)
+
+    monkeypatch.setattr(R, "make_inputs", stopped_at_the_second)
+    opts = R.ResidualBenchOptions(norms=["rms_norm"], dtype="bf16", shapes=[(5, 48), (7, 48)], peers=[])
+    with pytest.raises(KeyboardInterrupt):
+        R.run_residual_bench(opts, detect(interpret=True), session=StandInTiming(),
+                             checkpoint=lambda report: R.write_all(report, tmp_path))
+    data = json.loads((tmp_path / "residual.json").read_text())
+    assert data["provenance"]["finished"] is None
+    assert [(r["impl"], r["M"], r["status"]) for r in data["rows"]] == [("normtune", 5, "ok")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["residual.json", "residual.md"]
+
+
 def test_a_wrong_implementation_is_reported_not_timed(monkeypatch):
     class Wrong(P.TorchEager):
         def prepare(self, problem, inputs):

@@ -29,6 +29,7 @@ from normtune.kernels.config import BackwardConfig
 
 from ..gated_shapes import GatedProblem
 from ..gpu_info import DeviceInfo, peer_versions
+from .bench_output import write_text_atomic
 from .bench_residual import geomean, host_rounds, host_table, impl_row, load_peers, timed_views
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
@@ -60,8 +61,11 @@ def _peer(name: str):
 
 
 def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
-                    progress: Callable[[str, dict | None], None] | None = None) -> GatedReport:
-    """Every call for normtune and the peers; `progress(message, row)` is called as rows land."""
+                    progress: Callable[[str, dict | None], None] | None = None,
+                    checkpoint: Callable | None = None) -> GatedReport:
+    """Every call for normtune and the peers; `progress(message, row)` is called as rows land, and
+    `checkpoint(report)` once each shape's rows are complete (the command writes its files then, so that a
+    bench stopped part way keeps what it finished; "finished" is null in its provenance until the end)."""
     say = progress or (lambda msg, row=None: None)
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
     peers = load_peers(opts.peers, _peer, CPU_PEERS, info.interpret)
@@ -69,7 +73,7 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
     report = GatedReport({
         "device": info.to_dict(), "peers": peer_versions(), **session.provenance(),
         "config": opts.config.to_json() if opts.config is not None else "runtime choice",
-        "interpret": info.interpret, "started": started.isoformat(timespec="seconds"),
+        "interpret": info.interpret, "started": started.isoformat(timespec="seconds"), "finished": None,
         "peer_descriptions": {n: GATED_PEERS[n].description for n in opts.peers},
     })
     for call in opts.calls:
@@ -91,6 +95,8 @@ def run_gated_bench(opts: GatedBenchOptions, info: DeviceInfo, *, session: Measu
             say(f"{call.label()} {name}", row)
         host_rounds(session, host)
         del inputs, ref, host
+        if checkpoint is not None:
+            checkpoint(report)
         if session.on_gpu:
             torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -190,7 +196,8 @@ def write_all(report: GatedReport, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "gated.json", out / "gated.md"]
-    paths[0].write_text(json.dumps({"provenance": report.provenance, "rows": report.rows,
-                                    "summary": summary(report.rows)}, indent=1, sort_keys=True, default=str) + "\n")
-    paths[1].write_text(to_markdown(report))
+    write_text_atomic(paths[0], json.dumps({"provenance": report.provenance, "rows": report.rows,
+                                            "summary": summary(report.rows)}, indent=1, sort_keys=True,
+                                           default=str) + "\n")
+    write_text_atomic(paths[1], to_markdown(report))
     return paths

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import csv
 import json
 import math
@@ -271,6 +273,18 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file beside it renamed over it: a bench killed while writing leaves
+    the previous file whole, never a part of the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def check_out_dir(out_dir: str | Path) -> Path:

@@ -28,6 +28,7 @@ import torch
 from normtune.kernels.config import BackwardConfig, Problem
 
 from .bench import problem_for
+from .bench_output import write_text_atomic
 from .cases import GATE_TOLERANCE, relative_error
 from ..gpu_info import DeviceInfo, peer_versions
 from .harness import TIMING, MeasureSession, Timing
@@ -68,8 +69,11 @@ def residual_problem(norm: str, M: int, N: int, dtype: str, weight_dtype: str | 
 
 
 def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
-                       progress: Callable[[str, dict | None], None] | None = None) -> ResidualReport:
-    """Every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
+                       progress: Callable[[str, dict | None], None] | None = None,
+                       checkpoint: Callable | None = None) -> ResidualReport:
+    """Every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land, and
+    `checkpoint(report)` once each shape's rows are complete (the command writes its files then, so that a
+    bench stopped part way keeps what it finished; "finished" is null in its provenance until the end)."""
     say = progress or (lambda msg, row=None: None)
     session = session or MeasureSession.for_device(info, cold=opts.cold, timing=opts.timing)
     peers = load_peers(opts.peers, lambda name: RESIDUAL_PEERS[name](), CPU_PEERS, info.interpret)
@@ -78,7 +82,7 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
         "device": info.to_dict(), "peers": peer_versions(), **session.provenance(), "dtype": opts.dtype,
         "weight_dtype": opts.weight_dtype or opts.dtype, "residual_dtype": opts.residual_dtype or opts.dtype,
         "config": opts.config.to_json() if opts.config is not None else "runtime choice",
-        "interpret": info.interpret, "started": started.isoformat(timespec="seconds"),
+        "interpret": info.interpret, "started": started.isoformat(timespec="seconds"), "finished": None,
         "peer_descriptions": {n: RESIDUAL_PEERS[n].description for n in opts.peers},
     })
     for norm in opts.norms:
@@ -102,6 +106,8 @@ def run_residual_bench(opts: ResidualBenchOptions, info: DeviceInfo, *, session:
                 say(f"{norm} {M}x{N} {name}", row)
             host_rounds(session, host)
             del inputs, ref, host
+            if checkpoint is not None:
+                checkpoint(report)
             if session.on_gpu:
                 torch.cuda.empty_cache()
     report.provenance["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -290,7 +296,8 @@ def write_all(report: ResidualReport, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "residual.json", out / "residual.md"]
-    paths[0].write_text(json.dumps({"provenance": report.provenance, "rows": report.rows,
-                                    "summary": summary(report.rows)}, indent=1, sort_keys=True, default=str) + "\n")
-    paths[1].write_text(to_markdown(report))
+    write_text_atomic(paths[0], json.dumps({"provenance": report.provenance, "rows": report.rows,
+                                            "summary": summary(report.rows)}, indent=1, sort_keys=True,
+                                           default=str) + "\n")
+    write_text_atomic(paths[1], to_markdown(report))
     return paths
