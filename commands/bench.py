@@ -117,7 +117,18 @@ def bench(
             status = f"{t:.1f} µs" if (row and row["status"] == "ok" and t) else (row["status"] if row else "")
             progress.update(task, advance=1, description=f"{msg}: {status}")
 
-        report = run_checked(B.run_bench, opts, info, progress=on_row)
+        unwritable: list[OSError] = []
+
+        def write_tables(report):  # each finished shape's rows at once: a bench stopped part way keeps them
+            if unwritable:
+                return
+            try:
+                bench_output.write_tables(report, out)
+            except OSError as err:  # measuring goes on: the rows still reach --db, and the final write says why
+                unwritable.append(err)
+                progress.console.print(f"warning: writing {out} failed ({err}); measuring goes on", markup=False)
+
+        report = run_checked(B.run_bench, opts, info, progress=on_row, checkpoint=write_tables)
     stored = ""
     if store is not None:
         run_id = run_checked(B.store_report, store, report, info)

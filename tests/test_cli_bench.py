@@ -343,6 +343,32 @@ def test_results_are_stored_before_files_are_written(tmp_path, monkeypatch):
 
 
 @needs_interpreter
+def test_a_bench_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+    """bench.csv, bench.json and bench.md are written after every shape, each replaced whole: stopped during the
+    second shape, they hold the first one's rows ("finished" null in the provenance); the plots come at the end."""
+    from normtune.tuner.measure import bench as B
+
+    real = B.problem_for
+
+    def stopped_at_the_second(norm, M, N, *args):
+        if M == 9:
+            raise KeyboardInterrupt
+        return real(norm, M, N, *args)
+
+    monkeypatch.setattr(B, "problem_for", stopped_at_the_second)
+    out = tmp_path / "out"
+    result = invoke("bench", "--interpret", "--norm", "rms_norm", "--shapes", "8x96,9x96", "--peers", "torch",
+                    "--out", out)
+    assert result.exit_code != 0
+    data = json.loads((out / "bench.json").read_text())
+    assert data["provenance"]["finished"] is None
+    assert [(r["impl"], r["M"]) for r in data["rows"]] == [(OURS, 8), ("torch", 8)]
+    with open(out / "bench.csv", newline="") as fh:
+        assert [(r["impl"], r["M"]) for r in csv.DictReader(fh)] == [(OURS, "8"), ("torch", "8")]
+    assert (out / "bench.md").exists() and not list(out.glob("*.png")) and not list(out.glob(".*"))
+
+
+@needs_interpreter
 def test_a_stored_bench_run_spans_the_bench(tmp_path, monkeypatch):
     """The run row of a bench starts when the bench began (not when its results were stored) and ends after its
     last measurement was stored."""

@@ -117,8 +117,11 @@ def _empty_row(base: dict, impl: str) -> dict:
 
 
 def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession | None = None,
-              progress: Callable[[str, dict | None], None] | None = None) -> BenchReport:
-    """Run every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land."""
+              progress: Callable[[str, dict | None], None] | None = None,
+              checkpoint: Callable | None = None) -> BenchReport:
+    """Run every (norm, shape) for normtune and the peers; `progress(message, row)` is called as rows land, and
+    `checkpoint(report)` once each shape's rows are complete (the command writes its tables then, so that a bench
+    stopped part way keeps what it finished; "finished" is null in its provenance until the end)."""
     say = progress or (lambda msg, row=None: None)
     started_at = dt.datetime.now(dt.timezone.utc)
     config_spec = parse_config_option(opts.config) if isinstance(opts.config, str) else opts.config
@@ -137,7 +140,7 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
         "device": info.to_dict(), "peers": peer_versions(), "tools": tool_versions(), **session.provenance(),
         "dtype": opts.dtype,
         "weight_dtype": opts.weight_dtype or opts.dtype, "config": opts.config if isinstance(opts.config, str)
-        else opts.config.to_json(), "interpret": info.interpret, "started": _local_time(started_at),
+        else opts.config.to_json(), "interpret": info.interpret, "started": _local_time(started_at), "finished": None,
         "peer_descriptions": {n: (p.description if hasattr(p, "description") else None) for n, p in peers.items()},
     }
     report = BenchReport(provenance, started_at=started_at)
@@ -168,6 +171,8 @@ def run_bench(opts: BenchOptions, info: DeviceInfo, *, session: MeasureSession |
                 report.rows.append(_finish(row, floor))
                 say(f"{norm} {M}x{N} {row['impl']}", row)
             del case, ref, host, rows
+            if checkpoint is not None:
+                checkpoint(report)
             if session.on_gpu:
                 torch.cuda.empty_cache()
     report.finished_at = dt.datetime.now(dt.timezone.utc)

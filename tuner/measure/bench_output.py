@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import csv
+import io
 import json
 import math
 from pathlib import Path
@@ -24,14 +25,15 @@ def _fmt(x, digits: int = 1) -> str:
 
 
 def write_csv(report: BenchReport, path: Path) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for row in report.rows:
-            out = dict(row)
-            out["config"] = json.dumps(row.get("config"), sort_keys=True) if row.get("config") else ""
-            out["kernels"] = json.dumps(row.get("kernels") or {}, sort_keys=True)
-            w.writerow(out)
+    fh = io.StringIO(newline="")
+    w = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for row in report.rows:
+        out = dict(row)
+        out["config"] = json.dumps(row.get("config"), sort_keys=True) if row.get("config") else ""
+        out["kernels"] = json.dumps(row.get("kernels") or {}, sort_keys=True)
+        w.writerow(out)
+    write_text_atomic(path, fh.getvalue(), newline="")
 
 
 def _cells(row: dict | None, metric: str) -> str:
@@ -275,12 +277,12 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, newline: str | None = None) -> None:
     """`text` into `path` through a temporary file beside it renamed over it: a bench killed while writing leaves
     the previous file whole, never a part of the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        tmp.write_text(text, newline=newline)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -302,12 +304,17 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return out
 
 
-def write_all(report: BenchReport, out_dir: str | Path) -> list[Path]:
+def write_tables(report: BenchReport, out_dir: str | Path) -> list[Path]:
+    """bench.csv, bench.json and bench.md, each replaced whole (what the command writes after every shape)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.csv", out / "bench.json", out / "bench.md"]
     write_csv(report, paths[0])
-    paths[1].write_text(to_json(report))
-    paths[2].write_text(markdown(report))
-    paths += plot(report, out)
+    write_text_atomic(paths[1], to_json(report))
+    write_text_atomic(paths[2], markdown(report))
     return paths
+
+
+def write_all(report: BenchReport, out_dir: str | Path) -> list[Path]:
+    """The tables and the plots."""
+    return write_tables(report, out_dir) + plot(report, Path(out_dir))
