@@ -16,7 +16,6 @@ memory floors are `peers_gated.floor_bytes`: 3 passes forward, 5 backward.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,8 +28,8 @@ from normtune.kernels.config import BackwardConfig
 
 from ..gated_shapes import GatedProblem
 from ..gpu_info import DeviceInfo, peer_versions
-from .bench_output import write_text_atomic
-from .bench_residual import geomean, host_rounds, host_table, impl_row, load_peers, timed_views
+from .bench_residual import (geomean, host_rounds, host_table, impl_row, load_peers, timed_views,
+                             write_block_files)
 from .harness import TIMING, MeasureSession, Timing
 from .peers import PeerUnavailable
 from .peers_gated import GATED_PEERS, Normtune, check, floor_bytes, make_inputs, reference, within_tolerance
@@ -193,11 +192,4 @@ def to_markdown(report: GatedReport) -> str:
 
 
 def write_all(report: GatedReport, out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "gated.json", out / "gated.md"]
-    write_text_atomic(paths[0], json.dumps({"provenance": report.provenance, "rows": report.rows,
-                                            "summary": summary(report.rows)}, indent=1, sort_keys=True,
-                                           default=str) + "\n")
-    write_text_atomic(paths[1], to_markdown(report))
-    return paths
+    return write_block_files(out_dir, "gated", report, summary(report.rows), to_markdown(report))

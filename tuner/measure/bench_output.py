@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import csv
 import io
 import json
 import math
 from pathlib import Path
 
+from ..files import write_atomic
 from .bench import OURS, BenchReport, geomean, summary, to_json
 
 CSV_COLUMNS = ("norm", "M", "N", "dtype", "weight_dtype", "impl", "status", "median_us", "p10_us", "p90_us",
@@ -33,7 +32,7 @@ def write_csv(report: BenchReport, path: Path) -> None:
         out["config"] = json.dumps(row.get("config"), sort_keys=True) if row.get("config") else ""
         out["kernels"] = json.dumps(row.get("kernels") or {}, sort_keys=True)
         w.writerow(out)
-    write_text_atomic(path, fh.getvalue(), newline="")
+    write_atomic(path, fh.getvalue())
 
 
 def _cells(row: dict | None, metric: str) -> str:
@@ -277,18 +276,6 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
     return paths
 
 
-def write_text_atomic(path: Path, text: str, newline: str | None = None) -> None:
-    """`text` into `path` through a temporary file beside it renamed over it: a bench killed while writing leaves
-    the previous file whole, never a part of the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, newline=newline)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def check_out_dir(out_dir: str | Path) -> Path:
     """Create `out_dir` if needed and prove it writable (a probe file), before anything is measured. Raises
     OSError with a message naming the folder and the fix."""
@@ -310,8 +297,8 @@ def write_tables(report: BenchReport, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.csv", out / "bench.json", out / "bench.md"]
     write_csv(report, paths[0])
-    write_text_atomic(paths[1], to_json(report))
-    write_text_atomic(paths[2], markdown(report))
+    write_atomic(paths[1], to_json(report))
+    write_atomic(paths[2], markdown(report))
     return paths
 
 

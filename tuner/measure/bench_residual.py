@@ -28,8 +28,8 @@ import torch
 from normtune.kernels.config import BackwardConfig, Problem
 
 from .bench import problem_for
-from .bench_output import write_text_atomic
 from .cases import GATE_TOLERANCE, relative_error
+from ..files import write_atomic
 from ..gpu_info import DeviceInfo, peer_versions
 from .harness import TIMING, MeasureSession, Timing
 from .host_rounds import HostCall, measure_rounds
@@ -293,11 +293,15 @@ def to_markdown(report: ResidualReport) -> str:
 
 
 def write_all(report: ResidualReport, out_dir: str | Path) -> list[Path]:
+    return write_block_files(out_dir, "residual", report, summary(report.rows), to_markdown(report))
+
+
+def write_block_files(out_dir: str | Path, stem: str, report, summary_rows: list[dict], markdown: str) -> list[Path]:
+    """A block bench's STEM.json (provenance, rows, summary) and STEM.md in `out_dir`, each replaced whole."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "residual.json", out / "residual.md"]
-    write_text_atomic(paths[0], json.dumps({"provenance": report.provenance, "rows": report.rows,
-                                            "summary": summary(report.rows)}, indent=1, sort_keys=True,
-                                           default=str) + "\n")
-    write_text_atomic(paths[1], to_markdown(report))
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
+    write_atomic(paths[0], json.dumps({"provenance": report.provenance, "rows": report.rows,
+                                       "summary": summary_rows}, indent=1, sort_keys=True, default=str) + "\n")
+    write_atomic(paths[1], markdown)
     return paths

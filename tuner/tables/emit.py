@@ -12,12 +12,8 @@ Fitting (N buckets, M groups, never slower than the analytic default, the incumb
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
-import stat
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +21,7 @@ from pathlib import Path
 from normtune.kernels.config import BackwardConfig, Problem, ProblemFamily
 from normtune.kernels.select.tables import SCHEMA_VERSION, Table, parse_table
 
+from ..files import mode_for, write_atomic
 from ..gpu_info import run_limits
 from .fit import DEFAULT_TIE, MAX_GROUPS, SPLIT_GAIN, Data, default_in, fit_family, single_pass_threshold
 from .heldout import HELDOUT_SHAPES
@@ -226,23 +223,6 @@ def replace_reason(path: Path, current: bytes) -> str | None:
     return None if _emitted_form(current) else "was not written by normtune emit"
 
 
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """`data` into `path` through a temporary file of the same folder renamed over it: a reader (or a kill) sees
-    the old file or the new one, never a part of either."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def write_table(path: Path, text: str, *, force: bool = False) -> Path | None:
     """Write the emitted table `text` to `path` atomically, with its sha256 record beside it (`record_path`).
     A file already there is replaced only when emit wrote it and nobody changed it since (`replace_reason`), or
@@ -261,20 +241,14 @@ def write_table(path: Path, text: str, *, force: bool = False) -> Path | None:
                 raise TableWriteError(f"{path} {reason}; it was left as it is. Pass --force to replace it (the "
                                       f"old one is kept as {backup_path(path).name}), or write elsewhere with --out")
             backup = backup_path(path)
-            _atomic_write(backup, current, stat.S_IMODE(path.stat().st_mode))
-        mode = stat.S_IMODE(path.stat().st_mode) if current is not None else 0o666 & ~_umask()
+            write_atomic(backup, current, mode_for(path))
+        mode = mode_for(path)
         if current != data:
-            _atomic_write(path, data, mode)
-        _atomic_write(record_path(path), f"{_sha256(data)}  {path.name}\n".encode(), mode)
+            write_atomic(path, data, mode)
+        write_atomic(record_path(path), f"{_sha256(data)}  {path.name}\n", mode)
     except OSError as err:
         raise TableWriteError(f"{path}: cannot be written ({err.strerror or err})") from None
     return backup
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def recorded_runs(table: dict) -> tuple[int, ...]:
