@@ -1,0 +1,371 @@
+"""Training-step time of two hybrid models from transformers (a Qwen3.5 or Qwen3-Next and a Mamba-2), whose mixers
+run through gated RMSNorms, under each way of running their norms, with each kind of norm's share of the step.
+
+    python3 docs/experiments/train_step_hybrid.py OUT_DIR [--models qwen,mamba2] [--layers 4] [--seq 4096]
+                                                  [--rounds 20] [--variants unpatched,normtune,fla-norm,compile]
+    python3 docs/experiments/train_step_hybrid.py OUT_DIR --tiny     # CPU check: tiny configs, 32 tokens
+
+Models (bf16 weights, AdamW, batch 1 × --seq tokens, vocab 32000 so that the layers and not the output head
+carry the step):
+- `qwen`: `Qwen3_5ForCausalLM` (else `Qwen3NextForCausalLM` with dense MLPs) shaped like Qwen3.5-9B's layers:
+  hidden 4096, MLP 12288, three gated-delta-rule layers to one attention layer; the gated norm is applied per value
+  head (tokens × 32 rows of 128, the norm before the gate: w·norm(x)·silu(z)); its plain norms are
+  zero-centred RMSNorms. The gated delta rule runs flash-linear-attention's kernels where it is installed (the
+  fast path), else transformers' torch path.
+- `mamba2`: `Mamba2ForCausalLM` shaped like Mamba-Codestral's layers: hidden 4096, d_inner 8192 in 8 groups,
+  norm after the gate (w·norm(x·silu(z)), per group where the installed transformers takes a group size). Its
+  scan runs transformers' torch path unless mamba_ssm is installed.
+
+Variants: `unpatched` (as transformers builds it); `normtune` (`normtune.patch(model)`: the gated and the plain
+norms); `fla-norm` (the gated norms replaced by flash-linear-attention's: `rms_norm_gated` for a norm before the
+gate over the whole head, `layernorm_gated.rmsnorm_fn` otherwise; the plain norms as transformers has them);
+`compile` (`torch.compile(model)`).
+
+Same initial weights and batch for every variant of a model. The variants take their steps in turns (one step
+each per round), each timed between CUDA events after a synchronize; the median over the rounds is reported, with
+p10/p90. One profiled step per variant gives the device time of each kind of norm against the step's kernel
+total: normtune's by its custom ops (`normtune::norm_gated_*` for the gated norms, the other `normtune::norm_*`
+for the plain ones), flash-linear-attention's gated norms by their kernels' names. transformers' eager norms run
+as generic elementwise kernels that no name tells apart, and torch.compile fuses them into other kernels: n/a.
+`grad rel. err.` is the largest relative error of any parameter's gradient against the unpatched model's, in bf16.
+Writes OUT_DIR/train_step_hybrid.md and .json. --tiny runs on CPU (the Triton interpreter; the models' mixers on
+transformers' torch paths) and checks the variants' losses and gradients agree; its times are host wall-clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_step as plain_step  # noqa: E402 - the Llama script's step, timing and gradient helpers
+
+MODELS = ("qwen", "mamba2")
+VARIANTS = ("unpatched", "normtune", "fla-norm", "compile")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--models", default=",".join(MODELS), help="comma list of " + ", ".join(MODELS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument("--tiny", action="store_true", help="CPU (Triton interpreter), tiny configs, 32 tokens")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for name, given, allowed in (("--models", args.models, MODELS), ("--variants", args.variants, VARIANTS)):
+        unknown = [v for v in given if v not in allowed]
+        if unknown:
+            p.error(f"{name}: unknown {', '.join(unknown)} (allowed: {', '.join(allowed)})")
+    if "unpatched" not in args.variants:
+        p.error("--variants: unpatched is the reference of the gradient check; keep it in the list")
+    if args.tiny:
+        args.seq, args.rounds = 32, min(args.rounds, 2)
+    return args
+
+
+def _qwen_config(args):
+    import transformers
+
+    linear = ["linear_attention"] * 3 + ["full_attention"]
+    layer_types = [linear[i % 4] for i in range(args.layers)]
+    if args.tiny:
+        dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4)
+    else:
+        dims = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=16, num_key_value_heads=4,
+                    head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                    linear_num_value_heads=32)
+    common = dict(num_hidden_layers=args.layers, vocab_size=128 if args.tiny else 32000, layer_types=layer_types,
+                  max_position_embeddings=max(args.seq, 64), rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+                  tie_word_embeddings=False, **dims)
+    if hasattr(transformers, "Qwen3_5ForCausalLM") and hasattr(transformers, "Qwen3_5TextConfig"):
+        return transformers.Qwen3_5TextConfig(**common), transformers.Qwen3_5ForCausalLM
+    if hasattr(transformers, "Qwen3NextForCausalLM"):  # dense MLPs in every layer (no experts)
+        config = transformers.Qwen3NextConfig(full_attention_interval=4, mlp_only_layers=list(range(args.layers)),
+                                              **common)
+        return config, transformers.Qwen3NextForCausalLM
+    raise SystemExit(f"transformers {transformers.__version__} has neither Qwen3.5 nor Qwen3-Next: "
+                     "pip install 'transformers>=4.57'")
+
+
+def _mamba2_config(args):
+    import transformers
+
+    if not hasattr(transformers, "Mamba2ForCausalLM"):
+        raise SystemExit(f"transformers {transformers.__version__} has no Mamba-2: pip install 'transformers>=4.44'")
+    if args.tiny:
+        dims = dict(hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=16)
+    else:
+        dims = dict(hidden_size=4096, num_heads=128, head_dim=64, state_size=128, n_groups=8, chunk_size=256)
+    config = transformers.Mamba2Config(num_hidden_layers=args.layers, vocab_size=128 if args.tiny else 32000,
+                                       expand=2, layer_norm_epsilon=1e-5, tie_word_embeddings=False, **dims)
+    return config, transformers.Mamba2ForCausalLM
+
+
+def build(name: str, args, device, dtype):
+    import torch
+
+    config, cls = (_qwen_config if name == "qwen" else _mamba2_config)(args)
+    if name == "qwen":  # its attention layers (Mamba-2 has none)
+        config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():  # norm weights off their init, so that a wrong weight would show in the loss
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn(p.shape))
+    return config, model.to(device=device, dtype=dtype)
+
+
+class FlaGatedNorm:
+    """Stands in for a gated norm: flash-linear-attention's function on the original module's weight."""
+
+    @staticmethod
+    def make(original, plan, functions):
+        import math
+
+        import torch
+
+        width = math.prod(plan.shape)
+        before_whole = plan.position == "before" and plan.group == width and plan.activation == "silu"
+        gated_fn, group_fn = functions
+
+        class _Module(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = original.weight  # the same Parameter
+                for attr in ("variance_epsilon", "eps", "group_size", "n_groups", "norm_before_gate"):
+                    if attr in vars(original):  # what the model's own code reads off its norm
+                        setattr(self, attr, vars(original)[attr])
+
+            def forward(self, x, gate=None):
+                rows, z = x.reshape(-1, width), None if gate is None else gate.reshape(-1, width)
+                if before_whole and z is not None:
+                    y = gated_fn(rows, z, self.weight, None, activation="swish", eps=plan.eps)
+                else:
+                    y = group_fn(rows, self.weight, None, z=z, eps=plan.eps, group_size=plan.group,
+                                 norm_before_gate=plan.position == "before")
+                return y.view(x.shape)
+
+        return _Module()
+
+
+def fla_functions():
+    """flash-linear-attention's two gated-norm functions, imported now."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.modules.norm.layernorm_gated import rmsnorm_fn
+
+    return rms_norm_gated, rmsnorm_fn
+
+
+def gated_plans(model) -> dict:
+    """{module path: normtune's plan} for each gated norm `normtune.patch` finds in `model` (patching a copy)."""
+    import normtune
+    from normtune.kernels.api.modules import GatedRMSNorm
+    from normtune.kernels.patching.patch_gated import GatedPlan
+
+    probe = copy.deepcopy(model)
+    normtune.patch(probe)
+    plans = {}
+    for path, module in probe.named_modules():
+        if isinstance(module, GatedRMSNorm):
+            width = module.weight.numel()
+            plans[path] = GatedPlan(tuple(module.weight.shape), float(module.eps), "eps", module.gate_position,
+                                    module.activation, module.group_size or width)
+    del probe
+    return plans
+
+
+def make_variant(name, base, functions):
+    """(model, note) for one variant, or (None, why) where it cannot run here."""
+    import torch
+
+    import normtune
+
+    model = copy.deepcopy(base)
+    if name == "unpatched":
+        kinds = sorted({type(m).__name__ for m in model.modules() if "norm" in type(m).__name__.lower()})
+        return model, "transformers' norms: " + ", ".join(kinds)
+    if name == "normtune":
+        return model, str(normtune.patch(model)).replace("\n", "; ")
+    if name == "compile":
+        return torch.compile(model), "torch.compile(model)"
+    if functions is None:
+        return None, "unavailable: flash-linear-attention is not installed (pip install flash-linear-attention)"
+    plans = gated_plans(model)
+    if not plans:
+        return None, "no gated norm found"
+    modules = dict(model.named_modules())
+    for path, plan in plans.items():
+        parent_path, _, attr = path.rpartition(".")
+        setattr(modules[parent_path] if parent_path else model, attr,
+                FlaGatedNorm.make(modules[path], plan, functions))
+    kinds = sorted({p.describe() for p in plans.values()})
+    return model, f"{len(plans)} gated norms on flash-linear-attention ({'; '.join(kinds)})"
+
+
+def norm_share(variant, model, opt, batch, cuda) -> dict:
+    """Device time of the gated and of the plain norms in one profiled step, and the step's kernel total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not cuda:
+        return {"kernel_total_ms": None, "gated_ms": None, "plain_ms": None}
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        plain_step.step(model, opt, batch)
+        torch.cuda.synchronize()
+    total = gated = plain = 0.0
+    for evt in prof.key_averages():
+        t = float(getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0) or 0.0)
+        self_t = float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
+                       or 0.0)
+        total += self_t  # kernels' own time: every kernel counted once
+        if variant == "normtune" and evt.key.startswith("normtune::norm_gated_"):
+            gated += t
+        elif variant == "normtune" and evt.key.startswith("normtune::norm_"):
+            plain += t
+        elif variant == "fla-norm" and "layer_norm" in evt.key.lower() and self_t > 0:
+            gated += self_t
+    known = variant in ("normtune", "fla-norm")
+    return {"kernel_total_ms": total / 1e3, "gated_ms": gated / 1e3 if known else None,
+            "plain_ms": plain / 1e3 if variant == "normtune" else None}
+
+
+def run_model(name, args, device, dtype, cuda, functions) -> dict:
+    import torch
+
+    config, base = build(name, args, device, dtype)
+    model_class = type(base).__name__
+    g = torch.Generator(device=device).manual_seed(1)
+    batch = torch.randint(0, config.vocab_size, (1, args.seq), device=device, generator=g)
+    models, notes = {}, {}
+    for variant in args.variants:
+        try:
+            model, notes[variant] = make_variant(variant, base, functions)
+        except Exception as err:  # noqa: BLE001 - a variant that cannot be built is reported, the others run
+            model, notes[variant] = None, f"failed: {type(err).__name__}: {str(err)[:300]}"
+        if model is not None:
+            models[variant] = model
+    del base
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=cuda) for k, m in models.items()}
+    checks, reference = {}, None
+    for k in list(models):  # the same weights: the first loss and gradients; then warm-up steps
+        try:
+            checks[k] = plain_step.grads_of(models[k], batch)
+            for _ in range(2):
+                plain_step.step(models[k], opts[k], batch)
+        except Exception as err:  # noqa: BLE001 - e.g. a compile that fails: reported, the others run
+            notes[k] += f"; failed: {type(err).__name__}: {str(err)[:300]}"
+            del models[k], opts[k]
+            checks.pop(k, None)
+    reference = checks.get("unpatched")
+    times = {k: [] for k in models}
+    for _ in range(args.rounds):
+        for k, m in models.items():
+            times[k].append(plain_step.timed_step(m, opts[k], batch, cuda))
+    rows = {}
+    for k, m in models.items():
+        loss, grads = checks[k]
+        row = {"median_ms": statistics.median(times[k]), "p10_ms": plain_step._q(times[k], 0.1),
+               "p90_ms": plain_step._q(times[k], 0.9), "first_loss": loss}
+        if reference is not None:
+            row["grad_rel_err"] = max(((grads[n] - r).norm() / max(r.norm(), 1e-30)).item()
+                                      for n, r in reference[1].items() if n in grads)
+        row.update(norm_share(k, m, opts[k], batch, cuda))
+        rows[k] = row
+    del models, opts
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"class": model_class, "config": config.to_diff_dict(), "notes": notes, "results": rows}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    if not cuda and not args.tiny:
+        sys.exit("train_step_hybrid.py needs a CUDA GPU (or --tiny for the CPU check)")
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    functions = None
+    if "fla-norm" in args.variants:
+        try:
+            functions = fla_functions()
+        except Exception:  # noqa: BLE001 - reported as the variant's note
+            functions = None
+    if args.tiny:
+        torch.set_num_threads(1)
+        from normtune.tuner.measure.peers_gated import first_config_autotune
+
+        first_config_autotune()  # flash-linear-attention's kernels are autotuned; the interpreter cannot time
+        # The models' mixers on transformers' torch paths: flash-linear-attention's gated delta rule does not run
+        # in the interpreter. Its norm functions are imported already (the fla-norm variant keeps them).
+        for module in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
+            sys.modules[module] = None
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {name: run_model(name, args, device, dtype, cuda, functions) for name in args.models}
+    write(out, args, results, cuda)
+    if args.tiny:
+        bad = {f"{m}/{k}": r.get("grad_rel_err") for m, res in results.items() for k, r in res["results"].items()
+               if (r.get("grad_rel_err") or 0) > 1e-3}
+        if bad:
+            sys.exit(f"--tiny: gradients differ from the unpatched model's: {bad}")
+    return 0
+
+
+def write(out: Path, args, results: dict, cuda: bool) -> None:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter, --tiny)"
+    info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__, "seq": args.seq,
+            "batch": 1, "dtype": "bf16" if cuda else "fp32", "optimizer": "AdamW(lr=1e-5)", "rounds": args.rounds,
+            "models": results}
+    (out / "train_step_hybrid.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+    def f(v, fmt="{:.2f}"):
+        return fmt.format(v) if v is not None else "n/a"
+
+    lines = [f"# Training step of two hybrid models, 1 × {args.seq} tokens, {info['dtype']}, AdamW", "",
+             f"Device: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}. Median of "
+             f"{args.rounds} steps per variant, taken in turns; a norm's share = the device time of its kernels in "
+             "one profiled step ÷ all kernels of that step.", ""]
+    for name, res in results.items():
+        rows = res["results"]
+        base = rows.get("unpatched", {}).get("median_ms")
+        lines += [f"## {res['class']} ({args.layers} layers)", "",
+                  "| variant | step ms (median) | p10 | p90 | vs unpatched | gated norms ms | share | plain norms ms "
+                  "| share | first loss | grad rel. err. vs unpatched |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for k, r in rows.items():
+            total = r["kernel_total_ms"]
+            share = {s: f(r[f"{s}_ms"] / total * 100 if r[f"{s}_ms"] is not None and total else None, "{:.1f} %")
+                     for s in ("gated", "plain")}
+            speed = f"{base / r['median_ms']:.3f}×" if base else "n/a"
+            lines.append(f"| {k} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['p90_ms']:.2f} | {speed} | "
+                         f"{f(r['gated_ms'])} | {share['gated']} | {f(r['plain_ms'])} | {share['plain']} | "
+                         f"{r['first_loss']:.4f} | {f(r.get('grad_rel_err'), '{:.1e}')} |")
+        lines += ["", "Variants: " + "; ".join(f"{k}: {v}" for k, v in res["notes"].items()), "",
+                  "Model config: `" + json.dumps(res["config"], default=str) + "`", ""]
+    (out / "train_step_hybrid.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
