@@ -34,6 +34,16 @@ def _shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def widened(t: Tensor | None, x: Tensor) -> Tensor | None:
+    """`t` cast to x's dtype where x's is the wider one (an fp32 input with bf16 or fp16 weights or gate, as
+    Mamba-2's scan hands its gated norm): the modules compute what torch's type promotion gives the norms they
+    replace (weight · x̂ in fp32), and the gradient flows back to `t` in its own dtype. Any other mix is left to the
+    call's checks."""
+    if t is None or t.dtype == x.dtype or not t.is_floating_point() or torch.promote_types(t.dtype, x.dtype) != x.dtype:
+        return t
+    return t.to(x.dtype)
+
+
 def _shaped(y: Tensor, h: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
     """y and h in x's shape (they have it already unless normalized_shape has several dims)."""
     return (y, h) if y.shape == x.shape else (y.view(x.shape), h.view(x.shape))
@@ -72,10 +82,12 @@ class _Norm(nn.Module):
         return x if k == 1 else x.reshape(*x.shape[: x.dim() - k], math.prod(self.normalized_shape))
 
     @staticmethod
-    def _flat(p: Tensor | None) -> Tensor | None:
+    def _flat(p: Tensor | None, x: Tensor | None = None) -> Tensor | None:
         """The parameter as N elements: itself when 1-D (save="output"'s check then tracks the parameter across
-        calls, see saving.py), else a view."""
-        return p if p is None or p.dim() == 1 else p.reshape(-1)
+        calls, see saving.py), else a view. Given the input `x`, a parameter narrower than x's dtype is used at x's
+        precision (`widened`)."""
+        p = p if p is None or p.dim() == 1 else p.reshape(-1)
+        return p if x is None else widened(p, x)
 
     def extra_repr(self) -> str:
         extra = f", zero_centered={self.zero_centered}" if self.zero_centered else ""
@@ -91,7 +103,7 @@ class LayerNorm(_Norm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, zero_centered, save, config)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = layer_norm(self._rows(x), self._flat(self.weight), self._flat(self.bias), self.eps,
+        y = layer_norm(self._rows(x), self._flat(self.weight, x), self._flat(self.bias, x), self.eps,
                        zero_centered=self.zero_centered, save=self.save, config=self.config)
         return y.view(x.shape)
 
@@ -105,8 +117,8 @@ class RMSNorm(_Norm):
 
     def forward(self, x: Tensor) -> Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y = rms_norm(self._rows(x), self._flat(self.weight), eps, zero_centered=self.zero_centered, save=self.save,
-                     config=self.config)
+        y = rms_norm(self._rows(x), self._flat(self.weight, x), eps, zero_centered=self.zero_centered,
+                     save=self.save, config=self.config)
         return y.view(x.shape)
 
 
@@ -122,7 +134,7 @@ class FusedAddLayerNorm(LayerNorm):
         self.residual_dtype = residual_dtype
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        y, h = layer_norm(self._rows(x), self._flat(self.weight), self._flat(self.bias), self.eps,
+        y, h = layer_norm(self._rows(x), self._flat(self.weight, x), self._flat(self.bias, x), self.eps,
                           residual=self._rows(residual), residual_dtype=self.residual_dtype,
                           zero_centered=self.zero_centered, save=self.save, config=self.config)
         return _shaped(y, h, x)
@@ -141,7 +153,7 @@ class FusedAddRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         eps = self.eps if self.eps is not None else stream_eps(x, residual, self.residual_dtype)
-        y, h = rms_norm(self._rows(x), self._flat(self.weight), eps, residual=self._rows(residual),
+        y, h = rms_norm(self._rows(x), self._flat(self.weight, x), eps, residual=self._rows(residual),
                         residual_dtype=self.residual_dtype, zero_centered=self.zero_centered, save=self.save,
                         config=self.config)
         return _shaped(y, h, x)
@@ -172,9 +184,9 @@ class GatedRMSNorm(RMSNorm):
             if group == width:
                 return super().forward(x)
             y = rms_norm(rows.unflatten(-1, (width // group, group)), None, eps).flatten(-2)
-            w = self._flat(self.weight)
+            w = self._flat(self.weight, x)
             return (y if w is None else y * (w + 1 if self.zero_centered else w).to(y.dtype)).view(x.shape)
-        y = rms_norm(self._rows(x), self._flat(self.weight), eps, gate=self._rows(gate),
+        y = rms_norm(self._rows(x), self._flat(self.weight, x), eps, gate=self._rows(widened(gate, x)),
                      gate_position=self.gate_position, group_size=self.group_size, gate_activation=self.activation,
                      zero_centered=self.zero_centered, config=self.config)
         return y.view(x.shape)
