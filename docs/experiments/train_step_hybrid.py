@@ -58,6 +58,9 @@ def parse(argv):
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument("--torch-mixers", action="store_true",
+                   help="run the mixers (the gated delta rule, the scan) on transformers' torch paths even where "
+                        "flash-linear-attention is installed (its norms stay available to fla-norm)")
     p.add_argument("--tiny", action="store_true", help="CPU (Triton interpreter), tiny configs, 32 tokens")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -69,7 +72,7 @@ def parse(argv):
     if "unpatched" not in args.variants:
         p.error("--variants: unpatched is the reference of the gradient check; keep it in the list")
     if args.tiny:
-        args.seq, args.rounds = 32, min(args.rounds, 2)
+        args.seq, args.rounds, args.torch_mixers = 32, min(args.rounds, 2), True
     return args
 
 
@@ -107,7 +110,9 @@ def _mamba2_config(args):
     if args.tiny:
         dims = dict(hidden_size=64, num_heads=8, head_dim=16, state_size=16, n_groups=2, chunk_size=16)
     else:
-        dims = dict(hidden_size=4096, num_heads=128, head_dim=64, state_size=128, n_groups=8, chunk_size=256)
+        # chunks of 64: transformers' torch scan holds tensors of tokens × chunk × heads × state (64 GiB at 4096
+        # tokens in chunks of 256)
+        dims = dict(hidden_size=4096, num_heads=128, head_dim=64, state_size=128, n_groups=8, chunk_size=64)
     config = transformers.Mamba2Config(num_hidden_layers=args.layers, vocab_size=128 if args.tiny else 32000,
                                        expand=2, layer_norm_epsilon=1e-5, tie_word_embeddings=False, **dims)
     return config, transformers.Mamba2ForCausalLM
@@ -312,10 +317,13 @@ def main(argv=None) -> int:
         from normtune.tuner.measure.peers_gated import first_config_autotune
 
         first_config_autotune()  # flash-linear-attention's kernels are autotuned; the interpreter cannot time
-        # The models' mixers on transformers' torch paths: flash-linear-attention's gated delta rule does not run
-        # in the interpreter. Its norm functions are imported already (the fla-norm variant keeps them).
+    if args.torch_mixers:
+        # transformers picks a mixer kernel from an importable flash-linear-attention when it imports a model: made
+        # unimportable, the mixers take the torch paths. Its norm functions are imported already (fla-norm keeps
+        # them).
         for module in [m for m in sys.modules if m == "fla" or m.startswith("fla.")]:
             sys.modules[module] = None
+        sys.modules["fla"] = None
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -335,6 +343,7 @@ def write(out: Path, args, results: dict, cuda: bool) -> None:
 
     gpu = torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter, --tiny)"
     info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__, "seq": args.seq,
+            "mixers": "transformers' torch paths" if args.torch_mixers else "as transformers picks them",
             "batch": 1, "dtype": "bf16" if cuda else "fp32", "optimizer": "AdamW(lr=1e-5)", "rounds": args.rounds,
             "models": results}
     (out / "train_step_hybrid.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
@@ -344,7 +353,7 @@ def write(out: Path, args, results: dict, cuda: bool) -> None:
 
     lines = [f"# Training step of two hybrid models, 1 × {args.seq} tokens, {info['dtype']}, AdamW", "",
              f"Device: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}. Median of "
-             f"{args.rounds} steps per variant, taken in turns; a norm's share = the device time of its kernels in "
+             f"{args.rounds} steps per variant, taken in turns; mixers: {info['mixers']}; a norm's share = the device time of its kernels in "
              "one profiled step ÷ all kernels of that step.", ""]
     for name, res in results.items():
         rows = res["results"]
