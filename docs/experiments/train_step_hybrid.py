@@ -17,15 +17,16 @@ carry the step):
   scan runs transformers' torch path unless mamba_ssm is installed.
 
 Variants: `unpatched` (as transformers builds it); `normtune` (`normtune.patch(model)`: the gated and the plain
-norms); `fla-norm` (the gated norms replaced by flash-linear-attention's: `rms_norm_gated` for a norm before the
+norms); `normtune-gated` (the gated norms only, as `patch` replaces them; the plain norms as transformers has
+them); `fla-norm` (the gated norms replaced by flash-linear-attention's: `rms_norm_gated` for a norm before the
 gate over the whole head, `layernorm_gated.rmsnorm_fn` otherwise; the plain norms as transformers has them);
 `compile` (`torch.compile(model)`).
 
 Same initial weights and batch for every variant of a model. The variants take their steps in turns (one step
 each per round), each timed between CUDA events after a synchronize; the median over the rounds is reported, with
-p10/p90. One profiled step per variant gives the device time of each kind of norm against the step's kernel
-total: normtune's by its custom ops (`normtune::norm_gated_*` for the gated norms, the other `normtune::norm_*`
-for the plain ones), flash-linear-attention's gated norms by their kernels' names. transformers' eager norms run
+p10/p90. One profiled step per variant gives the device time of the replaced norms against the step's kernel
+total, by their kernels' names: normtune's (`normtune`: the gated and the plain norms together; `normtune-gated`:
+the gated norms), flash-linear-attention's (`fla-norm`: the gated norms). transformers' eager norms run
 as generic elementwise kernels that no name tells apart, and torch.compile fuses them into other kernels: n/a.
 `grad rel. err.` is the largest relative error of any parameter's gradient against the unpatched model's, in bf16.
 Writes OUT_DIR/train_step_hybrid.md and .json. --tiny runs on CPU (the Triton interpreter; the models' mixers on
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step as plain_step  # noqa: E402 - the Llama script's step, timing and gradient helpers
 
 MODELS = ("qwen", "mamba2")
-VARIANTS = ("unpatched", "normtune", "fla-norm", "compile")
+VARIANTS = ("unpatched", "normtune", "normtune-gated", "fla-norm", "compile")
 
 
 def parse(argv):
@@ -192,11 +193,20 @@ def gated_plans(model) -> dict:
     return plans
 
 
+def _swap_gated(model, plans: dict, make) -> None:
+    """Replace each gated norm of `model` at the paths of `plans` by `make(original, plan)`."""
+    modules = dict(model.named_modules())
+    for path, plan in plans.items():
+        parent_path, _, attr = path.rpartition(".")
+        setattr(modules[parent_path] if parent_path else model, attr, make(modules[path], plan))
+
+
 def make_variant(name, base, functions):
     """(model, note) for one variant, or (None, why) where it cannot run here."""
     import torch
 
     import normtune
+    from normtune.kernels.api.modules import GatedRMSNorm
 
     model = copy.deepcopy(base)
     if name == "unpatched":
@@ -206,51 +216,55 @@ def make_variant(name, base, functions):
         return model, str(normtune.patch(model)).replace("\n", "; ")
     if name == "compile":
         return torch.compile(model), "torch.compile(model)"
-    if functions is None:
-        return None, "unavailable: flash-linear-attention is not installed (pip install flash-linear-attention)"
     plans = gated_plans(model)
     if not plans:
         return None, "no gated norm found"
-    modules = dict(model.named_modules())
-    for path, plan in plans.items():
-        parent_path, _, attr = path.rpartition(".")
-        setattr(modules[parent_path] if parent_path else model, attr,
-                FlaGatedNorm.make(modules[path], plan, functions))
-    kinds = sorted({p.describe() for p in plans.values()})
-    return model, f"{len(plans)} gated norms on flash-linear-attention ({'; '.join(kinds)})"
+    kinds = "; ".join(sorted({p.describe() for p in plans.values()}))
+    if name == "normtune-gated":
+        def ours(original, plan):
+            new = GatedRMSNorm(plan.shape, plan.eps, gate_position=plan.position, activation=plan.activation,
+                               group_size=None if plan.group == original.weight.numel() else plan.group)
+            new.weight = original.weight  # the same Parameter
+            for attr in ("variance_epsilon", "group_size", "n_groups", "norm_before_gate"):
+                if attr in vars(original) and attr not in vars(new):
+                    setattr(new, attr, vars(original)[attr])
+            return new
+
+        _swap_gated(model, plans, ours)
+        return model, f"{len(plans)} gated norms on normtune ({kinds}), the plain norms transformers'"
+    if functions is None:
+        return None, "unavailable: flash-linear-attention is not installed (pip install flash-linear-attention)"
+    _swap_gated(model, plans, lambda original, plan: FlaGatedNorm.make(original, plan, functions))
+    return model, f"{len(plans)} gated norms on flash-linear-attention ({kinds}), the plain norms transformers'"
 
 
-def norm_share(variant, model, opt, batch, cuda) -> dict:
-    """Device time of the gated and of the plain norms in one profiled step, and the step's kernel total."""
+def norm_share(variant, model, opt, batch, cuda, ours: set[str]) -> dict:
+    """Device time of the replaced norms' kernels in one profiled step, and the step's kernel total."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if not cuda:
-        return {"kernel_total_ms": None, "gated_ms": None, "plain_ms": None}
+        return {"kernel_total_ms": None, "norm_ms": None}
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         plain_step.step(model, opt, batch)
         torch.cuda.synchronize()
-    total = gated = plain = 0.0
+    total = norm = 0.0
     for evt in prof.key_averages():
         t = float(getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0) or 0.0)
-        self_t = float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0)
-                       or 0.0)
-        total += self_t  # kernels' own time: every kernel counted once
-        if variant == "normtune" and evt.key.startswith("normtune::norm_gated_"):
-            gated += t
-        elif variant == "normtune" and evt.key.startswith("normtune::norm_"):
-            plain += t
-        elif variant == "fla-norm" and "layer_norm" in evt.key.lower() and self_t > 0:
-            gated += self_t
-    known = variant in ("normtune", "fla-norm")
-    return {"kernel_total_ms": total / 1e3, "gated_ms": gated / 1e3 if known else None,
-            "plain_ms": plain / 1e3 if variant == "normtune" else None}
+        total += t
+        if variant in ("normtune", "normtune-gated") and evt.key in ours:
+            norm += t
+        elif variant == "fla-norm" and "layer_norm" in evt.key.lower():
+            norm += t
+    known = variant in ("normtune", "normtune-gated", "fla-norm")
+    return {"kernel_total_ms": total / 1e3, "norm_ms": norm / 1e3 if known else None}
 
 
 def run_model(name, args, device, dtype, cuda, functions) -> dict:
     import torch
 
+    ours = plain_step.normtune_kernel_names() if cuda else set()
     config, base = build(name, args, device, dtype)
     model_class = type(base).__name__
     g = torch.Generator(device=device).manual_seed(1)
@@ -288,7 +302,7 @@ def run_model(name, args, device, dtype, cuda, functions) -> dict:
         if reference is not None:
             row["grad_rel_err"] = max(((grads[n] - r).norm() / max(r.norm(), 1e-30)).item()
                                       for n, r in reference[1].items() if n in grads)
-        row.update(norm_share(k, m, opts[k], batch, cuda))
+        row.update(norm_share(k, m, opts[k], batch, cuda, ours))
         rows[k] = row
     del models, opts
     if cuda:
@@ -359,17 +373,15 @@ def write(out: Path, args, results: dict, cuda: bool) -> None:
         rows = res["results"]
         base = rows.get("unpatched", {}).get("median_ms")
         lines += [f"## {res['class']} ({args.layers} layers)", "",
-                  "| variant | step ms (median) | p10 | p90 | vs unpatched | gated norms ms | share | plain norms ms "
-                  "| share | first loss | grad rel. err. vs unpatched |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| variant | step ms (median) | p10 | p90 | vs unpatched | replaced norms' kernels ms | share "
+                  "| first loss | grad rel. err. vs unpatched |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for k, r in rows.items():
-            total = r["kernel_total_ms"]
-            share = {s: f(r[f"{s}_ms"] / total * 100 if r[f"{s}_ms"] is not None and total else None, "{:.1f} %")
-                     for s in ("gated", "plain")}
+            total, norm = r["kernel_total_ms"], r["norm_ms"]
+            share = f(norm / total * 100 if norm is not None and total else None, "{:.1f} %")
             speed = f"{base / r['median_ms']:.3f}×" if base else "n/a"
             lines.append(f"| {k} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['p90_ms']:.2f} | {speed} | "
-                         f"{f(r['gated_ms'])} | {share['gated']} | {f(r['plain_ms'])} | {share['plain']} | "
-                         f"{r['first_loss']:.4f} | {f(r.get('grad_rel_err'), '{:.1e}')} |")
+                         f"{f(norm)} | {share} | {r['first_loss']:.4f} | {f(r.get('grad_rel_err'), '{:.1e}')} |")
         lines += ["", "Variants: " + "; ".join(f"{k}: {v}" for k, v in res["notes"].items()), "",
                   "Model config: `" + json.dumps(res["config"], default=str) + "`", ""]
     (out / "train_step_hybrid.md").write_text("\n".join(lines))

@@ -42,7 +42,7 @@ class GatedPlan:
 
     def describe(self) -> str:
         groups = f", groups of {self.group}" if self.group != math.prod(self.shape) else ""
-        return f"gated RMSNorm ({self.activation} gate {self.position} the norm{groups})"
+        return f"gated RMSNorm (the norm {self.position} the {self.activation} gate{groups})"
 
 
 def takes_a_gate(module: nn.Module) -> bool:
