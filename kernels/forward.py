@@ -97,7 +97,19 @@ def _forward_kernel(
     N, stride_x, stride_y = assume_multiple(N, HINT), assume_multiple(stride_x, HINT), assume_multiple(stride_y, HINT)
     stride_r, stride_h = assume_multiple(stride_r, HINT), assume_multiple(stride_h, HINT)
     stride_z = assume_multiple(stride_z, HINT)
-    rows = tl.program_id(0) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+    pid = tl.program_id(0)
+    if HAS_GATE:  # a grouped call: N is the group's width, the grid holds each group's row programs in turn
+        row_programs = tl.cdiv(M, BLOCK_ROW)
+        group = pid // row_programs
+        pid = pid - group * row_programs
+        if INT64:
+            group = group.to(tl.int64)
+        X += group * N
+        Y += group * N
+        Z += group * N
+        W += group * N
+        RSTD += group * M
+    rows = pid * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
     row_mask = rows < M
     if INT64:
         rows_off = rows.to(tl.int64)
@@ -262,26 +274,28 @@ def forward_residual(x2d: torch.Tensor, residual2d: torch.Tensor, weight: torch.
 
 def forward_gated(x2d: torch.Tensor, z2d: torch.Tensor, weight: torch.Tensor | None, eps: float, *, gate_after: bool,
                   sigmoid: bool, zero_centered: bool, y: torch.Tensor | None = None,
-                  rstd: torch.Tensor | None = None):
+                  rstd: torch.Tensor | None = None, groups: int = 1):
     """The gated RMSNorm on 2-D views of equal shape (rows may be strided, last dims contiguous): y = w·x̂·act(z)
-    (gate before) or y = w·norm(x·act(z)) (`gate_after`), act = silu or sigmoid. Returns (y, rstd); y and rstd
-    may be passed in."""
+    (gate before) or y = w·norm(x·act(z)) (`gate_after`), act = silu or sigmoid, with statistics per group of
+    N / `groups` columns, every group in one launch. Returns (y, rstd): rstd holds the groups' rows one group after
+    another (groups × M); y and rstd may be passed in."""
     M, N = x2d.shape
     device = x2d.device
     if y is None:
         y = torch.empty(M, N, dtype=x2d.dtype, device=device)
     if rstd is None:
-        rstd = torch.empty(M, dtype=torch.float32, device=device)
+        rstd = torch.empty(groups * M, dtype=torch.float32, device=device)
     if M == 0:
         return y, rstd
+    width = N // groups
     strides = (x2d.stride(0), y.stride(0), z2d.stride(0))
     w = rstd if weight is None else weight  # placeholder pointer for an absent weight: never dereferenced
     key = launch_key(x2d, strides[0], w, rstd, weight is None, True, True, zero_centered, False)
-    key += ("gate", gate_after, sigmoid, strides, z2d.dtype) + tuple(data_ptr(t) & 15 for t in (y, z2d, rstd))
-    launch, grid = planned(key, M, N, strides[0], strides[1], weight is not None, False, True, zero_centered,
-                            False, (), (gate_after, sigmoid, strides[2]))
+    key += ("gate", gate_after, sigmoid, strides, z2d.dtype, groups) + tuple(data_ptr(t) & 15 for t in (y, z2d, rstd))
+    launch, grid = planned(key, M, width, strides[0], strides[1], weight is not None, False, True, zero_centered,
+                           False, (), (gate_after, sigmoid, strides[2]), groups)
     launch(grid, (x2d, strides[0], y, strides[1], x2d, strides[0], y, strides[1], z2d, strides[2], w, rstd, rstd,
-                  rstd, M, N, eps), key)
+                  rstd, M, width, eps), key)
     return y, rstd
 
 
@@ -295,7 +309,7 @@ def launch_key(x2d, x_stride, w, b, no_weight, no_bias, is_rms, zero_centered, s
 
 def planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight: bool, has_bias: bool,
              is_rms: bool, zero_centered: bool, store_mean: bool, residual_strides: tuple = (),
-             gate: tuple | None = None) -> tuple:
+             gate: tuple | None = None, groups: int = 1) -> tuple:
     """(launcher, grid) of a launcher key, derived once. `residual_strides`: the residual's and h's row strides
     (the residual form; empty without one). `gate`: (gate after the norm's input, sigmoid, z's row stride) of the
     gated form (None without one)."""
@@ -304,11 +318,11 @@ def planned(key: tuple, M: int, N: int, x_stride: int, y_stride: int, has_weight
         if len(_CALLS) >= MAX_CALLS:  # e.g. a new row count every step: start over rather than grow
             _CALLS.clear()
         more = residual_strides + ((gate[2],) if gate is not None else ())
-        int64 = needs_int64(M, N, x_stride, y_stride, *more)
+        int64 = needs_int64(M, N * groups, x_stride, y_stride, *more)
         hint = alignment_hint(N, x_stride, y_stride, *more)
         launch, block_row = _launcher(N, is_rms, has_weight, has_bias, zero_centered, store_mean, int64, hint,
                                       bool(residual_strides), None if gate is None else gate[:2])
-        planned = _CALLS[key] = (launch, cdiv(M, block_row))
+        planned = _CALLS[key] = (launch, groups * cdiv(M, block_row))
     return planned
 
 

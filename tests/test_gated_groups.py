@@ -137,6 +137,30 @@ def test_a_grouped_call_launches_each_kernel_once(device, monkeypatch):
 
 
 
+@pytest.mark.parametrize("gate", ["before", "after"])
+@pytest.mark.parametrize("M,N,group", [(6, 64, 16), (1, 96, 32), (37, 3 * 8192 + 3 * 8192, 8192)])
+def test_a_grouped_forward_is_one_launch_with_every_group_right(gate, M, N, group, device, monkeypatch):
+    """The forward of a grouped call normalizes every group in one launch of the forward kernel (single-pass and
+    chunked widths), y and rstd (groups × rows) those of the float64 reference, its outputs poisoned first."""
+    from normtune.kernels.forward import _forward_kernel, forward_gated
+
+    x, z, w, _ = _inputs(M, N, device, FP32)
+    y = torch.full((M, N), float("nan"), device=device)
+    rstd = torch.full((N // group * M,), float("nan"), device=device)
+    launched = _count_launches(monkeypatch)
+    forward_gated(x, z, w, EPS, gate_after=gate == "after", sigmoid=False, zero_centered=False, y=y, rstd=rstd,
+                  groups=N // group)
+    assert launched == [_forward_kernel], launched
+    x64, z64, w64 = x.double(), z.double(), w.double()
+    a = torch.nn.functional.silu(z64)
+    h = (x64 * a if gate == "after" else x64).view(M, N // group, group)
+    r = torch.rsqrt(h.pow(2).mean(-1) + EPS)
+    ref = (h * r[..., None]).view(M, N) * w64
+    ref = ref * a if gate == "before" else ref
+    _close(y, ref, TOL[FP32], "y")
+    _close(rstd, r.t().reshape(-1), TOL[FP32], "rstd")
+
+
 def test_a_waiting_config_whose_groups_cannot_all_be_resident_runs_group_by_group(device, monkeypatch):
     """A fused-reduction config whose programs the GPU cannot hold at once for every group: its plan says so
     (`GroupsNotResident`, checked on a target that is not the interpreter's two-phase one), and the call then runs

@@ -6,7 +6,8 @@ planning, allocation and autograd bookkeeping around the launches, not the inter
 
 Times the process's CPU time, interleaved round by round (the best round is kept per call: other processes on
 the machine only add time), the forward alone and forward + backward (`torch.autograd.grad`, no gradient accumulation) of plain and
-residual calls of `rms_norm` and `layer_norm` in bf16, the residual with a bf16 and an fp32 stream.
+residual calls of `rms_norm` and `layer_norm` in bf16, the residual with a bf16 and an fp32 stream, and gated calls
+(the norm after the gate) over the whole width and in 8 groups.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def calls_for(shape: tuple[int, ...]) -> dict:
     b = (0.1 * torch.randn(N)).to(bf16).requires_grad_()
     gy, gh16, gh32 = torch.randn(shape, dtype=bf16), torch.randn(shape, dtype=bf16), torch.randn(shape)
     module = FusedAddRMSNorm(N, eps=1e-6, dtype=bf16)
+    z = torch.randn(shape, dtype=bf16, requires_grad=True)
+    group = N // 8 if N % 8 == 0 else N
+
+    def gated(group_size):
+        return lambda: torch.autograd.grad(rms_norm(x, w, 1e-6, gate=z, gate_position="after",
+                                                    group_size=group_size), (x, z, w), gy)
+
     out = {
         "rms_norm forward": lambda: rms_norm(x, w),
         "rms_norm fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w), (x, w), gy),
@@ -45,6 +53,8 @@ def calls_for(shape: tuple[int, ...]) -> dict:
         "rms_norm fp32-stream fwd+bwd": lambda: torch.autograd.grad(rms_norm(x, w, residual=r32), (x, r32, w),
                                                                     (gy, gh32)),
         "FusedAddRMSNorm fwd+bwd": lambda: torch.autograd.grad(module(x, r16), (x, r16, module.weight), (gy, gh16)),
+        "rms_norm gated fwd+bwd": gated(None),
+        "rms_norm gated 8 groups fwd+bwd": gated(group),
     }
     return out
 

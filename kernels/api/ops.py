@@ -77,23 +77,21 @@ def forward_impl(form: Form, x, extras, weight, bias, eps, is_rms, zero_centered
 
 def _forward_gated(x, z, weight, eps, zero_centered, gate_after, sigmoid, group):
     """((y,), rstd, None) of the gated form on rows; statistics per group of `group` columns (the whole row, or
-    each group's columns run as rows of their own, a view: rstd holds the groups' one after another)."""
+    every group in one launch: rstd holds the groups' one after another)."""
     M, N = x.shape
-    triton = use_triton(x)
-    impl = _forward.forward_gated if triton else reference.forward_gated
     flags = dict(gate_after=gate_after, sigmoid=sigmoid, zero_centered=zero_centered)
+    if use_triton(x):
+        y, rstd = _forward.forward_gated(x, z, weight, eps, groups=N // group, **flags)
+        return (y,), rstd, None
     if group == N:
-        y, rstd = impl(x, z, weight, eps, **flags)
+        y, rstd = reference.forward_gated(x, z, weight, eps, **flags)
         return (y,), rstd, None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     rstd = torch.empty(N // group, M, dtype=torch.float32, device=x.device)
     for g, start in enumerate(range(0, N, group)):
         cols = slice(start, start + group)
         w = weight[cols] if weight is not None else None
-        if triton:
-            impl(x[:, cols], z[:, cols], w, eps, y=y[:, cols], rstd=rstd[g], **flags)
-        else:
-            y[:, cols], rstd[g] = impl(x[:, cols], z[:, cols], w, eps, **flags)
+        y[:, cols], rstd[g] = reference.forward_gated(x[:, cols], z[:, cols], w, eps, **flags)
     return (y,), rstd.view(-1), None
 
 
