@@ -81,9 +81,10 @@ def residual_plan_h_dtype(plan: tuple) -> torch.dtype:
 
 
 def gated_call_plan(x: torch.Tensor, x2d: torch.Tensor, z: torch.Tensor, z2d: torch.Tensor, weight,
-                    gate_after: bool, sigmoid: bool, zero_centered: bool) -> tuple | None:
-    """`call_plan` of the gated form over the whole width (`forward.forward_gated`): None where `x2d` or `z2d` is
-    a copy, or there are no rows. y is allocated contiguous in x's shape."""
+                    gate_after: bool, sigmoid: bool, zero_centered: bool, groups: int = 1) -> tuple | None:
+    """`call_plan` of the gated form (`forward.forward_gated`, statistics per group of N / `groups` columns, every
+    group in one launch): None where `x2d` or `z2d` is a copy, or there are no rows. y is allocated contiguous in
+    x's shape."""
     M, N = x2d.shape
     if M == 0 or data_ptr(x2d) != data_ptr(x) or data_ptr(z2d) != data_ptr(z):
         return None
@@ -91,17 +92,18 @@ def gated_call_plan(x: torch.Tensor, x2d: torch.Tensor, z: torch.Tensor, z2d: to
     rstd = torch.empty(1, dtype=torch.float32, device=x.device)  # stands in for the fresh, aligned outputs
     w = rstd if weight is None else weight
     key = launch_key(x2d, strides[0], w, rstd, weight is None, True, True, zero_centered, False)
-    key += ("gate", gate_after, sigmoid, strides, z2d.dtype, 0, data_ptr(z2d) & 15, 0)
-    launch, grid = planned(key, M, N, strides[0], N, weight is not None, False, True, zero_centered, False, (),
-                           (gate_after, sigmoid, strides[2]))
-    return launch, grid, key, M, N, strides[0], strides[2]
+    key += ("gate", gate_after, sigmoid, strides, z2d.dtype, groups, 0, data_ptr(z2d) & 15, 0)
+    launch, grid = planned(key, M, N // groups, strides[0], N, weight is not None, False, True, zero_centered, False,
+                           (), (gate_after, sigmoid, strides[2]), groups)
+    return launch, grid, key, M, N // groups, strides[0], strides[2], N, groups
 
 
 def run_gated_plan(plan: tuple, x: torch.Tensor, z: torch.Tensor, weight, eps: float, device: torch.device):
-    """(y, rstd) of a gated forward on inputs that match `plan` (`gated_call_plan`): y in x's shape."""
-    launch, grid, key, M, N, x_stride, z_stride = plan
+    """(y, rstd) of a gated forward on inputs that match `plan` (`gated_call_plan`): y in x's shape, rstd the
+    groups' rows one group after another."""
+    launch, grid, key, M, width, x_stride, z_stride, N, groups = plan
     y = torch.empty(x.shape, dtype=x.dtype, device=device)
-    rstd = torch.empty(M, dtype=torch.float32, device=device)
+    rstd = torch.empty(groups * M, dtype=torch.float32, device=device)
     launch(grid, (x, x_stride, y, N, x, x_stride, y, N, z, z_stride, rstd if weight is None else weight, rstd, rstd,
-                  rstd, M, N, eps), key)
+                  rstd, M, width, eps), key)
     return y, rstd

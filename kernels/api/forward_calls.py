@@ -83,8 +83,7 @@ def lookup(sig: tuple | None) -> tuple | None:
 
 def remember(sig: tuple | None, form: Form, x: Tensor, x2d: Tensor, extras: tuple, extras2d: tuple, weight, bias,
              stream_dtype, is_rms: bool, zero_centered: bool, save_output: bool, opts: tuple = ()) -> None:
-    """Store the plan of a call that passed every check (x2d, extras2d: the rows it launched on; the gated form's
-    over the whole width only)."""
+    """Store the plan of a call that passed every check (x2d, extras2d: the rows it launched on)."""
     if sig is None or not use_triton(x):
         return
     store_mean = not is_rms and not save_output
@@ -92,8 +91,8 @@ def remember(sig: tuple | None, form: Form, x: Tensor, x2d: Tensor, extras: tupl
         plan = _plans.call_plan(x, x2d, weight, bias, is_rms, zero_centered, store_mean)
     elif form is GATED:
         gate_after, sigmoid, group = opts
-        plan = None if group != x2d.shape[1] else _plans.gated_call_plan(x, x2d, extras[0], extras2d[0], weight,
-                                                                          gate_after, sigmoid, zero_centered)
+        plan = _plans.gated_call_plan(x, x2d, extras[0], extras2d[0], weight, gate_after, sigmoid, zero_centered,
+                                      x2d.shape[1] // group)
     else:
         plan = _plans.residual_call_plan(x, x2d, extras[0], extras2d[0], weight, bias, stream_dtype, is_rms,
                                            zero_centered, store_mean)
