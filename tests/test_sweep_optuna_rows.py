@@ -214,3 +214,18 @@ def test_a_trial_created_while_another_writer_holds_the_lock_is_numbered_after_t
     thread.join(60)
     assert created and created[0][1] == 1, created
     assert sorted(t.number for t in optuna.load_study(study_name="rows", storage=store.url).get_trials()) == [0, 1]
+
+
+def test_a_distributions_json_is_optunas_own_for_fresh_equal_distributions():
+    """The rows' distribution_json is Optuna's serialization, also when looked up by choices for a fresh object."""
+    from optuna.distributions import CategoricalDistribution, IntDistribution, distribution_to_json
+
+    from normtune.tuner.sweep.optuna_rows import _distribution_json
+
+    for make in (lambda: CategoricalDistribution([1, 2, 4]), lambda: CategoricalDistribution(["a", None, True]),
+                 lambda: CategoricalDistribution([1.5, 2]), lambda: IntDistribution(1, 8)):
+        first, again = make(), make()
+        assert _distribution_json(first) == distribution_to_json(first)
+        assert _distribution_json(again) == distribution_to_json(again)
+    assert _distribution_json(CategoricalDistribution([1, 2])) != _distribution_json(CategoricalDistribution([2, 1]))
+    assert _distribution_json(CategoricalDistribution([1])) != _distribution_json(CategoricalDistribution([True]))

@@ -128,12 +128,28 @@ def _upsert(dialect: str, model: str, owner: str):
                                            set_={"value_json": statement.excluded.value_json})
 
 
-@functools.lru_cache(maxsize=4096)
 def _distribution_json(distribution) -> str:
-    """A distribution as Optuna stores it (a study's trials share a handful of them)."""
-    from optuna.distributions import distribution_to_json
+    """A distribution as Optuna stores it (a study's trials share a handful of them). Each trial's template holds
+    distributions of its own, so a categorical one is looked up by its choices and their types (1, 1.0 and True
+    are equal keys otherwise): hashing and comparing Optuna's distribution objects took longer than writing the
+    row."""
+    choices = getattr(distribution, "choices", None)
+    key = (type(distribution), tuple((type(c), c) for c in choices)) if choices is not None else distribution
+    try:
+        return _JSON[key]
+    except (KeyError, TypeError):  # TypeError: unhashable choices, serialized every time
+        from optuna.distributions import distribution_to_json
 
-    return distribution_to_json(distribution)
+        text = distribution_to_json(distribution)
+        if len(_JSON) < 4096:
+            try:
+                _JSON[key] = text
+            except TypeError:
+                pass
+        return text
+
+
+_JSON: dict = {}
 
 
 def create_trial_in(session, study_id: int, template) -> tuple[int, int]:
