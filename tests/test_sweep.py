@@ -599,6 +599,44 @@ def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_failed(tmp_path
     assert states[alive.number] == optuna.trial.TrialState.RUNNING  # its heartbeat is fresh: not stale
 
 
+def test_repair_tells_a_dead_workers_trial_and_leaves_a_live_workers_alone(tmp_path, caplog):
+    """`repair` (a worker opening a study) tells a trial measured but never told, its worker dead; a live
+    worker's trial, stored and told in one transaction while repair reads the store, is not told again and
+    logs no warning (read in the other order it looked untold: "finished by another worker")."""
+    import logging
+
+    from test_store import ok
+
+    from normtune.tuner.gpu_info import detect
+    from normtune.tuner.sweep.options import SweepOptions
+    from normtune.tuner.sweep.trials import NewTrial, StudyBook
+
+    url = sqlite_url(tmp_path)
+    opts = SweepOptions(gpu_key="interpret", problems=[RMS_A], interpret=True)
+    config = default_config(RMS_A)
+    with Store(url) as store:
+        storage = store.optuna_storage()
+        book = StudyBook(opts, RMS_A, INTERPRET_SM_COUNT, True, storage)
+        run_id = store.start_run(detect(interpret=True), kind="sweep", command_line="x")
+        dead, live = book.study.ask(), book.study.ask()
+        store.add_measurement(run_id, RMS_A, config, ok(50.0), source="sweep", study_name=book.name,
+                              trial_number=dead.number)
+        read = store.measurements
+
+        def live_worker_stores_and_tells_meanwhile(**kwargs):  # just before repair reads the store
+            store.add_measurement(run_id, RMS_A, config, ok(40.0), source="sweep", study_name=book.name,
+                                  trial_number=live.number)
+            book.tell(NewTrial(live._trial_id, live.number, config, "sweep"), "ok", 40.0, None)
+            return read(**kwargs)
+
+        store.measurements = live_worker_stores_and_tells_meanwhile
+        with caplog.at_level(logging.DEBUG, logger="normtune.sweep"):
+            book.repair(store)
+        values = {t.number: (t.state, t.value) for t in book.study.get_trials(deepcopy=False)}
+    assert values == {dead.number: (TS.COMPLETE, 50.0), live.number: (TS.COMPLETE, 40.0)}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 @pytest.mark.parametrize("sampler", ["tpe", "random"])
 def test_a_config_the_space_rejects_never_becomes_a_trial(tmp_path, monkeypatch, sampler):
     """TPE and random proposals are sampled before a trial exists: configs the constraints reject are counted and

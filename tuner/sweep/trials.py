@@ -274,9 +274,11 @@ class StudyBook:
             self.proposer.took(self, prepared.ahead)
         return NewTrial(trial_id, number, prepared.config, prepared.source, bound, prepared.sampled)
 
-    def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None) -> None:
+    def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None,
+             repairing: bool = False) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
-        grace period) keeps its measurement in the store, which is what counts."""
+        grace period) keeps its measurement in the store, which is what counts. `repairing`: told for a dead
+        worker (`repair`); its own worker, alive after all, may have told it first, which is no warning."""
         TS = self._optuna.trial.TrialState
         attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
         try:
@@ -285,7 +287,8 @@ class StudyBook:
             else:
                 finish_trial(self.storage, self.study, trial.trial_id, trial.number, TS.COMPLETE, value, attrs)
         except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError) as err:
-            log.warning("trial %s of %s was finished by another worker: %s", trial.number, self.name, err)
+            (log.debug if repairing else log.warning)("trial %s of %s was finished by another worker: %s",
+                                                      trial.number, self.name, err)
 
     def tell_in(self, session, trial: NewTrial, status: str, value: float | None, error: str | None) -> bool | None:
         """`tell` within the caller's transaction `session` (the store's, recording the measurement): True when
@@ -322,15 +325,17 @@ class StudyBook:
         """Trials measured (stored) but never told -- their worker died in between -- are told from the store;
         then trials whose worker's heartbeat stopped are failed as stale (their slots are taken over)."""
         TS = self._optuna.trial.TrialState
-        running = rows.trials_in_states(self.storage, self.study, (TS.RUNNING,))
-        if not running:  # nothing to tell, nothing stale
+        if not rows.trials_in_states(self.storage, self.study, (TS.RUNNING,)):  # nothing to tell, nothing stale
             return
         stored = {m.trial_number: m for m in store.measurements(study_name=self.name)}
-        for t in running:
+        # The RUNNING trials read again, after the store: a live worker stores a measurement and tells its trial in
+        # one transaction, so a trial still RUNNING with a measurement read before is one whose worker died in
+        # between (read the other way round, a live worker's trial told meanwhile looked untold).
+        for t in rows.trials_in_states(self.storage, self.study, (TS.RUNNING,)):
             m = stored.get(t.number)
             if m is not None:
                 self.tell(NewTrial(t.trial_id, t.number, m.config, m.source), m.status,
-                          m.median_us if m.status == "ok" else None, m.error)
+                          m.median_us if m.status == "ok" else None, m.error, repairing=True)
         self._optuna.storages.fail_stale_trials(self.study)
         self._fail_unbeaten(store)
 
