@@ -11,7 +11,8 @@ carry the step):
   hidden 4096, MLP 12288, three gated-delta-rule layers to one attention layer; the gated norm is applied per value
   head (tokens × 32 rows of 128, the norm before the gate: w·norm(x)·silu(z)); its plain norms are
   zero-centred RMSNorms. The gated delta rule runs flash-linear-attention's kernels where it is installed (the
-  fast path), else transformers' torch path.
+  fast path), else transformers' torch path. flash-linear-attention 0.6.0 refuses that backward on Hopper with
+  Triton 3.4–3.7.0 (every variant but `compile` then fails on its RuntimeError): pass --torch-mixers there.
 - `mamba2`: `Mamba2ForCausalLM` shaped like Mamba-Codestral's layers: hidden 4096, d_inner 8192 in 8 groups,
   norm after the gate (w·norm(x·silu(z)), per group where the installed transformers takes a group size). Its
   scan runs transformers' torch path unless mamba_ssm is installed.
