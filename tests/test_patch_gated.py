@@ -205,3 +205,53 @@ def test_plain_modules_promote_a_narrower_weight_to_their_fp32_input(cls):
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     y.sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in norm.parameters())
+
+
+@pytest.mark.parametrize("setup", ["checkpointing reentrant", "checkpointing non-reentrant", "layer 0 under no_grad"])
+def test_a_tiny_mamba2_model_in_a_training_setup_gives_the_unpatched_gradients(setup):
+    """transformers' gradient checkpointing (both kinds) and a layer run under no_grad: the patched model's loss
+    and gradients are the unpatched model's in the same setup."""
+    import copy
+    import functools
+
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Mamba2Config(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=8, expand=2, head_dim=8,
+                          num_heads=4, n_groups=2, conv_kernel=4, chunk_size=8)
+    reference = Mamba2ForCausalLM(config).float()
+    patched = copy.deepcopy(reference)
+    patch(patched)
+    ids = torch.randint(0, 64, (2, 8))
+
+    def prepared(model):
+        if setup.startswith("checkpointing"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": setup.endswith(" reentrant")})
+            model.train()
+        else:
+            layer = model.backbone.layers[0]
+            forward = layer.forward
+
+            def without_grad(*args, **kwargs):
+                with torch.no_grad():
+                    return forward(*args, **kwargs)
+
+            layer.forward = functools.wraps(forward)(without_grad)
+        return model
+
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model in (prepared(reference), prepared(patched)):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-5, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for n, g in grads_a.items():
+        if g is None:
+            assert grads_b[n] is None, n
+        else:
+            torch.testing.assert_close(grads_b[n], g, rtol=1e-4, atol=1e-6, msg=n)
