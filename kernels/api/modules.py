@@ -82,12 +82,10 @@ class _Norm(nn.Module):
         return x if k == 1 else x.reshape(*x.shape[: x.dim() - k], math.prod(self.normalized_shape))
 
     @staticmethod
-    def _flat(p: Tensor | None, x: Tensor | None = None) -> Tensor | None:
+    def _flat(p: Tensor | None, x: Tensor) -> Tensor | None:
         """The parameter as N elements: itself when 1-D (save="output"'s check then tracks the parameter across
-        calls, see saving.py), else a view. Given the input `x`, a parameter narrower than x's dtype is used at x's
-        precision (`widened`)."""
-        p = p if p is None or p.dim() == 1 else p.reshape(-1)
-        return p if x is None else widened(p, x)
+        calls, see saving.py), else a view; at x's precision where it is narrower than the input `x` (`widened`)."""
+        return widened(p if p is None or p.dim() == 1 else p.reshape(-1), x)
 
     def extra_repr(self) -> str:
         extra = f", zero_centered={self.zero_centered}" if self.zero_centered else ""
