@@ -198,18 +198,25 @@ def grads_of(model, batch):
     return float(loss.detach()), grads
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+def setup(tiny: bool, script: str) -> tuple:
+    """(cuda, device, dtype) of a run: bf16 on the GPU, or --tiny's fp32 on CPU through the Triton interpreter (set
+    before triton is imported) on one thread; exits where there is no GPU and no --tiny."""
+    if tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
 
-    cuda = torch.cuda.is_available() and not args.tiny
-    if not cuda and not args.tiny:
-        sys.exit("train_step.py needs a CUDA GPU (or --tiny for the CPU check)")
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    if args.tiny:
+    cuda = torch.cuda.is_available() and not tiny
+    if not cuda and not tiny:
+        sys.exit(f"{script} needs a CUDA GPU (or --tiny for the CPU check)")
+    if tiny:
         torch.set_num_threads(1)
+    return (cuda, "cuda", torch.bfloat16) if cuda else (cuda, "cpu", torch.float32)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    cuda, device, dtype = setup(args.tiny, "train_step.py")
+    import torch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config, base = build(args, device, dtype)

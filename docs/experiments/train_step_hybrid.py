@@ -39,10 +39,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -135,37 +133,34 @@ def build(name: str, args, device, dtype):
     return config, model.to(device=device, dtype=dtype)
 
 
-class FlaGatedNorm:
-    """Stands in for a gated norm: flash-linear-attention's function on the original module's weight."""
+def fla_gated_norm(original, plan, functions):
+    """A module standing in for the gated norm `original`: flash-linear-attention's function on its weight."""
+    import math
 
-    @staticmethod
-    def make(original, plan, functions):
-        import math
+    import torch
 
-        import torch
+    from normtune.kernels.patching.patch_gated import KEPT_ATTRIBUTES
 
-        width = math.prod(plan.shape)
-        before_whole = plan.position == "before" and plan.group == width and plan.activation == "silu"
-        gated_fn, group_fn = functions
+    width = math.prod(plan.shape)
+    before_whole = plan.position == "before" and plan.group == width and plan.activation == "silu"
+    gated_fn, group_fn = functions
 
-        class _Module(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.weight = original.weight  # the same Parameter
-                for attr in ("variance_epsilon", "eps", "group_size", "n_groups", "norm_before_gate"):
-                    if attr in vars(original):  # what the model's own code reads off its norm
-                        setattr(self, attr, vars(original)[attr])
+    class FlaGatedNorm(torch.nn.Module):
+        def forward(self, x, gate=None):
+            rows, z = x.reshape(-1, width), None if gate is None else gate.reshape(-1, width)
+            if before_whole and z is not None:
+                y = gated_fn(rows, z, self.weight, None, activation="swish", eps=plan.eps)
+            else:
+                y = group_fn(rows, self.weight, None, z=z, eps=plan.eps, group_size=plan.group,
+                             norm_before_gate=plan.position == "before")
+            return y.view(x.shape)
 
-            def forward(self, x, gate=None):
-                rows, z = x.reshape(-1, width), None if gate is None else gate.reshape(-1, width)
-                if before_whole and z is not None:
-                    y = gated_fn(rows, z, self.weight, None, activation="swish", eps=plan.eps)
-                else:
-                    y = group_fn(rows, self.weight, None, z=z, eps=plan.eps, group_size=plan.group,
-                                 norm_before_gate=plan.position == "before")
-                return y.view(x.shape)
-
-        return _Module()
+    new = FlaGatedNorm()
+    new.weight = original.weight  # the same Parameter
+    for attr in (*KEPT_ATTRIBUTES, "group_size"):  # what the model's own code may read off its norm
+        if attr in vars(original):
+            setattr(new, attr, vars(original)[attr])
+    return new.train(original.training)
 
 
 def fla_functions():
@@ -207,7 +202,7 @@ def make_variant(name, base, functions):
     import torch
 
     import normtune
-    from normtune.kernels.api.modules import GatedRMSNorm
+    from normtune.kernels.patching import patch_gated
 
     model = copy.deepcopy(base)
     if name == "unpatched":
@@ -221,21 +216,12 @@ def make_variant(name, base, functions):
     if not plans:
         return None, "no gated norm found"
     kinds = "; ".join(sorted({p.describe() for p in plans.values()}))
-    if name == "normtune-gated":
-        def ours(original, plan):
-            new = GatedRMSNorm(plan.shape, plan.eps, gate_position=plan.position, activation=plan.activation,
-                               group_size=None if plan.group == original.weight.numel() else plan.group)
-            new.weight = original.weight  # the same Parameter
-            for attr in ("variance_epsilon", "group_size", "n_groups", "norm_before_gate"):
-                if attr in vars(original) and attr not in vars(new):
-                    setattr(new, attr, vars(original)[attr])
-            return new
-
-        _swap_gated(model, plans, ours)
+    if name == "normtune-gated":  # as patch() builds them, on the original weights
+        _swap_gated(model, plans, lambda original, plan: patch_gated.build(original, plan, None))
         return model, f"{len(plans)} gated norms on normtune ({kinds}), the plain norms transformers'"
     if functions is None:
         return None, "unavailable: flash-linear-attention is not installed (pip install flash-linear-attention)"
-    _swap_gated(model, plans, lambda original, plan: FlaGatedNorm.make(original, plan, functions))
+    _swap_gated(model, plans, lambda original, plan: fla_gated_norm(original, plan, functions))
     return model, f"{len(plans)} gated norms on flash-linear-attention ({kinds}), the plain norms transformers'"
 
 
@@ -313,14 +299,7 @@ def run_model(name, args, device, dtype, cuda, functions) -> dict:
 
 def main(argv=None) -> int:
     args = parse(argv)
-    if args.tiny:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-    import torch
-
-    cuda = torch.cuda.is_available() and not args.tiny
-    if not cuda and not args.tiny:
-        sys.exit("train_step_hybrid.py needs a CUDA GPU (or --tiny for the CPU check)")
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    cuda, device, dtype = plain_step.setup(args.tiny, "train_step_hybrid.py")
     functions = None
     if "fla-norm" in args.variants:
         try:
@@ -328,7 +307,6 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - reported as the variant's note
             functions = None
     if args.tiny:
-        torch.set_num_threads(1)
         from normtune.tuner.measure.peers_gated import first_config_autotune
 
         first_config_autotune()  # flash-linear-attention's kernels are autotuned; the interpreter cannot time
