@@ -346,8 +346,8 @@ def write(out: Path, args, results: dict, cuda: bool) -> None:
 
     lines = [f"# Training step of two hybrid models, 1 × {args.seq} tokens, {info['dtype']}, AdamW", "",
              f"Device: {gpu}; torch {torch.__version__}; transformers {transformers.__version__}. Median of "
-             f"{args.rounds} steps per variant, taken in turns; mixers: {info['mixers']}; a norm's share = the device time of its kernels in "
-             "one profiled step ÷ all kernels of that step.", ""]
+             f"{args.rounds} steps per variant, taken in turns; mixers: {info['mixers']}; the replaced norms' "
+             "share = their kernels' device time in one profiled step ÷ all kernels of that step.", ""]
     for name, res in results.items():
         rows = res["results"]
         base = rows.get("unpatched", {}).get("median_ms")
