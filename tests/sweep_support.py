@@ -311,7 +311,7 @@ def instant_measuring_process(on_submit: Callable | None = None, busy_s: float =
         def start(self):
             pass
 
-        def submit(self, problem, config):
+        def submit(self, problem, config, best_us=None):
             if on_submit is not None:
                 on_submit(problem, config)
             self.due = time.perf_counter() + busy_s

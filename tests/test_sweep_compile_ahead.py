@@ -74,7 +74,7 @@ class QuickMeasurer:
     def start(self):
         pass
 
-    def submit(self, problem, config):
+    def submit(self, problem, config, best_us=None):
         QuickMeasurer.measured.append((problem.key, config.to_json()))
         self._due = time.perf_counter() + MEASURE_S
 
@@ -214,7 +214,7 @@ class AnsweringMeasurer(QuickMeasurer):
     def answering(self):
         return True
 
-    def submit(self, problem, config):
+    def submit(self, problem, config, best_us=None):
         job = self.pool.jobs.index((problem.key, config.to_json()))
         self.job_done_at_submit.append(self.pool.futures[job].done())
         self.held_at_submit.append(self.held())

@@ -155,3 +155,65 @@ def gate(problem: Problem, got, ref) -> tuple[bool, dict[str, float], str]:
     errors = ref.errors(got)
     bad = [f"{name} relative error {err:.3g} > {tol:g}" for name, err in errors.items() if not err <= tol]
     return not bad, errors, "; ".join(bad)
+
+
+def tensor_bytes(*holders) -> int:
+    """Bytes of the distinct tensor storages held in the attributes (and tuples of them) of `holders`."""
+    seen: dict[int, int] = {}
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                visit(v)
+
+    for holder in holders:
+        for value in vars(holder).values():
+            visit(value)
+    return sum(seen.values())
+
+
+class CaseCache:
+    """The inputs and float64 reference of several problems, kept while they fit in `budget_bytes`: a sweep's
+    problems take turns trial by trial, so a single kept problem would be made anew for nearly every trial.
+
+    A problem that does not fit evicts the problems unused for `stale_s` (a sweep that has moved on); where that
+    is not enough it is made for its trials only and replaced by the next problem that does not fit, the kept ones
+    staying (a round over more problems than fit then reuses what it can instead of evicting each in turn)."""
+
+    def __init__(self, budget_bytes: int, stale_s: float = 30.0):
+        self.budget_bytes, self.stale_s = budget_bytes, stale_s
+        self._kept: dict[Problem, list] = {}  # problem -> [case, reference, bytes, last used]
+        self._passing: tuple[Problem, Case, Reference] | None = None  # the one too large to keep
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(entry[2] for entry in self._kept.values())
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, problem: Problem, make, now: float) -> tuple[Case, Reference, bool]:
+        """(case, reference, made now) of `problem`; `make(problem)` returns a new (case, reference)."""
+        entry = self._kept.get(problem)
+        if entry is not None:
+            entry[3] = now
+            return entry[0], entry[1], False
+        if self._passing is not None and self._passing[0] == problem:
+            return self._passing[1], self._passing[2], False
+        self._passing = None  # freed before the next one is made
+        for key in [k for k, e in self._kept.items() if now - e[3] > self.stale_s]:
+            del self._kept[key]
+        case, ref = make(problem)
+        size = tensor_bytes(case, ref)
+        if self.kept_bytes + size <= self.budget_bytes:
+            self._kept[problem] = [case, ref, size, now]
+        else:
+            self._passing = (problem, case, ref)
+        return case, ref, True
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self._passing = None

@@ -7,7 +7,9 @@ Protocol for every timed repetition (ours and peers alike):
     launch of the repetition before the timed region starts: host launch overhead never shows up as device time)
     → event → kernel_1 → event → kernel_2 → event.
 The forward is run once, untimed. Repetitions continue until `min_reps` are done and either `max_reps` or the time
-budget is reached; the median, p10 and p90 are reported. This is the "GPU time, host hidden" view; `views.py`
+budget is reached; the median, p10 and p90 are reported. A sweep's trial races the best of its problem so far: once
+`race_after` repetitions put its median beyond `race_margin` times that best, it stops there (a clear loser needs
+no more precision than that to be ranked below it). This is the "GPU time, host hidden" view; `views.py`
 holds the kernel-sum and host-µs views.
 
 Failures are results, not crashes: a config that does not compile is `compile_error`, one that needs more
@@ -27,7 +29,8 @@ import torch
 from normtune.kernels.config import BackwardConfig, ConfigError, Problem
 
 from . import views
-from .cases import GATE_TOLERANCE, Case, Reference, gate, make_case, relative_error  # noqa: F401 - public names
+from .cases import (GATE_TOLERANCE, Case, CaseCache, Reference, gate, make_case,  # noqa: F401 - public names
+                    relative_error)
 from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exception,  # noqa: F401
                       error_text, floor_bytes, floor_us, percentile)
 
@@ -37,6 +40,11 @@ from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exce
 SPIN_CYCLES = 500_000
 SPIN_US = 100.0
 CYCLES_PER_US = 2000  # cycles per µs of spin until `calibrate_spin` measures the clock
+
+# The device memory a session may keep problems' inputs and references in (`CaseCache`), and the host memory
+# on CPU: the rest is the kernels' outputs, the flush buffer and whatever else the process holds.
+CASE_MEMORY_SHARE = 0.25
+CPU_CASE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class Timing:
     profile_reps: int = 5
     host_calls: int = 20
     host_reps: int = 5
+    race_margin: float | None = None  # stop a config whose median passes this multiple of the best given
+    race_after: int = 10  # repetitions before a race may stop it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +69,9 @@ class Timing:
 
 # Presets of the commands; every interpreter run uses "interpret" (its figures only need to exist).
 TIMING = {
-    "sweep": Timing(warmup=1, max_reps=60, budget_s=0.1),
+    # A sweep's losers stop after 10 repetitions: their median is already 10 % beyond the best, ten times the
+    # cold-L2 spread of 10 repetitions (p10-p90 under 1 % on an H100 and an H200).
+    "sweep": Timing(warmup=1, max_reps=60, budget_s=0.1, race_margin=1.10),
     # 11 host rounds: with 5, close host-time comparisons still swapped places on the noise of single rounds.
     "bench": Timing(budget_s=0.5, host_reps=11),
     "validate": Timing(max_reps=100, budget_s=0.25),
@@ -126,13 +138,15 @@ def calibrate_spin(device: torch.device, cycles: int = 2_000_000, reps: int = 3)
 
 def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, split: bool = True,
                  warmup: int = 3, min_reps: int = 20, max_reps: int = 200, budget_s: float = 1.0,
-                 device: torch.device | None = None, spin_cycles: int = SPIN_CYCLES) -> list[Stats]:
+                 device: torch.device | None = None, spin_cycles: int = SPIN_CYCLES,
+                 stop_above_us: float | None = None, stop_after: int = 10) -> list[Stats]:
     """Time a sequence of launches (e.g. [kernel_1, kernel_2]) per repetition.
 
     split=True records an event between consecutive steps and returns one `Stats` per step and, last, their
     total; split=False records events only around the whole sequence (an event between kernels would break a
     programmatic dependent launch's overlap) and returns [total]. On CPU (interpreter) host wall-clock is used
-    and nothing is flushed."""
+    and nothing is flushed. `stop_above_us` ends the repetitions early, before `min_reps`, once `stop_after` are
+    done and the median of the whole sequence's times so far is above it (a race the config has lost)."""
     on_gpu = device is not None and device.type == "cuda"
     for _ in range(warmup):
         for step in steps:
@@ -140,7 +154,7 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
     n_marks = len(steps) + 1 if split else 2
     per_step: list[list[float]] = [[] for _ in range(n_marks - 1)]
     if not on_gpu:
-        for _ in range(max(1, min_reps)):
+        for done in range(1, max(1, min_reps) + 1):
             marks = [time.perf_counter()]
             for step in steps:
                 step()
@@ -150,6 +164,8 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
                 marks.append(time.perf_counter())
             for i in range(n_marks - 1):
                 per_step[i].append((marks[i + 1] - marks[i]) * 1e6)
+            if stop_above_us is not None and done >= stop_after and _median_total(per_step) > stop_above_us:
+                break
     else:
         torch.cuda.synchronize(device)
         stream = torch.cuda.current_stream(device)  # looked up once: Event.record() would on every call
@@ -176,10 +192,17 @@ def time_kernels(steps: list[Callable[[], None]], *, flusher: L2Flusher | None, 
             done += batch
             if done >= min_reps and time.perf_counter() - start >= budget_s:
                 break
+            if stop_above_us is not None and done >= stop_after and _median_total(per_step) > stop_above_us:
+                break
     stats = [Stats.of(v) for v in per_step]
     if split:
         stats.append(Stats.of([sum(t) for t in zip(*per_step)]))
     return stats
+
+
+def _median_total(per_step: list[list[float]]) -> float:
+    """Median over the repetitions so far of the whole sequence's time (the sum of its steps)."""
+    return percentile([sum(t) for t in zip(*per_step)], 50)
 
 
 def split_kernel_times(total_us: float, kernel_1_us: float, kernel_2_us: float, *, pdl: bool) -> tuple[float, float]:
@@ -197,8 +220,11 @@ def split_kernel_times(total_us: float, kernel_1_us: float, kernel_2_us: float, 
 def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | None, bandwidth_gbps: float,
                    reference_grads=None, warmup: int = 3, min_reps: int = 20, max_reps: int = 200,
                    budget_s: float = 1.0, check: bool = True, spin_cycles: int = SPIN_CYCLES,
-                   phases: dict[str, float] | None = None) -> MeasureResult:
+                   phases: dict[str, float] | None = None, stop_above_us: float | None = None,
+                   stop_after: int = 10) -> MeasureResult:
     """Gate then time `config` on `case`. Never raises for a bad config: the status says what went wrong.
+    `stop_above_us` races it (`time_kernels`): a config that loses stops after `stop_after` repetitions, and its
+    per-kernel split gets half as many.
     `phases`, when given, receives the seconds of the first launch (which loads or compiles the kernels) as
     "load", of the rest of the gate (outputs, poisoning, the check) as "gate" and of the timed repetitions as
     "timing"."""
@@ -208,7 +234,7 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
         return _gate_then_time(case, config, flusher=flusher, bandwidth_gbps=bandwidth_gbps,
                                reference_grads=reference_grads, warmup=warmup, min_reps=min_reps,
                                max_reps=max_reps, budget_s=budget_s, check=check, spin_cycles=spin_cycles,
-                               phases=phases)
+                               phases=phases, stop_above_us=stop_above_us, stop_after=stop_after)
     finally:
         timed = phases.get("timing", 0.0) - timed_before
         loaded = phases.get("load", 0.0) - loaded_before
@@ -216,7 +242,8 @@ def measure_config(case: Case, config: BackwardConfig, *, flusher: L2Flusher | N
 
 
 def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gbps, reference_grads, warmup,
-                    min_reps, max_reps, budget_s, check, spin_cycles, phases) -> MeasureResult:
+                    min_reps, max_reps, budget_s, check, spin_cycles, phases, stop_above_us,
+                    stop_after) -> MeasureResult:
     problem = case.problem
     device = case.grad.device
     interpret = device.type != "cuda"
@@ -252,11 +279,13 @@ def _gate_then_time(case: Case, config: BackwardConfig, *, flusher, bandwidth_gb
         steps = [launch.kernel_1, launch.kernel_2]
         # The whole backward, no event between the kernels: a PDL kernel_2 keeps its overlap with kernel_1.
         (total,) = time_kernels(steps, flusher=flusher, split=False, warmup=warmup, min_reps=min_reps,
-                                max_reps=max_reps, budget_s=budget_s, device=device, spin_cycles=spin_cycles)
-        # The per-kernel split, from fewer repetitions with an event between the kernels.
-        k1, k2, _ = time_kernels(steps, flusher=flusher, split=True, warmup=0, min_reps=max(1, min_reps // 2),
-                                 max_reps=max(1, max_reps // 4), budget_s=budget_s / 4, device=device,
-                                 spin_cycles=spin_cycles)
+                                max_reps=max_reps, budget_s=budget_s, device=device, spin_cycles=spin_cycles,
+                                stop_above_us=stop_above_us, stop_after=stop_after)
+        # The per-kernel split, from fewer repetitions with an event between the kernels (a lost race's: half).
+        lost = total.count < min_reps
+        split_min, split_max = (max(1, stop_after // 2),) * 2 if lost else (max(1, min_reps // 2), max(1, max_reps // 4))
+        k1, k2, _ = time_kernels(steps, flusher=flusher, split=True, warmup=0, min_reps=split_min,
+                                 max_reps=split_max, budget_s=budget_s / 4, device=device, spin_cycles=spin_cycles)
     except Exception as err:  # noqa: BLE001
         return MeasureResult(status="error", error=error_text(err) + "\n" + traceback.format_exc(limit=3),
                              interpret=interpret)
@@ -299,14 +328,14 @@ class MeasureSession:
         self.timing = TIMING["interpret"] if not self.on_gpu else (timing or TIMING["sweep"])
         if not self.on_gpu:
             self.bandwidth_gbps, self.flusher, self.cycles_per_us = math.nan, None, math.nan
-            self._case, self._reference = None, None
+            self.cases = CaseCache(CPU_CASE_BYTES)
             return
         self.bandwidth_gbps = bandwidth_gbps if bandwidth_gbps is not None else \
             copy_bandwidth(self.device, nbytes=bandwidth_bytes)
         self.flusher = L2Flusher(self.device, l2_bytes) if cold else None
         self.cycles_per_us = calibrate_spin(self.device)
-        self._case: Case | None = None
-        self._reference = None
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        self.cases = CaseCache(int(total * CASE_MEMORY_SHARE))
 
     @classmethod
     def for_device(cls, info, device_index: int | None = None, **kwargs) -> "MeasureSession":
@@ -333,31 +362,37 @@ class MeasureSession:
         return floor_us(problem, self.bandwidth_gbps)
 
     def measure(self, case: Case, config: BackwardConfig, *, reference_grads=None, check: bool = True,
-                timing: Timing | None = None, phases: dict[str, float] | None = None) -> MeasureResult:
-        """Gate, then time `config` on `case` (see `measure_config`)."""
+                timing: Timing | None = None, phases: dict[str, float] | None = None,
+                best_us: float | None = None) -> MeasureResult:
+        """Gate, then time `config` on `case` (see `measure_config`). `best_us`, the best time of the problem so
+        far, races the config against it where the timing preset has a `race_margin`."""
         t = timing or self.timing
+        stop_above = best_us * t.race_margin if best_us is not None and t.race_margin is not None else None
         return measure_config(case, config, flusher=self.flusher, bandwidth_gbps=self.bandwidth_gbps,
                               reference_grads=reference_grads, warmup=t.warmup, min_reps=t.min_reps,
                               max_reps=t.max_reps, budget_s=t.budget_s, check=check,
-                              spin_cycles=self.spin_cycles or SPIN_CYCLES, phases=phases)
+                              spin_cycles=self.spin_cycles or SPIN_CYCLES, phases=phases,
+                              stop_above_us=stop_above, stop_after=t.race_after)
 
-    def measure_problem(self, problem: Problem, config: BackwardConfig,
-                        phases: dict[str, float] | None = None) -> MeasureResult:
-        """`measure` on `problem`'s inputs and float64 reference, made once and reused while the problem stays
-        the same (a sweep's trials, a head-to-head's rounds); the previous problem's tensors are freed first.
-        `phases` also receives the seconds spent making the inputs and reference, as "inputs"."""
+    def measure_problem(self, problem: Problem, config: BackwardConfig, phases: dict[str, float] | None = None,
+                        best_us: float | None = None) -> MeasureResult:
+        """`measure` on `problem`'s inputs and float64 reference, made once and reused by every measurement of the
+        problem while they are kept (`self.cases`: a sweep's trials, a head-to-head's rounds). `phases` also
+        receives the seconds spent making the inputs and reference, as "inputs"; `best_us` races the config
+        (`measure`)."""
         phases = {} if phases is None else phases
-        if self._case is None or self._case.problem != problem:
-            t = time.perf_counter()
-            self._case = self._reference = None
-            if self.on_gpu:
-                torch.cuda.empty_cache()
-            self._case = self.case(problem)
-            self._reference = self._case.gate_reference()
-            if self.on_gpu:
-                torch.cuda.synchronize(self.device)
+        t = time.perf_counter()
+        case, reference, made = self.cases.get(problem, self._new_case, now=t)
+        if made:
             phases["inputs"] = phases.get("inputs", 0.0) + time.perf_counter() - t
-        return self.measure(self._case, config, reference_grads=self._reference, phases=phases)
+        return self.measure(case, config, reference_grads=reference, phases=phases, best_us=best_us)
+
+    def _new_case(self, problem: Problem) -> tuple[Case, Reference]:
+        case = self.case(problem)
+        reference = case.gate_reference()
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        return case, reference
 
     @property
     def recorded_bandwidth_gbps(self) -> float | None:

@@ -78,10 +78,10 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         msg = conn.recv()
         if msg[0] == "stop":
             return
-        _, problem_dict, config_json = msg
+        _, problem_dict, config_json, best_us = msg
         phases: dict[str, float] = {}
         try:
-            result = session.measure_problem(P.from_dict(problem_dict), BC.from_json(config_json), phases)
+            result = session.measure_problem(P.from_dict(problem_dict), BC.from_json(config_json), phases, best_us)
         except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
             result = MeasureResult(status=classify_exception(err), error=f"{type(err).__name__}: {err}",
                                    interpret=interpret)
@@ -134,12 +134,14 @@ class MeasuringProcess:
         mark("measurer_ready", at=ready_at)
         self._ready = True
 
-    def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float) -> MeasureResult:
-        self.submit(problem, config)
+    def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float,
+                best_us: float | None = None) -> MeasureResult:
+        self.submit(problem, config, best_us)
         return self.collect(timeout_s)
 
-    def submit(self, problem: Problem, config: BackwardConfig) -> None:
-        """Send one trial to be gated and timed (starting the process first when it is not running)."""
+    def submit(self, problem: Problem, config: BackwardConfig, best_us: float | None = None) -> None:
+        """Send one trial to be gated and timed (starting the process first when it is not running); `best_us`,
+        the problem's best time so far, races it (`MeasureSession.measure`)."""
         self._failed, self.phases = None, {}
         if self._proc is None or not self._proc.is_alive():
             self.start()
@@ -152,7 +154,7 @@ class MeasuringProcess:
                                        error="the measuring process failed to start" + (f": {err}" if str(err) else ""))
                 return
         try:
-            self._conn.send(("measure", problem.to_dict(), config.to_json()))
+            self._conn.send(("measure", problem.to_dict(), config.to_json(), best_us))
             self._sent_at = time.monotonic()
         except (BrokenPipeError, ConnectionResetError):
             self.kill()
@@ -219,8 +221,8 @@ class _Synchronous:
     def __init__(self, inner):
         self._inner, self._job, self.phases = inner, None, {}
 
-    def submit(self, problem, config) -> None:
-        self._job = (problem, config)
+    def submit(self, problem, config, best_us=None) -> None:
+        self._job = (problem, config)  # a stand-in measures every config in full
 
     def ready(self) -> bool:
         return True

@@ -8,10 +8,13 @@ listed for the heartbeat thread, which beats them.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from normtune.kernels.config import Problem
 
 from ..gpu_info import DeviceInfo
 from ..measure.harness import MeasureResult
@@ -50,6 +53,9 @@ class PendingTrials:
         self.emit, self.abandoning = emit, abandoning
         self.running: dict[int, int] = {}  # trial_id -> number of the trials held, for heartbeats
         self._lock = threading.Lock()
+        # Each problem's best time measured by this worker (sent and collected by the dispatcher's thread): every
+        # trial races it.
+        self._best_us: dict[Problem, float] = {}
 
     def held(self) -> list[int]:
         """The trial ids held now (from any thread)."""
@@ -134,7 +140,8 @@ class PendingTrials:
             if cstatus in ("compile_error", "out_of_resources"):
                 return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
                                      interpret=self.info.interpret)
-        self.measurer.submit(item.book.problem, item.trial.config)  # the first one waits for the process to start
+        problem = item.book.problem
+        self.measurer.submit(problem, item.trial.config, self._best_us.get(problem))  # the first waits for the process
         item.sent_at = time.perf_counter()
         self.costs.sent()
         return None
@@ -146,6 +153,9 @@ class PendingTrials:
         self.costs.measured(self.measurer.phases)
         if item.compile_s is not None:
             result.compile_s = item.compile_s
+        problem = item.book.problem
+        if result.status == "ok" and result.median_us and result.median_us < self._best_us.get(problem, math.inf):
+            self._best_us[problem] = result.median_us
         return result
 
     def commit(self, item: Pending, result: MeasureResult, run_id: int, summary: SweepSummary) -> None:
