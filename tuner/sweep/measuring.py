@@ -60,6 +60,29 @@ def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "
     return MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
 
 
+def _warm(session, problem_dict: dict) -> None:
+    """Make the sweep's first problem's inputs and reference and load its analytic default (a fresh study's first
+    trial) while the sweep opens its studies: the first trial then finds both ready. Best effort: a failure here
+    is met again, and reported, by the trial itself."""
+    import torch
+
+    from normtune.kernels.config import Problem, default_config
+
+    from .trials import problem_space
+
+    try:
+        problem = Problem.from_dict(problem_dict)
+        case, _ = session.prepare(problem)
+        sm_count = torch.cuda.get_device_properties(session.device).multi_processor_count if session.on_gpu else 1
+        space = problem_space(problem, sm_count, not session.on_gpu)
+        case.launch(space.canonical(default_config(problem, space.limits))).run()
+        if session.on_gpu:
+            torch.cuda.synchronize(session.device)
+    except Exception:  # noqa: BLE001 - see above
+        pass
+    mark("measurer_warmed")
+
+
 def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timing: "Timing | dict | None") -> None:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -78,6 +101,9 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         msg = conn.recv()
         if msg[0] == "stop":
             return
+        if msg[0] == "warm":
+            _warm(session, msg[1])
+            continue
         _, problem_dict, config_json, best_us = msg
         phases: dict[str, float] = {}
         try:
@@ -85,7 +111,7 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
             result = MeasureResult(status=classify_exception(err), error=f"{type(err).__name__}: {err}",
                                    interpret=interpret)
-        conn.send(("result", result.to_dict(), phases))
+        conn.send(("result", result.to_dict(), phases, own_marks()))
 
 
 class MeasuringProcess:
@@ -134,6 +160,16 @@ class MeasuringProcess:
         mark("measurer_ready", at=ready_at)
         self._ready = True
 
+    def warm(self, problem: Problem) -> None:
+        """Have the process prepare `problem` (the sweep's first) as soon as it is ready, without waiting for it:
+        its inputs, its reference and its default config's kernels (`_warm`)."""
+        if self._proc is None or not self._proc.is_alive():
+            self.start()
+        try:
+            self._conn.send(("warm", problem.to_dict()))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the first trial finds the process dead and says so
+
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float,
                 best_us: float | None = None) -> MeasureResult:
         self.submit(problem, config, best_us)
@@ -174,7 +210,9 @@ class MeasuringProcess:
             return _result(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
                            interpret=self._args[1])
         try:
-            _, data, self.phases = self._conn.recv()
+            _, data, self.phases, steps = self._conn.recv()
+            for name, at in steps.items():  # e.g. the first problem prepared (absolute times; the first counts)
+                mark(name, at=at)
         except (EOFError, ConnectionResetError):
             self.kill()
             return _result(status="error", error="the measuring process died (e.g. a device fault)",
