@@ -38,7 +38,7 @@ def test_the_stored_timeline_shows_the_measuring_process_started_before_the_data
         < order.index("first_study") < order.index("first_sent") < order.index("first_result") \
         < order.index("first_stored"), steps
     assert "measurer_ready" in steps and all(v >= 0 for v in steps.values())
-    # The first problem was prepared before its first trial was sent (while the studies opened).
+    # The first problem was prepared once the measuring process was ready, before its first result.
     assert order.index("measurer_ready") < order.index("measurer_warmed") < order.index("first_result")
     assert "since the command started: options" in line(costs)
     assert "first stored" in " ".join(done.stderr.split())

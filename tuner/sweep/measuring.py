@@ -62,19 +62,24 @@ def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "
 
 def _warm(session, problem_dict: dict) -> None:
     """Make the sweep's first problem's inputs and reference and load its analytic default (a fresh study's first
-    trial) while the sweep opens its studies: the first trial then finds both ready. Best effort: a failure here
-    is met again, and reported, by the trial itself."""
+    trial) while the sweep detects its device and opens its database and studies: the first trial then finds both
+    ready (a second warm of the same problem costs one launch). Best effort: a failure here is met again, and
+    reported, by the trial itself."""
     import torch
 
     from normtune.kernels.config import Problem, default_config
+    from normtune.kernels.device import INTERPRET_SM_COUNT, device_limits
 
-    from .trials import problem_space
+    from ..space import Space  # not the sweep's `problem_space`, whose module imports Optuna
 
     try:
         problem = Problem.from_dict(problem_dict)
         case, _ = session.prepare(problem)
-        sm_count = torch.cuda.get_device_properties(session.device).multi_processor_count if session.on_gpu else 1
-        space = problem_space(problem, sm_count, not session.on_gpu)
+        if session.on_gpu:
+            space = Space(problem, torch.cuda.get_device_properties(session.device).multi_processor_count,
+                          device_limits(session.device))
+        else:
+            space = Space(problem, INTERPRET_SM_COUNT, None)
         case.launch(space.canonical(default_config(problem, space.limits))).run()
         if session.on_gpu:
             torch.cuda.synchronize(session.device)
