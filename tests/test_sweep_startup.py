@@ -38,8 +38,6 @@ def test_the_stored_timeline_shows_the_measuring_process_started_before_the_data
         < order.index("first_study") < order.index("first_sent") < order.index("first_result") \
         < order.index("first_stored"), steps
     assert "measurer_ready" in steps and all(v >= 0 for v in steps.values())
-    # The first problem was prepared once the measuring process was ready, before its first result.
-    assert order.index("measurer_ready") < order.index("measurer_warmed") < order.index("first_result")
     assert "since the command started: options" in line(costs)
     assert "first stored" in " ".join(done.stderr.split())
 
@@ -57,25 +55,6 @@ def test_a_measuring_process_that_cannot_start_reports_it_as_the_trials_error_wi
         measurer.close()
     assert result.status == "error" and result.error.startswith("the measuring process failed to start: ")
     assert "Traceback" not in capfd.readouterr().err
-
-
-def test_a_measuring_process_prepares_the_problem_it_is_told_to_warm():
-    """Its inputs and reference are made and its default's kernels loaded ahead: the first trial of that problem
-    makes no inputs; a trial of another problem does."""
-    from normtune.kernels.config import Problem, default_config
-
-    first, other = Problem("rms_norm", 8, 64, "fp32"), Problem("rms_norm", 8, 96, "fp32")
-    measurer = MeasuringProcess(0, True)
-    measurer.warm(first)  # starts the process, which prepares it once ready
-    try:
-        assert measurer.measure(first, default_config(first), 120).status == "ok"
-        first_phases = dict(measurer.phases)
-        assert measurer.measure(other, default_config(other), 120).status == "ok"
-        other_phases = dict(measurer.phases)
-    finally:
-        measurer.close()
-    assert "inputs" not in first_phases and other_phases["inputs"] > 0, (first_phases, other_phases)
-    assert "measurer_warmed" in timeline.marks()
 
 
 def test_marks_count_from_the_command_start_recorded_for_spawned_processes(monkeypatch):

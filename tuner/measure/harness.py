@@ -387,11 +387,6 @@ class MeasureSession:
             phases["inputs"] = phases.get("inputs", 0.0) + time.perf_counter() - t
         return self.measure(case, config, reference_grads=reference, phases=phases, best_us=best_us)
 
-    def prepare(self, problem: Problem) -> tuple[Case, Reference]:
-        """`problem`'s inputs and float64 reference, made now unless kept (`measure_problem` then finds them)."""
-        case, reference, _ = self.cases.get(problem, self._new_case, now=time.perf_counter())
-        return case, reference
-
     def _new_case(self, problem: Problem) -> tuple[Case, Reference]:
         case = self.case(problem)
         reference = case.gate_reference()

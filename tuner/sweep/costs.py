@@ -34,7 +34,7 @@ STEPS = {"options": "options", "launcher_options": "options", "worker_spawned": 
          "launcher_workers_spawned": "workers spawned", "worker_started": "worker started",
          "measurer_spawned": "measuring process spawned", "launcher_store_open": "launcher's database open",
          "measurer_torch": "measuring process imported torch", "measurer_cuda": "its CUDA context",
-         "measurer_warmed": "first problem prepared", "measurer_ready": "measuring process ready", "device_detected": "device detected",
+         "measurer_ready": "measuring process ready", "device_detected": "device detected",
          "launcher_device_detected": "launcher's device detected", "compilers_ready": "compile processes ready",
          "launcher_compilers_ready": "compile processes ready", "store_open": "database open", "first_study": "first study",
          "first_sent": "first trial sent", "first_result": "first result", "first_stored": "first stored"}

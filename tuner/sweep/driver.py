@@ -149,8 +149,6 @@ class Sweep:
                                                         measurer_class=MeasuringProcess)
         self._helpers = None
         self._measurer = asynchronous(measurer)
-        if opts.problems and hasattr(measurer, "warm"):  # prepared while the studies open
-            measurer.warm(self._order()[0])
         processes = 0 if pool is None else compile_workers or COMPILERS_PER_GPU
         self.ahead = CompileAhead(pool, self.info.sm_count, processes, self.costs)
         self.held_ahead = opts.held_ahead(processes)

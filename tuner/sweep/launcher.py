@@ -115,8 +115,6 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     started = time.monotonic() - (time.time() - timeline.origin())
     problems = options.problems() if callable(options.problems) else list(options.problems)
     check_problems(problems)
-    if helpers is not None and hasattr(helpers[0], "warm"):  # prepared while the device and the store open
-        helpers[0].warm(problems[0])
     info = device_info(options.gpu_key, options.interpret, devices[0])
     timeline.mark("device_detected")
     key = info.key if options.interpret or options.gpu_key == "auto" else options.gpu_key

@@ -60,34 +60,6 @@ def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "
     return MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
 
 
-def _warm(session, problem_dict: dict) -> None:
-    """Make the sweep's first problem's inputs and reference and load its analytic default (a fresh study's first
-    trial) while the sweep detects its device and opens its database and studies: the first trial then finds both
-    ready (a second warm of the same problem costs one launch). Best effort: a failure here is met again, and
-    reported, by the trial itself."""
-    import torch
-
-    from normtune.kernels.config import Problem, default_config
-    from normtune.kernels.device import INTERPRET_SM_COUNT, device_limits
-
-    from ..space import Space  # not the sweep's `problem_space`, whose module imports Optuna
-
-    try:
-        problem = Problem.from_dict(problem_dict)
-        case, _ = session.prepare(problem)
-        if session.on_gpu:
-            space = Space(problem, torch.cuda.get_device_properties(session.device).multi_processor_count,
-                          device_limits(session.device))
-        else:
-            space = Space(problem, INTERPRET_SM_COUNT, None)
-        case.launch(space.canonical(default_config(problem, space.limits))).run()
-        if session.on_gpu:
-            torch.cuda.synchronize(session.device)
-    except Exception:  # noqa: BLE001 - see above
-        pass
-    mark("measurer_warmed")
-
-
 def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timing: "Timing | dict | None") -> None:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -106,9 +78,6 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         msg = conn.recv()
         if msg[0] == "stop":
             return
-        if msg[0] == "warm":
-            _warm(session, msg[1])
-            continue
         _, problem_dict, config_json, best_us = msg
         phases: dict[str, float] = {}
         try:
@@ -116,7 +85,7 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
         except Exception as err:  # noqa: BLE001 - the parent records it as the trial's failure
             result = MeasureResult(status=classify_exception(err), error=f"{type(err).__name__}: {err}",
                                    interpret=interpret)
-        conn.send(("result", result.to_dict(), phases, own_marks()))
+        conn.send(("result", result.to_dict(), phases))
 
 
 class MeasuringProcess:
@@ -165,16 +134,6 @@ class MeasuringProcess:
         mark("measurer_ready", at=ready_at)
         self._ready = True
 
-    def warm(self, problem: Problem) -> None:
-        """Have the process prepare `problem` (the sweep's first) as soon as it is ready, without waiting for it:
-        its inputs, its reference and its default config's kernels (`_warm`)."""
-        if self._proc is None or not self._proc.is_alive():
-            self.start()
-        try:
-            self._conn.send(("warm", problem.to_dict()))
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the first trial finds the process dead and says so
-
     def measure(self, problem: Problem, config: BackwardConfig, timeout_s: float,
                 best_us: float | None = None) -> MeasureResult:
         self.submit(problem, config, best_us)
@@ -215,9 +174,7 @@ class MeasuringProcess:
             return _result(status="timeout", error=f"no result within {timeout_s:.0f} s (killed)",
                            interpret=self._args[1])
         try:
-            _, data, self.phases, steps = self._conn.recv()
-            for name, at in steps.items():  # e.g. the first problem prepared (absolute times; the first counts)
-                mark(name, at=at)
+            _, data, self.phases = self._conn.recv()
         except (EOFError, ConnectionResetError):
             self.kill()
             return _result(status="error", error="the measuring process died (e.g. a device fault)",
