@@ -30,6 +30,7 @@ from sqlalchemy.exc import (ArgumentError, DisconnectionError, IntegrityError, N
 from . import upgrades
 from .models import (KNOB_COLUMNS, READABLE_VERSIONS, SCHEMA_VERSION, Base, MeasurementModel, MetaModel,
                            OlderSchemaError, SchemaVersionError, StoreError)
+from .sqlite_writers import QueuedConnection
 
 # Versions a writing command upgrades in place (every readable one but the current).
 OLDER_VERSIONS = tuple(v for v in READABLE_VERSIONS if v != str(SCHEMA_VERSION))
@@ -142,7 +143,7 @@ def create(url: str, *, read_only: bool) -> Engine:
     path = sqlite_path(url)
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if backend == "sqlite":
-        kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
+        kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S, "factory": QueuedConnection}}
         if path is None:
             raise StoreError(f"--db {url}: names no database file (SQLite in memory would keep "
                              "nothing, and each connection would see another, empty database); pass a file path, "
@@ -334,7 +335,7 @@ def optuna_storage(url: str, shown: str, **kwargs):
 
     engine_kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if make_url(url).get_backend_name() == "sqlite":
-        engine_kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S}}
+        engine_kwargs = {"connect_args": {"timeout": BUSY_TIMEOUT_S, "factory": QueuedConnection}}
     deadline = time.monotonic() + BUSY_TIMEOUT_S
     while True:
         try:
