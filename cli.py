@@ -96,13 +96,17 @@ def main() -> None:
     end(0)
 
 
+END_GRACE_S = 0.25  # how long `end` waits for what the command started to finish before it exits the usual way
+
+
 def end(code) -> None:
     """End the process with `code` (a SystemExit's: None, a number or a message), without the interpreter's
     teardown, which with torch, Triton and Optuna imported takes about a second after the command's last output.
     Output is flushed first. Where the command left anything that teardown waits for (a child process or a
-    non-daemon thread still running) it exits the usual way, so nothing is cut short."""
+    non-daemon thread still running END_GRACE_S later) it exits the usual way, so nothing is cut short."""
     import os
     import threading
+    import time
 
     if code is None:
         code = 0
@@ -115,8 +119,16 @@ def end(code) -> None:
         except (OSError, ValueError):  # a closed pipe: the usual exit reports it
             sys.exit(code)
     mp = sys.modules.get("multiprocessing")
-    if (mp is not None and mp.active_children()) or any(
-            t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+
+    def running() -> bool:
+        return bool(mp is not None and mp.active_children()) or any(
+            t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread())
+
+    # Children just killed and a pool's manager thread just told to stop end within milliseconds: wait that long.
+    deadline = time.monotonic() + END_GRACE_S
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if running():
         sys.exit(code)
     logging = sys.modules.get("logging")
     if logging is not None:

@@ -49,6 +49,20 @@ def test_a_running_thread_or_child_process_is_waited_for():
     assert "child finished" in child.stdout
 
 
+def test_what_ends_within_the_grace_period_still_ends_without_the_teardown():
+    """A thread finishing and a child just killed (a compile pool stopped as the command returns) are waited for
+    briefly; then the process ends at once: the interpreter's teardown (its exit handlers) does not run."""
+    done = _script("import atexit, multiprocessing as mp, threading, time\n"
+                   "from normtune.cli import end\n"
+                   "def late():\n    time.sleep(0.05)\n"
+                   "if __name__ == '__main__':\n"
+                   "    atexit.register(lambda: print('teardown ran', flush=True))\n"
+                   "    mp.set_start_method('fork'); child = mp.Process(target=time.sleep, args=(30,)); child.start()\n"
+                   "    time.sleep(0.2); threading.Thread(target=late).start(); child.kill(); end(4)")
+    assert done.returncode == 4, done.stderr
+    assert "teardown ran" not in done.stdout
+
+
 def test_the_console_script_is_main():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'normtune = "normtune.cli:main"' in text
