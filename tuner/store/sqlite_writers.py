@@ -1,10 +1,10 @@
 """The writers of one SQLite file queue in the kernel instead of in SQLite's busy handler.
 
 SQLite lets one connection write at a time. A connection that finds the write lock taken sleeps in SQLite's busy
-handler, 1, 2, 5, 10 … ms at a time, however briefly the lock is held: with two sweep workers on one file, each
+handler, in steps of growing length however briefly the lock is held: with two sweep workers on one file, each
 committing a few short transactions per trial, those sleeps cost more than the writes. Here a connection takes an
 exclusive `flock` on a file beside the database before its transaction's first write and gives it back when the
-transaction ends: a waiting writer tries again every 0.1 ms, and SQLite's own write lock is then never
+transaction ends: a waiting writer tries again every POLL_S, and SQLite's own write lock is then never
 contended among the processes that queue here (Optuna's storage and ours alike). Reads never queue.
 
 The queue file, `<database>-writers`, is removed by the last connection to close; one that finds the file gone or
@@ -23,7 +23,7 @@ try:
 except ImportError:  # not POSIX: no queue
     fcntl = None
 
-POLL_S = 0.0001  # between two tries for a held lock (SQLite's busy handler sleeps 1 ms, then 2, 5, 10 …)
+POLL_S = 0.0001  # between two tries for a held lock: far below the first sleep of SQLite's busy handler
 
 # Statements that take SQLite's write lock (the sqlite3 module begins a transaction before the DML ones).
 _WRITES = ("insert", "update", "delete", "replace", "create", "drop", "alter")

@@ -189,22 +189,17 @@ class Sweep:
             self.emit("finish", {"summary": summary})
         return summary
 
-    def _order(self) -> list[Problem]:
-        """The problems in this worker's order: from its own place in the list, so that workers spread over
-        problems instead of sharing one."""
-        problems = self.opts.problems
-        start = self.opts.worker_index * len(problems) // max(1, self.opts.workers)
-        return problems[start:] + problems[:start]
-
     def _rounds(self, run_id: int, t0: float, summary: SweepSummary) -> None:
         """Every problem first gets a few trials (the default and its neighbours), then all are deepened to
         `trials`, so that a time-budgeted sweep covers every problem before it refines any. Each worker starts
-        at its own place in the problem list (`_order`).
+        at its own place in the problem list, so that workers spread over problems instead of sharing one.
 
         The trials come from `_feed` (claims, proposals, compile-ahead) and are measured by `_pipeline`, which
         keeps the measuring process busy: while one trial measures, the previous one is stored and the next
         ones are proposed. The seeds those claims will get are compiled ahead of them (`CompileAhead.warm`)."""
-        problems, order = self.opts.problems, self._order()
+        problems = self.opts.problems
+        start = self.opts.worker_index * len(problems) // max(1, self.opts.workers)
+        order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
         self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books, self.costs))
