@@ -8,6 +8,7 @@ taking turns trial by trial are not made anew for each trial.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from normtune.kernels.config import Problem, default_config
@@ -159,3 +160,28 @@ def test_a_session_returns_to_a_kept_problem_without_making_it_again(monkeypatch
     for p in (first, second, first, second, first):
         assert session.measure_problem(p, default_config(p), phases).status == "ok"
     assert made == [first.key, second.key] and phases["inputs"] > 0
+
+
+def test_a_later_sweep_races_against_the_best_an_earlier_one_stored(tmp_path, monkeypatch):
+    """Once a problem's first round ends, its best in the store (here an earlier sweep's, faster than anything
+    this sweep measures) is what the rest of its trials race."""
+    monkeypatch.setattr(driver, "MeasuringProcess", RecordingMeasurer)
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    problem = PROBLEMS[0]
+
+    class Fast(RecordingMeasurer):
+        def submit(self, problem, config, best_us=None):
+            super().submit(problem, config, best_us)
+            self._job = MeasureResult(status="ok", median_us=5.0, reps=2, interpret=True)
+
+    monkeypatch.setattr(driver, "MeasuringProcess", Fast)
+    opts = SweepOptions(gpu_key="interpret", problems=[problem], trials=4, sampler="random", interpret=True,
+                        compile_workers=0, heartbeat_interval=1, grace_period=5)
+    with Store(url) as store:
+        driver.Sweep(opts, store, INFO).run()
+    monkeypatch.setattr(driver, "MeasuringProcess", RecordingMeasurer)
+    RecordingMeasurer.log = []
+    with Store(url) as store:
+        driver.Sweep(dataclasses.replace(opts, trials=16), store, INFO).run()
+    sent = [best for _, best in RecordingMeasurer.log]
+    assert len(sent) == 12 and sent[-1] == 5.0, sent  # the earlier sweep's 5 µs, below all of this sweep's 50+

@@ -54,7 +54,8 @@ class PendingTrials:
         self.running: dict[int, int] = {}  # trial_id -> number of the trials held, for heartbeats
         self._lock = threading.Lock()
         # Each problem's best time measured by this worker (sent and collected by the dispatcher's thread): every
-        # trial races it.
+        # trial races it, or the problem's best in the store where that is better (`ProblemSummary.best_us`, read
+        # once a round ends).
         self._best_us: dict[Problem, float] = {}
 
     def held(self) -> list[int]:
@@ -140,8 +141,10 @@ class PendingTrials:
             if cstatus in ("compile_error", "out_of_resources"):
                 return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
                                      interpret=self.info.interpret)
-        problem = item.book.problem
-        self.measurer.submit(problem, item.trial.config, self._best_us.get(problem))  # the first waits for the process
+        problem, best = item.book.problem, self._best_us.get(item.book.problem)
+        if item.ps.best_us is not None and (best is None or item.ps.best_us < best):  # e.g. an earlier sweep's
+            best = item.ps.best_us
+        self.measurer.submit(problem, item.trial.config, best)  # the first one waits for the process to start
         item.sent_at = time.perf_counter()
         self.costs.sent()
         return None
