@@ -9,7 +9,8 @@ of it stopped, and any number of hosts sharing the database may run it:
 4. sweep again where the held-out regret is highest (`resweep.py`), then emit and validate again, up to RESWEEPS
    times in a tune; with a time budget, again and again while time is left (up to EXTRA_RESWEEPS more, their
    steps past `--trials` where they pay) until the budget is used or no held-out shape's regret pays a sweep;
-5. gate the validated table of lowest regret against the default and the incumbent (`finish.py`).
+5. gate the validated table with the most families and, among those, the lowest regret against the default
+   and the incumbent (`finish.py`).
 
 With a time budget every phase gets a share of the time left (`clock.py`) and stops at its end; once the phases'
 time is spent only the final steps run, on the best table so far. The next run of the command continues every

@@ -1,6 +1,7 @@
-"""The end of every run of `normtune tune`: the best table so far (`candidate`: the validated one of lowest held-out
-regret, else the latest), gated (`gate.py`) with the times of everything the tune measured and, while time allows,
-head-to-head timings of what nobody timed, then stamped with the tune's provenance and written."""
+"""The end of every run of `normtune tune`: the best table so far (`candidate`: of the validated ones with the most
+families, the one of lowest held-out regret; else the latest), gated (`gate.py`) with the times of everything the
+tune measured and, while time allows, head-to-head timings of what nobody timed, then stamped with the tune's
+provenance and written."""
 
 from __future__ import annotations
 
@@ -20,12 +21,18 @@ from .gate import FAILED, gate
 
 
 def candidate(ctx) -> int | None:
-    """The emission to ship: the validated one of lowest held-out regret (the later on a tie), else the latest;
-    with none yet, one fitted now on what was measured (no re-measurement: the final steps' time is short)."""
+    """The emission to ship: of the validated ones, those with the most families (a family left out runs the
+    analytic default, which the gate would otherwise have kept wherever it is faster), the one of lowest held-out
+    regret among them (the later on a tie); else the latest; with none yet, one fitted now on what was measured
+    (no re-measurement: the final steps' time is short)."""
     emissions = ctx.journal.get(J.EMISSIONS, [])
     validated = [v for v in ctx.journal.get(J.VALIDATIONS, []) if v["summary"]["geomean_regret"] is not None]
     if validated:
-        return min(validated, key=lambda v: (v["summary"]["geomean_regret"], -v["emission"]))["emission"]
+        def families(v) -> int:
+            return len(emissions[v["emission"]]["table"]["families"])
+
+        return min(validated, key=lambda v: (-families(v), v["summary"]["geomean_regret"], -v["emission"]))[
+            "emission"]
     if emissions:
         return len(emissions) - 1
     raw = emit(ctx, ctx.incumbent)
