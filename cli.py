@@ -6,6 +6,7 @@
     normtune validate --gpu h100 --shapes heldout
     normtune report   --gpu h100 --db results.db --out docs/report-h100
     normtune where    --gpu h100 --shape 4096x8192 --norm rms_norm
+    normtune merge    --from tune.db --runs-of h200-tuned.json --db results.db
 
 Commands are thin: they parse options and call library functions in `normtune.tuner`; each lives in a module of
 `normtune.commands` (shared options and error handling in `commands/common.py`). Known errors print one line and
@@ -46,6 +47,7 @@ import typer  # noqa: E402 - after the check above
 from normtune.commands.bench import bench  # noqa: E402
 from normtune.commands.compare import compare  # noqa: E402
 from normtune.commands.emit import emit  # noqa: E402
+from normtune.commands.merge import merge  # noqa: E402
 from normtune.commands.prune import prune  # noqa: E402
 from normtune.commands.report import report  # noqa: E402
 from normtune.commands.slim import slim  # noqa: E402
@@ -60,7 +62,7 @@ from normtune.commands.where import where  # noqa: E402
 app = typer.Typer(help="Autotuning and benchmarking of LayerNorm/RMSNorm backward kernels.", no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False, rich_markup_mode=None)
 
-for command in (bench, sweep, status, tune, emit, validate, compare, report, where, prune, slim):
+for command in (bench, sweep, status, tune, emit, validate, compare, report, where, prune, slim, merge):
     app.command()(command)
 
 

@@ -191,6 +191,17 @@ def parse_shapes_option(spec: str | None, interpret: bool):
         raise CLIError(f"--shapes: {err}") from None
 
 
+def run_ids_option(text: str | None, option: str) -> tuple[int, ...] | None:
+    """The run ids of a comma-list option; None when the option was not given."""
+    try:
+        values = None if text is None else tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if values is not None and (not values or min(values) < 1):
+        raise CLIError(f"{option} {text!r}: use a comma list of run ids, e.g. 1,2,5")
+    return values
+
+
 def positive_seconds(value: float, option: str) -> float:
     """A time budget: a positive finite number of seconds."""
     if not (value > 0 and value != float("inf")):  # also refuses NaN

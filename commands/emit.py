@@ -9,20 +9,8 @@ import typer
 
 from .common import (
     DEFAULT_DB, INTERPRETER_BANNER, CLIError, Gpu, Interpret, device_info, read_only_store, refuse,
-    run_checked, use_interpreter,
+    run_checked, run_ids_option, use_interpreter,
 )
-
-
-def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise CLIError(f"{option} {text!r}: use a comma list of run ids, e.g. 1,2,5")
-    return values
 
 
 def _names(text: str | None, option: str) -> tuple[str, ...] | None:
@@ -55,7 +43,7 @@ def _read_runs_of(runs: str | None, runs_of: Path | None) -> dict | None:
 def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, kind: str, git_revision: str | None):
     from normtune.tuner.tables import emit as E
 
-    run_ids = _ints(runs, "--runs")
+    run_ids = run_ids_option(runs, "--runs")
     if recorded is not None:
         try:
             run_ids = E.recorded_runs(recorded)
@@ -65,17 +53,18 @@ def _selection(runs: str | None, runs_of: Path | None, recorded: dict | None, ki
                        git_revisions=_names(git_revision, "--git-revision"))
 
 
-def _incumbent(keep: Path | None, runs_of: Path | None, recorded: dict | None):
-    """The incumbent table: --keep's file, else the one the --runs-of table recorded (re-emission), else None."""
+def _incumbent(keep: list[Path] | None, runs_of: Path | None, recorded: dict | None):
+    """The incumbent table: --keep's files (their families combined), else the one the --runs-of table recorded
+    (re-emission), else None."""
     from normtune.kernels.select.tables import TableError, read_table
     from normtune.tuner.tables import incumbent
 
     try:
-        if keep is not None:
-            return read_table(str(keep))
+        if keep:
+            return incumbent.combined([read_table(str(path)) for path in keep])
         return incumbent.recorded(recorded, str(runs_of)) if recorded is not None else None
     except TableError as err:
-        raise CLIError(f"{'--keep' if keep is not None else '--runs-of'} {err}") from None
+        raise CLIError(f"{'--keep' if keep else '--runs-of'} {err}") from None
 
 
 def emit(
@@ -93,9 +82,11 @@ def emit(
     runs_of: Annotated[Optional[Path], typer.Option(help="Fit on the runs a table records (re-emit it)")] = None,
     kind: Annotated[str, typer.Option(help="Run kinds to fit on; validate and bench runs never are")]
     = "sweep,emit",
-    keep: Annotated[Optional[Path], typer.Option(help="Incumbent table: its config stays on every fitted shape "
-                                                      "where the new winner is not faster beyond the spread (with "
-                                                      "--runs-of, the incumbent that table recorded)")] = None,
+    keep: Annotated[Optional[list[Path]], typer.Option(help="Incumbent table: its config stays on every fitted "
+                                                            "shape where the new winner is not faster beyond the "
+                                                            "spread (with --runs-of, the incumbent that table "
+                                                            "recorded). Repeatable: tables of one GPU whose families "
+                                                            "differ, each family kept from its own table")] = None,
     git_revision: Annotated[Optional[str], typer.Option(help="Only runs of these git revisions (prefixes, comma "
                                                              "list)")] = None,
     check: Annotated[bool, typer.Option("--check", help="Write nothing: exit 1 unless the file at --out has "
@@ -143,7 +134,8 @@ def emit(
     else:
         key = gpu.strip().lower()
     if incumbent is not None and incumbent.gpu_key != key:
-        run_checked(refuse, f"--keep {keep or runs_of}: its incumbent was tuned on {incumbent.gpu_key}, this table is "
+        named = " ".join(map(str, keep)) if keep else runs_of
+        run_checked(refuse, f"--keep {named}: its incumbent was tuned on {incumbent.gpu_key}, this table is "
                             f"for {key}: keep a {key} table (or emit without --keep)")
     if user:
         from normtune.kernels.select.table_chain import user_table_path

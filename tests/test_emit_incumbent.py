@@ -206,3 +206,46 @@ def test_cli_keep_writes_a_table_that_re_emits_byte_for_byte_after_the_incumbent
     plain = tmp_path / "plain.json"
     assert runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--out", str(plain)]).exit_code == 0
     assert [r["config"] for r in json.loads(plain.read_text())["families"][RMS.key]["rules"]] == [B.to_dict()]
+
+
+def test_cli_keep_twice_keeps_each_family_from_its_own_table(tmp_path):
+    """A family tuned apart (a gated tune's table) and the shipped table's families: `--keep A --keep B` keeps
+    each family's rules from the table that has it, records both, and the result re-emits from its record.
+    Two tables of one family, or of two GPUs, are refused in one line."""
+    gated = ProblemFamily.from_key(RMS.key + "/gate-before-silu")
+    db = _store(tmp_path / "r.db")
+    store = Store(f"sqlite:///{db}")
+    run = store.start_run(GPU, kind="sweep", command_line="sweep --shapes gated")
+    for p, a_us in ((gated.problem(256, 1024), 12.0), (gated.problem(2048, 1024), 48.0)):
+        for c, us in ((A, a_us), (B, a_us * 0.99)):
+            store.add_measurement(run, p, c, MeasureResult(status="ok", median_us=us, p10_us=us * 0.99,
+                                                           p90_us=us * 1.01, reps=20), source="sweep")
+    store.end_run(run)
+    store.close()
+    plain, tuned = tmp_path / "plain.json", tmp_path / "gated.json"
+    plain.write_text(json.dumps(_table_json([(None, None, A, ["256x1024", "2048x1024"])])))
+    data = _table_json([(None, None, A, ["256x1024", "2048x1024"])])
+    data["families"] = {gated.key: data["families"][RMS.key]}
+    tuned.write_text(json.dumps(data))
+    new = tmp_path / "new.json"
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--keep", str(plain), "--keep", str(tuned),
+                                 "--out", str(new)])
+    assert result.exit_code == 0, result.output
+    table = json.loads(new.read_text())
+    assert {key: [BackwardConfig.from_dict(r["config"]) for r in fam["rules"]]
+            for key, fam in table["families"].items()} == {RMS.key: [A], gated.key: [A]}
+    assert sorted(table["provenance"]["incumbent"]["families"]) == sorted([RMS.key, gated.key])
+    result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, "--runs-of", str(new), "--out", str(new),
+                                 "--check"])
+    assert result.exit_code == 0, result.output
+    other = tmp_path / "other.json"
+    data = _table_json([(None, None, A, ["256x1024"])])
+    data["gpu"] = {**data["gpu"], "key": "othergpu"}
+    other.write_text(json.dumps(data))
+    for keep, needle in (([plain, plain], f"--keep {plain} and {plain} both have family {RMS.key}"),
+                         ([plain, other], f"--keep {other} was tuned on othergpu and {plain} on testgpu")):
+        args = [arg for path in keep for arg in ("--keep", str(path))]
+        result = runner.invoke(app, ["emit", "--gpu", GPU.key, "--db", db, *args, "--out", str(tmp_path / "x.json")])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 1 and len(lines) == 1 and needle in lines[0], result.output
+        assert not (tmp_path / "x.json").exists()

@@ -13,6 +13,7 @@ from test_report import GPU, LN, RMS, add_bench, add_sweep, add_validation, conf
 from typer.testing import CliRunner
 
 from normtune.cli import app
+from normtune.kernels.config import ProblemFamily
 from normtune.tuner.tables import emit
 from normtune.tuner.upkeep import kept_subset as keep
 from normtune.tuner.store.database import Store
@@ -77,6 +78,22 @@ def test_plan_keeps_the_latest_validation_of_each_problem_form(tmp_path):
     assert {r.id: r.reasons for r in kept} == {
         1: ("fitted testgpu.json",), 3: ("latest testgpu residual validate",), 4: ("latest testgpu validate",)}
 
+
+def test_a_gated_validation_is_a_form_of_its_own(tmp_path):
+    """A validation of the gated RMSNorm (merged from a tune's database, say) does not stand in for the plain
+    norms' latest one: both are kept."""
+    store = Store(f"sqlite:///{tmp_path / 'gated.db'}")
+    assert add_sweep(store) == 1
+    add_validation(store)  # 2: plain
+    run = store.start_run(GPU, kind="validate", command_line="validate --shapes gated-tiny")
+    gated = ProblemFamily.from_key("rms_norm/bf16/wbf16/nobias/save-input/gate-after-silu").problem(64, 256)
+    store.add_measurement(run, gated, config(gated, 1, 8), ok(9.0), source="validate-table")
+    store.end_run(run)  # 3
+    table = emit.build_table(store, "testgpu", selection=emit.Selection(run_ids=(1,)))
+    kept = keep.plan(store, {"testgpu.json": table})
+    store.close()
+    assert {r.id: r.reasons for r in kept} == {
+        1: ("fitted testgpu.json",), 2: ("latest testgpu validate",), 3: ("latest testgpu gated validate",)}
 
 def test_slim_copy_reproduces_the_table_and_drops_the_rest(full, tmp_path):
     path, table = full

@@ -40,6 +40,26 @@ def recorded(table: dict, where: str) -> Table | None:
     return None if data is None else from_record(data, where)
 
 
+def combined(tables: list[Table]) -> Table:
+    """Incumbent tables of one GPU as one (`emit --keep A --keep B`): each family's rules come from the one table
+    that has that family, so that families tuned apart (a separate tune of one form) keep their rules when a table
+    of all of them is emitted. Raises TableError for tables of two GPUs, or a family in two of the tables."""
+    if len(tables) == 1:
+        return tables[0]
+    first, owner, families = tables[0], {}, {}
+    for table in tables:
+        if table.gpu_key != first.gpu_key:
+            raise TableError(f"{table.path} was tuned on {table.gpu_key} and {first.path} on {first.gpu_key}: keep "
+                             "tables of one GPU")
+        for key, family in table.raw["families"].items():
+            if key in owner:
+                raise TableError(f"{owner[key]} and {table.path} both have family {key}: keep each family's "
+                                 "incumbent from one table (drop one of them)")
+            owner[key], families[key] = table.path, family
+    return parse_table({"schema_version": SCHEMA_VERSION, "gpu": first.raw["gpu"], "families": families},
+                       " + ".join(t.path for t in tables))
+
+
 def configs_for(table: Table, problems) -> dict[Problem, BackwardConfig]:
     """Problem → the config `table` runs it with (its exact family's rules only: a rule borrowed from a
     neighbouring family was never fitted on this one), for the problems a rule covers."""

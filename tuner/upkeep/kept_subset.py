@@ -4,9 +4,9 @@ The policy (docs/results-db.md says why):
 
 1. every run a table was fitted on (`provenance.runs` of each given table), so that
    `emit --runs-of TABLE --check` reproduces it;
-2. per GPU key, the latest validate run of each problem form (plain norms, and the fused residual form), and the
-   latest bench run of each activation dtype, form and shape set (the seed shapes, the llm shapes, …), which
-   `report` shows and labels by dtype;
+2. per GPU key, the latest validate run of each problem form (plain norms, the fused residual form, the gated
+   RMSNorm), and the latest bench run of each activation dtype, form and shape set (the seed shapes, the llm
+   shapes, …), which `report` shows and labels by dtype;
 
 `report` shows these runs: its best config per problem is the fastest of the kept measurements.
 
@@ -68,7 +68,7 @@ def plan(store, tables: dict[str, dict]) -> list[KeptRun]:
 
 def _latest_validations(store, validations) -> list[tuple[str, int]]:
     """(form, run id) of the latest validate run of each problem form: "" for the plain norms, "residual " for
-    the fused residual form (a run that validated both counts for both)."""
+    the fused residual form, "gated " for the gated RMSNorm (a run that validated several counts for each)."""
     latest: dict[str, int] = {}
     for run in sorted(validations, key=lambda r: r.id):
         for form in {_form(record.problem) for record in store.measurements(run_id=run.id)} or {""}:
@@ -77,7 +77,7 @@ def _latest_validations(store, validations) -> list[tuple[str, int]]:
 
 
 def _form(problem) -> str:
-    return "residual " if problem.residual else ""
+    return "residual " if problem.residual else "gated " if problem.gate is not None else ""
 
 
 def _latest_benches(store, benches) -> list[tuple[str, int, int]]:
