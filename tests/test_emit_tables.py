@@ -732,6 +732,37 @@ def test_committed_tables(name, gpu, key):
     assert name in {Path(t.path).name for t in tables.shipped_tables()}
 
 
+GATED_FAMILIES = ("rms_norm/bf16/wbf16/nobias/save-input/gate-after-silu",
+                  "rms_norm/bf16/wbf16/nobias/save-input/gate-before-silu")
+
+
+def test_the_shipped_h200_table_runs_gated_calls_with_its_gated_rules(monkeypatch, tmp_path):
+    """configs/h200.json carries the gated RMSNorm's families: on an H200 a gated problem is answered by its own
+    family's rule (not the plain family's, not the analytic default), for every shape a rule was fitted on and for
+    the gated issue's calls (Mamba-2's grouped ones as M rows x group size), and its config fits the H200."""
+    from normtune.kernels import limits as L
+    from normtune.kernels.select.select import explain
+    from normtune.tuner.gated_shapes import preset_problems
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setenv(HOME_VAR, str(tmp_path))  # no user table in the way
+    clear_caches()
+    raw = json.loads((CONFIGS / "h200.json").read_text())
+    tab = _shipped("h200.json")
+    assert set(GATED_FAMILIES) <= set(tab.families)
+    problems = [(ProblemFamily.from_key(key).problem(*map(int, shape.split("x"))), key, i)
+                for key in GATED_FAMILIES for i, rule in enumerate(raw["families"][key]["rules"])
+                for shape in rule["fitted_on"]]
+    problems += [(p, p.family.key, None) for p in preset_problems("gated-issue")]
+    for problem, key, index in problems:
+        why = explain(problem, "NVIDIA H200", (9, 0), limits=L.H200)
+        assert why.match.family_key == key and why.match.exact_family, (problem, why.reason)
+        assert index is None or why.match.index == index, (problem, why.reason)
+        assert why.to_dict()["source"] == "table" and not why.fallbacks, (problem, why.reason)
+        assert why.config == tab.match(problem, L.H200).config
+        assert select_config(problem, "NVIDIA H200", (9, 0), L.H200) == why.config
+    clear_caches()
+
 def test_shipped_tables_are_found_as_package_data():
     names = {Path(t.path).name for t in tables.shipped_tables()}
     assert {"h100.json", "h200.json"} <= names
