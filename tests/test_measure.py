@@ -27,8 +27,9 @@ from normtune.kernels.strategies import num_programs, partial_rows
 from normtune.tuner.measure import bench_output
 from normtune.tuner.measure.bench import OURS, BenchReport, summary
 from normtune.tuner.gpu_info import detect
-from normtune.tuner.measure.harness import (GATE_TOLERANCE, L2Flusher, MeasureResult, Stats, bytes_moved, classify_exception,
-                                    floor_bytes, floor_us, flush_size, gate, make_case, measure_config, percentile)
+from normtune.tuner.measure.harness import (GATE_TOLERANCE, MeasureResult, Stats, bytes_moved, classify_exception,
+                                    floor_bytes, floor_us, gate, make_case, measure_config, percentile)
+from normtune.tuner.measure.stopwatch import L2Flusher, flush_size
 
 # Fast timing for the interpreter: the figures only need to exist.
 FAST = dict(warmup=0, min_reps=2, max_reps=2, budget_s=0.0)
@@ -594,7 +595,7 @@ def test_the_gpu_time_view_times_the_whole_backward_without_an_event_between_the
 
 
 def test_pdl_split_reports_kernel_2_as_what_follows_kernel_1():
-    from normtune.tuner.measure.harness import split_kernel_times
+    from normtune.tuner.measure.stopwatch import split_kernel_times
 
     # Without PDL the event split stands; with PDL kernel_2 is the overlapped total minus kernel_1.
     assert split_kernel_times(30.0, 20.0, 12.0, pdl=False) == (20.0, 12.0)
@@ -796,8 +797,9 @@ def test_kernels_plot_stack_is_the_measured_total(tmp_path, monkeypatch):
     assert [t for s in stacks for t in s] == pytest.approx(totals)
 
 
-def test_a_session_keeps_one_problems_inputs_and_reference_across_measurements(monkeypatch):
-    """measure_problem makes a problem's inputs and float64 reference once, and anew for the next problem."""
+def test_a_session_keeps_each_problems_inputs_and_reference_across_measurements(monkeypatch):
+    """measure_problem makes a problem's inputs and float64 reference once, also when the problems take turns
+    (they are kept while they fit the session's budget), and anew for a new problem."""
     from normtune.tuner.measure.harness import MeasureSession
 
     session = MeasureSession.for_device(detect(interpret=True))
@@ -811,7 +813,8 @@ def test_a_session_keeps_one_problems_inputs_and_reference_across_measurements(m
     monkeypatch.setattr(session, "case", spy)
     first, second = Problem("rms_norm", 8, 96), Problem("rms_norm", 8, 128)
     config = default_config(first)
-    results = [session.measure_problem(p, config if p == first else default_config(p))
-               for p in (first, first, second)]
-    assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
-    assert made == [first.key, second.key]
+    phases: dict = {}
+    results = [session.measure_problem(p, config if p == first else default_config(p), phases)
+               for p in (first, first, second, first, second, first)]
+    assert [r.status for r in results] == ["ok"] * 6, [r.error for r in results]
+    assert made == [first.key, second.key] and phases["inputs"] > 0

@@ -17,7 +17,8 @@ from normtune.kernels import layer_norm, rms_norm
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.config import default_config
 from normtune.kernels.heuristics import row_block_col
-from normtune.tuner.measure.harness import L2Flusher, copy_bandwidth, flush_size, host_launch_us, make_case, measure_config
+from normtune.tuner.measure.harness import host_launch_us, make_case, measure_config
+from normtune.tuner.measure.stopwatch import L2Flusher, copy_bandwidth, flush_size
 
 
 def variant(problem: Problem, k1: dict | None = None, k2: dict | None = None) -> BackwardConfig:

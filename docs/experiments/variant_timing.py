@@ -17,7 +17,8 @@ import torch
 from normtune.kernels.config import BackwardConfig, Problem
 from normtune.kernels.select.select import select_config
 from normtune.tuner.gpu_info import detect
-from normtune.tuner.measure.harness import L2Flusher, MeasureSession, Timing, time_kernels
+from normtune.tuner.measure.harness import MeasureSession, Timing
+from normtune.tuner.measure.stopwatch import L2Flusher, time_kernels
 
 Variants = Callable[[Problem, str], "dict[str, BackwardConfig]"]
 

@@ -213,7 +213,3 @@ class CaseCache:
         else:
             self._passing = (problem, case, ref)
         return case, ref, True
-
-    def clear(self) -> None:
-        self._kept.clear()
-        self._passing = None

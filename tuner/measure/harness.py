@@ -29,8 +29,8 @@ from .cases import (GATE_TOLERANCE, Case, CaseCache, Reference, gate, make_case,
                     relative_error)
 from .results import (STATUSES, MeasureResult, Stats, bytes_moved, classify_exception,  # noqa: F401
                       error_text, floor_bytes, floor_us, percentile)
-from .stopwatch import (CYCLES_PER_US, SPIN_CYCLES, SPIN_US, L2Flusher, calibrate_spin,  # noqa: F401 - public
-                        copy_bandwidth, flush_size, split_kernel_times, time_kernels)
+from .stopwatch import (CYCLES_PER_US, SPIN_CYCLES, SPIN_US, L2Flusher, calibrate_spin, copy_bandwidth,
+                        split_kernel_times, time_kernels)
 
 # The device memory a session may keep problems' inputs and references in (`CaseCache`), and the host memory
 # on CPU: the rest is the kernels' outputs, the flush buffer and whatever else the process holds.

@@ -141,9 +141,8 @@ class PendingTrials:
             if cstatus in ("compile_error", "out_of_resources"):
                 return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
                                      interpret=self.info.interpret)
-        problem, best = item.book.problem, self._best_us.get(item.book.problem)
-        if item.ps.best_us is not None and (best is None or item.ps.best_us < best):  # e.g. an earlier sweep's
-            best = item.ps.best_us
+        problem = item.book.problem
+        best = min((b for b in (self._best_us.get(problem), item.ps.best_us) if b is not None), default=None)
         self.measurer.submit(problem, item.trial.config, best)  # the first one waits for the process to start
         item.sent_at = time.perf_counter()
         self.costs.sent()

@@ -28,11 +28,9 @@ def candidate(ctx) -> int | None:
     emissions = ctx.journal.get(J.EMISSIONS, [])
     validated = [v for v in ctx.journal.get(J.VALIDATIONS, []) if v["summary"]["geomean_regret"] is not None]
     if validated:
-        def families(v) -> int:
-            return len(emissions[v["emission"]]["table"]["families"])
-
-        return min(validated, key=lambda v: (-families(v), v["summary"]["geomean_regret"], -v["emission"]))[
-            "emission"]
+        best = min(validated, key=lambda v: (-len(emissions[v["emission"]]["table"]["families"]),
+                                             v["summary"]["geomean_regret"], -v["emission"]))
+        return best["emission"]
     if emissions:
         return len(emissions) - 1
     raw = emit(ctx, ctx.incumbent)
