@@ -262,6 +262,8 @@ def check_studies(url: str, names: Iterable[str], target: int) -> dict[str, dict
             assert t.user_attrs["status"] == row["status"], (name, t.number, t.user_attrs, row["status"])
             if t.state == TS.COMPLETE:
                 assert row["status"] == "ok" and math.isclose(t.value, row["median_us"], rel_tol=1e-9)
+                if row["kernel_2_us"] is not None:  # kept with the trial for the local sampler's order
+                    assert math.isclose(t.user_attrs["kernel_2_us"], row["kernel_2_us"], abs_tol=1e-4), (name, t)
             else:
                 assert row["status"] != "ok", f"{name}: trial {t.number} FAIL but its measurement is ok"
             if "config" in t.user_attrs:

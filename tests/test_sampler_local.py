@@ -10,7 +10,7 @@ from normtune.kernels.config import Problem, default_config
 from normtune.tuner.seeds import neighbours
 from normtune.tuner.space import Space
 from normtune.tuner.sweep.options import SweepOptions
-from normtune.tuner.sweep.sampling import Sampling, trial_config
+from normtune.tuner.sweep.sampling import Sampling, kernel_2_moves_first, trial_config
 
 PROBLEM = Problem("rms_norm", 4096, 4096, "bf16")
 
@@ -20,10 +20,12 @@ def _study(space, sampling):
     return optuna.create_study(sampler=sampling.sampler)
 
 
-def _tell(study, sampling, config, value):
+def _tell(study, sampling, config, value, kernel_2_us=None):
     record = sampling._template(config)
+    attrs = {} if kernel_2_us is None else {"kernel_2_us": kernel_2_us}
     study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.COMPLETE, value=value,
-                                              params=record["params"], distributions=record["distributions"]))
+                                              params=record["params"], distributions=record["distributions"],
+                                              user_attrs=attrs))
 
 
 def _around_the_default():
@@ -48,6 +50,26 @@ def test_the_best_configs_unmeasured_neighbours_come_first_in_knob_order():
     proposed = space.config(params)
     assert proposed in neighbours(space, around[1])
     assert proposed not in (base, around[0], around[1])
+
+
+def test_a_best_config_spending_a_tenth_of_its_time_in_kernel_2_tries_kernel_2_moves_first_then_alternates():
+    space, sampling, study, base, around = _around_the_default()
+    reductions = [c for c in around if c.kernel_1 == base.kernel_1 and c != base]
+    others = [c for c in around if c.kernel_1 != base.kernel_1]
+    assert len(reductions) >= 2 and len(others) >= 2 and around[0] in others  # knob order: kernel_1's first
+    assert kernel_2_moves_first(base, around)[:4] == [reductions[0], others[0], reductions[1], others[1]]
+    assert sorted(map(str, kernel_2_moves_first(base, around))) == sorted(str(c) for c in around if c != base)
+    _tell(study, sampling, base, 10.0, kernel_2_us=1.0)  # kernel_2 is a tenth of the time
+    assert space.config(sampling.propose(study)[0]) == reductions[0]
+    _tell(study, sampling, reductions[0], 11.0, kernel_2_us=2.0)
+    assert space.config(sampling.propose(study)[0]) == others[0]
+
+
+def test_below_a_tenth_in_kernel_2_or_without_its_time_the_moves_keep_knob_order():
+    for kernel_2_us in (0.9, None):
+        space, sampling, study, base, around = _around_the_default()
+        _tell(study, sampling, base, 10.0, kernel_2_us=kernel_2_us)
+        assert space.config(sampling.propose(study)[0]) == around[0]
 
 
 def test_proposals_made_ahead_count_as_held():

@@ -174,13 +174,14 @@ class PendingTrials:
             stored = self.store.add_measurement(
                 run_id, book.problem, trial.config, result, source=trial.source, study_name=book.name,
                 trial_number=trial.number, slot=item.slot,
-                also=lambda session: told.append(book.tell_in(session, trial, result.status, value, result.error)))
+                also=lambda session: told.append(book.tell_in(session, trial, result.status, value, result.error,
+                                                             kernel_2_us=result.kernel_2_us)))
             if stored is None:  # this worker stalled past its grace period and another one took the slot over
                 log.warning("slot %s of %s was taken over while trial %s was measured: not stored", item.slot,
                             book.name, trial.number)
                 book.abandon(trial)
             elif not told or told[0] is None:
-                book.tell(trial, result.status, value, result.error)
+                book.tell(trial, result.status, value, result.error, kernel_2_us=result.kernel_2_us)
         with self._lock:
             self.running.pop(trial.trial_id, None)
         if stored is None:

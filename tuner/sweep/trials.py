@@ -275,12 +275,13 @@ class StudyBook:
         return NewTrial(trial_id, number, prepared.config, prepared.source, bound, prepared.sampled)
 
     def tell(self, trial: NewTrial, status: str, value: float | None, error: str | None,
-             repairing: bool = False) -> None:
+             repairing: bool = False, kernel_2_us: float | None = None) -> None:
         """Record a measured trial's outcome. A trial failed meanwhile as stale (its worker stalled past the
         grace period) keeps its measurement in the store, which is what counts. `repairing`: told for a dead
-        worker (`repair`); its own worker, alive after all, may have told it first, which is no warning."""
+        worker (`repair`); its own worker, alive after all, may have told it first, which is no warning.
+        `kernel_2_us`: the measurement's kernel_2 time, kept with the trial for the local sampler."""
         TS = self._optuna.trial.TrialState
-        attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
+        attrs = _told_attrs(trial, status, error, kernel_2_us)
         try:
             if value is None or not math.isfinite(value):
                 finish_trial(self.storage, self.study, trial.trial_id, trial.number, TS.FAIL, None, attrs)
@@ -290,12 +291,13 @@ class StudyBook:
             (log.debug if repairing else log.warning)("trial %s of %s was finished by another worker: %s",
                                                       trial.number, self.name, err)
 
-    def tell_in(self, session, trial: NewTrial, status: str, value: float | None, error: str | None) -> bool | None:
+    def tell_in(self, session, trial: NewTrial, status: str, value: float | None, error: str | None,
+                kernel_2_us: float | None = None) -> bool | None:
         """`tell` within the caller's transaction `session` (the store's, recording the measurement): True when
         told, False when the trial was finished meanwhile (e.g. failed as stale: its measurement counts), None
         where it must be told afterwards with `tell`."""
         TS = self._optuna.trial.TrialState
-        attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
+        attrs = _told_attrs(trial, status, error, kernel_2_us)
         finite = value is not None and math.isfinite(value)
         done = finish_trial_in(session, self.storage, trial.trial_id, TS.COMPLETE if finite else TS.FAIL,
                                value if finite else None, attrs)
@@ -335,7 +337,8 @@ class StudyBook:
             m = stored.get(t.number)
             if m is not None:
                 self.tell(NewTrial(t.trial_id, t.number, m.config, m.source), m.status,
-                          m.median_us if m.status == "ok" else None, m.error, repairing=True)
+                          m.median_us if m.status == "ok" else None, m.error, repairing=True,
+                          kernel_2_us=m.kernel_2_us)
         self._optuna.storages.fail_stale_trials(self.study)
         self._fail_unbeaten(store)
 
@@ -369,3 +372,12 @@ def remaining(opts: SweepOptions, interpret: bool, store, books: dict[str, Study
         if left > 0:
             out.append(f"{problem.key}: {left} trials")
     return out
+
+
+def _told_attrs(trial: NewTrial, status: str, error: str | None, kernel_2_us: float | None) -> dict:
+    """The user attributes a measured trial is finished with: its status, its config, its error, and the
+    measurement's kernel_2 time where one was measured (the local sampler orders its next moves by it)."""
+    attrs = {"status": status, "config": trial.config.to_json(), **({"error": error[:1000]} if error else {})}
+    if kernel_2_us is not None and math.isfinite(kernel_2_us):
+        attrs["kernel_2_us"] = round(kernel_2_us, 4)
+    return attrs
