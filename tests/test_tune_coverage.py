@@ -15,7 +15,11 @@ def test_the_span_set_covers_narrow_and_few_row_shapes_and_never_the_heldout_pre
     assert span_shapes() == SPAN and parse_shapes("span") == list(SPAN) and PRESETS["span"] == SPAN
     assert len(SPAN) == len(set(SPAN)) and not set(SPAN) & set(HELDOUT)
     widths, rows = {N for _, N in SPAN}, {M for M, _ in SPAN}
-    assert min(widths) == 128 and max(widths) == 65536 and min(rows) == 64 and max(rows) >= 200_000
+    assert min(widths) == 128 and max(widths) == 65536 and min(rows) < 64 and max(rows) >= 200_000
+    # the lattice's corners, held-out shapes there moved one row step outward: a table's box reaches past every
+    # held-out shape's rows, at the narrowest and the widest width alike
+    assert max(M for M, N in SPAN if N == 128) > max(M for M, N in HELDOUT)
+    assert min(M for M, N in SPAN if N == 65536) < min(M for M, N in HELDOUT if N == 65536)
     assert any(N & (N - 1) for N in widths) and any(M & (M - 1) for M in rows)  # not only powers of two
     assert any(N <= 1024 and M >= 100_000 for M, N in SPAN)  # narrow rows, very many of them
     assert any(M <= 256 and N <= 2048 for M, N in SPAN) and any(M <= 256 and N >= 16384 for M, N in SPAN)

@@ -40,7 +40,10 @@ HELDOUT = HELDOUT_SHAPES
 # The `span` set: the narrow (128 to 1024 columns) and few-row (64 to 512 rows) regions the seed and llm sets leave
 # out, and very many rows, so that a table fitted on all three covers the shapes users run. A lattice over
 # SPAN_WIDTHS log-spaced widths (multiples of 64 from 1024 columns, of 8 below) by SPAN_ROWS log-spaced row counts,
-# every SPAN_EVERY-th point on each diagonal, within SPAN_MAX_ELEMENTS; never a shape of the held-out set.
+# every SPAN_EVERY-th point on each diagonal, within SPAN_MAX_ELEMENTS; never a shape of the held-out set. A
+# lattice point on a held-out shape moves one row step outward (fewer rows in the lower half of the row range,
+# more in the upper), so the corners stay covered: a table's box ends at its fitted shapes, and a shape beyond
+# them gets the analytic default.
 SPAN_WIDTHS, SPAN_ROWS = (128, 65536, 9), (64, 524288, 13)  # (first, last, count)
 SPAN_EVERY = 4
 SPAN_MAX_ELEMENTS = 2 ** 28
@@ -60,9 +63,18 @@ def span_shapes() -> tuple[tuple[int, int], ...]:
     """The `span` set, by width then rows (deterministic)."""
     widths = [snap_width(n) for n in _log_spaced(*SPAN_WIDTHS)]
     rows = [round(m) for m in _log_spaced(*SPAN_ROWS)]
+    step = (SPAN_ROWS[1] / SPAN_ROWS[0]) ** (1 / (SPAN_ROWS[2] - 1))
     held = set(HELDOUT)
-    return tuple((M, N) for i, N in enumerate(widths) for j, M in enumerate(rows)
-                 if (i + j) % SPAN_EVERY == 0 and M * N <= SPAN_MAX_ELEMENTS and M <= MAX_M and (M, N) not in held)
+    out = []
+    for i, N in enumerate(widths):
+        for j, M in enumerate(rows):
+            if (i + j) % SPAN_EVERY:
+                continue
+            if (M, N) in held:
+                M = max(1, round(M / step if 2 * j < len(rows) - 1 else M * step))
+            if M * N <= SPAN_MAX_ELEMENTS and M <= MAX_M and (M, N) not in held:
+                out.append((M, N))
+    return tuple(out)
 
 
 SPAN = span_shapes()
