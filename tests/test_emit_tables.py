@@ -325,8 +325,8 @@ def test_a_config_that_only_ties_with_the_default_gives_way_to_it():
 
 
 def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
-    """Each problem's measured configs are planned on the other problems of its N bucket, and the adjacent
-    bucket's top two adapted to this N; measured pairs are never planned again."""
+    """Each problem's measured configs are planned on the other problems of its N bucket, and the top two of the
+    two nearest buckets on each side adapted to this N; measured pairs are never planned again."""
     from normtune.tuner.tables.remeasure import neighbour_plan
 
     a, b, c = (candidates(1024)[k] for k in "ABC")
@@ -337,6 +337,13 @@ def test_neighbour_plan_completes_each_bucket_and_borrows_from_the_next():
     assert {(large, a), (small, b), (small, c)} <= plan
     assert all(cfg not in data[p] for p, cfg in plan)
     assert (wide, adapt(b, wide)) in plan and (small, adapt(wide_c, small)) in plan
+    # two buckets away too: the narrowest bucket's best reaches the widest past the one between
+    widest = RMS.problem(64, 16384)
+    far = BackwardConfig(candidates(1024)["A"].kernel_1, Kernel2Config(64, 32, 2))  # its reduction measured there alone
+    data[widest] = {far: T(1.0)}
+    assert not any(cfg.kernel_2 == far.kernel_2 for p, cfg in plan)
+    plan = set(neighbour_plan(data))
+    assert (large, adapt(far, large)) in plan and adapt(far, large).kernel_2 == far.kernel_2
 
 
 def test_no_config_measured_everywhere_gives_each_problem_its_own_rule():

@@ -1,5 +1,5 @@
 """Neighbour re-measurement for `normtune emit --remeasure`: each problem's top configs timed on the other problems
-of its N bucket, and the adjacent buckets' top configs adapted to its N, so that emission compares rules on a
+of its N bucket, and the nearby buckets' top configs adapted to its N, so that emission compares rules on a
 complete config × problem matrix rather than on whatever the sweeps happened to measure everywhere; and each
 problem's analytic default where no run timed it (a rule gives way to the default where it is not faster, so a
 default changed since the sweeps must be timed again before the table can be re-emitted against it)."""
@@ -18,6 +18,12 @@ from .incumbent import configs_for
 from ..measure.spread import Timing
 
 
+# How many fitted widths on each side of a bucket lend it their top configs: a config that wins at one width often
+# wins two widths away, while the width between had its search end elsewhere, and with one width on each side that
+# config never reached the far one.
+NEIGHBOUR_REACH = 2
+
+
 def top_configs(cfgs: dict[BackwardConfig, Timing], k: int = TOP_K) -> list[BackwardConfig]:
     return [c for c, _ in sorted(cfgs.items(), key=lambda kv: (kv[1].median, kv[0].to_json()))[:k]]
 
@@ -26,7 +32,8 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
                    sm_count: int | None = None,
                    limits: DeviceLimits | None = None) -> list[tuple[Problem, BackwardConfig]]:
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
-    problems of its N bucket, and the adjacent buckets' top configs adapted to this N; with `incumbents` (problem
+    problems of its N bucket, and the top two configs of each problem of the NEIGHBOUR_REACH nearest buckets on
+    either side, adapted to this N; with `incumbents` (problem
     → the incumbent table's config), each problem's incumbent config on every problem of its bucket, so that
     emission can weigh the incumbent against the new winner; each problem's analytic default where it is not
     measured in either of its forms (see `fit.default_in`; sized by `limits`, the device's that measures the plan).
@@ -41,8 +48,8 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
         cands: list[BackwardConfig] = []
         for p in by_n[n]:
             cands += top_configs(data[p]) + ([incumbents[p]] if p in incumbents else [])
-        for j in (i - 1, i + 1):
-            if 0 <= j < len(ns):
+        for j in range(i - NEIGHBOUR_REACH, i + NEIGHBOUR_REACH + 1):
+            if 0 <= j < len(ns) and j != i:
                 for p in by_n[ns[j]]:
                     cands += [adapt(c, by_n[n][0]) for c in top_configs(data[p], 2)]
         for p in sorted(by_n[n], key=lambda q: q.M):
