@@ -144,3 +144,23 @@ def test_interpreted_sweep_emit_and_selection_of_a_gated_family(tmp_path, monkey
     finally:
         monkeypatch.delenv(ENV_VAR)
         clear_caches()
+
+
+def test_a_sigmoid_gated_call_reads_the_silu_gated_rules_of_its_gate_position():
+    """A table tunes silu gates; a sigmoid-gated call makes the same passes over the same tensors, so it reads the
+    silu-gated family of its gate position rather than the plain family's rules; a plain call never reads a gated
+    family, and a gated call where the table has no gated family reads the plain rules."""
+    from normtune.kernels.select.tables import shipped_tables
+
+    tables = shipped_tables()
+    gated = [t for t in tables if any("/gate-" in k for k in t.families)]
+    assert gated, "a shipped table with gated families"
+    for table in tables:
+        plain_key = table.family_key(Problem("rms_norm", 4096, 4096, "bf16").family)
+        assert "/gate-" not in plain_key
+        for position in ("before", "after"):
+            sigmoid = Problem("rms_norm", 4096, 128, "bf16", gate=position, gate_activation="sigmoid")
+            silu_key = f"rms_norm/bf16/wbf16/nobias/save-input/gate-{position}-silu"
+            expected = silu_key if silu_key in table.families else plain_key
+            assert table.family_key(sigmoid.family) == expected, (table.path, position)
+            assert table.match(sigmoid).family_key == expected

@@ -81,12 +81,14 @@ class Table:
 
     def family_key(self, family: ProblemFamily) -> str | None:
         """The key of the family's rules, or of the closest tuned family: same norm, the same dtype if the table
-        tuned one, else the dtype's stand-in (`STAND_IN_DTYPES`), then most flags equal (a residual family without
-        rules of its own reads those of another stream dtype's residual family, else the plain family's: the same
-        knobs run it); None when there is none."""
+        tuned one, else the dtype's stand-in (`STAND_IN_DTYPES`), then the same gate position (a sigmoid-gated
+        family without rules of its own reads the silu-gated family's of its gate position: the same passes over
+        the same tensors, another element-wise function), then most flags equal (a residual family without rules
+        of its own reads those of another stream dtype's residual family, else the plain family's: the same knobs
+        run it); None when there is none."""
         if family.key in self.families:
             return family.key
-        best, best_score = None, (-1, -1)
+        best, best_score = None, (-1, False, -1)
         for key in self.families:
             other = ProblemFamily.from_key(key)
             if other.norm != family.norm:
@@ -97,9 +99,9 @@ class Table:
                 same_dtype = 0
             else:
                 continue
-            score = (same_dtype, sum(getattr(other, f) == getattr(family, f)
+            score = (same_dtype, other.gate == family.gate, sum(getattr(other, f) == getattr(family, f)
                                      for f in ("weight_dtype", "has_weight", "has_bias", "zero_centered", "save",
-                                               "residual", "residual_dtype")))
+                                               "residual", "residual_dtype", "gate_activation")))
             if score > best_score:
                 best, best_score = key, score
         return best
