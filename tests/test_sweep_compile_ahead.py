@@ -250,3 +250,26 @@ def test_the_first_trial_goes_to_a_started_measuring_process_without_waiting_for
     assert measurer.job_done_at_submit == [False] + [True] * 5
     # It goes as soon as it exists: the trials after it are claimed and proposed while it measures.
     assert measurer.held_at_submit[0] == 1, measurer.held_at_submit
+
+
+def test_the_samplers_proposals_made_ahead_compile_from_their_receipt_and_their_trials_take_the_jobs_over(
+        tmp_path, monkeypatch):
+    from test_sweep_proposer import AnsweringProposer
+
+    monkeypatch.setattr(driver, "Proposer", AnsweringProposer)
+    QuickMeasurer.measured = []
+    problem, extra = PROBLEMS[0], 8
+    trials = len(_seeds(problem)) + extra  # past its seeds: the sampler's trials, proposed ahead
+    pool = RecordingPool(workers=24)
+    opts = SweepOptions(gpu_key="interpret", problems=[problem], trials=trials, sampler="tpe", interpret=True,
+                        compile_workers=0, propose_ahead=True)
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    with Store(url) as store:
+        sweep = driver.Sweep(opts, store, INFO, helpers=(QuickMeasurer(), pool))
+        summary = sweep.run()
+    check_studies(url, [study_name("interpret", problem, interpret=True)], trials)
+    taken = summary.costs["proposals"]["ahead"]  # the first sampled trial is the worker's own proposal
+    assert taken >= extra - 2, summary.costs["proposals"]
+    # every seed and every proposal taken from the proposer compiled before its trial was created
+    assert sweep.costs.compiles["ahead"] >= len(_seeds(problem)) + taken - 1, sweep.costs.compiles
+    assert sorted(set(QuickMeasurer.measured)) == sorted(set(QuickMeasurer.measured) & set(pool.jobs))

@@ -18,7 +18,7 @@ from pg_support import backend_database
 from sweep_support import check_studies, instant_measuring_process
 from test_sweep_costs import INFO
 
-from normtune.kernels.config import BackwardConfig, Problem
+from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.device import INTERPRET_SM_COUNT
 from normtune.tuner.space import Space
 from normtune.tuner.store.database import Store
@@ -135,6 +135,34 @@ def test_the_worker_asks_for_a_study_then_takes_took_and_drops_its_proposals():
     assert other.recv() == ("drop", "s")
     other.send(message("proposal", "s", 8))  # made before the drop reached the process: not kept
     assert prop.take(book) is None and other.recv()[0] == "want"
+
+
+def test_each_proposal_is_handed_to_the_hook_as_it_arrives_and_its_compile_is_taken_over_by_its_trial():
+    """The driver hooks the compile-ahead to the proposer: a proposal's config compiles from its receipt, a turn
+    of the worker's problems before its trial is created, and that trial takes the job over."""
+    from test_sweep_compile_ahead import RecordingPool
+
+    from normtune.tuner.sweep.compile_ahead import CompileAhead
+    from normtune.tuner.sweep.costs import Costs
+
+    book, costs, pool = FakeBook("s"), Costs(), RecordingPool(workers=2)
+    ahead = CompileAhead(pool, INTERPRET_SM_COUNT, warm_jobs=2, costs=costs)
+    received = []
+    prop, other = wired_proposer()
+    prop.on_proposal = lambda name, values: (received.append(name), ahead.proposed({"k": book})(name, values))
+    config = book.space.canonical(default_config(book.problem, book.space.limits))
+    values = book.space.params(config)
+    assert prop.take(book) is None and other.recv()[0] == "want"
+    other.send(message("ready", None))
+    other.send(message("proposal", "s", 1, values, {"params": {}}))
+    other.send(message("proposal", "other study", 2, values, {"params": {}}))  # not wanted: no compile
+    got = prop.take(book)
+    assert got.values == values and received == ["s"]
+    assert pool.jobs == [(book.problem.key, config.to_json())]
+    assert ahead.job(book.problem, config) is pool.futures[0] and costs.compiles == {"ahead": 1, "at_claim": 0}
+    ahead.proposed({"k": book})("a study of another worker", values)  # no book of this worker: nothing compiles
+    assert len(pool.jobs) == 1
+    pool.shutdown()
 
 
 def test_a_study_the_process_cannot_propose_for_is_proposed_by_the_worker_without_waiting():

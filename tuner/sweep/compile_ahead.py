@@ -7,7 +7,8 @@ in the pool as it has processes (`warm_jobs`), in the order the worker will clai
 one of them takes its job over instead of submitting another. This uses the pool's processes that the trials in
 flight (at most `lookahead`) leave idle, and it claims nothing: the studies, their slots and their trials are
 untouched, so a seed compiled ahead but never claimed (another worker measured it, the time budget ran out)
-costs only the compile.
+costs only the compile. The sampler's proposals made ahead by the proposer process are compiled as they arrive
+(`proposed`), in the same way.
 """
 
 from __future__ import annotations
@@ -71,6 +72,22 @@ class CompileAhead:
                 continue
             self._warmed[key] = self._pool.submit(compile_one, problem.to_dict(), key[1], self._sms)
             self._unfinished.append(self._warmed[key])
+
+    def proposed(self, books: dict[str, StudyBook]) -> Callable[[str, dict], None]:
+        """The proposer's hook (`Proposer.on_proposal`): a proposal received for the study of one of `books` is
+        compiled from then on, as a seed is ahead of its claim, and the trial the worker creates when it takes the
+        proposal takes the job over. A proposal is the config its study's next sampled trial gets, received a turn
+        of the worker's problems before that trial's claim."""
+
+        def compile_proposal(name: str, values: dict) -> None:
+            book = next((b for b in books.values() if b.name == name), None)
+            if book is not None and self._pool is not None:
+                config = book.space.canonical(book.space.config(values))
+                key = (book.problem.key, config.to_json())
+                if key not in self._warmed:
+                    self._warmed[key] = self._pool.submit(compile_one, book.problem.to_dict(), key[1], self._sms)
+
+        return compile_proposal
 
     def stop(self) -> None:
         """Cancel the seed compiles that have not started (the pool is stopped separately)."""

@@ -83,8 +83,7 @@ class Sweep:
         # Heartbeats are recorded by this driver's own thread (ask/tell, not Study.optimize): expected.
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-        self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval,
-                                            grace_period=opts.grace_period)
+        self.storage = store.optuna_storage(heartbeat_interval=opts.heartbeat_interval, grace_period=opts.grace_period)
         self._books: dict[str, StudyBook] = {}
         self._exhausted: dict[str, bool] = {}  # problem key -> its space gave nothing but rejected configs
         self._measurer, self.costs, self._fed_stop = None, Costs(), None
@@ -154,7 +153,8 @@ class Sweep:
         self.held_ahead = opts.held_ahead(processes)
         self.pending = PendingTrials(opts, self.store, self.info, self._measurer, self.ahead, self.costs, self.emit,
                                      abandoning=lambda: self.stop_requested >= 2)
-        self.proposer = Proposer(self.store.url, self.costs) if opts.proposes_ahead else None
+        self.proposer = (Proposer(self.store.url, self.costs, self.ahead.proposed(self._books))
+                         if opts.proposes_ahead else None)
         run_id = self.store.start_run(self.info, kind="sweep", command_line=command_line())
         self.store.workers.beat(run_id, grace_s=opts.grace_period, device=self._device())
         self.store.workers.mark_dead_runs()

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 AHEAD = 2  # proposals kept ready per study
 WAIT_S = 1.0  # longest wait for a proposal the process is making before the worker proposes itself
@@ -52,8 +53,8 @@ class Proposer:
     `took(book, proposal)` once its trial exists, `done(book)` when the worker stops filling the study. The
     process starts with the first `take`, so sweeps whose slots all get seeds never start it."""
 
-    def __init__(self, url: str, costs=None):
-        self.url, self.costs = url, costs
+    def __init__(self, url: str, costs=None, on_proposal: Callable[[str, dict], None] | None = None):
+        self.url, self.costs, self.on_proposal = url, costs, on_proposal  # on_proposal(study, values) on receipt
         self._proc = self._conn = None
         self._gone = False
         self._ready: dict[str, deque] = {}  # study -> proposals received, not taken
@@ -140,6 +141,8 @@ class Proposer:
                     self._answering = True
                 elif kind == "proposal" and name in self._wanted:
                     self._ready[name].append(Proposal(pid, values, record, rejected))
+                    if self.on_proposal is not None:
+                        self.on_proposal(name, values)
                 elif kind == "own" and name in self._wanted:  # the process could not propose for it
                     self._own.add(name)
         except (EOFError, OSError):
