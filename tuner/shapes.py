@@ -42,11 +42,10 @@ HELDOUT = HELDOUT_SHAPES
 # SPAN_WIDTHS log-spaced widths (multiples of 64 from 1024 columns, of 8 below) by SPAN_ROWS log-spaced row counts,
 # every SPAN_EVERY-th point on each diagonal, within SPAN_MAX_ELEMENTS; never a shape of the held-out set. The
 # widths fall one in every power-of-two range of columns (129-256, 257-512, …): a table's rules serve widths up to
-# the power of two their own rounds up to, and a range with no fitted width of its own (nine widths put none
-# between 128 and 256) is served by a neighbour's rules, whose tiles pad another row length. A
-# lattice point on a held-out shape moves one row step outward (fewer rows in the lower half of the row range,
-# more in the upper), so the corners stay covered: a table's box ends at its fitted shapes, and a shape beyond
-# them gets the analytic default.
+# the power of two their own rounds up to, and a range with no fitted width of its own is served by a neighbour's
+# rules, whose tiles pad another row length. A lattice point on a held-out shape moves one row step outward (fewer
+# rows in the lower half of the row range, more in the upper), so the corners stay covered: a table's box ends at
+# its fitted shapes, and a shape beyond them gets the analytic default.
 SPAN_WIDTHS, SPAN_ROWS = (128, 65536, 11), (64, 524288, 13)  # (first, last, count)
 SPAN_EVERY = 4
 SPAN_MAX_ELEMENTS = 2 ** 28

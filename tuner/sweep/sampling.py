@@ -351,9 +351,9 @@ def kernel_2_moves_first(config: BackwardConfig, moves: list[BackwardConfig]) ->
     """`moves` (one-step neighbours of `config`) reordered: those that move kernel_2 alone alternate with the
     others, a kernel_2 move first; each group keeps its order. A move that canonicalises back to `config` is
     dropped."""
-    second = [c for c in moves if c.kernel_1 == config.kernel_1 and c != config]
-    first = [c for c in moves if c.kernel_1 != config.kernel_1]
+    reduction = [c for c in moves if c.kernel_1 == config.kernel_1 and c != config]
+    others = [c for c in moves if c.kernel_1 != config.kernel_1]
     out: list[BackwardConfig] = []
-    for i in range(max(len(first), len(second))):
-        out += second[i:i + 1] + first[i:i + 1]
+    for i in range(max(len(reduction), len(others))):
+        out += reduction[i:i + 1] + others[i:i + 1]
     return out
