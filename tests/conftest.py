@@ -26,6 +26,11 @@ DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+if INTERPRET:
+    from interpreter_cache import install  # noqa: E402
+
+    install()  # helper calls inside a running kernel skip re-patching the language the kernel already patched
+
 # Relative error ‖out − ref‖ / ‖ref‖ allowed against the float64 reference, per activation dtype. Low-precision
 # outputs are bounded by their final rounding (bf16 2^-9, fp16 2^-12); calibrated on this suite's inputs (randn + 0.5
 # activations, weights 1 + 0.1·randn), on the interpreter and on an H100, where the worst errors seen were ~1e-6
