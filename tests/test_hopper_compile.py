@@ -33,6 +33,10 @@ import pytest
 
 from normtune.kernels.heuristics import staged_shared_bytes
 
+# One worker runs the module (`--dist loadgroup`): split between workers, the second waited on the first's
+# compilation (the `compiled` fixture's lock) instead of running other tests meanwhile.
+pytestmark = pytest.mark.xdist_group("hopper-compile")
+
 # target -> (Triton backend, arch, warp size, the stand-in device in kernels/limits.py)
 TARGETS = {
     "sm_80": ("cuda", 80, 32, "a100"),
