@@ -18,6 +18,11 @@ fi
 stop_postgres() { if [ "$started_here" = 1 ]; then bash tests/postgres.sh --stop || true; fi; }
 trap stop_postgres EXIT
 eval "$(bash tests/postgres.sh)"
+# Python keeps the modules it compiles (in a folder outside the checkout): under PYTHONDONTWRITEBYTECODE each worker
+# rewrote and compiled every test module again, and so did every Python process the tests start (sweeps, their
+# measuring processes, CLI runs) with normtune's sources.
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-${TMPDIR:-/tmp}/normtune-pycache-$(id -un)}"
 # One intra-op thread per process: the 2 workers (and the sweeps they start) already keep the cores busy, and tiny
 # tensors only lose time to threads synchronizing.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
