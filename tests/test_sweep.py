@@ -176,12 +176,20 @@ def test_cli_runner_sweep_stores_trials_with_provenance(tmp_path):
 
 
 def test_subprocess_sweep_rerun_adds_only_the_difference(tmp_path):
+    """A sweep started by the `normtune` console script records its command line as typed; re-running it with more
+    trials (here through `python -c`) measures only the trials the first run did not."""
+    import shutil
+
+    script = shutil.which("normtune")  # None where the package is not installed (pip install -e .)
     url = sqlite_url(tmp_path)
     env = sweep_env(tmp_path)
-    first = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=3), env, tmp_path)
+    first = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=3), env, tmp_path,
+                      program=[script] if script else None)
     assert first.returncode == 0, first.stderr
+    assert "interpreter timings" in first.stderr and f"{RMS_A.key}: 3 trials" in first.stderr
     before = measurement_rows(url)
     assert len(before) == 6
+    check_studies(url, names(RMS_A, RMS_B), 3)
 
     second = run_sweep(sweep_args(url, shapes="40x96,24x200", trials=5), env, tmp_path)
     assert second.returncode == 0, second.stderr
@@ -191,30 +199,16 @@ def test_subprocess_sweep_rerun_adds_only_the_difference(tmp_path):
         runs = store.runs()
     assert [(r.kind, r.status, r.interpret, r.gpu_key) for r in runs] == [("sweep", "finished", True, "interpret")] * 2
     assert "sweep --interpret" in runs[0].command_line and "--trials 3" in runs[0].command_line
+    if script:
+        # The program by its name, paths under the working folder (here tmp_path) relative: no machine paths.
+        typed = " ".join(a.replace(f"{tmp_path}/", "") for a in sweep_args(url, shapes="40x96,24x200", trials=3))
+        assert runs[0].command_line == f"normtune {typed}" and str(tmp_path) not in runs[0].command_line
     assert "--trials 5" in runs[1].command_line and runs[1].device.host == socket.gethostname()
     new = after[6:]
     assert sorted((r["study_name"], r["trial_number"]) for r in new) == sorted(
         (name, n) for name in names(RMS_A, RMS_B) for n in (3, 4)), "the re-run measured more than the difference"
     assert {r["run_id"] for r in new} == {runs[1].id}
     check_studies(url, names(RMS_A, RMS_B), 5)
-
-
-def test_console_script_sweep_records_its_command_line(tmp_path):
-    import shutil
-
-    script = shutil.which("normtune")
-    if script is None:
-        pytest.skip("the `normtune` console script is not on PATH (pip install -e .)")
-    url = sqlite_url(tmp_path)
-    result = run_sweep(sweep_args(url, trials=2), sweep_env(tmp_path), tmp_path, program=[script])
-    assert result.returncode == 0, result.stderr
-    assert "interpreter timings" in result.stderr and f"{RMS_A.key}: 2 trials" in result.stderr
-    with Store(url) as store:
-        (run,) = store.runs()
-    # The program by its name, paths under the working folder (here tmp_path) relative: no machine paths.
-    typed = " ".join(a.replace(f"{tmp_path}/", "") for a in sweep_args(url, trials=2))
-    assert run.command_line == f"normtune {typed}" and str(tmp_path) not in run.command_line
-    check_studies(url, names(RMS_A), 2)
 
 
 def test_time_budget_stops_early_and_reports_what_remains(tmp_path):
