@@ -67,11 +67,9 @@ class CompileAhead:
             problem, config = next(self._upcoming, (None, None))
             if problem is None:
                 return
-            key = (problem.key, config.to_json())
-            if key in self._warmed:
-                continue
-            self._warmed[key] = self._pool.submit(compile_one, problem.to_dict(), key[1], self._sms)
-            self._unfinished.append(self._warmed[key])
+            future = self._warm(problem, config)
+            if future is not None:
+                self._unfinished.append(future)
 
     def proposed(self, books: dict[str, StudyBook]) -> Callable[[str, dict], None]:
         """The proposer's hook (`Proposer.on_proposal`): a proposal received for the study of one of `books` is
@@ -82,12 +80,17 @@ class CompileAhead:
         def compile_proposal(name: str, values: dict) -> None:
             book = next((b for b in books.values() if b.name == name), None)
             if book is not None and self._pool is not None:
-                config = book.space.canonical(book.space.config(values))
-                key = (book.problem.key, config.to_json())
-                if key not in self._warmed:
-                    self._warmed[key] = self._pool.submit(compile_one, book.problem.to_dict(), key[1], self._sms)
+                self._warm(book.problem, book.space.canonical(book.space.config(values)))
 
         return compile_proposal
+
+    def _warm(self, problem: Problem, config: BackwardConfig) -> Future | None:
+        """Submit the compile of (problem, config) for its trial to take over; None when it is submitted already."""
+        key = (problem.key, config.to_json())
+        if key in self._warmed:
+            return None
+        self._warmed[key] = self._pool.submit(compile_one, problem.to_dict(), key[1], self._sms)
+        return self._warmed[key]
 
     def stop(self) -> None:
         """Cancel the seed compiles that have not started (the pool is stopped separately)."""
