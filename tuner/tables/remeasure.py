@@ -34,10 +34,9 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
     """(problem, config) pairs worth measuring to complete the matrix: each problem's top configs on the other
     problems of its N bucket, and the top two configs of each problem of the NEIGHBOUR_REACH nearest buckets on
     either side, adapted to this N; with `incumbents` (problem → the incumbent table's config), each problem's
-    incumbent config on every problem of its bucket, so that
-    emission can weigh the incumbent against the new winner; each problem's analytic default where it is not
-    measured in either of its forms (see `fit.default_in`; sized by `limits`, the device's that measures the plan).
-    Already measured pairs are skipped."""
+    incumbent config on every problem of its bucket, so that emission can weigh the incumbent against the new
+    winner; each problem's analytic default where it is not measured in either of its forms (see `fit.default_in`;
+    sized by `limits`, the device's that measures the plan). Already measured pairs are skipped."""
     incumbents = incumbents or {}
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
