@@ -24,12 +24,14 @@ Variants = Callable[[Problem, str], "dict[str, BackwardConfig]"]
 
 
 def case_problems(cases: str, dtype: str = "bf16") -> list[Problem]:
-    """The problems of a comma-separated NORM:MxN list (LayerNorm with a bias), in `dtype`."""
+    """The problems of a comma-separated NORM:MxN list (LayerNorm with a bias), in `dtype`; NORM may name a gated
+    RMSNorm's gate position, as in rms_norm/gate-after:8192x5120 (a silu gate)."""
     out = []
     for item in cases.split(","):
         norm, shape = item.split(":")
+        norm, _, gate = norm.partition("/gate-")
         M, N = (int(v) for v in shape.split("x"))
-        out.append(Problem(norm, M, N, dtype, has_bias=norm == "layer_norm"))
+        out.append(Problem(norm, M, N, dtype, has_bias=norm == "layer_norm", gate=gate or None))
     return out
 
 
