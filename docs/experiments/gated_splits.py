@@ -5,6 +5,8 @@ sums between the group's five programs) and two-pass walks of 1024-column chunks
 against the float64 reference. Prints one line per config (total, kernel_1, kernel_2, fraction of the copy floor)
 and writes JSON lines.
 
+Padded tiles of one and two rows on 4-32 warps, pipelined 1-4 stages deep, are timed beside them.
+
     python docs/experiments/gated_splits.py OUT_DIR [--cases rms_norm/gate-after:8192x5120,...] [--variants …]
 """
 
@@ -26,6 +28,12 @@ CASES = "rms_norm/gate-after:8192x5120,rms_norm/gate-after:32768x5120,rms_norm/g
 SPLIT_TILES = ((1, 4, 4, 1, False), (2, 4, 4, 1, False), (4, 8, 2, 1, False), (8, 8, 1, 1, False),
                (16, 16, 1, 1, False), (2, 4, 4, 3, True), (4, 8, 2, 3, True), (4, 4, 3, 2, True),
                (8, 8, 1, 2, True))
+# Padded single-pass tiles (block_col: the next power of two): (block_row, num_warps, num_stages, prefetch,
+# column accumulators, programs_per_sm): taller tiles (the raw tile kept: recompute) keep more useful bytes in flight.
+PADDED_TILES = ((1, 16, 3, False, True, 1), (1, 16, 2, False, False, 1), (1, 8, 3, False, False, 1),
+                (1, 32, 3, False, False, 1), (1, 16, 4, False, False, 1), (2, 16, 2, False, True, 1),
+                (2, 32, 2, False, True, 1), (2, 16, 1, True, True, 1), (2, 32, 1, True, True, 1),
+                (1, 8, 2, False, False, 2), (1, 16, 1, False, True, 2), (1, 4, 2, False, True, 2))
 # Two-pass tiles: (block_row, num_warps, programs_per_sm, num_stages).
 TWO_PASS_TILES = ((1, 4, 4, 1), (2, 4, 4, 1), (4, 8, 2, 1), (2, 4, 4, 3), (4, 8, 2, 3))
 EARLY = Kernel2Config(block_m=128, block_n=32, num_warps=4, pdl=True)
@@ -43,6 +51,15 @@ def variants(p: Problem, device_name: str) -> dict[str, BackwardConfig]:
                 name = (f"split{split} {block_row}x{width} w{warps} s{stages}{' piped' if piped else ''} "
                         f"{per_sm}/SM{' recompute' if recompute else ''}")
                 out[name] = BackwardConfig(k1, EARLY)
+    for block_row, warps, stages, prefetch, colacc, per_sm in PADDED_TILES:
+        for eviction in ("evict_first", ""):
+            k1 = kernel_1_config(block_row=block_row, block_col=row_block_col(p.N), num_warps=warps,
+                                 num_stages=stages, prefetch=prefetch, column_accumulators=colacc,
+                                 programs_per_sm=per_sm, eviction_policy=eviction, recompute=block_row > 1)
+            name = (f"padded {block_row}x{row_block_col(p.N)} w{warps} s{stages}{' prefetch' if prefetch else ''}"
+                    f"{' colacc' if colacc else ''}{' recompute' if block_row > 1 else ''} {per_sm}/SM"
+                    f"{' ' + eviction if eviction else ''}")
+            out[name] = BackwardConfig(k1, EARLY)
     chunk = 1024
     if p.N % chunk == 0:
         for block_row, warps, per_sm, stages in TWO_PASS_TILES:
