@@ -112,7 +112,7 @@ def test_a_pools_processes_take_its_devices_in_turn_each_seeing_its_own_alone(mo
             compiling._compile_init([2, 3], started, 0)
             seen.append(compiling.os.environ["CUDA_VISIBLE_DEVICES"])
     assert seen == ["2", "3", "2", "3", "2", "7", "6", "7", "6", "7"]
-    assert niced == [compiling.COMPILE_NICENESS] * 10 and not compiling._UNUSABLE
+    assert niced == [5] * 10 and not compiling._UNUSABLE
 
 
 def test_visible_device_names_the_parents_own_device():

@@ -40,10 +40,6 @@ def compile_pool(workers: int, devices: int | list[int]) -> ProcessPoolExecutor 
     return pool
 
 
-# How far below the sweep's own processes the compile processes run (the niceness added): they only take the cores
-# that the measuring processes, the sweep workers and the proposer leave idle, whose latency is on the GPU's path.
-COMPILE_NICENESS = 19
-
 # Compile processes per GPU by default, within the host's cores: from an empty Triton cache a config's compile
 # takes far longer than its measurement, so a GPU is fed only by many compiles at once (the seeds compiled ahead
 # of their claims, `compile_ahead.py`, keep that many busy).
@@ -127,8 +123,8 @@ def _compile_init(devices: list[int], started, parent_pid: int) -> None:
     """Set up a compile process for the next of `devices` (`started` counts the pool's processes so far): that
     device is the only one it sees, and it touches the driver only when its first job needs the device's facts.
     A CUDA context per process made at once (hundreds of MiB each) serialized every process's driver start-up,
-    the measuring processes' included; and the pool runs COMPILE_NICENESS below the measuring and sweep processes'
-    priority, so that compiling never delays the path to the GPU."""
+    the measuring processes' included; and the pool runs below the measuring and sweep processes' priority, so
+    that compiling never delays the path to the GPU."""
     from .lifeline import die_with_parent, ignore_stop_signals
 
     die_with_parent(parent_pid)
@@ -137,7 +133,7 @@ def _compile_init(devices: list[int], started, parent_pid: int) -> None:
         index, started.value = started.value, started.value + 1
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(devices[index % len(devices)])
     try:
-        os.nice(COMPILE_NICENESS)
+        os.nice(5)
     except OSError:
         pass
 
