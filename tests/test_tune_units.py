@@ -279,6 +279,37 @@ def test_a_table_config_that_fails_on_a_shape_loses_there():
     assert timed[0].verdict == "slower than default"
 
 
+def test_a_table_slower_in_median_inside_the_spread_is_timed_head_to_head():
+    raw = _table([_other(A), _other(B)])
+    table = parse_table(raw)
+    fast = Timing(10.0, 9.5, 10.5)
+    times = {}
+    for p in (A, B):
+        times[(p.key, default_config(p).to_json())] = fast
+        times[(p.key, table.lookup(p).to_json())] = fast
+    times[(A.key, table.lookup(A).to_json())] = Timing(10.3, 9.6, 10.9)  # slower in median, inside the spread
+    calls = []
+
+    def head_to_head(slower_by):
+        def timer(problem, configs):
+            calls.append(problem.key)
+            return {"table": Timing(10.0 * slower_by, 9.9 * slower_by, 10.1 * slower_by), "default": fast}
+        return timer
+
+    assert gate.check(table, [A, B], None, None, _lookup(times), None)[0].verdict == "ok"
+    gated, record = gate.gate(raw, [A, B], None, None, _lookup(times), head_to_head(1.08))
+    assert calls == [A.key]  # only the doubtful shape, once over the gate's passes
+    assert record["retimed"] == [A.key] and not record["still_slower"]
+    assert [(e["rule"], e["to"], e["lost_on"]) for e in record["fall_backs"]] == [(1, "default", ["4x64"])]
+    assert parse_table(gated).lookup(A) == default_config(A)
+    calls.clear()
+    kept, record = gate.gate(raw, [A, B], None, None, _lookup(times), head_to_head(1.0))
+    assert calls == [A.key] and record["retimed"] == [A.key] and not record["fall_backs"]
+    assert kept == raw and not record["untimed"]
+    unsure, record = gate.gate(raw, [A, B], None, None, _lookup(times), lambda p, c: {})  # out of time
+    assert unsure == raw and record["untimed"] == [A.key]  # the next run times it
+
+
 def test_a_losing_rule_takes_the_incumbents_config_else_the_default_else_goes():
     held = Problem("rms_norm", 6, 64, "bf16")  # answered by the first rule, as its fitted 4x64 is
     incumbent = parse_table(_table([_other(A), _other(B)]))

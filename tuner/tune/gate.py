@@ -3,7 +3,10 @@ generated held-out ones) the table's config must not be slower than the analytic
 table's, by more than `compare`'s threshold and beyond the measured spread (`spread.slower_beyond_spread`, the
 rule `normtune compare` fails a table by). Times come from what the tune measured (its sweeps, re-measurements
 and validations); a pair nobody timed is timed head to head while time allows, else the shape is listed untimed.
-A config timed that did not run correctly counts as slower than any (`FAILED`).
+So is a pair whose stored medians say the table is slower, however slightly (`Check.slower_in_median`): a sweep
+times each config on its own, often cut short by its race, and a table config measured within the spread of the
+default there can be clearly slower than it head to head, which is how `compare` times them. A config timed that
+did not run correctly counts as slower than any (`FAILED`).
 
 A rule that loses only on shapes it was not fitted on keeps its config where it was fitted: a rule carved out of
 it just before it takes the shapes it lost on, with the incumbent's config (or the default's) for them, bounded
@@ -42,6 +45,8 @@ class Check:
     config: BackwardConfig  # the table's, as it runs on this device
     against: dict[str, BackwardConfig]  # "default", and "incumbent" where there is one
     times: dict[str, Timing | None]  # by name, "table" included
+    retimed: bool = False  # timed head to head because the stored medians had the table slower inside the spread
+    unconfirmed: bool = False  # such a check not timed head to head (no timer, or out of time)
 
     @property
     def verdict(self) -> str:
@@ -61,6 +66,14 @@ class Check:
     def fails(self) -> bool:
         return self.verdict.startswith("slower")
 
+    @property
+    def slower_in_median(self) -> bool:
+        """The table's time is known and a differing config's median is below it (inside the spread or not)."""
+        table = self.times.get("table")
+        return table is not None and any(
+            c != self.config and (t := self.times.get(k)) is not None and t.median < table.median
+            for k, c in self.against.items())
+
     def to_dict(self) -> dict:
         def ratio(name):
             r = Ratio.of(self.times.get("table"), self.times.get(name))
@@ -71,7 +84,9 @@ class Check:
 
 
 def check(table, problems: list[Problem], incumbent, limits, lookup: Lookup, timer: Timer | None) -> list[Check]:
-    """One `Check` per problem: `table` (None: no table) against the default and `incumbent`."""
+    """One `Check` per problem: `table` (None: no table) against the default and `incumbent`, from `lookup`'s
+    times; a check left untimed, or whose times have the table slower in median (`Check.slower_in_median`), is
+    timed head to head by `timer` (None: never)."""
     out = []
     for p in problems:
         config = config_for(table, p, limits)
@@ -81,12 +96,34 @@ def check(table, problems: list[Problem], incumbent, limits, lookup: Lookup, tim
         named = {"table": config, **against}
         times = {k: lookup(p, c) for k, c in named.items()}
         row = Check(p, config, against, times)
-        if row.verdict == "untimed" and timer is not None:  # all of them head to head, none from elsewhere
+        doubted = row.verdict == "ok" and row.slower_in_median
+        if (row.verdict == "untimed" or doubted) and timer is not None:  # all of them head to head
             timed = timer(p, named)
             if timed:
                 row.times = {k: timed.get(k) or FAILED for k in named}
+                row.retimed = doubted
+        row.unconfirmed = doubted and not row.retimed
         out.append(row)
     return out
+
+
+def timed_once(timer: Timer | None) -> Timer | None:
+    """`timer`, timing a problem's configs head to head once: the gate checks its shapes again after each
+    pass of fall-backs, and a shape whose configs did not change keeps the times it got."""
+    if timer is None:
+        return None
+    done: dict[tuple, dict] = {}
+
+    def timed(problem: Problem, named: dict) -> dict:
+        key = (problem.key, tuple(sorted((k, c.to_json()) for k, c in named.items())))
+        if key not in done:
+            got = timer(problem, named)
+            if not got:  # out of time: nothing to keep
+                return got
+            done[key] = got
+        return done[key]
+
+    return timed
 
 
 def _fitted(family_key: str, rule: dict) -> list[Problem]:
@@ -208,7 +245,9 @@ def gate(raw: dict, problems: list[Problem], incumbent, limits, lookup: Lookup,
          timer: Timer | None = None) -> tuple[dict | None, dict]:
     """The table that passes (None: no rule does), and the gate's record: the final checks, the fall-backs."""
     table = parse_table(raw, "<gated table>")
+    timer = timed_once(timer)
     checks = check(table, problems, incumbent, limits, lookup, timer)
+    retimed = {c.problem.key for c in checks if c.retimed}
     edits: list[dict] = []
     for _ in range(MAX_PASSES):
         failing = [c for c in checks if c.fails]
@@ -219,10 +258,12 @@ def gate(raw: dict, problems: list[Problem], incumbent, limits, lookup: Lookup,
             break
         edits += changed
         checks = check(parse_table(raw, "<gated table>") if raw else None, problems, incumbent, limits, lookup, timer)
+        retimed |= {c.problem.key for c in checks if c.retimed}
     verdicts: dict[str, int] = {}
     for c in checks:
         verdicts[c.verdict] = verdicts.get(c.verdict, 0) + 1
     record = {"shapes": len(checks), "verdicts": verdicts, "fall_backs": edits,
+              "retimed": sorted(retimed),  # timed head to head in any pass for `Check.slower_in_median`
               "still_slower": [c.to_dict() for c in checks if c.fails],
-              "untimed": [c.problem.key for c in checks if c.verdict == "untimed"]}
+              "untimed": [c.problem.key for c in checks if c.verdict == "untimed" or c.unconfirmed]}
     return raw, record
