@@ -12,6 +12,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
+import pytest
+
 from sweep_support import check_studies
 
 from normtune.kernels.config import BackwardConfig, Problem
@@ -117,8 +119,10 @@ def test_every_seed_is_compiled_once_ahead_of_its_claim_and_its_trial_takes_the_
     # Each trial's config was compiled exactly once, and every trial took a job compiled ahead over.
     assert len(pool.jobs) == len(set(pool.jobs)) == trials * len(PROBLEMS)
     assert sweep.costs.compiles == {"ahead": trials * len(PROBLEMS), "at_claim": 0}
-    assert f"compiles: {trials * len(PROBLEMS)} ahead of their trial's claim, 0 at it" in costs_line(
-        sweep.costs.to_dict())
+    pool_s = trials * len(PROBLEMS) * COMPILE_S  # each job's seconds in the compile processes, as the job says
+    assert sweep.costs.to_dict()["compile_jobs_s"] == pytest.approx(pool_s)
+    assert (f"compiles: {trials * len(PROBLEMS)} ahead of their trial's claim, 0 at it, {pool_s:.1f} s in the "
+            "compile processes") in costs_line(sweep.costs.to_dict())
     assert sorted(pool.jobs) == sorted(QuickMeasurer.measured)
     # Submitted in the order the worker claims its slots: round one over every problem, then round two.
     expected = [(p.key, s.to_json()) for low, high in ((0, FIRST_ROUND), (FIRST_ROUND, trials))

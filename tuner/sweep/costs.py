@@ -8,7 +8,8 @@ processes, storing measurements and telling trials (database), and the heartbeat
 worker proposes and stores while the GPU measures, so these overlap the measuring; the GPU is idle for the
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
 `compiles` counts the trials whose compile job was a seed's submitted before the trial's claim (`compile_ahead`)
-and those compiled only once claimed; `proposals`, the sampler's proposals that became trials (and how many of
+and those compiled only once claimed, and `compile_jobs` sums their jobs' seconds in the compile processes (set
+against the processes' number and the wall, how busy the pool was); `proposals`, the sampler's proposals that became trials (and how many of
 them the proposer process made ahead, `proposer` its busy seconds) and those the space rejected.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
@@ -118,8 +119,10 @@ def line(costs: dict) -> str:
              f"measuring process idle {costs.get('gpu_idle_s', 0.0):.1f} s after start-up"]
     compiles = costs.get("compiles") or {}
     if any(compiles.values()):
+        pool = costs.get("compile_jobs_s")  # runs stored before it was kept have none
         parts.append(f"compiles: {compiles.get('ahead', 0)} ahead of their trial's claim, "
-                     f"{compiles.get('at_claim', 0)} at it")
+                     f"{compiles.get('at_claim', 0)} at it" + (f", {pool:.1f} s in the compile processes"
+                                                               if pool is not None else ""))
     proposals = costs.get("proposals") or {}
     if any(proposals.values()):
         ahead = (f" ({proposals['ahead']} made ahead by the proposer process, busy "

@@ -138,6 +138,7 @@ class PendingTrials:
                 return ABANDONED
             cstatus, item.compile_s, cerr = compiled
             summary.compile_s += item.compile_s or 0.0
+            self.costs.add("compile_jobs", item.compile_s or 0.0)
             if cstatus in ("compile_error", "out_of_resources"):
                 return MeasureResult(status=cstatus, error=cerr, compile_s=item.compile_s,
                                      interpret=self.info.interpret)
