@@ -9,8 +9,9 @@ worker proposes and stores while the GPU measures, so these overlap the measurin
 start-up (until the first trial is sent) and for `gpu_idle_s` = wall - start-up - measuring afterwards.
 `compiles` counts the trials whose compile job was a seed's submitted before the trial's claim (`compile_ahead`)
 and those compiled only once claimed, and `compile_jobs` sums their jobs' seconds in the compile processes (set
-against the processes' number and the wall, how busy the pool was); `proposals`, the sampler's proposals that became trials (and how many of
-them the proposer process made ahead, `proposer` its busy seconds) and those the space rejected.
+against the processes' number and the wall, how busy the pool was); `proposals`, the sampler's proposals that
+became trials (and how many of them the proposer process made ahead, `proposer` its busy seconds) and those the
+space rejected.
 
 `timeline` holds when the start-up steps happened, in seconds since the command started (`timeline.mark`):
 options parsed, measuring process spawned, its torch imported, its CUDA context made, ready (copy bandwidth
