@@ -190,6 +190,36 @@ def test_gate_doubles_the_tolerance_when_recovering_from_the_output(device):
         assert passed is expect, save
 
 
+@pytest.mark.parametrize("gate_at, activation", [(None, None), ("before", "silu"), ("before", "sigmoid"),
+                                                 ("after", "sigmoid")])
+def test_rows_of_one_column_are_judged_against_their_terms_not_their_near_zero_difference(gate_at, activation,
+                                                                                          device):
+    # dx of a one-column row is r·w·g·(1 − x̂²) with x̂² = 1 up to eps: two right fp32 computations of it differ by
+    # thousandths of its norm. The gate measures that against a hundredth of its terms' norm instead.
+    problem = Problem("rms_norm", 3, 1, "fp32", gate=gate_at, gate_activation=activation)
+    config = default_config(problem)
+    for seed in range(6):
+        case = make_case(problem, device, seed=seed)
+        result = measure_config(case, config, flusher=None, bandwidth_gbps=1.0, warmup=0, min_reps=1, max_reps=1,
+                                budget_s=0.0)
+        assert result.status == "ok", (seed, result.error)
+        reference = case.gate_reference()
+        wrong = list(case.reference())
+        wrong[0] = torch.zeros_like(wrong[0])  # dx is small here, but not zero: leaving it unwritten still fails
+        assert "dx relative error" in gate(problem, tuple(wrong), reference)[2], seed
+
+
+def test_the_terms_do_not_widen_the_gate_where_they_do_not_cancel(device):
+    problem = Problem("rms_norm", 16, 64, "fp32", gate="after", gate_activation="silu")
+    case = make_case(problem, device)
+    ref, reference = case.reference(), case.gate_reference()
+    tol = GATE_TOLERANCE["fp32"]
+    off = list(ref)
+    off[0] = ref[0] * (1 + 2 * tol)
+    passed, errors, _ = gate(problem, tuple(off), reference)
+    assert not passed and errors["dx"] == pytest.approx(2 * tol, rel=1e-3)  # as without the terms
+
+
 # ---------------------------------------------------------------------------------------- classify_exception
 
 

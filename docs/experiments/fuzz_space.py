@@ -4,10 +4,11 @@ CPU (Triton's interpreter): outputs poisoned with NaN, then compared with the fl
     python docs/experiments/fuzz_space.py SECONDS [SEED]
 
 Each draw is a problem (either norm; bf16, fp16 or fp32 activations; weights in that dtype or fp32; bias,
-zero-centered weights, either save mode; the residual form with its stream in the activation dtype or fp32; rows
-from 1 to 61 and widths from 1 to 4096, most not powers of two) and a config drawn uniformly from its space's
-domains until the space accepts one (`Space.why_not`). Prints every failure (problem, config, status, error) and
-a count every 20 draws, until SECONDS have passed.
+zero-centered weights, either save mode; the residual form with its stream in the activation dtype or fp32; a
+quarter of the draws the gated RMSNorm, either gate position and activation; rows from 1 to 61 and widths from 1 to
+4096, most not powers of two) and a config drawn uniformly from its space's domains until the space accepts one
+(`Space.why_not`). Prints every failure (problem, config, status, error) and a count every 20 draws, until SECONDS
+have passed.
 """
 
 from __future__ import annotations
@@ -30,8 +31,13 @@ WIDTHS = (1, 3, 8, 40, 72, 96, 200, 256, 300, 1000, 1024, 1500, 2100, 2560, 4096
 
 
 def draw_problem(rng: random.Random) -> Problem:
-    norm = rng.choice(["rms_norm", "layer_norm"])
     dtype = rng.choice(["bf16", "fp16", "fp32"])
+    if rng.random() < 0.25:  # the gated RMSNorm: saves its input, no residual stream
+        return Problem("rms_norm", rng.choice(ROWS), rng.choice(WIDTHS), dtype,
+                       weight_dtype=rng.choice([dtype, "fp32"]), zero_centered=rng.random() < 0.3,
+                       gate=rng.choice(["before", "after"]),
+                       gate_activation=rng.choice(["silu", "sigmoid"]))
+    norm = rng.choice(["rms_norm", "layer_norm"])
     residual = rng.random() < 0.4
     return Problem(norm, rng.choice(ROWS), rng.choice(WIDTHS), dtype, weight_dtype=rng.choice([dtype, "fp32"]),
                    has_bias=norm == "layer_norm" and rng.random() < 0.7, zero_centered=rng.random() < 0.3,
@@ -58,7 +64,7 @@ def main() -> None:
         if config is None:
             continue
         case = make_case(problem, "cpu", seed=rng.randrange(1 << 30))
-        result = measure_config(case, config, flusher=None, bandwidth_gbps=1000.0, reference_grads=case.reference(),
+        result = measure_config(case, config, flusher=None, bandwidth_gbps=1000.0, reference_grads=case.gate_reference(),
                                 warmup=0, min_reps=1, max_reps=1, budget_s=0.0)
         checked += 1
         if result.status != "ok":
