@@ -8,10 +8,11 @@ which the gate checks beside dx and dw. The gate compares (dx, dw, db) with the 
 inputs, in float64: the reference is computed once per `Case` (`Case.gate_reference`, reused by every config
 measured on it) and each check is one pass on the device with one read back to the host.
 
-An output that is the small difference of large terms (dx of rows of one or two columns, whose x̂ is ±1 up to eps)
-is as exact as fp32 makes it only relative to those terms: two right fp32 computations of it may differ by
-several thousandths of its norm, and neither is closer to float64 than that. Its error is therefore measured against the larger of its
-own norm and TERM_SHARE of its terms' norm (`Case.term_scales`); where the terms do not cancel the two are alike.
+An output that is the small difference of large terms (dx of a row of one column, whose x̂ is ±1 up to eps) is as
+exact as fp32 makes it only relative to those terms: two right fp32 computations of it may differ by several
+thousandths of its norm, and neither is closer to float64 than that. Its error is therefore measured against the
+larger of its own norm and TERM_SHARE of its terms' norm (`Case.term_scales`); where the terms do not cancel the two
+are alike.
 """
 
 from __future__ import annotations
@@ -146,9 +147,9 @@ OUTPUTS = ("dx", "dw", "db", "dz")  # dz: the gate's gradient (gated problems on
 
 
 class Reference:
-    """(dx, dw, db) of the reference (and dz, for a gated problem), prepared once for the gate: each present output in float64 with its norm,
-    on the reference's device. `errors` computes a trial's relative errors (as `relative_error` does) on the
-    device and reads them back at once."""
+    """(dx, dw, db) of the reference (and dz, for a gated problem), prepared once for the gate: each present output
+    in float64 with its norm, on the reference's device. `errors` computes a trial's relative errors (as
+    `relative_error` does) on the device and reads them back at once."""
 
     def __init__(self, grads, scales=None):
         self.names = tuple(name for name, r in zip(OUTPUTS, grads) if r is not None)
