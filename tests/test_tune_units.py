@@ -308,6 +308,11 @@ def test_a_table_slower_in_median_inside_the_spread_is_timed_head_to_head():
     assert kept == raw and not record["untimed"]
     unsure, record = gate.gate(raw, [A, B], None, None, _lookup(times), lambda p, c: {})  # out of time
     assert unsure == raw and record["untimed"] == [A.key]  # the next run times it
+    from normtune.tuner.tune import report
+
+    assert "Timed head to head at the gate" not in "\n".join(report._gate(record, None))
+    lines = "\n".join(report._gate(gate.gate(raw, [A, B], None, None, _lookup(times), head_to_head(1.0))[1], None))
+    assert "Timed head to head at the gate, the tune's own times having the table slower in median: 1 shape (" in lines
 
 
 def test_a_losing_rule_takes_the_incumbents_config_else_the_default_else_goes():

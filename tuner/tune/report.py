@@ -85,8 +85,9 @@ def _gate(record: dict | None, incumbent: str | None) -> list[str]:
         body = [[e["family"], str(e["rule"]), ", ".join(e["lost_on"]), e["to"]] for e in record["fall_backs"]]
         lines += ["", "Rules that lost fell back:", ""] + markdown_table(["family", "rule", "lost on", "now"], body)
     if record.get("retimed"):  # records of older runs have none
+        n = len(record["retimed"])
         lines += ["", f"Timed head to head at the gate, the tune's own times having the table slower in median: "
-                      f"{len(record['retimed'])} shapes (those that then lost are among the fall-backs)."]
+                      f"{n} shape{'' if n == 1 else 's'} (those that then lost are among the fall-backs)."]
     if record["still_slower"]:
         lines += ["", "Still slower after the fall-backs: " + ", ".join(c["problem"] for c in record["still_slower"])]
     if record["untimed"]:
