@@ -154,12 +154,13 @@ class Reference:
     def __init__(self, grads, scales=None):
         self.names = tuple(name for name, r in zip(OUTPUTS, grads) if r is not None)
         self.exact = tuple(None if r is None else r.double() for r in grads)
-        present = [r for r in self.exact if r is not None]
-        self.norms = torch.stack([torch.linalg.vector_norm(r) for r in present]) if present else None
-        if self.norms is not None and scales is not None:  # each output's terms (`Case.term_scales`) bound it below
-            floors = [TERM_SHARE * torch.linalg.vector_norm(t.double()) if t is not None else torch.zeros_like(n)
-                      for t, n in zip((t for t, r in zip(scales, self.exact) if r is not None), self.norms)]
-            self.norms = torch.maximum(self.norms, torch.stack(floors))
+        norms = []
+        for r, terms in zip(self.exact, scales or (None,) * len(self.exact)):
+            if r is not None:  # at least TERM_SHARE of its terms' norm, where `Case.term_scales` gives them
+                norm = torch.linalg.vector_norm(r)
+                norms.append(norm if terms is None else torch.maximum(
+                    norm, TERM_SHARE * torch.linalg.vector_norm(terms.double())))
+        self.norms = torch.stack(norms) if norms else None
 
     def errors(self, got) -> dict[str, float]:
         """‖out − ref‖ / ‖ref‖ in float64 per present output (‖ref‖ at least TERM_SHARE of its terms' norm where
