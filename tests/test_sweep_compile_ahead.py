@@ -277,3 +277,43 @@ def test_the_samplers_proposals_made_ahead_compile_from_their_receipt_and_their_
     # every seed and every proposal taken from the proposer compiled before its trial was created
     assert sweep.costs.compiles["ahead"] >= len(_seeds(problem)) + taken - 1, sweep.costs.compiles
     assert sorted(set(QuickMeasurer.measured)) == sorted(set(QuickMeasurer.measured) & set(pool.jobs))
+
+
+def test_the_first_seeds_compile_submitted_before_the_sweep_is_taken_over_by_its_trial(tmp_path):
+    """The launcher submits the first problem's first seed before the device is known
+    (`compiling.compile_first_seed`); the sweep adopts that job, and the trial of that seed waits for it instead
+    of compiling the seed again."""
+    from concurrent.futures import Future
+
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    early: Future = Future()
+    early.set_result(("ok", 1.5, None))
+    QuickMeasurer.measured = []
+    pool = RecordingPool()
+    opts = SweepOptions(gpu_key="interpret", problems=PROBLEMS, trials=3, sampler="tpe", interpret=True,
+                        compile_workers=0, heartbeat_interval=1, grace_period=5)
+    with Store(url) as store:
+        sweep = driver.Sweep(opts, store, INFO, helpers=(QuickMeasurer(), pool), first_compile=(PROBLEMS[0], early))
+        sweep.run()
+    check_studies(url, [study_name("interpret", p, interpret=True) for p in PROBLEMS], 3)
+    first = (PROBLEMS[0].key, _seeds(PROBLEMS[0])[0].to_json())
+    assert first in QuickMeasurer.measured and first not in pool.jobs
+    assert len(pool.jobs) == 3 * len(PROBLEMS) - 1
+    assert sweep.costs.compiles == {"ahead": 3 * len(PROBLEMS), "at_claim": 0}
+    assert sweep.costs.to_dict()["compile_jobs_s"] == pytest.approx(1.5 + len(pool.jobs) * COMPILE_S)
+
+
+def test_a_first_compile_adopted_for_a_space_without_seeds_or_without_a_pool_is_dropped():
+    from concurrent.futures import Future
+
+    class NoSeeds:
+        def seeds(self):
+            return []
+
+    job: Future = Future()
+    ahead = CompileAhead(RecordingPool(), INFO.sm_count, 4)
+    ahead.adopt(PROBLEMS[0], NoSeeds(), job)
+    assert ahead._warmed == {}
+    none = CompileAhead(None, INFO.sm_count, 4)
+    none.adopt(PROBLEMS[0], problem_space(PROBLEMS[0], INFO.sm_count, interpret=True), job)
+    assert none._warmed == {} and none.job(PROBLEMS[0], _seeds(PROBLEMS[0])[0]) is None

@@ -231,3 +231,124 @@ def test_a_second_sweep_in_one_process_records_its_own_steps(tmp_path, monkeypat
             steps.append(driver.Sweep(opts, store, INFO).run().costs["timeline"])
         time.sleep(0.2)
     assert steps[1]["first_sent"] > steps[0]["first_stored"], steps
+
+
+class _Described:
+    """A stand-in measuring process that describes its device (`MeasuringProcess.device`) as the interpreter
+    with another name, or fails to start (`fails`), and measures every trial at 10 µs."""
+
+    fails = False
+
+    def __init__(self, *args, **kwargs):
+        from sweep_support import instant_measuring_process
+
+        self._inner = instant_measuring_process()()
+        self.phases = {}
+
+    def device(self):
+        from normtune.tuner.gpu_info import device_facts
+
+        if self.fails:
+            raise EOFError("no device")
+        return {**device_facts(interpret=True), "name": "described by the measuring process"}, None
+
+    def answering(self):
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _run_described(tmp_path, monkeypatch, fails: bool) -> tuple[list, str]:
+    import sqlite3
+
+    from normtune.kernels.config import Problem
+    from normtune.tuner import sweep as S
+    from normtune.tuner.gpu_info import detect
+    from normtune.tuner.sweep import launcher
+
+    detected = []
+    monkeypatch.setattr(_Described, "fails", fails)
+    from normtune.tuner.sweep import measuring
+
+    monkeypatch.setattr(measuring, "start_helpers", lambda *args, **kwargs: (_Described(), None))
+    monkeypatch.setattr(launcher, "device_info",
+                        lambda gpu, interpret, device=0: detected.append(device) or detect(device, interpret=True))
+    opts = S.SweepOptions(gpu_key="auto", problems=[Problem("rms_norm", 40, 96, "bf16")], trials=2,
+                          sampler="random", interpret=True, compile_workers=0,
+                          storage=f"sqlite:///{tmp_path / 'results.db'}")
+    assert S.run(opts).exit_code == 0
+    (name,) = sqlite3.connect(tmp_path / "results.db").execute("SELECT gpu_name FROM normtune_runs").fetchone()
+    return detected, name
+
+
+def test_the_sweep_takes_its_device_from_the_measuring_process_without_detecting_it_itself(tmp_path, monkeypatch):
+    detected, name = _run_described(tmp_path, monkeypatch, fails=False)
+    assert detected == [] and name == "described by the measuring process"
+
+
+def test_a_measuring_process_that_cannot_start_leaves_the_device_to_the_sweeps_own_detection(tmp_path, monkeypatch):
+    detected, name = _run_described(tmp_path, monkeypatch, fails=True)
+    assert detected == [0] and name == "cpu (triton interpreter)"
+
+
+def test_a_measuring_process_describes_its_device_once_started():
+    measurer = MeasuringProcess(0, True)
+    try:
+        facts, limits = measurer.device()
+        assert facts["key"] == "interpret" and facts["interpret"] is True and limits is None
+        assert measurer.device() == (facts, limits) and measurer.answering()
+    finally:
+        measurer.close()
+
+
+def test_the_first_seed_is_compiled_from_the_start_only_while_the_measuring_process_is_starting():
+    from normtune.kernels.config import Problem
+    from normtune.tuner.sweep.compiling import compile_first_seed
+    from normtune.tuner.sweep.launcher import _compile_first_seed
+
+    class Pool:
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, fn, *args):
+            self.jobs.append((fn, args))
+            return "future"
+
+    class Measurer:
+        def __init__(self, ready):
+            self.ready = ready
+
+        def answering(self):
+            return self.ready
+
+    problem, pool = Problem("rms_norm", 40, 96, "bf16"), Pool()
+    assert _compile_first_seed((Measurer(False), pool), problem) == (problem, "future")
+    assert pool.jobs == [(compile_first_seed, (problem.to_dict(),))]
+    assert _compile_first_seed((Measurer(True), pool), problem) is None  # started already (a kept one)
+    assert _compile_first_seed((Measurer(False), None), problem) is None  # no pool
+    assert _compile_first_seed(None, problem) is None and len(pool.jobs) == 1
+
+
+def test_the_first_trial_waits_for_a_compile_under_way_only_so_long_once_the_measuring_process_is_ready(monkeypatch):
+    import time
+
+    from normtune.tuner.sweep import pending
+
+    class Job:
+        def __init__(self, running):
+            self.is_running = running
+
+        def running(self):
+            return self.is_running
+
+    ready = [False]
+    monkeypatch.setattr(pending, "FIRST_COMPILE_WAIT_S", 0.2)
+    queued = pending.first_goes(Job(False), lambda: ready[0])
+    under_way = pending.first_goes(Job(True), lambda: ready[0])
+    assert not queued() and not under_way()  # the measuring process is not ready: the compile may still win
+    ready[0] = True
+    assert queued()  # its job has not started: the measuring process compiles it
+    assert not under_way()  # its job is under way: wait for it, a while
+    time.sleep(0.3)
+    assert under_way()
