@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from .common import (
-    INTERPRETER_BANNER, Gpu, Interpret, Residual, ResidualDtype, Shapes, device_info, parse_dtype, parse_list,
-    parse_shapes_option, problems_for, refuse, run_checked, use_interpreter, with_residual,
+    INTERPRETER_BANNER, Gpu, Interpret, Residual, ResidualDtype, Shapes, device_info, problems_option, refuse,
+    run_checked, use_interpreter,
 )
 
 
@@ -37,7 +37,6 @@ def compare(
     run_checked(use_interpreter, interpret)
     from rich.console import Console
 
-    from normtune.kernels.config import NORMS
     from normtune.kernels.select.tables import load_table
     from normtune.tuner.tables import compare as C
     from normtune.tuner.measure.harness import TIMING, MeasureSession
@@ -54,11 +53,8 @@ def compare(
         if table is not None and table.interpret and not interpret:
             run_checked(refuse, f"{path} holds Triton-interpreter timings: it never tunes a GPU, so comparing it "
                                 f"for --gpu {gpu} means nothing; compare it with --interpret, or pass a GPU's table")
-    norms = run_checked(parse_list, norm, NORMS, "--norm")
-    dt = run_checked(parse_dtype, dtype)
-    shape_list = run_checked(parse_shapes_option, shapes, interpret)
-    problems = run_checked(problems_for, norms, dt, None, shape_list, bias=None, zero_centered=False, save="input")
-    problems = run_checked(with_residual, problems, residual, residual_dtype)
+    problems, _ = run_checked(problems_option, shapes, None, None, norm, dtype, None, interpret=interpret,
+                              zero_centered=False, residual=residual, residual_dtype=residual_dtype)
     if dry_run:  # no GPU needed: the configs as they run on the GPU NEW was tuned on
         from normtune.tuner.gpu_info import stored_limits
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -308,3 +309,30 @@ def test_interpret_works_without_triton_interpret_in_the_environment(tmp_path, c
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert (tmp_path / "out" / ("bench.csv" if command == "bench" else "validate.json")).is_file()
+
+
+def test_compare_takes_the_gated_presets_and_names_each_rows_form():
+    """--shapes qwen3-next (a gated preset, as sweep and tune take it) gates a table's gated families: each row
+    names its gate. The shipped H200 table has them; --dry-run needs no GPU."""
+    from normtune.tuner.gated_shapes import preset_problems
+
+    shipped = str(Path(__file__).resolve().parents[1] / "configs" / "h200.json")
+    dry = runner.invoke(app, ["compare", "default", shipped, "--gpu", "h200", "--shapes", "qwen3-next,4096x4096",
+                              "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    total = len(preset_problems("qwen3-next", "bf16")) + 2  # and 4096x4096 for both norms
+    assert f"of {total} shapes change config" in dry.stdout
+    assert "| rms_norm 65536×128 bf16 gate-before-silu |" in dry.stdout
+    refused = runner.invoke(app, ["compare", "default", shipped, "--gpu", "h200", "--shapes", "qwen3-next",
+                                  "--norm", "layer_norm", "--dry-run"])
+    assert refused.exit_code == 1 and "add rms_norm to --norm" in refused.output
+
+
+def test_a_rows_label_names_its_form():
+    from normtune.kernels.config import Problem
+    from normtune.tuner.tables.compare import shape_label
+
+    assert shape_label(Problem("rms_norm", 64, 256, "bf16")) == "rms_norm 64×256 bf16"
+    assert shape_label(Problem("rms_norm", 64, 256, "bf16", residual=True)) == "rms_norm 64×256 bf16 residual"
+    assert shape_label(Problem("rms_norm", 64, 256, "bf16", gate="after")) == \
+        "rms_norm 64×256 bf16 gate-after-silu"
