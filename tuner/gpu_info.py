@@ -117,18 +117,16 @@ def _driver_version() -> str | None:
 
 def detect(device: int | str | torch.device | None = None, *, interpret: bool = False) -> DeviceInfo:
     """Describe the device that will be measured. `interpret=True` describes the CPU interpreter stand-in."""
-    return described(device_facts(device, interpret=interpret))
+    import triton
 
-
-def device_facts(device: int | str | torch.device | None = None, *, interpret: bool = False) -> dict:
-    """The `DeviceInfo` fields that the device itself gives (its name, key, properties, driver): what a process
-    that holds the device (a sweep's measuring process) hands to one that should not start the driver."""
     from normtune.kernels.device import INTERPRET_SM_COUNT
 
+    common = dict(torch=torch.__version__, triton=triton.__version__, normtune=_package_version("normtune") or "0+unknown",
+                  git_revision=git_revision(), host=socket.gethostname(), python=platform.python_version())
     if interpret:
-        return dict(name="cpu (triton interpreter)", key=INTERPRET_KEY, compute_capability=None,
-                    sm_count=INTERPRET_SM_COUNT, l2_bytes=4 * 2**20, memory_bytes=0, driver=None, cuda=None,
-                    interpret=True)
+        return DeviceInfo(name="cpu (triton interpreter)", key=INTERPRET_KEY, compute_capability=None,
+                          sm_count=INTERPRET_SM_COUNT, l2_bytes=4 * 2**20, memory_bytes=0, driver=None, cuda=None,
+                          interpret=True, **common)
     if not torch.cuda.is_available():
         raise NoGPUError("a CUDA GPU is needed and none is visible: run on a GPU host, or pass --interpret to "
                          "run the same pipeline on CPU through the Triton interpreter")
@@ -136,18 +134,9 @@ def device_facts(device: int | str | torch.device | None = None, *, interpret: b
         if not isinstance(device, (str, torch.device)) else torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
-    return dict(name=props.name, key=gpu_key(props.name), compute_capability=f"{props.major}.{props.minor}",
-                sm_count=props.multi_processor_count, l2_bytes=l2, memory_bytes=int(props.total_memory),
-                driver=_driver_version(), cuda=torch.version.cuda, interpret=False)
-
-
-def described(facts: dict) -> DeviceInfo:
-    """The `DeviceInfo` of a device's `facts` (`device_facts`), with this process's software and host."""
-    import triton
-
-    return DeviceInfo(**facts, torch=torch.__version__, triton=triton.__version__,
-                      normtune=_package_version("normtune") or "0+unknown", git_revision=git_revision(),
-                      host=socket.gethostname(), python=platform.python_version())
+    return DeviceInfo(name=props.name, key=gpu_key(props.name), compute_capability=f"{props.major}.{props.minor}",
+                      sm_count=props.multi_processor_count, l2_bytes=l2, memory_bytes=int(props.total_memory),
+                      driver=_driver_version(), cuda=torch.version.cuda, interpret=False, **common)
 
 
 def check_gpu_key(requested: str, info: DeviceInfo) -> str:

@@ -50,13 +50,6 @@ class CompileAhead:
             return future
         return self._pool.submit(compile_one, problem.to_dict(), config.to_json(), self._sms)
 
-    def adopt(self, problem: Problem, space, future: Future | None) -> None:
-        """The compile of the first seed of `problem` in `space`, submitted before this worker started
-        (`compiling.compile_first_seed`): the trial created for that seed takes it over, as it would a seed's."""
-        seeds = space.seeds()
-        if self._pool is not None and future is not None and seeds:
-            self._warmed.setdefault((problem.key, seeds[0].to_json()), future)
-
     def warm(self, seeds: Iterable[tuple[Problem, BackwardConfig]]) -> None:
         """Compile `seeds` ((problem, config), in the order their slots will be claimed) ahead, `warm_jobs` at
         a time as `refill` is called; the seeds given before and not submitted yet come first."""
@@ -135,17 +128,16 @@ def by_slot(seeds: list[BackwardConfig | None], named: dict[int, BackwardConfig]
 
 
 def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, info: DeviceInfo, store,
-                books: dict[str, StudyBook], costs: Costs, limits=None) -> Iterator[tuple[Problem, BackwardConfig]]:
+                books: dict[str, StudyBook], costs: Costs) -> Iterator[tuple[Problem, BackwardConfig]]:
     """`seeds_in_claim_order` for a sweep worker: a problem's seeds are its open study's (`books`: from its
-    `seed_base` slot on), else those a fresh study gets (in the space of the device's `limits`), with the configs
-    `slot_seeds` names in their slots; its claimed slots are read from the store when its turn comes (counted in
-    `costs` as database time)."""
+    `seed_base` slot on), else those a fresh study gets, with the configs `slot_seeds` names in their slots; its
+    claimed slots are read from the store when its turn comes (counted in `costs` as database time)."""
 
     def seeds_of(problem: Problem) -> list[BackwardConfig | None]:
         book = books.get(problem.key)
         if book is not None:
             return by_slot([None] * book.seed_base + book.seeds, book.slot_seeds)
-        space = problem_space(problem, info.sm_count, info.interpret, limits)
+        space = problem_space(problem, info.sm_count, info.interpret)
         return by_slot(seed_configs(opts, problem, space), slot_seed_configs(opts, problem, space))
 
     def claimed_of(problem: Problem) -> set[int]:

@@ -168,25 +168,6 @@ def _warm_up() -> None:
     import normtune.kernels.backward_launch  # noqa: F401
 
 
-def compile_first_seed(problem_dict: dict) -> tuple[str, float | None, str | None]:
-    """`compile_one` for the first seed of a problem's space (its analytic default) on this process's device,
-    which it reads itself: submitted as the sweep starts, before the sweep knows the device, so that the first
-    trial's kernels are compiled while the measuring process starts."""
-    if not _usable():
-        return "ok", None, None
-    import torch
-
-    from normtune.kernels.config import Problem as P
-    from normtune.kernels.device import device_limits
-
-    from ..space import Space
-
-    problem = P.from_dict(problem_dict)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    seeds = Space(problem, sms, device_limits(torch.device("cuda", 0))).seeds()
-    return compile_one(problem_dict, seeds[0].to_json(), sms) if seeds else ("ok", None, None)
-
-
 def compile_one(problem_dict: dict, config_json: str, sms: int) -> tuple[str, float, str | None]:
     """(status, seconds, error) of compiling a config ahead of its measurement; ("ok", None, None) where this
     process cannot compile (the measuring process then compiles it)."""

@@ -15,13 +15,14 @@ with exactly `trials` measurements, each measured once:
   back (`dispatch.py`), while the worker's thread stores the results and claims, proposes (TPE's proposals made
   ahead in `proposer.py`) and creates the trials after them, up to `lookahead` held (`_pipeline`). Where the wall
   clock went is kept per phase (`costs`) and stored with the run.
+
 - A measurement is committed to the store together with its trial's tell (or before it, where Optuna's internals
   are not the expected ones), so a SIGKILL loses nothing that was measured; a trial found measured but not told
   is told from the store by the next worker that looks (no re-measure).
 - Heartbeats: this worker's run and its trials beat every `heartbeat_interval`; a worker whose beats stop for
   `grace_period` is dead: its run is marked `dead`, its unmeasured trials failed as stale, its slots taken over.
-- No GPU waits for another: with a problem's slots left held by other workers, this one moves on and comes
-  back at the end (to take over slots of dead workers).
+- No GPU waits for another: when the slots left of a problem are held by other workers, this one moves on to
+  the next problem and comes back only at the end (to take over slots of dead workers).
 - SIGINT/SIGTERM finish the current trial and stop; a second signal abandons it at once. Either way no trial is
   left RUNNING, every unmeasured slot is given back, and the summary counts what remains. A worker blocked past
   its time budget is ended by `watchdog.overrun_guard`."""
@@ -49,7 +50,7 @@ from .measuring import MeasuringProcess, asynchronous, start_helpers
 from .options import FIRST_ROUND, ProblemSummary, SweepOptions, SweepSummary
 from .pending import Pending, PendingTrials
 from .proposer import Proposer
-from .trials import StudyBook, held_by_others, problem_space, remaining
+from .trials import StudyBook, remaining
 from .watchdog import overrun_guard
 
 log = logging.getLogger("normtune.sweep")
@@ -68,12 +69,10 @@ _IDLE = object()  # in the feed: only slots held by other workers are left for n
 
 
 class Sweep:
-    """One sweep worker: a device (`info`, and its `limits` as its measuring process read them; None: read here),
-    a store, the problems. `first_compile`: (problem, future) of the first seed's compile, submitted before the
-    sweep started (`compiling.compile_first_seed`). `run()` returns a `SweepSummary`."""
+    """One sweep worker: a device, a store, the problems. `run()` returns a `SweepSummary`."""
 
     def __init__(self, opts: SweepOptions, store, info: DeviceInfo, on_event: Callable[[str, dict], None] | None = None,
-                 helpers: tuple | None = None, keep_helpers: bool = False, limits=None, first_compile=None):
+                 helpers: tuple | None = None, keep_helpers: bool = False):
         import optuna
 
         self.opts, self.store, self.info = opts, store, info
@@ -92,7 +91,6 @@ class Sweep:
         self.pending: PendingTrials | None = None  # the trials on their way to the store, while `run()` runs
         self._helpers = helpers  # (measurer, pool) started ahead by `start_helpers`, else started by `run`
         self._keep_helpers = keep_helpers  # lent (`engine.KeptHelpers`): left running at the end
-        self.limits, self._first_compile = limits, first_compile
 
     # ------------------------------------------------------------------------------------------- signals
 
@@ -113,6 +111,8 @@ class Sweep:
         if self.opts.time_budget_s is not None and time.perf_counter() - t0 >= self.opts.time_budget_s:
             return "time budget"
         return None
+
+    # ---------------------------------------------------------------------------------------- heartbeats
 
     def _heartbeat_loop(self, run_id: int, stop: threading.Event) -> None:
         """Beats of this worker's run (with its costs so far, for `normtune status`) and of its trials."""
@@ -202,11 +202,7 @@ class Sweep:
         order = problems[start:] + problems[:start]
         by_key: dict[str, ProblemSummary] = {}
         targets = sorted({min(self.opts.trials, FIRST_ROUND), self.opts.trials})
-        if self._first_compile is not None:  # the first seed's compile, submitted before the device was known
-            first, job = self._first_compile
-            self.ahead.adopt(first, problem_space(first, self.info.sm_count, self.info.interpret, self.limits), job)
-        self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books, self.costs,
-                                    self.limits))
+        self.ahead.warm(seeds_ahead(order, targets, self.opts, self.info, self.store, self._books, self.costs))
         self._pipeline(self._feed(order, targets, run_id, t0, by_key), run_id, t0, summary)
         # A trial of ours that ended unmeasured (taken over meanwhile) leaves its problem short: once more.
         short = [] if summary.stopped else [
@@ -290,8 +286,12 @@ class Sweep:
         return self._fed_stop
 
     def _held_by_others(self, book: StudyBook, goal: int, run_id: int) -> bool:
+        """True when slots of the problem below `goal` are unmeasured and held by another live worker."""
         with self.costs.timed("database"):
-            return held_by_others(self.store.workers.slots(book.name), goal, run_id)
+            slots = self.store.workers.slots(book.name)
+        if sum(s.measured for s in slots.values()) >= goal:
+            return False
+        return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
 
     def _pipeline(self, feed: Iterator, run_id: int, t0: float, summary: SweepSummary) -> None:
         """Measure what `feed` gives: a `Dispatcher` thread keeps the measuring process busy (the next ready trial
@@ -381,7 +381,7 @@ class Sweep:
         if problem.key not in self._books:
             book = StudyBook(self.opts, problem, self.info.sm_count, self.info.interpret, self.storage,
                              claimed_slots=lambda name: max(self.store.workers.slots(name), default=-1) + 1,
-                             costs=self.costs, limits=self.limits)
+                             costs=self.costs)
             with self.costs.timed("database"):
                 self.store.workers.adopt_measured_trials(book.name)
                 book.repair(self.store)

@@ -115,8 +115,7 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     started = time.monotonic() - (time.time() - timeline.origin())
     problems = options.problems() if callable(options.problems) else list(options.problems)
     check_problems(problems)
-    first = _compile_first_seed(helpers, problems[0])
-    info, limits = _device(options, devices[0], helpers)
+    info = device_info(options.gpu_key, options.interpret, devices[0])
     timeline.mark("device_detected")
     key = info.key if options.interpret or options.gpu_key == "auto" else options.gpu_key
     opts = dataclasses.replace(options, gpu_key=key, problems=problems, device=devices[0],
@@ -130,8 +129,7 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
     if len(devices) == 1:
         from .driver import Sweep
 
-        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers, keep_helpers=keep, limits=limits,
-                      first_compile=first)
+        sweep = Sweep(opts, store, info, on_event=emit, helpers=helpers, keep_helpers=keep)
         helpers = None  # the sweep's now: it stops them
         try:
             with show:
@@ -146,40 +144,6 @@ def _run(options: SweepOptions, devices: list[int], helpers, workers, emit: Even
         result = _run_on_devices(opts, devices, store, info, workers, targets, emit, show, started)
     result.closing_steps = timeline.line(CLOSING_STEPS)
     return result
-
-
-def _compile_first_seed(helpers, problem):
-    """(problem, future) of the first seed's compile, submitted to the compile pool of `helpers` (measurer, pool)
-    while their start-up is still under way, so that it overlaps the measuring process's; None where there is no
-    pool or the measuring process has started already (the device is known: the sweep compiles it ahead)."""
-    if helpers is None or helpers[1] is None or getattr(helpers[0], "answering", lambda: True)():
-        return None
-    from .compiling import compile_first_seed
-
-    return problem, helpers[1].submit(compile_first_seed, problem.to_dict())
-
-
-def _device(options: SweepOptions, device: int, helpers):
-    """(DeviceInfo, limits) of the device to measure, checked against the GPU key asked for: as the measuring
-    process of `helpers` read them, which has the driver started already (so that this process does not start
-    it too), while this process imports what the sweep needs; else detected here (several devices, a measuring
-    process that failed to start: detecting says why)."""
-    measurer = helpers[0] if helpers is not None else None
-    if hasattr(measurer, "device"):
-        import optuna  # noqa: F401 - imported while the measuring process starts
-
-        from ..store import database  # noqa: F401
-        from ..gpu_info import check_gpu_key, described
-
-        try:
-            facts, limits = measurer.device()
-        except (EOFError, RuntimeError):
-            pass
-        else:
-            info = described(facts)
-            check_gpu_key(options.gpu_key, info)
-            return info, limits
-    return device_info(options.gpu_key, options.interpret, device), None
 
 
 def _run_on_devices(opts: SweepOptions, devices: list[int], store, info, workers, targets: dict[str, int],

@@ -60,25 +60,11 @@ def _session(device_index: int, interpret: bool, l2_bytes: int | None, timing: "
     return MeasureSession(torch.device("cuda", device_index), l2_bytes=l2_bytes, timing=timing)
 
 
-def _described(device_index: int, interpret: bool) -> tuple[dict, object]:
-    """This process's device as the sweep needs it: its `gpu_info.device_facts` and its limits
-    (`kernels.limits.DeviceLimits`, None for the interpreter), read here where the driver is started already."""
-    import torch
-
-    from normtune.kernels.device import device_limits
-
-    from ..gpu_info import device_facts
-
-    facts = device_facts(device_index, interpret=interpret)
-    return facts, None if interpret else device_limits(torch.device("cuda", device_index))
-
-
 def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timing: "Timing | dict | None") -> None:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         session = _session(device_index, interpret, l2_bytes, timing)
-        facts, limits = _described(device_index, interpret)
     except Exception as err:  # noqa: BLE001 - e.g. no such device: the sweep reports it (or has refused already)
         conn.send(("failed", f"{type(err).__name__}: {err}"))
         return
@@ -87,7 +73,7 @@ def _serve(conn, device_index: int, interpret: bool, l2_bytes: int | None, timin
 
     from ..measure.harness import MeasureResult, classify_exception
 
-    conn.send(("ready", session.bandwidth_gbps, time.time(), own_marks(), facts, limits))
+    conn.send(("ready", session.bandwidth_gbps, time.time(), own_marks()))
     while True:
         msg = conn.recv()
         if msg[0] == "stop":
@@ -118,8 +104,6 @@ class MeasuringProcess:
         self._conn = None
         self._ready = False
         self._failed: MeasureResult | None = None  # what `collect` returns when `submit` could not send
-        self._facts: dict = {}  # the device's facts and limits, as the process said once started (`device`)
-        self._limits = None
         self._sent_at = 0.0
         self.phases: dict[str, float] = {}
         self.bandwidth_gbps = math.nan
@@ -138,28 +122,13 @@ class MeasuringProcess:
         """Whether the process has started and said so (or failed to): `submit` would not wait for it."""
         return self._ready or (self._conn is not None and self._conn.poll(0))
 
-    def device(self) -> tuple[dict, object]:
-        """(facts, limits) of the device this process measures (`gpu_info.device_facts`, and its
-        `kernels.limits.DeviceLimits`, None for the interpreter), waiting for its start: the sweep takes them from
-        here rather than starting the driver itself. Raises `EOFError` (the process killed) where it failed to
-        start."""
-        if self._proc is None or not self._proc.is_alive():
-            self.start()
-        if not self._ready:
-            try:
-                self._await_ready()
-            except EOFError:
-                self.kill()
-                raise
-        return self._facts, self._limits
-
     def _await_ready(self) -> None:
         if not self._conn.poll(600):
             raise RuntimeError("the measuring process did not start within 600 s")
         message = self._conn.recv()
         if message[0] == "failed":
             raise EOFError(message[1])
-        _, self.bandwidth_gbps, ready_at, steps, self._facts, self._limits = message
+        _, self.bandwidth_gbps, ready_at, steps = message
         for name, at in steps.items():  # torch imported, CUDA context made (absolute times)
             mark(name, at=at)
         mark("measurer_ready", at=ready_at)

@@ -42,28 +42,6 @@ class Pending:
     sent_at: float = 0.0  # when it went to the measuring process
 
 
-# How long the first trial waits, once the measuring process is ready, for a compile job that is under way.
-FIRST_COMPILE_WAIT_S = 5.0
-
-
-def first_goes(job, answering: Callable[[], bool]) -> Callable[[], bool]:
-    """When the worker's first trial goes to the measuring process without its compile job: once that process
-    is ready (`answering`), at once where the job has not started (the compile processes may still be starting
-    their drivers, all at once), else after FIRST_COMPILE_WAIT_S more (a job started before the measuring process
-    was ready, as the first seed's is, is ahead of a compile started there now)."""
-    since: list[float] = []
-
-    def goes() -> bool:
-        if not answering():
-            return False
-        if not job.running():
-            return True
-        since[:] = since or [time.monotonic()]
-        return time.monotonic() - since[0] > FIRST_COMPILE_WAIT_S
-
-    return goes
-
-
 class PendingTrials:
     """The worker's trials from creation to storage. `abandoning()` is true once a second signal asked to abandon
     the trial being measured."""
@@ -147,10 +125,13 @@ class PendingTrials:
         while it waits (by default the compile-ahead's refill; a thread other than the worker's passes its own)."""
         if item.compiled is not None:
             t_wait = time.perf_counter()
+            # The worker's first trial goes to the measuring process once that is ready, compiled there if its job
+            # has not finished: the compile processes start as many drivers at once, which the first measurement
+            # need not wait for.
             answering = getattr(self.measurer, "answering", None) if self.costs.startup_s is None else None
             compiled = wait_compiled(item.compiled, self.opts.trial_timeout_s, self.abandoning,
                                      self.ahead.refill if tick is None else tick,
-                                     enough=first_goes(item.compiled, answering) if answering else lambda: False)
+                                     enough=answering or (lambda: False))
             summary.compile_wait_s += time.perf_counter() - t_wait
             self.costs.add("compile_wait", time.perf_counter() - t_wait)
             if compiled is None:

@@ -82,25 +82,24 @@ def slot_seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> dic
     return {int(first) + i: space.canonical(BackwardConfig.from_dict(c)) for i, c in enumerate(configs)}
 
 
-def problem_space(problem: Problem, sm_count: int, interpret: bool, limits=None) -> Space:
-    """The search space a study of `problem` samples: the device's `limits` (`kernels.limits.DeviceLimits`, as
-    the measuring process read them), else the current GPU's, or the interpreter's."""
-    return Space(problem, sm_count, None if interpret else limits or _gpu_limits())
+def problem_space(problem: Problem, sm_count: int, interpret: bool) -> Space:
+    """The search space a study of `problem` samples (the installed GPU's limits, or the interpreter's)."""
+    return Space(problem, sm_count, None if interpret else _gpu_limits())
 
 
 class StudyBook:
     """The study of one problem, and the seeds its first slots get."""
 
     def __init__(self, opts: SweepOptions, problem: Problem, sm_count: int, interpret: bool, storage,
-                 claimed_slots: Callable[[str], int] = lambda name: 0, costs: Costs | None = None, limits=None):
+                 claimed_slots: Callable[[str], int] = lambda name: 0, costs: Costs | None = None):
         """`costs` gets the seconds of the space and its seeds (as the sampler's) and of the study's reads and
-        writes (the database's); `limits`: the device's (`problem_space`)."""
+        writes (the database's)."""
         import optuna
 
         costs = costs or Costs()
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
         with costs.timed("sampler"):
-            self.space = problem_space(problem, sm_count, interpret, limits)
+            self.space = problem_space(problem, sm_count, interpret)
             self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
             self.sampling = Sampling(opts.sampler, self.space, opts.seed)
             self.seeds = seed_configs(opts, problem, self.space)
@@ -359,14 +358,6 @@ class StudyBook:
                 self.storage.set_trial_state_values(t.trial_id, state=TS.FAIL)
             except (self._optuna.exceptions.UpdateFinishedTrialError, RuntimeError) as err:
                 log.debug("trial %s of %s already finished: %s", t.number, self.name, err)
-
-
-def held_by_others(slots: dict, goal: int, run_id: int) -> bool:
-    """True when a study's `slots` (`Workers.slots`) below `goal` are unmeasured and held by another live worker
-    than `run_id`."""
-    if sum(s.measured for s in slots.values()) >= goal:
-        return False
-    return any(not s.measured and s.alive and s.run_id != run_id for s in slots.values())
 
 
 def remaining(opts: SweepOptions, interpret: bool, store, books: dict[str, StudyBook]) -> list[str]:
