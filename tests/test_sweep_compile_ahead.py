@@ -277,3 +277,19 @@ def test_the_samplers_proposals_made_ahead_compile_from_their_receipt_and_their_
     # every seed and every proposal taken from the proposer compiled before its trial was created
     assert sweep.costs.compiles["ahead"] >= len(_seeds(problem)) + taken - 1, sweep.costs.compiles
     assert sorted(set(QuickMeasurer.measured)) == sorted(set(QuickMeasurer.measured) & set(pool.jobs))
+
+
+def test_a_workers_space_has_the_limits_of_its_own_device_not_the_current_one(monkeypatch):
+    """A worker of `--devices` sweeps its device (`opts.device`) without making it the process's current device:
+    its space reads that device's limits."""
+    import torch
+
+    from normtune.kernels import device as kernel_device
+    from normtune.kernels.limits import REFERENCE
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernel_device, "device_limits", lambda device: asked.append(device.index) or REFERENCE)
+    space = problem_space(PROBLEMS[0], INFO.sm_count, interpret=False, device=1)
+    assert asked == [1] and space.limits == REFERENCE
+    assert problem_space(PROBLEMS[0], INFO.sm_count, interpret=True, device=1).limits is None and asked == [1]

@@ -137,7 +137,7 @@ def seeds_ahead(order: list[Problem], targets: list[int], opts: SweepOptions, in
         book = books.get(problem.key)
         if book is not None:
             return by_slot([None] * book.seed_base + book.seeds, book.slot_seeds)
-        space = problem_space(problem, info.sm_count, info.interpret)
+        space = problem_space(problem, info.sm_count, info.interpret, opts.device)
         return by_slot(seed_configs(opts, problem, space), slot_seed_configs(opts, problem, space))
 
     def claimed_of(problem: Problem) -> set[int]:

@@ -33,13 +33,13 @@ log = logging.getLogger("normtune.sweep")
 INVALID_STREAK_LIMIT = 500
 
 
-def _gpu_limits():
-    """The current GPU's limits (`kernels.limits.DeviceLimits`): the space offers only what it has."""
+def _gpu_limits(device: int):
+    """The limits of GPU `device` (`kernels.limits.DeviceLimits`): the space offers only what it has."""
     import torch
 
     from normtune.kernels.device import device_limits
 
-    return device_limits(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    return device_limits(torch.device("cuda", device)) if torch.cuda.is_available() else None
 
 
 @dataclass
@@ -82,9 +82,10 @@ def slot_seed_configs(opts: SweepOptions, problem: Problem, space: Space) -> dic
     return {int(first) + i: space.canonical(BackwardConfig.from_dict(c)) for i, c in enumerate(configs)}
 
 
-def problem_space(problem: Problem, sm_count: int, interpret: bool) -> Space:
-    """The search space a study of `problem` samples (the installed GPU's limits, or the interpreter's)."""
-    return Space(problem, sm_count, None if interpret else _gpu_limits())
+def problem_space(problem: Problem, sm_count: int, interpret: bool, device: int = 0) -> Space:
+    """The search space a study of `problem` samples: the limits of the sweep's GPU `device` (its CUDA index; not
+    the process's current device, which a worker of `--devices` never sets), or the interpreter's."""
+    return Space(problem, sm_count, None if interpret else _gpu_limits(device))
 
 
 class StudyBook:
@@ -99,7 +100,7 @@ class StudyBook:
         costs = costs or Costs()
         self._optuna, self.storage, self.problem, self.opts = optuna, storage, problem, opts
         with costs.timed("sampler"):
-            self.space = problem_space(problem, sm_count, interpret)
+            self.space = problem_space(problem, sm_count, interpret, opts.device)
             self.name = study_name(opts.gpu_key, problem, interpret, opts.study_prefix)
             self.sampling = Sampling(opts.sampler, self.space, opts.seed)
             self.seeds = seed_configs(opts, problem, self.space)
