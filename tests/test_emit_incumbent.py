@@ -142,6 +142,19 @@ def test_an_incumbent_is_recorded_and_rebuilt_with_the_same_lookups():
         incumbent.recorded({"provenance": {"incumbent": {"gpu": {}}}}, "new.json")
 
 
+def test_a_family_the_incumbent_lacks_has_the_borrowed_rule_as_its_incumbent():
+    # The incumbent table has the plain family only: its problems of the fused residual form run the plain rule
+    # today, so that rule is what a new residual family must beat beyond the spread to replace.
+    table = parse_table(_table_json([(None, None, A, ["256x1024", "2048x1024"])]), "old.json")
+    res = ProblemFamily("rms_norm", "bf16", "bf16", True, False, False, "input", residual=True)
+    small, large = res.problem(256, 1024), res.problem(2048, 1024)
+    found = incumbent.configs_for(table, [small, large])
+    assert found == {small: A, large: A} and table.match(small).exact_family is False
+    close = {small: {A: T(10.0), B: T(9.9)}, large: {A: T(40.0), B: T(39.6)}}
+    fitted = fit.fit_family(res, close, incumbents=found)
+    assert rules(fitted) == [A] and BackwardConfig.from_dict(fitted.rules[0]["kept_over"]) == B
+
+
 def test_neighbour_remeasurement_times_the_incumbent_on_every_problem_of_its_bucket():
     data = {p: {B: T(t), default_config(p): T(2 * t)} for p, t in ((SMALL, 9.9), (LARGE, 39.6))}
     assert neighbour_plan(data) == []

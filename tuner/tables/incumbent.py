@@ -61,12 +61,14 @@ def combined(tables: list[Table]) -> Table:
 
 
 def configs_for(table: Table, problems) -> dict[Problem, BackwardConfig]:
-    """Problem → the config `table` runs it with (its exact family's rules only: a rule borrowed from a
-    neighbouring family was never fitted on this one), for the problems a rule covers."""
+    """Problem → the config `table` runs it with, for the problems a rule covers. Where the table has no family of
+    the problem's own, that is the rule the runtime borrows from the closest tuned family (the plain rules on the
+    fused residual form, say): what the problem runs today, which a new family's rule must beat beyond the spread
+    to replace."""
     out = {}
     for p in problems:
         match = table.match(p)
-        if match.config is not None and match.exact_family:
+        if match.config is not None:
             try:
                 match.config.validate(p)
             except ConfigError:
