@@ -15,6 +15,7 @@ from normtune.kernels.select.tables import parse_table
 from normtune.tuner.tables import emit, emit_notes, fit, incumbent
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.harness import MeasureResult
+from normtune.tuner.tables import remeasure
 from normtune.tuner.tables.remeasure import neighbour_plan
 from normtune.tuner.measure.spread import Timing
 from normtune.tuner.store.database import Store
@@ -159,6 +160,31 @@ def test_neighbour_remeasurement_times_the_incumbent_on_every_problem_of_its_buc
     data = {p: {B: T(t), default_config(p): T(2 * t)} for p, t in ((SMALL, 9.9), (LARGE, 39.6))}
     assert neighbour_plan(data) == []
     assert sorted(neighbour_plan(data, {SMALL: A}), key=lambda pc: pc[0].M) == [(SMALL, A), (LARGE, A)]
+
+
+def test_the_incumbents_fitted_shapes_join_the_plan_where_no_run_measured_them():
+    # The incumbent's plain rules were fitted at 128, 512 and 1024 rows of 3584 columns (and 1000 rows, a held-out
+    # shape no table is fitted on); the residual runs measured 256 and 4096 rows. The shapes nothing measured join
+    # the 3584 bucket with its candidates, their incumbent config and their default; 8192 columns are not fitted.
+    wide_a, wide_b = (BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=w), Kernel2Config())
+                      for w in (4, 8))
+    table = parse_table(_table_json([(4096, 1024, wide_a, ["128x3584", "512x3584", "1000x3584", "1024x3584"]),
+                                     (4096, None, wide_b, ["4096x3584"]),
+                                     (None, None, BackwardConfig(kernel_1_config(block_row=1, block_col=8192),
+                                                                 Kernel2Config()), ["256x8192"])]), "old.json")
+    res = ProblemFamily("rms_norm", "bf16", "bf16", True, False, False, "input", residual=True)
+    low, high = res.problem(256, 3584), res.problem(4096, 3584)
+    data = {low: {wide_b: T(9.9), default_config(low): T(10.0)},
+            high: {wide_b: T(40.0), default_config(high): T(41.0)}}
+    joined = remeasure.incumbent_shapes(table, data)
+    assert [f"{p.M}x{p.N}" for p in joined] == ["128x3584", "512x3584", "1024x3584"]
+    plan, mine = remeasure.incumbent_plan(data, table)
+    assert mine[joined[2]] == wide_a and mine[low] == wide_a and mine[high] == wide_b
+    for p in joined:
+        planned = {c for q, c in plan if q == p}
+        assert {wide_a, wide_b, default_config(p)} <= planned, p
+    assert (low, wide_a) in plan and (high, wide_a) in plan
+    assert remeasure.incumbent_plan(data, None) == (neighbour_plan(data), {})
 
 
 def test_neighbour_remeasurement_times_the_default_where_no_run_did():

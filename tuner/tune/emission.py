@@ -14,8 +14,7 @@ from normtune.kernels.config import default_config
 
 from ..measure.spread import Timing
 from ..tables.emit import Selection, build_table, collect, select_inputs
-from ..tables.incumbent import configs_for
-from ..tables.remeasure import neighbour_plan
+from ..tables.remeasure import incumbent_plan
 from . import journal as J
 
 
@@ -61,18 +60,18 @@ def _priority(pair, incumbents, limits) -> int:
 
 
 def remeasure(ctx, incumbent, seconds: float | None) -> int:
-    """Time each family's neighbour plan (`tables.remeasure.neighbour_plan`, with the `incumbent` table's configs)
-    that no earlier re-measurement timed, in a new "emit" run recorded in the journal before anything is measured,
-    until `seconds` have passed. Returns the pairs measured."""
+    """Time each family's neighbour plan (`tables.remeasure.incumbent_plan`: with the `incumbent` table's configs
+    and fitted shapes) that no earlier re-measurement timed, in a new "emit" run recorded in the journal before
+    anything is measured, until `seconds` have passed. Returns the pairs measured."""
     found = inputs(ctx)
     if found is None or (seconds is not None and seconds <= 0):
         return 0
     session, limits = ctx.session(), ctx.limits()
     pairs, incumbents = [], {}
     for _, data in sorted(collect(found).items(), key=lambda kv: kv[0].key):
-        mine = configs_for(incumbent, data) if incumbent is not None else {}
+        plan, mine = incumbent_plan(data, incumbent, ctx.info.sm_count, limits)
         incumbents.update(mine)
-        pairs += neighbour_plan(data, mine, ctx.info.sm_count, limits)
+        pairs += plan
     if not pairs:
         return 0
     pairs.sort(key=lambda pc: (_priority(pc, incumbents, limits), pc[0].key, pc[1].to_json()))
