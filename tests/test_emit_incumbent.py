@@ -165,7 +165,8 @@ def test_neighbour_remeasurement_times_the_incumbent_on_every_problem_of_its_buc
 def test_the_incumbents_fitted_shapes_join_the_plan_where_no_run_measured_them():
     # The incumbent's plain rules were fitted at 128, 512 and 1024 rows of 3584 columns (and 1000 rows, a held-out
     # shape no table is fitted on); the residual runs measured 256 and 4096 rows. The shapes nothing measured join
-    # the 3584 bucket with its candidates, their incumbent config and their default; 8192 columns are not fitted.
+    # the 3584 bucket with their incumbent config, the bucket's winners and their default; 8192 columns are not
+    # fitted.
     wide_a, wide_b = (BackwardConfig(kernel_1_config(block_row=1, block_col=4096, num_warps=w), Kernel2Config())
                       for w in (4, 8))
     table = parse_table(_table_json([(4096, 1024, wide_a, ["128x3584", "512x3584", "1000x3584", "1024x3584"]),

@@ -72,9 +72,9 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
     either side, adapted to this N; with `incumbents` (problem → the incumbent table's config), each problem's
     incumbent config on every problem of its bucket, so that emission can weigh the incumbent against the new
     winner; each problem's analytic default where it is not measured in either of its forms (see `fit.default_in`;
-    sized by `limits`, the device's that measures the plan). `joined`: problems nothing measured yet, each taking
-    its width's candidates, its incumbent config and its default as a member of that width's bucket (see
-    `incumbent_shapes`). Already measured pairs are skipped."""
+    sized by `limits`, the device's that measures the plan). `joined`: problems nothing measured yet (see
+    `incumbent_shapes`), each timed with its incumbent config, the best config of each problem of its width, and
+    its default. Already measured pairs are skipped."""
     incumbents = incumbents or {}
     by_n: dict[int, list[Problem]] = defaultdict(list)
     for p in data:
@@ -93,8 +93,12 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
             if 0 <= j < len(ns) and j != i:
                 for p in by_n[ns[j]]:
                     cands += [adapt(c, by_n[n][0]) for c in top_configs(data[p], 2)]
+        winners = [c for p in by_n[n] for c in top_configs(data[p], 1)]
         for p in sorted(by_n[n] + new_at[n], key=lambda q: q.M):
-            for c in dict.fromkeys(cands + ([incumbents[p]] if p in new_at[n] and p in incumbents else [])):
+            # A joined problem takes its incumbent config and its bucket's winners: enough for the fit to weigh
+            # the incumbent there against what the new family would run.
+            mine = cands if p in data else ([incumbents[p]] if p in incumbents else []) + winners
+            for c in dict.fromkeys(mine):
                 c = adapt(c, p)
                 if c not in data.get(p, {}):
                     plan.append((p, c))
