@@ -35,7 +35,7 @@ from normtune.kernels.config import BackwardConfig, Problem
 from normtune.tuner.gpu_info import DeviceInfo
 from normtune.tuner.measure.results import STATUSES, MeasureResult
 
-from . import schema, sqlite_files
+from . import prepared, schema, sqlite_files
 from .models import (FIGURES, CONFIG_COLUMNS, PEER_STATUSES, RESIDUAL_FIELDS, RUN_STATUSES, SCHEMA_VERSION,
                            MeasurementModel, MeasurementRecord, MetaModel, OlderSchemaError, PeerRecord,
                            PeerResultModel, ProblemModel, RunModel, RunRecord, SchemaVersionError, StoreError,
@@ -245,7 +245,7 @@ class Store:
             with self.connection_scope() as conn:
                 if slot is not None and not self.workers.mark_measured(conn, study_name, slot, run_id, trial_number):
                     return None
-                row_id = conn.execute(_INSERT_MEASUREMENT, row).inserted_primary_key[0]
+                row_id = prepared.insert(conn, _INSERT_MEASUREMENT, row)
                 if also is not None:
                     also(conn)
                 return row_id

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from normtune.kernels.config import Problem
 
+from . import prepared
 from .models import (Base, MeasurementModel, ProblemModel, RunHeartbeatModel, RunModel, StoreIntegrityError,
                            TrialClaimModel, utc_now, problem_from_row, as_utc)
 
@@ -256,8 +257,8 @@ class Workers:
         """Claim a slot no run has claimed yet; False when another run has it."""
         try:
             with self._store.session_scope() as session:
-                _connection(session).execute(_INSERT_CLAIM, {"study": study_name, "the_slot": slot, "run": run_id,
-                                                             "number": None, "at": utc_now()})
+                prepared.execute(_connection(session), _INSERT_CLAIM, {"study": study_name, "the_slot": slot,
+                                                                       "run": run_id, "number": None, "at": utc_now()})
         except StoreIntegrityError:
             return False
         self._next_slot[(study_name, run_id)] = slot + 1
@@ -273,8 +274,8 @@ class Workers:
         `session` (the one that creates the trial): it raises SQLAlchemy's IntegrityError when another run has
         the slot, and that transaction, trial included, is then rolled back. `claimed` records it once
         committed."""
-        _connection(session).execute(_INSERT_CLAIM, {"study": study_name, "the_slot": slot, "run": run_id,
-                                                     "number": trial_number, "at": utc_now()})
+        prepared.execute(_connection(session), _INSERT_CLAIM, {"study": study_name, "the_slot": slot, "run": run_id,
+                                                               "number": trial_number, "at": utc_now()})
 
     def claimed(self, study_name: str, slot: int, run_id: int, taken: bool = True) -> None:
         """After `claim_in`'s transaction: the slot is the run's (`taken`), or another's (the guess is dropped)."""
@@ -305,8 +306,9 @@ class Workers:
     def mark_measured(self, session, study_name: str, slot: int, run_id: int, trial_number: int) -> bool:
         """First statement of the transaction that stores a claimed trial's measurement (so that it takes the
         write lock before reading anything): True when `run_id` still holds the slot with that trial."""
-        return _connection(session).execute(_MARK_MEASURED, {"study": study_name, "the_slot": slot, "run": run_id,
-                                                             "number": trial_number}).rowcount == 1
+        marked = prepared.execute(_connection(session), _MARK_MEASURED, {"study": study_name, "the_slot": slot,
+                                                                         "run": run_id, "number": trial_number})
+        return marked.rowcount == 1
 
     def adopt_measured_trials(self, study_name: str) -> int:
         """Give the measured trials of a study swept before claims existed (schema 1) their slots, once; how many."""

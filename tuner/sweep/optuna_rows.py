@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from ..store import prepared
+
 log = logging.getLogger("normtune.sweep")
 
 
@@ -165,7 +167,7 @@ def create_trial_in(session, study_id: int, template) -> tuple[int, int]:
     # writer's too).
     new = {"sid": study_id, "new_state": TrialState.RUNNING, "started": dt.datetime.now()}
     if conn.dialect.insert_returning:
-        tid, number = conn.execute(S.insert_trial_returning, new).one()
+        tid, number = prepared.execute(conn, S.insert_trial_returning, new).row
     else:
         tid = conn.execute(S.insert_trial, new).lastrowid
         number = conn.execute(S.number, {"tid": tid}).scalar_one()
@@ -180,7 +182,7 @@ def create_trial_in(session, study_id: int, template) -> tuple[int, int]:
             (S.heartbeat, [dict(trial_id=tid)]))
     for statement, values in rows:
         if values:
-            conn.execute(statement, values)
+            prepared.execute(conn, statement, values)
     return tid, number
 
 
@@ -227,12 +229,13 @@ def finish_trial_in(session, storage, trial_id: int, state, value: float | None,
 
     S, conn = _statements(), _connection(session)
     # The trial's state first: an UPDATE of a RUNNING trial, so that the write lock comes before any read.
-    if conn.execute(S.finish, {"tid": trial_id, "new_state": state, "completed": dt.datetime.now()}).rowcount != 1:
+    if prepared.execute(conn, S.finish, {"tid": trial_id, "new_state": state,
+                                         "completed": dt.datetime.now()}).rowcount != 1:
         return False
     _set_attrs(conn, "TrialUserAttributeModel", "trial_id", trial_id, user_attrs)
     if value is not None and state == TrialState.COMPLETE:
         stored, kind = _MODELS.TrialValueModel.value_to_stored_repr(value)
-        conn.execute(S.value, {"trial_id": trial_id, "objective": 0, "value": stored, "value_type": kind})
+        prepared.execute(conn, S.value, {"trial_id": trial_id, "objective": 0, "value": stored, "value_type": kind})
     return True
 
 
@@ -243,7 +246,7 @@ def _set_attrs(conn, model: str, owner: str, owner_id: int, attrs: dict[str, Any
     rows = [{owner: owner_id, "key": k, "value_json": json.dumps(v)} for k, v in attrs.items()]
     upsert = _upsert(conn.dialect.name, model, owner)
     if upsert is not None:
-        conn.execute(upsert, rows)
+        prepared.execute(conn, upsert, rows)
         return
     from sqlalchemy import insert, select, update
 
