@@ -9,9 +9,10 @@ heartbeat: `create_trial_in`, within the caller's transaction, so that the slot 
 the same one), a finished trial (attributes, value, state: `finish_trial_in`, within the store's transaction
 that records its measurement, so that a trial is measured and told at once) and a study's description
 (`describe_study`, one transaction). What is read: the unfinished trials' rows alone (`trials_in_states`, for
-repairs) and which trials have beaten (`trials_with_heartbeats`). Statements go straight to the
-connection (SQLAlchemy Core, a multi-row insert per table), not through the ORM's unit of work: a sweep writes a
-trial per measurement, and the ORM's bookkeeping cost more than the statements.
+repairs) and which trials have beaten (`trials_with_heartbeats`). The per-trial statements are prebuilt Core
+statements run on the connection's DBAPI cursor (`store/prepared.py`; a multi-row insert per table), not through
+the ORM's unit of work: a sweep writes a trial per measurement, and the ORM's bookkeeping, then Core's per-call
+execution, cost more than the statements.
 
 The rows are exactly those `RDBStorage.create_new_trial(template_trial=…)` + `record_heartbeat` and
 `set_trial_user_attr` + `Study.tell` write (the samplers the sweep uses do nothing after a trial). A trial's number
