@@ -188,6 +188,19 @@ def test_the_incumbents_fitted_shapes_join_the_plan_where_no_run_measured_them()
     assert remeasure.incumbent_plan(data, None) == (neighbour_plan(data), {})
 
 
+def test_a_tune_times_a_joined_shapes_incumbent_config_with_the_defaults_first():
+    # Cut short, the tune's re-measurement must not leave a joined shape with its default alone: the fit would
+    # then replace the incumbent there without weighing it.
+    from normtune.tuner.tune.emission import _priority
+
+    joined, fitted = RMS.problem(512, 1024), SMALL
+    incumbents = {joined: A, fitted: A}
+    ranks = {(p.M, c): _priority((p, c), incumbents, None, {joined}) for p in (joined, fitted)
+             for c in (A, B, default_config(p))}
+    assert ranks[(512, A)] == ranks[(512, default_config(joined))] == ranks[(256, default_config(fitted))] == 0
+    assert (ranks[(256, A)], ranks[(512, B)], ranks[(256, B)]) == (1, 2, 2)
+
+
 def test_neighbour_remeasurement_times_the_default_where_no_run_did():
     """Emission weighs every rule against the analytic default: a default changed since the sweeps (never timed
     on a fitted problem) is planned there, once, in the form default_config gives; the canonical form the sweep

@@ -51,10 +51,12 @@ def evidence(ctx) -> dict[tuple[str, str], Timing]:
             for c, t in cfgs.items()}
 
 
-def _priority(pair, incumbents, limits) -> int:
-    """Defaults first (a rule gives way to the default where it is not faster), then the incumbent's configs."""
+def _priority(pair, incumbents, limits, joined) -> int:
+    """Defaults first (a rule gives way to the default where it is not faster), with the incumbent's config on
+    a `joined` problem (an incumbent's fitted shape nothing measured: its default alone would let the fit replace
+    the incumbent there unweighed), then the incumbent's configs."""
     problem, config = pair
-    if config == default_config(problem, limits):
+    if config == default_config(problem, limits) or (problem in joined and incumbents.get(problem) == config):
         return 0
     return 1 if incumbents.get(problem) == config else 2
 
@@ -67,14 +69,15 @@ def remeasure(ctx, incumbent, seconds: float | None) -> int:
     if found is None or (seconds is not None and seconds <= 0):
         return 0
     session, limits = ctx.session(), ctx.limits()
-    pairs, incumbents = [], {}
+    pairs, incumbents, joined = [], {}, set()
     for _, data in sorted(collect(found).items(), key=lambda kv: kv[0].key):
         plan, mine = incumbent_plan(data, incumbent, ctx.info.sm_count, limits)
         incumbents.update(mine)
+        joined |= {p for p, _ in plan if p not in data}
         pairs += plan
     if not pairs:
         return 0
-    pairs.sort(key=lambda pc: (_priority(pc, incumbents, limits), pc[0].key, pc[1].to_json()))
+    pairs.sort(key=lambda pc: (_priority(pc, incumbents, limits, joined), pc[0].key, pc[1].to_json()))
     deadline = ctx.clock.deadline(seconds)
     run_id = ctx.store.start_run(ctx.info, kind="emit", command_line=ctx.command_line,
                                  copy_bandwidth_gbps=session.recorded_bandwidth_gbps)
