@@ -10,7 +10,7 @@ import enum
 import pytest
 from sqlalchemy import (Boolean, Column, DateTime, Enum, Integer, MetaData, String, Table, bindparam, create_engine,
                         insert, select, update)
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from normtune.tuner.store import prepared
 from normtune.tuner.store.database import normalize_url
@@ -91,3 +91,16 @@ def test_a_python_side_default_is_left_to_core(engine):
     with engine.connect() as conn:
         (r,) = conn.execute(select(ROWS)).all()
     assert r.id == new_id and r.note == "python default"
+
+
+def test_a_lost_connection_is_invalidated_as_core_does(tmp_path):
+    eng = create_engine(f"sqlite:///{tmp_path / 'lost.db'}")
+    META.create_all(eng)
+    with eng.connect() as conn:
+        conn.connection.dbapi_connection.close()  # the driver's connection is gone under the pool's
+        with pytest.raises(DBAPIError) as caught:
+            prepared.insert(conn, INSERT, _row("a"))
+        assert caught.value.connection_invalidated and conn.invalidated
+    with eng.begin() as conn:  # the pool connects afresh
+        prepared.insert(conn, INSERT, _row("b"))
+    eng.dispose()

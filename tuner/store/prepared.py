@@ -81,8 +81,9 @@ def execute(conn: Connection, statement, params: dict | list[dict]) -> Outcome:
                        getattr(result, "lastrowid", None) if conn.dialect.name == "sqlite" else None)
     values = [form.values(row) for row in rows]
     dbapi = conn.dialect.loaded_dbapi
-    cursor = conn.connection.dbapi_connection.cursor()
+    cursor = None
     try:
+        cursor = conn.connection.dbapi_connection.cursor()
         if len(values) == 1:
             cursor.execute(form.sql, values[0])
         else:
@@ -91,9 +92,19 @@ def execute(conn: Connection, statement, params: dict | list[dict]) -> Outcome:
         return Outcome(cursor.rowcount, tuple(first) if first is not None else None,
                        cursor.lastrowid if conn.dialect.name == "sqlite" else None)
     except dbapi.Error as err:
-        raise DBAPIError.instance(form.sql, values[0], err, dbapi.Error, dialect=conn.dialect) from err
+        # A lost connection is invalidated, as Core does, so that the pool does not hand it out again.
+        lost = conn.dialect.is_disconnect(err, conn.connection.dbapi_connection, cursor)
+        wrapped = DBAPIError.instance(form.sql, values[0], err, dbapi.Error, connection_invalidated=lost,
+                                      dialect=conn.dialect)
+        if lost:
+            conn.invalidate(wrapped)
+        raise wrapped from err
     finally:
-        cursor.close()
+        if cursor is not None:
+            try:
+                cursor.close()
+            except dbapi.Error:  # the connection is gone: nothing to close
+                pass
 
 
 # (dialect, the INSERT's id) → (the INSERT, its variant returning the primary key).
