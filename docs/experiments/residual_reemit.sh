@@ -3,7 +3,8 @@
 #   merge      copy the runs the tune's table was fitted on from its database (`normtune merge --runs-of`),
 #   remeasure  time the residual form on those runs' neighbour plan with the shipped table as the incumbent: its
 #              configs (the plain rules the residual form borrows) on every fitted problem, and its fitted shapes
-#              of those widths that no run measured (`emit --remeasure --keep`; OUTDIR/remeasure-run),
+#              of those widths that no run measured (`emit --remeasure --keep`); run again after an interruption,
+#              it times only what the earlier re-measurements did not,
 #   emit       the table from the shipped table's runs, the merged ones and the re-measurement, keeping the shipped
 #              table wherever the new winner is not faster beyond the spread (reads the database only: any machine),
 #   compare    the new table against the shipped one head to head on `llm` and `heldout`, plain and residual, and
@@ -28,20 +29,29 @@ OUTDIR=$(cd "$OUTDIR" && pwd)
 DB="sqlite:///$OUTDIR/results.db"
 export PYTHONUNBUFFERED=1
 step() { [[ "$STEPS" == *",$1,"* ]]; }
+sql() { python3 -c "import sqlite3,sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2]).fetchone()[0])" \
+    "$OUTDIR/results.db" "$1"; }
+remeasured() {  # the re-measurement runs made here: the emit runs after the merged ones
+    local last=${MERGED##*,}
+    local found
+    found=$(sql "SELECT group_concat(id) FROM normtune_runs WHERE kind = 'emit' AND id > $last")
+    [ "$found" = None ] || echo ",$found"
+}
 
 if step merge; then
     normtune merge --from "$TUNE_DB" --runs-of "$TUNED" --db "$DB" | tee "$OUTDIR/merge.log"
     tail -n 1 "$OUTDIR/merge.log" | sed 's/.*: //' > "$OUTDIR/merged-runs"
 fi
+MERGED=$(cat "$OUTDIR/merged-runs" 2>/dev/null || true)
+[ -n "$MERGED" ] || ! { step remeasure || step emit; } || { echo "run the merge step first" >&2; exit 2; }
 if step remeasure; then
-    normtune emit --gpu "$GPU" --db "$DB" --runs "$(cat "$OUTDIR/merged-runs")" --remeasure \
+    normtune emit --gpu "$GPU" --db "$DB" --runs "$MERGED$(remeasured)" --remeasure \
         --keep "$OUTDIR/shipped.json" --out "$OUTDIR/residual-only.json" 2>&1 | tee "$OUTDIR/remeasure.log"
-    grep -o '(run [0-9]*)' "$OUTDIR/remeasure.log" | tr -dc '0-9' > "$OUTDIR/remeasure-run"
 fi
 if step emit; then
     SHIPPED=$(python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['provenance']['runs'])))" \
         "$OUTDIR/shipped.json")
-    normtune emit --gpu "$GPU" --db "$DB" --runs "$SHIPPED,$(cat "$OUTDIR/merged-runs"),$(cat "$OUTDIR/remeasure-run")" \
+    normtune emit --gpu "$GPU" --db "$DB" --runs "$SHIPPED,$MERGED$(remeasured)" \
         --keep "$OUTDIR/shipped.json" --out "$OUTDIR/$GPU.json" --force 2>&1 | tail -n 3
 fi
 if step compare; then
