@@ -59,8 +59,9 @@ def incumbent_plan(data: Data, incumbent: Table | None, sm_count: int | None = N
     fitted shapes joined to their widths (`incumbent_shapes`). Returns (the plan, problem → incumbent config)."""
     if incumbent is None:
         return neighbour_plan(data, None, sm_count, limits), {}
-    joined = incumbent_shapes(incumbent, data)
-    mine = configs_for(incumbent, list(data) + joined)
+    shapes = incumbent_shapes(incumbent, data)
+    mine = configs_for(incumbent, list(data) + shapes)
+    joined = [p for p in shapes if p in mine]  # where the incumbent runs nothing, there is nothing to weigh
     return neighbour_plan(data, mine, sm_count, limits, joined), mine
 
 
@@ -114,9 +115,9 @@ def neighbour_plan(data: Data, incumbents: dict[Problem, BackwardConfig] | None 
 
 def remeasure_neighbours(store, gpu_key: str, info, *, selection: Selection = Selection(), command_line: str,
                          progress=None, incumbent=None) -> tuple[int, int]:
-    """Measure each family's neighbour plan (see `neighbour_plan`; with the `incumbent` table's configs) in a new
-    "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind its floors.
-    Returns (run id, pairs measured)."""
+    """Measure each family's neighbour plan (see `incumbent_plan`: with the `incumbent` table's configs and fitted
+    shapes) in a new "emit" run, as source "neighbor"; the run records the command and the copy bandwidth behind
+    its floors. Returns (run id, pairs measured)."""
     from ..gpu_info import measured_limits
     from ..measure.harness import TIMING, MeasureSession
 
