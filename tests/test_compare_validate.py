@@ -330,9 +330,22 @@ def test_compare_takes_the_gated_presets_and_names_each_rows_form():
 
 def test_a_rows_label_names_its_form():
     from normtune.kernels.config import Problem
-    from normtune.tuner.tables.compare import shape_label
+    from normtune.tuner.render import problem_label
 
-    assert shape_label(Problem("rms_norm", 64, 256, "bf16")) == "rms_norm 64×256 bf16"
-    assert shape_label(Problem("rms_norm", 64, 256, "bf16", residual=True)) == "rms_norm 64×256 bf16 residual"
-    assert shape_label(Problem("rms_norm", 64, 256, "bf16", gate="after")) == \
+    assert problem_label(Problem("rms_norm", 64, 256, "bf16")) == "rms_norm 64×256 bf16"
+    assert problem_label(Problem("rms_norm", 64, 256, "bf16", residual=True)) == "rms_norm 64×256 bf16 residual"
+    assert problem_label(Problem("rms_norm", 64, 256, "bf16", gate="after")) == \
         "rms_norm 64×256 bf16 gate-after-silu"
+
+
+def test_validate_rows_name_their_form():
+    """validate.md (and the report) label a residual or gated problem's row with its form, as compare does."""
+    from types import SimpleNamespace
+
+    from normtune.kernels.config import Problem
+    from normtune.tuner.render import validation_table
+
+    rows = [SimpleNamespace(problem=Problem("rms_norm", 64, 256, "bf16", **form), times={}, regret=None,
+                            speedup_vs_default=None) for form in ({"residual": True}, {"gate": "before"})]
+    text = "\n".join(validation_table(rows))
+    assert "| rms_norm 64×256 bf16 residual |" in text and "| rms_norm 64×256 bf16 gate-before-silu |" in text

@@ -49,9 +49,12 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> lis
     return [line(headers), "|" + "---|" * len(headers)] + [line(r) for r in rows]
 
 
-def problem_label(norm: str, M: int, N: int, dtype: str | None = None) -> str:
-    """'layer_norm 4096×8192' (with ' bf16' when the dtype is given)."""
-    return f"{norm} {M}×{N}" + (f" {dtype}" if dtype else "")
+def problem_label(problem) -> str:
+    """A table row's problem (a `Problem`): norm, M×N, dtype, and its form where it is not the plain one (the
+    residual form, or the gate's position and activation): 'rms_norm 4096×8192 bf16 residual'."""
+    form = (" residual" if problem.residual else "") + (
+        f" gate-{problem.gate}-{problem.gate_activation}" if problem.gate is not None else "")
+    return f"{problem.norm} {problem.M}×{problem.N} {problem.dtype}{form}"
 
 
 def timing_cell(timing, digits: int = 1) -> str:
@@ -67,7 +70,7 @@ def ratio_cell(r, digits: int = 3) -> str:
 def validation_table(rows) -> list[str]:
     """The head-to-head table of `validate` (rows: `validate.ValidationRow`), as validate.md, the command's
     output and the report show it."""
-    body = [[problem_label(r.problem.norm, r.problem.M, r.problem.N, r.problem.dtype),
+    body = [[problem_label(r.problem),
              timing_cell(r.times.get("table")), timing_cell(r.times.get("reference")),
              timing_cell(r.times.get("default")), ratio_cell(r.regret), ratio_cell(r.speedup_vs_default)]
             for r in rows]

@@ -18,7 +18,7 @@ from normtune.kernels.config import BackwardConfig, Problem, default_config
 from normtune.kernels.limits import DeviceLimits
 from normtune.kernels.select.select import on_device
 
-from ..render import MISSING, geomean, interval, markdown_table, num
+from ..render import MISSING, geomean, interval, markdown_table, num, problem_label
 from ..measure.spread import Ratio, Timing, slower_beyond_spread
 
 if TYPE_CHECKING:  # the session (torch) is made by the caller
@@ -107,17 +107,9 @@ def config_changes(old, new, problems: list[Problem], limits: DeviceLimits | Non
     return [r for r in rows if not r.same_config]
 
 
-def shape_label(problem: Problem) -> str:
-    """A row's problem: norm, M×N, dtype, and its form where it is not the plain one (the residual form, or the
-    gate's position and activation)."""
-    form = (" residual" if problem.residual else "") + (
-        f" gate-{problem.gate}-{problem.gate_activation}" if problem.gate is not None else "")
-    return f"{problem.norm} {problem.M}×{problem.N} {problem.dtype}{form}"
-
-
 def changes_markdown(changes: list[Comparison], total: int) -> list[str]:
     """The shapes whose config changes, with both configs: the gate's plan, timed by nothing."""
-    body = [[shape_label(r.problem), f"`{r.old_config}`",
+    body = [[problem_label(r.problem), f"`{r.old_config}`",
              f"`{r.new_config}`"] for r in changes]
     return ([f"{len(changes)} of {total} shapes change config (nothing timed: the gate would time these).", ""]
             + (markdown_table(["problem", "OLD", "NEW"], body) if body else []))
@@ -142,7 +134,7 @@ def comparison_markdown(rows: list[Comparison], threshold: float, *, interpret: 
     body = []
     for r in rows:
         ratio = r.ratio
-        body.append([shape_label(r.problem), cell(r.old), cell(r.new),
+        body.append([problem_label(r.problem), cell(r.old), cell(r.new),
                      interval(ratio.value, ratio.low, ratio.high) if ratio else MISSING, r.verdict(threshold)])
     failed = sum(r.fails(threshold) for r in rows)
     g = geomean(r.ratio.value for r in rows if r.ratio)
