@@ -64,22 +64,52 @@ GATE_LIVE = 3
 
 
 def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_stages: int, two_pass: bool,
-                        prefetch: bool, num_warps: int) -> int:
-    """Shared memory kernel_1's pipelined tile loop asks for at num_stages. Single pass stages the grad and saved
-    tiles. Two-pass also stages, per column chunk, the weight (and the bias when x̂ is recovered from the output)
-    and the fp32 partial dw/db rows its second pass reads back (with prefetch, only those), plus in 16-bit the
-    warps' reduction scratch. For two-pass this is what Triton 3.6 compiles for sm_90: exact on 246 of 254 compiled
-    configs, never under, up to 16 KB over (docs/perf-notes.md)."""
+                        prefetch: bool, num_warps: int, split: bool = False, weight_row: bool = False) -> int:
+    """Shared memory kernel_1's pipelined tile loop asks for at num_stages, an upper bound of what Triton compiles.
+    Single pass stages every tile stream it does not prefetch into registers (`_single_pass_stage_bytes`; with
+    `weight_row`, the rows strategy's loop, also a one-row tile's weight row), and a split row (`split`:
+    row_split > 1) adds the warps' exchange of row sums beside them. Two-pass
+    also stages, per column chunk, the weight (and the bias when x̂ is recovered from the output) and the fp32
+    partial dw/db rows its second pass reads back (with prefetch, only those), plus in 16-bit the warps'
+    reduction scratch (docs/kernel-figures.md, "Staged shared memory")."""
     if num_stages <= 1:
         return 0
-    tiles = (2 + gated(problem)) * block_row * block_col * problem.itemsize  # the gated form stages z too
     if not two_pass:
-        return (num_stages - 1) * tiles
+        staged = (num_stages - 1) * _single_pass_stage_bytes(problem, block_row, block_col, prefetch, weight_row)
+        beside = _conversion_scratch(problem, num_warps) + split * WARP_SCRATCH * num_warps
+        return max(staged + beside, WARP_SCRATCH * num_warps) + STAGED_SLACK
+    tiles = (2 + gated(problem)) * block_row * block_col * problem.itemsize  # the gated form stages z too
     weight = problem.has_weight * (ITEMSIZE[problem.weight_dtype] + 4)
     bias = bool(problem.has_bias) * (4 + (problem.save == "output") * ITEMSIZE[problem.weight_dtype])
     per_stage = (0 if prefetch else tiles) + block_col * (weight + bias)
     scratch = 1024 * num_warps if problem.itemsize < 4 else 0  # fp32 tiles reuse a stage's buffer for it
     return (num_stages - 1) * per_stage + scratch
+
+
+# Bytes a staged single-pass kernel_1 asks for beyond its stages' tiles (barriers and a few scalars), and the
+# scratch per warp of its cross-warp reductions (which reuse the stages' buffer where those are larger).
+STAGED_SLACK = 512
+WARP_SCRATCH = 1024
+
+
+def _single_pass_stage_bytes(problem: "Problem", block_row: int, block_col: int, prefetch: bool,
+                             weight_row: bool) -> int:
+    """One stage of the single-pass loop: the tiles of the streams read per row that prefetch does not hold in
+    registers (dy and the saved tensor; the gate z and the residual stream's dh are staged even with prefetch),
+    and, where `weight_row` and the tile has one row, the weight row, which that loop then reads beside them."""
+    saved = problem.residual_itemsize if getattr(problem, "residual", False) and problem.save == "input" \
+        else problem.itemsize
+    per_element = gated(problem) * problem.itemsize + getattr(problem, "residual", False) * problem.residual_itemsize
+    if not prefetch:
+        per_element += problem.itemsize + saved
+    weight = problem.has_weight * ITEMSIZE[problem.weight_dtype] if weight_row and block_row == 1 else 0
+    return block_col * (block_row * per_element + weight)
+
+
+def _conversion_scratch(problem: "Problem", num_warps: int) -> int:
+    """The warps' scratch for converting a residual stream wider than the activations, beside the stages."""
+    wider = getattr(problem, "residual", False) and problem.residual_itemsize > problem.itemsize
+    return WARP_SCRATCH * num_warps if wider else 0
 
 
 def register_budget(num_warps: int, limits: DeviceLimits | None = None) -> int:

@@ -137,7 +137,7 @@ def test_the_h100_only_forms_are_replaced_where_they_do_not_fit():
 
 def test_launch_runs_the_portable_form_of_a_config(stand_in):
     p = Problem("layer_norm", 2048, 16384, "bf16", has_bias=True)
-    cfg = BackwardConfig(kernel_1_config(block_row=4, block_col=4096, num_warps=8, num_stages=2, programs_per_sm=1,
+    cfg = BackwardConfig(kernel_1_config(block_row=2, block_col=4096, num_warps=8, num_stages=2, programs_per_sm=1,
                                        eviction_policy="evict_first", row_split=4, column_accumulators=True,
                                        pipelined_split=True),
                          Kernel2Config(block_m=64, block_n=16, num_warps=1, pdl=True))

@@ -224,7 +224,10 @@ def main(targets: list[str]) -> None:
                        "gated": constants.get("HAS_GATE"),
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
-                                                              knobs(config).two_pass, k1.prefetch, k1.num_warps)}
+                                                              knobs(config).two_pass, k1.prefetch, k1.num_warps,
+                                                              knobs(config).row_split > 1
+                                                              and knobs(config).pipelined_split,
+                                                              k1.strategy == "rows")}
                 try:
                     out = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                          target=GPUTarget(backend, arch, warp), options=options)
@@ -392,10 +395,12 @@ def test_every_strategy_and_default_compiles_for(target, compiled):
     failed = [r for r in kernels if r["error"]]
     assert not failed, "\n".join(f"{r['case']} {r['kernel']} {r['config']}: {r['error']}" for r in failed)
     for r in kernels:
-        # Every kernel fits the device's shared memory, and the space's estimate bounds what a staged two-pass
-        # kernel_1 asks for (a config over the budget is refused before it reaches the GPU).
+        # Every kernel fits the device's shared memory, and the space's estimate bounds what a staged kernel_1
+        # asks for, single pass or two-pass, in every form (a config over the budget is refused before it reaches
+        # the GPU).
         assert r["shared"] <= r["shared_limit"], r
-        if r["kernel"] == "kernel_1_two_pass" and r["num_stages"] > 1 and target.startswith("sm_"):
+        if r["kernel"] in ("kernel_1_two_pass", "kernel_1_single_pass") and r["num_stages"] > 1 \
+                and target.startswith("sm_"):
             assert r["shared"] <= r["staged_estimate"], r
 
 

@@ -488,3 +488,43 @@ def test_two_pass_shared_memory_estimate_matches_the_compiler(norm, dtype, block
     except ConfigError as err:
         refused = str(err)
     assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
+
+
+# Shared memory of kernel_1_single_pass compiled for sm_90 by Triton 3.9 (rows strategy, M=2048, bf16 activations
+# unless named): every tile stream the loop reads per row is staged (dy, the saved tensor, a gate's z, a residual
+# stream's dh), and so is a one-row tile's weight row. The last two are the residual configs an H200 refused to
+# launch (OutOfResources) in tune runs 334-351 of results.db.
+SINGLE_PASS_SHARED = [  # (problem keywords, block_row, block_col, num_warps, num_stages, prefetch, bytes)
+    ({}, 1, 8192, 8, 3, False, 98344),
+    ({}, 2, 2048, 4, 3, True, 4096),
+    ({"weight_dtype": "fp32"}, 1, 16384, 16, 2, False, 131140),
+    ({"gate": "after"}, 1, 8192, 8, 3, False, 131112),
+    ({"residual": True, "residual_dtype": "fp32"}, 1, 8192, 8, 2, True, 57344),
+    ({"residual": True, "residual_dtype": "fp32", "save": "output"}, 1, 16384, 16, 2, False, 163908),
+    ({"residual": True}, 4, 4096, 16, 3, False, 196896),
+    ({"residual": True}, 1, 16384, 16, 3, False, 262216),
+    ({"residual": True}, 1, 16384, 8, 3, False, 262216),
+]
+
+
+@pytest.mark.parametrize("form,block_row,block_col,num_warps,num_stages,prefetch,shared", SINGLE_PASS_SHARED)
+def test_single_pass_shared_memory_estimate_bounds_the_compiler(form, block_row, block_col, num_warps, num_stages,
+                                                                 prefetch, shared):
+    """The single-pass estimate is never under what the compiler asks for, and over by at most the warps' scratch;
+    the space refuses exactly the configs past the 227 KB a block may have."""
+    from normtune.kernels.heuristics import (SHARED_MEMORY_BUDGET, STAGED_SLACK, WARP_SCRATCH,
+                                             staged_shared_bytes)
+
+    problem = Problem("rms_norm", 2048, max(block_col // 2 + 8, 1024), "bf16", **form)
+    estimate = staged_shared_bytes(problem, block_row, block_col, num_stages, False, prefetch, num_warps,
+                                   weight_row=True)
+    assert shared <= estimate <= shared + WARP_SCRATCH * num_warps + STAGED_SLACK, (estimate, shared)
+    k1 = kernel_1_config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
+                         prefetch=prefetch)
+    config = BackwardConfig(k1, default_config(problem).kernel_2)
+    try:
+        config.validate(problem)
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
