@@ -135,7 +135,22 @@ def end(code) -> None:
     logging = sys.modules.get("logging")
     if logging is not None:
         logging.shutdown()
+    _release_semaphores()
     os._exit(code)
+
+
+def _release_semaphores() -> None:
+    """Unlink the named semaphores of the multiprocessing objects the command made (a compile pool's queues, a
+    shared counter) as the interpreter's teardown would: without it multiprocessing's resource tracker, outliving
+    the process, cleans them up itself and warns of leaked semaphores."""
+    util = sys.modules.get("multiprocessing.util")
+    run_finalizers = getattr(util, "_run_finalizers", None)
+    if run_finalizers is None:
+        return
+    try:
+        run_finalizers(0)  # the finalizers teardown runs first (priority >= 0): unlinking, closing; no joins
+    except Exception:  # noqa: BLE001 - the process ends either way
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -66,3 +66,18 @@ def test_what_ends_within_the_grace_period_still_ends_without_the_teardown():
 def test_the_console_script_is_main():
     text = (ROOT / "pyproject.toml").read_text()
     assert 'normtune = "normtune.cli:main"' in text
+
+
+def test_no_semaphore_is_reported_leaked():
+    """The named semaphores of a compile pool and a shared counter are unlinked before the process ends without
+    its teardown, so multiprocessing's resource tracker has nothing to warn about."""
+    done = _script("import multiprocessing as mp\n"
+                   "from concurrent.futures import ProcessPoolExecutor\n"
+                   "from normtune.cli import end\n"
+                   "if __name__ == '__main__':\n"
+                   "    ctx = mp.get_context('spawn'); counter = ctx.Value('i', 0)\n"
+                   "    pool = ProcessPoolExecutor(1, mp_context=ctx); pool.submit(abs, -1).result()\n"
+                   "    pool.shutdown(wait=True)\n"
+                   "    end(0)")
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr
