@@ -68,20 +68,21 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
     """Shared memory kernel_1's pipelined tile loop asks for at num_stages, an upper bound of what Triton compiles.
     Single pass stages every tile stream it does not prefetch into registers (`_single_pass_stage_bytes`; with
     `weight_row`, the rows strategy's loop, also a one-row tile's weight row), and a split row (`split`:
-    row_split > 1) adds the warps' exchange of row sums beside them. Two-pass
-    also stages, per column chunk, the weight (and the bias when x̂ is recovered from the output) and the fp32
-    partial dw/db rows its second pass reads back (with prefetch, only those), plus in 16-bit the warps'
-    reduction scratch (docs/kernel-figures.md, "Staged shared memory")."""
+    row_split > 1) adds the warps' exchange of row sums beside them. Two-pass stages its tiles (dy, the saved
+    tensor, dh, z; with prefetch only z) and, per column chunk, the weight (and the bias when x̂ is recovered from
+    the output) and the fp32 partial dw/db rows its second pass reads back, plus in 16-bit the warps' reduction
+    scratch (docs/kernel-figures.md, "Staged shared memory")."""
     if num_stages <= 1:
         return 0
     if not two_pass:
         staged = (num_stages - 1) * _single_pass_stage_bytes(problem, block_row, block_col, prefetch, weight_row)
         beside = _conversion_scratch(problem, num_warps) + split * WARP_SCRATCH * num_warps
         return max(staged + beside, WARP_SCRATCH * num_warps) + STAGED_SLACK
-    tiles = (2 + gated(problem)) * block_row * block_col * problem.itemsize  # the gated form stages z too
+    z = gated(problem) * problem.itemsize  # the gated form stages z, even with prefetch
+    per_element = z if prefetch else z + problem.itemsize + _saved_itemsize(problem) + _residual_itemsize(problem)
     weight = problem.has_weight * (ITEMSIZE[problem.weight_dtype] + 4)
     bias = bool(problem.has_bias) * (4 + (problem.save == "output") * ITEMSIZE[problem.weight_dtype])
-    per_stage = (0 if prefetch else tiles) + block_col * (weight + bias)
+    per_stage = block_row * block_col * per_element + block_col * (weight + bias)
     scratch = 1024 * num_warps if problem.itemsize < 4 else 0  # fp32 tiles reuse a stage's buffer for it
     return (num_stages - 1) * per_stage + scratch
 
@@ -97,13 +98,23 @@ def _single_pass_stage_bytes(problem: "Problem", block_row: int, block_col: int,
     """One stage of the single-pass loop: the tiles of the streams read per row that prefetch does not hold in
     registers (dy and the saved tensor; the gate z and the residual stream's dh are staged even with prefetch),
     and, where `weight_row` and the tile has one row, the weight row, which that loop then reads beside them."""
-    saved = problem.residual_itemsize if getattr(problem, "residual", False) and problem.save == "input" \
-        else problem.itemsize
-    per_element = gated(problem) * problem.itemsize + getattr(problem, "residual", False) * problem.residual_itemsize
+    per_element = gated(problem) * problem.itemsize + _residual_itemsize(problem)
     if not prefetch:
-        per_element += problem.itemsize + saved
+        per_element += problem.itemsize + _saved_itemsize(problem)
     weight = problem.has_weight * ITEMSIZE[problem.weight_dtype] if weight_row and block_row == 1 else 0
     return block_col * (block_row * per_element + weight)
+
+
+def _saved_itemsize(problem: "Problem") -> int:
+    """Bytes per element of the tensor the forward saved: h, in the residual stream's dtype, in the fused residual
+    form saving its input; else the activations'."""
+    residual = getattr(problem, "residual", False) and problem.save == "input"
+    return problem.residual_itemsize if residual else problem.itemsize
+
+
+def _residual_itemsize(problem: "Problem") -> int:
+    """Bytes per element of the residual stream's gradient dh kernel_1 reads (0 without the residual form)."""
+    return problem.residual_itemsize if getattr(problem, "residual", False) else 0
 
 
 def _conversion_scratch(problem: "Problem", num_warps: int) -> int:

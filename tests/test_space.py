@@ -528,3 +528,27 @@ def test_single_pass_shared_memory_estimate_bounds_the_compiler(form, block_row,
     except ConfigError as err:
         refused = str(err)
     assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
+
+
+# Shared memory of kernel_1_two_pass in the fused residual and gated forms, compiled for sm_90 (Triton 3.9 unless
+# named): the tiles of dy, the saved tensor (h, in the stream's dtype) and dh are staged, and z even with prefetch.
+# The first is the figure an H100 refused to launch (Triton 3.6) in residual sweep run 308 of results.db.
+TWO_PASS_FORMS_SHARED = [  # (norm, N, problem keywords, block_row, block_col, num_warps, num_stages, prefetch, bytes)
+    ("layer_norm", 4096, {"residual": True}, 16, 1024, 16, 3, False, 233472),
+    ("layer_norm", 4096, {"residual": True}, 4, 2048, 8, 3, False, 147456),
+    ("layer_norm", 4096, {"residual": True}, 4, 2048, 8, 3, True, 49152),
+    ("rms_norm", 65536, {"residual": True, "residual_dtype": "fp32"}, 16, 1024, 16, 3, False, 348160),
+    ("rms_norm", 65536, {"residual": True, "residual_dtype": "fp32"}, 4, 2048, 8, 3, False, 196608),
+    ("rms_norm", 65536, {"gate": "before"}, 4, 2048, 8, 3, True, 65536),
+    ("rms_norm", 65536, {"gate": "before"}, 1, 8192, 8, 2, True, 73728),
+]
+
+
+@pytest.mark.parametrize("norm,N,form,block_row,block_col,num_warps,num_stages,prefetch,shared", TWO_PASS_FORMS_SHARED)
+def test_two_pass_estimate_bounds_the_compiler_in_every_form(norm, N, form, block_row, block_col, num_warps,
+                                                             num_stages, prefetch, shared):
+    from normtune.kernels.heuristics import staged_shared_bytes
+
+    problem = Problem(norm, 2048, N, "bf16", has_bias=norm == "layer_norm", **form)
+    estimate = staged_shared_bytes(problem, block_row, block_col, num_stages, True, prefetch, num_warps)
+    assert shared <= estimate <= shared + 1024 * num_warps, (estimate, shared)
