@@ -175,4 +175,9 @@ def variants(limits: DeviceLimits) -> list[tuple[str, Problem, BackwardConfig]]:
             out.append((f"{kind}-{strategy}", problem, next(c for c in candidates if c.kernel_1.strategy == strategy)))
     two_pass = Problem("rms_norm", 4096, 131072, "bf16", gate="before", gate_activation="silu")
     out.append(("gated-two-pass", two_pass, default_config(two_pass, limits)))
+    # the analytic default of the forms no table tunes, where their streams fill the most shared memory
+    for problem in (Problem("rms_norm", 4096, 8192, "fp32", gate="after", gate_activation="silu"),
+                    Problem("layer_norm", 4096, 16384, "bf16", has_bias=True, residual=True, residual_dtype="fp32"),
+                    Problem("rms_norm", 4096, 65536, "fp32", residual=True)):
+        out.append(("default-wide-form", problem, default_config(problem, limits)))
     return out + [("int64", p, default_config(p, limits)) for p in wide]

@@ -214,7 +214,7 @@ def main(targets: list[str]) -> None:
                 options = {k: v for k, v in kwargs.items() if k not in signature}
                 key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(sorted(constants.items())),
                        repr(sorted(attrs.items())), repr(sorted(options.items())))
-                if key in compiled_keys and pick.startswith(("sample-", "default-form", "residual-", "gated-",
+                if key in compiled_keys and pick.startswith(("sample-", "default-", "residual-", "gated-",
                                                               "int64")):
                     continue  # the same kernel as an earlier config's
                 compiled_keys.add(key)
