@@ -64,11 +64,11 @@ GATE_LIVE = 3
 
 
 def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_stages: int, two_pass: bool,
-                        prefetch: bool, num_warps: int, split: bool = False, weight_row: bool = False) -> int:
+                        prefetch: bool, num_warps: int, exchange: bool = False, weight_row: bool = False) -> int:
     """Shared memory kernel_1's pipelined tile loop asks for at num_stages, an upper bound of what Triton compiles.
     Single pass stages every tile stream it does not prefetch into registers (`_single_pass_stage_bytes`; with
-    `weight_row`, the rows strategy's loop, also a one-row tile's weight row), and a split row (`split`:
-    row_split > 1) adds the warps' exchange of row sums beside them. Two-pass stages its tiles (dy, the saved
+    `weight_row`, the rows strategy's loop, also a one-row tile's weight row), and a cross-warp exchange
+    (`exchange`: a split row's row sums, or dw/db per column) adds the warps' scratch beside them. Two-pass stages its tiles (dy, the saved
     tensor, dh, z; with prefetch only z) and, per column chunk, the weight (and the bias when x̂ is recovered from
     the output) and the fp32 partial dw/db rows its second pass reads back, plus in 16-bit the warps' reduction
     scratch (docs/kernel-figures.md, "Staged shared memory")."""
@@ -76,7 +76,7 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
         return 0
     if not two_pass:
         staged = (num_stages - 1) * _single_pass_stage_bytes(problem, block_row, block_col, prefetch, weight_row)
-        beside = _conversion_scratch(problem, num_warps) + split * WARP_SCRATCH * num_warps
+        beside = _conversion_scratch(problem, num_warps) + exchange * WARP_SCRATCH * num_warps
         return max(staged + beside, WARP_SCRATCH * num_warps) + STAGED_SLACK
     z = gated(problem) * problem.itemsize  # the gated form stages z, even with prefetch
     per_element = z if prefetch else z + problem.itemsize + _saved_itemsize(problem) + _residual_itemsize(problem)

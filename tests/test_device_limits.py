@@ -16,7 +16,7 @@ from normtune.kernels import device as device_mod
 from normtune.kernels import limits as L
 from normtune.kernels import backward_launch as launch
 from normtune.kernels.strategies.capabilities import fallbacks, portable
-from normtune.kernels.config import BackwardConfig, Kernel2Config, Problem, default_config, kernel_1_config
+from normtune.kernels.config import BackwardConfig, ConfigError, Kernel2Config, Problem, default_config, kernel_1_config
 from normtune.kernels.heuristics import estimate_registers, hardware_registers, staged_shared_bytes
 from normtune.kernels.select.select import clear_caches, explain
 from normtune.kernels.select.table_chain import choose_table, table_for
@@ -247,3 +247,27 @@ def test_the_driver_version_is_read_from_either_kernel_modules_proc_text():
     assert module_driver_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release "
                                  "Build  (builder@)") == "580.159.04"
     assert module_driver_version("no driver here") is None
+
+
+def test_the_analytic_default_is_valid_for_every_form_on_every_device():
+    """Every form (plain, saving the output, a residual stream in the activations' dtype or fp32, either gate),
+    dtype and weight dtype, from one row to 65536 and from 1 to 262144 columns: the default fits every stand-in
+    device, a gated tile past a small device's shared memory taking fewer stages."""
+    import itertools
+
+    forms = [{}, {"save": "output"}, {"residual": True}, {"residual": True, "residual_dtype": "fp32"},
+             {"gate": "after"}, {"gate": "before"}]
+    failed = []
+    for key, lim in L.STAND_INS.items():
+        for norm, dtype, fp32_weight, form, M, N in itertools.product(
+                ("rms_norm", "layer_norm"), ("bf16", "fp16", "fp32"), (False, True), forms, (1, 1000, 65536),
+                (1, 7, 100, 128, 1000, 3000, 8192, 16384, 65536, 262144)):
+            if "gate" in form and norm == "layer_norm":
+                continue
+            p = Problem(norm, M, N, dtype, has_bias=norm == "layer_norm" and "gate" not in form,
+                        weight_dtype="fp32" if fp32_weight else dtype, **form)
+            try:
+                default_config(p, lim).validate(p, lim)
+            except ConfigError as err:
+                failed.append(f"{key} {p.key}: {err}")
+    assert not failed, "\n".join(failed[:20])

@@ -225,8 +225,9 @@ def main(targets: list[str]) -> None:
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
                                                               knobs(config).two_pass, k1.prefetch, k1.num_warps,
-                                                              knobs(config).row_split > 1
-                                                              and knobs(config).pipelined_split,
+                                                              (knobs(config).row_split > 1
+                                                               and knobs(config).pipelined_split)
+                                                              or knobs(config).column_accumulators,
                                                               k1.strategy == "rows")}
                 try:
                     out = triton.compile(ASTSource(kernel, signature, constants, attrs),

@@ -50,7 +50,7 @@ MAX_SPACE_TILE = 16384
 
 
 def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pass: bool = False,
-               recompute: bool = False, column_accumulators: bool = False, split: bool = False,
+               recompute: bool = False, column_accumulators: bool = False, exchange: bool = False,
                weight_row: bool = False) -> None:
     """The register tile on the device of `lim`: size, idle threads, the register estimate and the staged shared
     memory (the strategy passes the knobs of its own that change them)."""
@@ -69,7 +69,7 @@ def check_tile(k1: Kernel1Config, problem: Problem, lim: DeviceLimits, *, two_pa
             f"fp32 values per thread (budget {budget} at {k1.num_warps} warps): use more warps, a smaller "
             "block_row, prefetch=false, or two_pass with a narrower block_col")
     staged = staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages, two_pass, k1.prefetch,
-                                 k1.num_warps, split, weight_row)
+                                 k1.num_warps, exchange, weight_row)
     if staged > lim.shared_per_block:
         raise ConfigError(f"kernel_1.num_stages={k1.num_stages} stages {staged // 1024} KB in shared memory (budget "
                           f"{lim.shared_per_block // 1024} KB on {lim.name}): use fewer stages or a smaller tile")

@@ -105,7 +105,7 @@ class Rows(Strategy):
                               f"{next_power_of_two(problem.N)} or two_pass=true")
         check_tile(k1, problem, lim, two_pass=k1.two_pass, recompute=k1.recompute,
                    column_accumulators=k1.column_accumulators,
-                   split=k1.row_split > 1 and k1.pipelined_split, weight_row=True)
+                   exchange=(k1.row_split > 1 and k1.pipelined_split) or k1.column_accumulators, weight_row=True)
         k2.validate(lim)
         if k2.fused:
             k2.check_tile(k1.num_warps, "kernel_1.num_warps (fused reduction)", lim)

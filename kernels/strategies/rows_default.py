@@ -89,11 +89,15 @@ def default(strategy, problem: Problem, lim: DeviceLimits) -> BackwardConfig:
                        num_warps=max(1, min(4, (block_m * block_n) // lim.warp_size)))
     # Where the register estimate rejects the plain tile (e.g. LayerNorm recovering x̂ from y with a bias at
     # N=16384 also holds the bias row), keep the raw tile instead (recompute), then more warps, then two-pass.
+    # A staged (gated) tile past the device's shared memory takes fewer stages; the last resort is two-pass, on
+    # as many of its 8 warps as the chunk keeps busy.
+    chunk = min(4096, block_col)
     candidates = [k1, dataclasses.replace(k1, recompute=problem.itemsize == 2),
                   dataclasses.replace(k1, recompute=problem.itemsize == 2,
                                       num_warps=min(lim.max_warps, 2 * num_warps)),
-                  strategy.make(block_row=1, block_col=min(4096, block_col), num_warps=8, programs_per_sm=1,
-                            two_pass=True, eviction_policy="evict_first", prefetch=True)]
+                  *(dataclasses.replace(k1, num_stages=s) for s in range(stages - 1, 0, -1)),
+                  strategy.make(block_row=1, block_col=chunk, num_warps=min(8, max_warps(chunk, lim)),
+                                programs_per_sm=1, two_pass=True, eviction_policy="evict_first", prefetch=True)]
     for cand in candidates:
         if config := fit(BackwardConfig(cand, k2), problem, lim):
             return config
