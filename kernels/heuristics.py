@@ -68,10 +68,10 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
     """Shared memory kernel_1's pipelined tile loop asks for at num_stages, an upper bound of what Triton compiles.
     Single pass stages every tile stream it does not prefetch into registers (`_single_pass_stage_bytes`; with
     `weight_row`, the rows strategy's loop, also a one-row tile's weight row), and a cross-warp exchange
-    (`exchange`: a split row's row sums, or dw/db per column) adds the warps' scratch beside them. Two-pass stages its tiles (dy, the saved
-    tensor, dh, z; with prefetch only z) and, per column chunk, the weight (and the bias when x̂ is recovered from
-    the output) and the fp32 partial dw/db rows its second pass reads back, plus in 16-bit the warps' reduction
-    scratch (docs/kernel-figures.md, "Staged shared memory")."""
+    (`exchange`: a split row's row sums, or dw/db per column) adds the warps' scratch beside them. Two-pass
+    stages its tiles (dy, the saved tensor, dh, z; with prefetch only z) and, per column chunk, the weight (and
+    the bias when x̂ is recovered from the output) and the fp32 partial dw/db rows its second pass reads back,
+    plus in 16-bit the warps' reduction scratch (docs/kernel-figures.md, "Staged shared memory")."""
     if num_stages <= 1:
         return 0
     if not two_pass:

@@ -52,7 +52,9 @@ def run(norm, M, N, dtype, kw):
     M = 3 if CPU else M
     x = torch.randn(M, N, device=DEVICE, dtype=dtype, generator=gen).requires_grad_()
     w = (1 + 0.1 * torch.randn(N, device=DEVICE, generator=gen)).to(dtype).requires_grad_()
-    b = (0.1 * torch.randn(N, device=DEVICE, generator=gen)).to(dtype).requires_grad_() if norm == "layer_norm" else None
+    b = None
+    if norm == "layer_norm":
+        b = (0.1 * torch.randn(N, device=DEVICE, generator=gen)).to(dtype).requires_grad_()
     if "gate_position" in kw:
         extra = torch.randn(M, N, device=DEVICE, dtype=dtype, generator=gen).requires_grad_()
         out = nk.rms_norm(x, w, 1e-6, gate=extra, **kw)
