@@ -63,6 +63,12 @@ ROW_TILE_ELEMENTS = 8192
 GATE_LIVE = 3
 
 
+# Bytes a staged single-pass kernel_1 asks for beyond its stages' tiles (barriers and a few scalars), and the
+# scratch per warp of its cross-warp reductions (which reuse the stages' buffer where those are larger).
+STAGED_SLACK = 512
+WARP_SCRATCH = 1024
+
+
 def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_stages: int, two_pass: bool,
                         prefetch: bool, num_warps: int, exchange: bool = False, weight_row: bool = False) -> int:
     """Shared memory kernel_1's pipelined tile loop asks for at num_stages, an upper bound of what Triton compiles.
@@ -83,14 +89,8 @@ def staged_shared_bytes(problem: "Problem", block_row: int, block_col: int, num_
     weight = problem.has_weight * (ITEMSIZE[problem.weight_dtype] + 4)
     bias = bool(problem.has_bias) * (4 + (problem.save == "output") * ITEMSIZE[problem.weight_dtype])
     per_stage = block_row * block_col * per_element + block_col * (weight + bias)
-    scratch = 1024 * num_warps if problem.itemsize < 4 else 0  # fp32 tiles reuse a stage's buffer for it
+    scratch = WARP_SCRATCH * num_warps if problem.itemsize < 4 else 0  # fp32 tiles reuse a stage's buffer for it
     return (num_stages - 1) * per_stage + scratch
-
-
-# Bytes a staged single-pass kernel_1 asks for beyond its stages' tiles (barriers and a few scalars), and the
-# scratch per warp of its cross-warp reductions (which reuse the stages' buffer where those are larger).
-STAGED_SLACK = 512
-WARP_SCRATCH = 1024
 
 
 def _single_pass_stage_bytes(problem: "Problem", block_row: int, block_col: int, prefetch: bool,

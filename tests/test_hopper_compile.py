@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import pytest
 
 from normtune.kernels.heuristics import staged_shared_bytes
+from normtune.kernels.strategies.rows import exchanges_across_warps
 
 # One worker runs the module (`--dist loadgroup`): split between workers, the second waited on the first's
 # compilation (the `compiled` fixture's lock) instead of running other tests meanwhile.
@@ -225,9 +226,7 @@ def main(targets: list[str]) -> None:
                        "shared_limit": limits.shared_per_block,
                        "staged_estimate": staged_shared_bytes(problem, k1.block_row, k1.block_col, k1.num_stages,
                                                               knobs(config).two_pass, k1.prefetch, k1.num_warps,
-                                                              (knobs(config).row_split > 1
-                                                               and knobs(config).pipelined_split)
-                                                              or knobs(config).column_accumulators,
+                                                              exchanges_across_warps(knobs(config)),
                                                               k1.strategy == "rows")}
                 try:
                     out = triton.compile(ASTSource(kernel, signature, constants, attrs),

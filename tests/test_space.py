@@ -458,6 +458,15 @@ def test_a_seed_trials_params_give_its_config_back():
             assert trial_config(space, trial.params) == seed
 
 
+def _refusal(k1, problem) -> str:
+    """Why the space refuses kernel_1 `k1` for `problem` (with the default's kernel_2), or '' where it accepts it."""
+    try:
+        BackwardConfig(k1, default_config(problem).kernel_2).validate(problem)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
 # Shared memory of kernel_1_two_pass compiled for sm_90 by Triton 3.6; the first three are also the figures an H100
 # refused to launch (OutOfResources) in sweep runs 257 and 261.
 TWO_PASS_SHARED = [  # (norm, dtype, block_row, block_col, num_warps, num_stages, prefetch, bytes)
@@ -481,13 +490,7 @@ def test_two_pass_shared_memory_estimate_matches_the_compiler(norm, dtype, block
     assert staged_shared_bytes(problem, block_row, block_col, num_stages, True, prefetch, num_warps) == shared
     k1 = kernel_1_config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
                        two_pass=True, prefetch=prefetch)
-    config = BackwardConfig(k1, default_config(problem).kernel_2)
-    try:
-        config.validate(problem)
-        refused = ""
-    except ConfigError as err:
-        refused = str(err)
-    assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
+    assert ("shared memory" in _refusal(k1, problem)) == (shared > SHARED_MEMORY_BUDGET), _refusal(k1, problem)
 
 
 # Shared memory of kernel_1_single_pass compiled for sm_90 by Triton 3.9 (rows strategy, M=2048, bf16 activations
@@ -521,13 +524,7 @@ def test_single_pass_shared_memory_estimate_bounds_the_compiler(form, block_row,
     assert shared <= estimate <= shared + WARP_SCRATCH * num_warps + STAGED_SLACK, (estimate, shared)
     k1 = kernel_1_config(block_row=block_row, block_col=block_col, num_warps=num_warps, num_stages=num_stages,
                          prefetch=prefetch)
-    config = BackwardConfig(k1, default_config(problem).kernel_2)
-    try:
-        config.validate(problem)
-        refused = ""
-    except ConfigError as err:
-        refused = str(err)
-    assert ("shared memory" in refused) == (shared > SHARED_MEMORY_BUDGET), refused
+    assert ("shared memory" in _refusal(k1, problem)) == (shared > SHARED_MEMORY_BUDGET), _refusal(k1, problem)
 
 
 # Shared memory of kernel_1_two_pass in the fused residual and gated forms, compiled for sm_90 (Triton 3.9 unless

@@ -40,6 +40,12 @@ from .fitting import fit_row_tile
 MIN_TWO_PASS_CHUNK = 512
 
 
+def exchanges_across_warps(k1) -> bool:
+    """Whether a rows config's staged loop also exchanges values across its warps through shared memory: a split
+    row's pipelined row sums, or dw/db kept per column (`staged_shared_bytes`'s `exchange`)."""
+    return (k1.row_split > 1 and k1.pipelined_split) or k1.column_accumulators
+
+
 def fitting_split(N: int, row_split: int) -> bool:
     """The row's slices are exactly one power of two wide: no lane of their tiles is masked. A split of 2, 4 or 8
     does that only for power-of-two rows; 3, 5, 6 and 7 for rows such as 3072, 5120, 12288 and 14336."""
@@ -105,7 +111,7 @@ class Rows(Strategy):
                               f"{next_power_of_two(problem.N)} or two_pass=true")
         check_tile(k1, problem, lim, two_pass=k1.two_pass, recompute=k1.recompute,
                    column_accumulators=k1.column_accumulators,
-                   exchange=(k1.row_split > 1 and k1.pipelined_split) or k1.column_accumulators, weight_row=True)
+                   exchange=exchanges_across_warps(k1), weight_row=True)
         k2.validate(lim)
         if k2.fused:
             k2.check_tile(k1.num_warps, "kernel_1.num_warps (fused reduction)", lim)
